@@ -1,0 +1,1 @@
+"""Distributed checkpoints of a dtypeplan optimizer (see ``save`` and ``load``)."""

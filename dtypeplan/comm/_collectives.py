@@ -1,0 +1,158 @@
+"""Collectives with an explicit wire dtype over one data-parallel process group.
+
+Every reduction is a SUM in the wire dtype; the caller divides (gloo's AVG has been reported to
+return sums). Nothing is sent when the group has one rank. Two ways to reduce 16-bit data:
+
+* ``"collective"``: the backend's own reduce-scatter / all-reduce in the wire dtype. A ring
+  rounds the partial sum to the wire dtype at every hop, so the error grows with world size.
+* ``"fp32_sum"``: an all-to-all moves each rank's slice of every peer's data in the wire dtype,
+  and the receiver sums the world-size pieces in fp32. The bytes on the wire are those of a
+  reduce-scatter; the sum is rounded once.
+
+Every call adds to :attr:`Communicator.stats` (calls and bytes sent per collective), which the
+benchmarks read to compare the wire traffic with theory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtypeplan.errors import RankMismatchError
+
+__all__ = ["CommStats", "Communicator"]
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sends, per collective, by the ring algorithm's count."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent[op] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes_sent.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+class Communicator:
+    """The data-parallel group of one optimizer."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None or not self.distributed else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.stats = CommStats()
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def _ring_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        # A ring reduce-scatter or all-gather of `numel` elements sends (N-1)/N of them.
+        return numel * dtype.itemsize * (self.world_size - 1) // self.world_size
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str) -> None:
+        """Sum ``tensor`` over the group in place, on the wire in ``wire_dtype``."""
+        if not self.active:
+            return
+        if method == "fp32_sum" and wire_dtype != torch.float32:
+            shard = tensor.new_empty(tensor.numel() // self.world_size, dtype=tensor.dtype)
+            self.reduce_scatter_sum(shard, tensor, wire_dtype, method)
+            self.all_gather(tensor, shard, wire_dtype)
+            return
+        wire = tensor if tensor.dtype == wire_dtype else tensor.to(wire_dtype)
+        self.stats.add("all_reduce", 2 * self._ring_bytes(wire.numel(), wire_dtype))
+        dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group)
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+    def reduce_scatter_sum(
+        self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, method: str
+    ) -> None:
+        """Write into ``output`` this rank's slice of the group-wide sum of ``full``.
+
+        ``full`` is split into ``world_size`` equal slices; slice ``rank`` of the sum lands in
+        ``output`` (any dtype). ``full`` is not modified.
+        """
+        if not self.active:
+            output.copy_(full)
+            return
+        wire = full if full.dtype == wire_dtype else full.to(wire_dtype)
+        if method == "fp32_sum" and wire_dtype != torch.float32:
+            received = torch.empty_like(wire)
+            self.stats.add("all_to_all", self._ring_bytes(wire.numel(), wire_dtype))
+            dist.all_to_all_single(received, wire, group=self.group)
+            pieces = received.view(self.world_size, -1)
+            total = pieces[0].float()
+            for piece in pieces[1:]:
+                total.add_(piece)
+            output.copy_(total)
+            return
+        out = output if output.dtype == wire_dtype else output.new_empty(output.shape, dtype=wire_dtype)
+        self.stats.add("reduce_scatter", self._ring_bytes(wire.numel(), wire_dtype))
+        dist.reduce_scatter_tensor(out, wire, op=dist.ReduceOp.SUM, group=self.group)
+        if out is not output:
+            output.copy_(out)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        """Fill ``full`` with every rank's ``shard``, in rank order, on the wire in ``wire_dtype``."""
+        if not self.active:
+            full.copy_(shard)
+            return
+        wire_shard = shard if shard.dtype == wire_dtype else shard.to(wire_dtype)
+        out = full if full.dtype == wire_dtype else full.new_empty(full.shape, dtype=wire_dtype)
+        self.stats.add("all_gather", self._ring_bytes(out.numel(), wire_dtype))
+        dist.all_gather_into_tensor(out, wire_shard, group=self.group)
+        if out is not full:
+            full.copy_(out)
+
+    def all_reduce_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small fp32 vector (norms, overflow flags) over the group; returns it."""
+        if self.active:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return values
+
+    def check_consistent(self, facts: dict[str, Any]) -> None:
+        """Raise RankMismatchError on every rank if any rank was given other ``facts``.
+
+        Each fact is hashed on its own, so the error names what differs rather than hanging
+        later in a collective of mismatched sizes.
+        """
+        if not self.active:
+            return
+        digests = {
+            key: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+            for key, value in facts.items()
+        }
+        gathered: list[dict[str, str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, digests, group=self.group)
+        differing = sorted(
+            {key for other in gathered if other is not None for key in digests if other.get(key) != digests[key]}
+        )
+        if differing:
+            by_rank = "; ".join(
+                f"rank {rank}: " + ", ".join(f"{k}={other[k][:8]}" for k in differing)
+                for rank, other in enumerate(gathered)
+                if other is not None
+            )
+            raise RankMismatchError(
+                f"ranks of the data-parallel group disagree on {', '.join(differing)} "
+                f"({by_rank}). Every rank must resolve the same config and build the optimizer "
+                "over parameters of the same shapes, in the same order"
+            )

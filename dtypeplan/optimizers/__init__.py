@@ -1,0 +1,17 @@
+"""Optimizer implementations and the registry the rules table names them in."""
+
+from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
+from dtypeplan.optimizers._loss_scaler import LossScaler, MinimumLossScaleError
+from dtypeplan.optimizers._registry import get_implementation, register, registered_names
+
+__all__ = [
+    "LossScaler",
+    "MinimumLossScaleError",
+    "MixedPrecisionOptimizer",
+    "ReplicatedOptimizer",
+    "ShardedOptimizer",
+    "get_implementation",
+    "register",
+    "registered_names",
+]

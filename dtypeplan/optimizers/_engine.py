@@ -1,0 +1,479 @@
+"""The flat-buffer mixed-precision optimizer behind ZeRO stages 0, 1 and 2.
+
+Design (one param group shown; every group has its own flat buffer, see ``_layout.py``)::
+
+    model params (param dtype)  = views into FlatGroup.buffer
+    accumulator (accum dtype)   whole:   one tensor laid out like the buffer
+                                sharded: this rank's chunks only, laid out like its shard
+    master weights (fp32)       this rank's chunk of every bucket (all chunks at stage 0);
+                                for fp32 parameters they are views of the buffer itself
+    optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
+
+Phases of one step:
+
+1. backward, per micro-batch. A ``post_accumulate_grad`` hook on every parameter consumes
+   ``.grad`` as soon as autograd has produced it, and frees it:
+   * whole accumulator: the gradient is added into the parameter's view of the accumulator
+     (the first micro-batch after ``zero_grad`` copies, so nothing is ever memset);
+   * sharded accumulator: the gradient is copied into its bucket's staging buffer (in the
+     communication dtype); when a bucket is complete it is reduce-scattered and this rank's
+     chunk is added into the accumulator. Buckets are issued in a fixed order on every rank
+     (a complete bucket waits for its predecessors) and the rest are flushed by a callback at
+     the end of backward, so ranks never pair different collectives.
+   Because the hooks fire inside autograd, ``loss.backward()`` run by a pipeline schedule takes
+   the same path as ``opt.backward(loss)``.
+2. ``step()`` at the accumulation boundary: the accumulator is reduced over the group in the
+   communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
+   done), viewed as fp32, checked and clipped through one scalar all-reduce of the squared
+   norm (a non-finite sum means some rank overflowed), scaled once by
+   ``clip / (loss_scale * world_size)``, handed to one fused optimizer call, cast to the
+   parameter dtype and all-gathered into the buffer.
+
+On one process every collective is skipped and the update is the plain ``torch.optim`` one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dtypeplan.comm import Communicator
+from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._layout import FlatGroup
+from dtypeplan.optimizers._loss_scaler import LossScaler
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
+
+__all__ = ["FlatMixedPrecisionOptimizer", "accumulate_"]
+
+DEFAULT_BUCKET_NUMEL = 1 << 24
+_UPCAST_CHUNK = 1 << 20
+
+
+def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` without a full-size temporary when the dtypes differ.
+
+    A mixed-dtype ``add_`` materializes ``src`` in ``dst``'s dtype first; chunking bounds that
+    temporary to ``_UPCAST_CHUNK`` elements.
+    """
+    if dst.dtype == src.dtype or dst.numel() <= _UPCAST_CHUNK:
+        dst.add_(src)
+        return
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    for begin in range(0, flat_dst.numel(), _UPCAST_CHUNK):
+        end = begin + _UPCAST_CHUNK
+        flat_dst[begin:end].add_(flat_src[begin:end])
+
+
+class _GroupState:
+    """Per param group: the flat buffer, accumulator, master chunks and backward bookkeeping."""
+
+    def __init__(self, flat: FlatGroup) -> None:
+        self.flat = flat
+        self.accumulator: torch.Tensor
+        self.acc_param_views: list[torch.Tensor] = []
+        self.acc_chunks: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] = []
+        self.staging: dict[int, torch.Tensor] = {}
+        self.pending: list[int] = []
+        self.touched: list[bool] = []
+
+
+class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
+    """Mixed-precision data parallelism on flat buffers; ZeRO-1/2 when ``shard_state`` is set."""
+
+    shard_state: bool = False
+    """Whether master weights and optimizer states are sharded (ZeRO >= 1)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        *,
+        plan: PrecisionPlan,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(params, plan=plan, process_group=process_group)
+        self.comm = Communicator(process_group)
+        self.shards = self.comm.world_size if self.shard_state else 1
+        self.shard_rank = self.comm.rank if self.shard_state else 0
+        self.param_dtype = plan.param_dtype
+        self.accum_dtype = plan.grad_accum_dtype
+        self.comm_dtype = plan.comm_dtype
+        self.comm_method = plan.comm_reduction
+        self.sharded_accumulator = plan.accumulator_sharded and self.shards > 1
+        self.clip = plan.gradient_clipping
+        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
+        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
+        bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
+
+        self.comm.check_consistent(
+            {
+                "plan": plan.digest(),
+                "implementation": type(self).__name__,
+                "param_shapes": [
+                    [list(p.shape) for p in group["params"]] for group in self.param_groups
+                ],
+            }
+        )
+        self.groups: list[_GroupState] = []
+        for group in self.param_groups:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            flat = FlatGroup(trainable, self.param_dtype, self.shards, bucket_numel, self.comm.world_size)
+            self.groups.append(self._build_group(flat))
+        self.inner = self._build_inner_optimizer()
+        self._fresh = True
+        self._backward_open = False
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
+            for gi, state in enumerate(self.groups)
+            for pi, param in enumerate(state.flat.params)
+        ]
+        self._reset_backward_bookkeeping()
+
+    # --- construction -------------------------------------------------------------------------
+    def _build_group(self, flat: FlatGroup) -> _GroupState:
+        state = _GroupState(flat)
+        alias_master = self.param_dtype == torch.float32
+        if not alias_master:
+            # Master chunks take the parameters' values before they are cast down.
+            for bucket in flat.buckets:
+                state.masters.append(
+                    torch.zeros(bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device)
+                )
+            shard_offsets = flat.shard_offsets()
+            for index, param in enumerate(flat.params):
+                where = flat.param_chunk_ranges(index, self.shard_rank)
+                if where is None:
+                    continue
+                begin, end, shard_offset = where
+                bucket = flat.bucket_of[index]
+                local = shard_offset - shard_offsets[bucket]
+                state.masters[bucket][local : local + end - begin].copy_(
+                    param.detach().reshape(-1)[begin:end]
+                )
+        flat.adopt_parameters()
+        if alias_master:
+            state.masters = [flat.chunk_view(flat.buffer, b, self.shard_rank) for b in flat.buckets]
+        device = flat.buffer.device
+        if self.sharded_accumulator:
+            state.accumulator = torch.zeros(flat.shard_numel, dtype=self.accum_dtype, device=device)
+            offsets = flat.shard_offsets()
+            state.acc_chunks = [
+                state.accumulator[off : off + b.chunk_numel(self.shards)]
+                for off, b in zip(offsets, flat.buckets)
+            ]
+        else:
+            state.accumulator = torch.zeros(flat.numel, dtype=self.accum_dtype, device=device)
+            state.acc_param_views = flat.param_views(state.accumulator)
+        return state
+
+    def _build_inner_optimizer(self) -> torch.optim.Optimizer:
+        torch_class = self.plan.optimizer.torch_class
+        groups = []
+        for group, state in zip(self.param_groups, self.groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"params": state.masters, **hyper})
+        fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
+        return torch_class(groups, fused=fused)
+
+    # --- backward -----------------------------------------------------------------------------
+    def _reset_backward_bookkeeping(self) -> None:
+        for state in self.groups:
+            state.touched = [False] * len(state.flat.params)
+            state.pending = [len(b.params) for b in state.flat.buckets]
+        self._next_bucket = 0
+        self._bucket_order = [(gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets]
+
+    def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(group_index, param_index, param)
+
+        return hook
+
+    def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self._backward_open:
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        state = self.groups[gi]
+        with torch.no_grad():
+            if self.sharded_accumulator:
+                flat = state.flat
+                bucket = flat.bucket_of[pi]
+                staging = self._staging(state, bucket)
+                offset = flat.offsets[pi] - flat.buckets[bucket].start
+                staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+                state.pending[bucket] -= 1
+                state.touched[pi] = True
+                self._drain(complete_only=True)
+            else:
+                view = state.acc_param_views[pi]
+                if self._fresh and not state.touched[pi]:
+                    view.copy_(grad)
+                else:
+                    accumulate_(view, grad)
+                state.touched[pi] = True
+        param.grad = None
+
+    def _staging(self, state: _GroupState, bucket: int) -> torch.Tensor:
+        if bucket not in state.staging:
+            numel = state.flat.buckets[bucket].numel
+            state.staging[bucket] = torch.zeros(numel, dtype=self.comm_dtype, device=state.flat.buffer.device)
+        return state.staging[bucket]
+
+    def _drain(self, complete_only: bool) -> None:
+        """Reduce-scatter staged buckets in the fixed order, stopping at an incomplete one."""
+        while self._next_bucket < len(self._bucket_order):
+            gi, bucket = self._bucket_order[self._next_bucket]
+            state = self.groups[gi]
+            if complete_only and state.pending[bucket] > 0:
+                return
+            staging = self._staging(state, bucket)
+            if not complete_only:
+                # Parameters that got no gradient this micro-batch contribute zeros.
+                flat = state.flat
+                for pi in flat.buckets[bucket].params:
+                    if not state.touched[pi]:
+                        offset = flat.offsets[pi] - flat.buckets[bucket].start
+                        staging[offset : offset + flat.params[pi].numel()].zero_()
+            chunk = state.acc_chunks[bucket]
+            if self._fresh:
+                self.comm.reduce_scatter_sum(chunk, staging, self.comm_dtype, self.comm_method)
+            else:
+                received = torch.empty_like(chunk)
+                self.comm.reduce_scatter_sum(received, staging, self.comm_dtype, self.comm_method)
+                accumulate_(chunk, received)
+            del state.staging[bucket]
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        with torch.no_grad():
+            if self.sharded_accumulator:
+                self._drain(complete_only=False)
+            elif self._fresh:
+                for state in self.groups:
+                    for pi, touched in enumerate(state.touched):
+                        if not touched:
+                            state.acc_param_views[pi].zero_()
+        self._fresh = False
+        self._backward_open = False
+        self._reset_backward_bookkeeping()
+
+    # --- step ---------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def _reduced_fp32_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, per bucket: this rank's chunk of the group-summed gradient, in fp32."""
+        if self._fresh:
+            # step() with no backward since zero_grad: the gradient is zero, not stale data.
+            for state in self.groups:
+                state.accumulator.zero_()
+        grads: list[list[torch.Tensor]] = []
+        for state in self.groups:
+            flat = state.flat
+            per_bucket = []
+            for bucket in flat.buckets:
+                if self.sharded_accumulator:
+                    chunk = state.acc_chunks[bucket.index]
+                elif self.shards == 1:
+                    chunk = flat.bucket_view(state.accumulator, bucket)
+                    self.comm.all_reduce_sum_(chunk, self.comm_dtype, self.comm_method)
+                else:
+                    chunk = torch.empty(bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device)
+                    self.comm.reduce_scatter_sum(
+                        chunk, flat.bucket_view(state.accumulator, bucket), self.comm_dtype, self.comm_method
+                    )
+                per_bucket.append(chunk if chunk.dtype == torch.float32 else chunk.float())
+            grads.append(per_bucket)
+        return grads
+
+    def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
+        norms = torch._foreach_norm(grads, 2.0) if grads else []
+        local = torch.stack(norms).double().square().sum().float() if norms else torch.zeros(())
+        if self.shards > 1:
+            local = self.comm.all_reduce_scalars(local.reshape(1))[0]
+        return float(local)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._backward_open:
+            raise RuntimeError("step() was called while a backward pass is still running")
+        grads_by_group = self._reduced_fp32_grads()
+        grads = [g for per_bucket in grads_by_group for g in per_bucket]
+        divisor = self.scaler.scale * self.comm.world_size
+        sq_norm = self._global_sq_norm(grads)
+        norm = math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
+        self.grad_norm = norm if math.isfinite(sq_norm) else float("nan")
+        if not math.isfinite(sq_norm) and self.check_nonfinite:
+            self.skipped_steps += 1
+            self._fresh = True
+            self.scaler.update(overflow=True)
+            return loss
+        factor = 1.0 / divisor
+        if self.clip > 0 and norm > self.clip:
+            factor *= self.clip / (norm + 1e-6)
+        torch._foreach_mul_(grads, factor)
+        self._sync_hyperparameters()
+        for state, per_bucket in zip(self.groups, grads_by_group):
+            for master, grad in zip(state.masters, per_bucket):
+                master.grad = grad
+        self.inner.step()
+        for state in self.groups:
+            for master in state.masters:
+                master.grad = None
+        self._write_back()
+        self._fresh = True
+        self.scaler.update(overflow=False)
+        return loss
+
+    def _sync_hyperparameters(self) -> None:
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+            for key, value in group.items():
+                if key != "params":
+                    inner_group[key] = value
+
+    def _write_back(self) -> None:
+        for state in self.groups:
+            flat = state.flat
+            for bucket, master in zip(flat.buckets, state.masters):
+                chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
+                if master.data_ptr() != chunk.data_ptr():
+                    chunk.copy_(master)
+                if self.shards > 1:
+                    self.comm.all_gather(flat.bucket_view(flat.buffer, bucket), chunk.clone(), self.param_dtype)
+
+    # --- gradients ----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.clear_lp_grads()
+        self._fresh = True
+
+    def clear_lp_grads(self) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    # --- state --------------------------------------------------------------------------------
+    def _layout_facts(self) -> dict[str, Any]:
+        return {
+            "world_size": self.comm.world_size,
+            "shards": self.shards,
+            "rank": self.shard_rank,
+            "numels": [[b.numel for b in s.flat.buckets] for s in self.groups],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": "dtypeplan.flat/1",
+            "layout": self._layout_facts(),
+            "masters": [[m.detach().clone() for m in s.masters] for s in self.groups],
+            "inner": self.inner.state_dict(),
+            "hyperparameters": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("format") != "dtypeplan.flat/1":
+            raise ValueError("not a dtypeplan flat-optimizer state dict")
+        if state_dict["layout"] != self._layout_facts():
+            raise ValueError(
+                f"state dict was saved with layout {state_dict['layout']} but this optimizer has "
+                f"{self._layout_facts()}; use dtypeplan.checkpoint to load across world sizes "
+                "or ZeRO stages"
+            )
+        for state, masters in zip(self.groups, state_dict["masters"]):
+            for mine, saved in zip(state.masters, masters):
+                mine.copy_(saved)
+        self.inner.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.param_groups, state_dict["hyperparameters"]):
+            group.update(saved)
+        self.scaler.load_state_dict(state_dict["scaler"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self._write_back()
+
+    def _state_names(self) -> list[str]:
+        names = ["master"]
+        for state in self.groups:
+            for master in state.masters:
+                for key, value in self.inner.state.get(master, {}).items():
+                    if torch.is_tensor(value) and value.numel() == master.numel() and key not in names:
+                        names.append(key)
+        return names
+
+    def _gather_full(self, state: _GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
+        flat = state.flat
+        full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
+        for bucket, chunk in zip(flat.buckets, chunks):
+            target = flat.bucket_view(full, bucket)
+            if self.shards > 1:
+                self.comm.all_gather(target, chunk.float().contiguous(), torch.float32)
+            else:
+                target.copy_(chunk)
+        return full
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor | float | int]:
+        result: dict[str, torch.Tensor | float | int] = {}
+        names = self._state_names()
+        first = 0
+        for state in self.groups:
+            for name in names:
+                if name == "master":
+                    chunks = state.masters
+                else:
+                    chunks = [
+                        self.inner.state[m][name] if name in self.inner.state.get(m, {}) else torch.zeros_like(m)
+                        for m in state.masters
+                    ]
+                full = self._gather_full(state, chunks)
+                for index, view in enumerate(state.flat.param_views(full)):
+                    result[f"param.{first + index}.{name}"] = view.clone()
+            first += len(state.flat.params)
+        steps = [v["step"] for v in self.inner.state.values() if "step" in v]
+        result["scalar.step"] = int(steps[0].item()) if steps else 0
+        result["scalar.loss_scale"] = float(self.scaler.scale)
+        result["scalar.skipped_steps"] = int(self.skipped_steps)
+        for key, value in self.scaler.state_dict().items():
+            result[f"scalar.scaler.{key}"] = value
+        return result
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        names = sorted({key.split(".", 2)[2] for key in state if key.startswith("param.")})
+        first = 0
+        step = int(state.get("scalar.step", 0))
+        for group_state in self.groups:
+            flat = group_state.flat
+            for name in names:
+                full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
+                for index, view in enumerate(flat.param_views(full)):
+                    view.copy_(state[f"param.{first + index}.{name}"])
+                chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
+                for master, chunk in zip(group_state.masters, chunks):
+                    if name == "master":
+                        master.copy_(chunk)
+                    else:
+                        slot = self.inner.state[master]
+                        slot[name] = chunk.clone()
+                        if self.plan.optimizer.type in ("Adam", "AdamW"):
+                            slot["step"] = torch.tensor(float(step))
+            first += len(flat.params)
+        self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
+        scaler = {k[len("scalar.scaler."):]: v for k, v in state.items() if k.startswith("scalar.scaler.")}
+        if scaler and self.scaler.enabled:
+            self.scaler.load_state_dict(scaler)
+        self._write_back()

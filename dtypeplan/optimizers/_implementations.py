@@ -1,0 +1,26 @@
+"""The built-in implementations, registered under the names ``precision_rules.yaml`` uses."""
+
+from __future__ import annotations
+
+from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers._registry import register
+
+__all__ = ["ReplicatedOptimizer", "ShardedOptimizer"]
+
+
+@register("replicated")
+class ReplicatedOptimizer(FlatMixedPrecisionOptimizer):
+    """ZeRO stage 0: master weights, optimizer states and the accumulator whole on every rank."""
+
+    shard_state = False
+
+
+@register("sharded")
+class ShardedOptimizer(FlatMixedPrecisionOptimizer):
+    """ZeRO stages 1 and 2: master weights and optimizer states sharded over the group.
+
+    The accumulator is whole (stage 1 default: summed locally, reduce-scattered once per step)
+    or sharded (stage 2, or stage 1 with ``sharded: true``: reduce-scattered per micro-batch).
+    """
+
+    shard_state = True

@@ -1,0 +1,54 @@
+"""The registry of optimizer implementations, keyed by the names the rules table uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+
+__all__ = ["get_implementation", "register", "registered_names"]
+
+_REGISTRY: dict[str, type[MixedPrecisionOptimizer]] = {}
+
+T = TypeVar("T", bound="type[MixedPrecisionOptimizer]")
+
+
+def register(name: str) -> Callable[[T], T]:
+    """Class decorator: make an optimizer class buildable under ``name`` from a rules file.
+
+    Registering a name twice raises ``ValueError`` (at import time, for the module that does it).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("an implementation name must be a non-empty string")
+
+    def decorate(cls: T) -> T:
+        from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+
+        if not (isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer)):
+            raise TypeError(
+                f"@register({name!r}) needs a subclass of dtypeplan.MixedPrecisionOptimizer, "
+                f"got {cls!r}"
+            )
+        if name in _REGISTRY:
+            raise ValueError(
+                f"implementation name {name!r} is already registered to "
+                f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}"
+            )
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def get_implementation(name: str) -> type[MixedPrecisionOptimizer]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise KeyError(f"no implementation registered as {name!r} (registered: {known})") from None
+
+
+def registered_names() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,59 @@
+"""The byte model behind ``plan.memory()``: what one rank holds at the accumulation boundary.
+
+For ``N`` parameters on ``W`` ranks, with ``P`` and ``A`` the bytes per element of the
+parameter and accumulation dtypes and ``S`` the optimizer's fp32 state bytes per parameter
+(AdamW and Adam 8, SGD with momentum 4, plain SGD 0):
+
+============  =====================================================================
+params        ``P * N``
+grads         ``0``: the parameters' own ``.grad`` is consumed by a hook the moment
+              autograd produces it (DeepSpeed counts ``P * N`` here; in dtypeplan those
+              bytes are the accumulator when ``A == P``)
+accumulator   ``A * N`` whole, ``A * N / W`` sharded
+master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 parameters
+              below stage 3, whose master weights are the parameters themselves
+states        ``S * N / D``
+============  =====================================================================
+
+With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
+per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
+``W * 64`` elements per bucket) and transient buffers during ``step()`` are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MEMORY_KEYS", "memory_model"]
+
+MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
+
+
+def memory_model(
+    *,
+    num_params: int,
+    world_size: int,
+    param_dtype: torch.dtype,
+    accum_dtype: torch.dtype,
+    accumulator_sharded: bool,
+    zero_stage: int,
+    state_bytes_per_param: int,
+) -> dict[str, int]:
+    if num_params < 0 or world_size < 1:
+        raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
+    n, w = num_params, world_size
+    state_divisor = w if zero_stage >= 1 else 1
+    params = param_dtype.itemsize * n // (w if zero_stage >= 3 else 1)
+    accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
+    aliased = param_dtype == torch.float32 and zero_stage < 3
+    master = 0 if aliased else 4 * n // state_divisor
+    states = state_bytes_per_param * n // state_divisor
+    figures = {
+        "params": params,
+        "grads": 0,
+        "accumulator": accumulator,
+        "master": master,
+        "optimizer_states": states,
+    }
+    figures["total"] = sum(figures.values())
+    return figures

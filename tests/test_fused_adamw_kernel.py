@@ -1,0 +1,327 @@
+"""Tests of the one-pass mixed-precision AdamW step.
+
+(a) CPU: ``mixed_adamw_reference_`` against K steps of ``torch.optim.AdamW`` / ``torch.optim.Adam``.
+(b) The Triton kernel against the reference: on CUDA (skipped without a GPU and Triton), and in
+    Triton's CPU interpreter in a subprocess (skipped without Triton).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtypeplan.optimizers._fused_adamw_triton import (
+    bytes_per_param,
+    fused_mixed_adamw_,
+    mixed_adamw_reference_,
+    triton_available,
+)
+
+K_STEPS = 5
+HP: dict[str, Any] = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_HAS_CUDA_TRITON = torch.cuda.is_available() and _HAS_TRITON
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (normwise relative error; b is the reference)."""
+    a64, b64 = a.double(), b.double()
+    return ((a64 - b64).abs().max() / b64.abs().max().clamp_min(1e-30)).item()
+
+
+def _grads(n: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=gen) * (k + 1)).to(dtype) for k in range(K_STEPS)]
+
+
+def _run_torch(
+    opt_cls: type[torch.optim.Optimizer],
+    master0: torch.Tensor,
+    grads: list[torch.Tensor],
+    grad_factor: float,
+    weight_decay: float,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = torch.nn.Parameter(master0.clone())
+    kwargs: dict[str, Any] = {"fused": True} if impl == "fused" else {"foreach": False}
+    opt = opt_cls(
+        [p],
+        lr=HP["lr"],
+        betas=(HP["beta1"], HP["beta2"]),
+        eps=HP["eps"],
+        weight_decay=weight_decay,
+        **kwargs,
+    )
+    for g in grads:
+        p.grad = g.float() * grad_factor
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def _run_reference(
+    master0: torch.Tensor,
+    grads: list[torch.Tensor],
+    grad_factor: float | torch.Tensor,
+    weight_decay: float,
+    adam_w_mode: bool,
+    param_dtype: torch.dtype | None = None,
+    zero_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    master = master0.clone()
+    m = torch.zeros_like(master)
+    v = torch.zeros_like(master)
+    out = None if param_dtype is None else torch.empty(master.numel(), dtype=param_dtype)
+    for k, g in enumerate(grads, start=1):
+        acc = g.clone()
+        mixed_adamw_reference_(
+            master,
+            m,
+            v,
+            acc,
+            out,
+            step=k,
+            grad_factor=grad_factor,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            zero_grad=zero_grad,
+            **HP,
+        )
+        if out is not None:
+            assert torch.equal(out, master.to(param_dtype)), "param_out is not master rounded"
+        if zero_grad:
+            assert not acc.any(), "zero_grad did not zero the gradient"
+        else:
+            assert torch.equal(acc, g), "the gradient was modified"
+    return master, m, v
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) reference vs torch.optim on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["single", "fused"])
+@pytest.mark.parametrize(
+    ("adam_w_mode", "opt_cls"), [(True, torch.optim.AdamW), (False, torch.optim.Adam)]
+)
+@pytest.mark.parametrize(("weight_decay", "grad_factor"), [(0.0, 1.0), (0.1, 0.37), (0.05, 2.5)])
+def test_reference_matches_torch_fp32(
+    impl: str,
+    adam_w_mode: bool,
+    opt_cls: type[torch.optim.Optimizer],
+    weight_decay: float,
+    grad_factor: float,
+) -> None:
+    n = 4099
+    master0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    grads = _grads(n, torch.float32)
+    want = _run_torch(opt_cls, master0, grads, grad_factor, weight_decay, impl)
+    got = _run_reference(master0, grads, grad_factor, weight_decay, adam_w_mode)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{name} differs")
+    # the update moved the parameters by far more than the tolerance
+    assert _max_rel(got[0], master0) > 1e-3
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tensor_factor", [False, True])
+def test_reference_bf16_grad_and_16bit_params(
+    param_dtype: torch.dtype, tensor_factor: bool
+) -> None:
+    n = 3001
+    master0 = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    grads = _grads(n, torch.bfloat16, seed=3)
+    gf = 0.125
+    want = _run_torch(torch.optim.AdamW, master0, grads, gf, 0.1, "single")
+    factor: float | torch.Tensor = torch.tensor(gf) if tensor_factor else gf
+    got = _run_reference(master0, grads, factor, 0.1, True, param_dtype, zero_grad=True)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{name} differs")
+
+
+def test_reference_fp32_accumulator_zero_grad() -> None:
+    n = 2048
+    master0 = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    grads = _grads(n, torch.float32, seed=5)
+    want = _run_torch(torch.optim.AdamW, master0, grads, 1 / 1024, 0.01, "single")
+    got = _run_reference(master0, grads, 1 / 1024, 0.01, True, torch.bfloat16, zero_grad=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-9)
+
+
+def test_reference_detects_wrong_mode() -> None:
+    """Negative control: L2 (Adam) vs decoupled (AdamW) decay must be told apart."""
+    n = 1024
+    master0 = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    grads = _grads(n, torch.float32, seed=7)
+    want = _run_torch(torch.optim.AdamW, master0, grads, 1.0, 0.1, "single")
+    got = _run_reference(master0, grads, 1.0, 0.1, adam_w_mode=False)
+    assert _max_rel(got[0], want[0]) > 1e-4
+    got_scaled = _run_reference(master0, grads, 0.5, 0.1, adam_w_mode=True)
+    assert _max_rel(got_scaled[1], want[1]) > 0.1
+
+
+def test_reference_validates_arguments() -> None:
+    n = 16
+    f32 = torch.zeros(n)
+    kw: dict[str, Any] = dict(HP, weight_decay=0.0, step=1, grad_factor=1.0)
+    with pytest.raises(ValueError, match="float32"):
+        mixed_adamw_reference_(f32.bfloat16(), f32.clone(), f32.clone(), f32.clone(), None, **kw)
+    with pytest.raises(ValueError, match="elements"):
+        mixed_adamw_reference_(f32.clone(), f32.clone(), f32.clone(), torch.zeros(n + 1), None, **kw)
+    with pytest.raises(ValueError, match="1-based"):
+        mixed_adamw_reference_(
+            f32.clone(), f32.clone(), f32.clone(), f32.clone(), None, **dict(kw, step=0)
+        )
+
+
+def test_bytes_per_param() -> None:
+    assert bytes_per_param(torch.bfloat16, torch.bfloat16, zero_grad=False) == 28
+    assert bytes_per_param(torch.bfloat16, torch.bfloat16, zero_grad=True) == 30
+    assert bytes_per_param(torch.float32, torch.bfloat16, zero_grad=False) == 30
+    assert bytes_per_param(torch.float32, torch.bfloat16, zero_grad=True) == 34
+    assert bytes_per_param(torch.float32, None, zero_grad=False) == 28
+
+
+def test_kernel_refuses_cpu_tensors_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    n = 8
+    z = torch.zeros(n)
+    with pytest.raises(RuntimeError, match="Triton|CUDA"):
+        fused_mixed_adamw_(
+            z, z.clone(), z.clone(), z.clone(), None, weight_decay=0.0, step=1, grad_factor=1.0, **HP
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the Triton kernel vs the reference
+# ---------------------------------------------------------------------------------------------
+
+# (grad dtype, param dtype, zero_grad, tensor grad_factor, adam_w_mode, weight decay)
+KERNEL_CASES: list[tuple[torch.dtype, torch.dtype | None, bool, bool, bool, float]] = [
+    (torch.float32, torch.bfloat16, True, True, True, 0.1),
+    (torch.bfloat16, torch.bfloat16, False, False, True, 0.1),
+    (torch.bfloat16, torch.bfloat16, True, True, False, 0.05),
+    (torch.float16, torch.float16, True, False, True, 0.0),
+    (torch.float32, None, False, False, False, 0.1),
+    (torch.float32, torch.float32, False, True, True, 0.01),
+]
+
+
+def check_kernel_case(
+    device: str,
+    n: int,
+    grad_dtype: torch.dtype,
+    param_dtype: torch.dtype | None,
+    zero_grad: bool,
+    tensor_factor: bool,
+    adam_w_mode: bool,
+    weight_decay: float,
+    *,
+    steps: int = 3,
+    block_size: int | None = None,
+    num_warps: int | None = None,
+    tol: float = 1e-5,
+    exact_rounding: bool = True,
+) -> dict[str, float]:
+    """K steps of kernel and reference from the same state; asserts and returns the errors."""
+    gen = torch.Generator().manual_seed(n)
+    master0 = torch.randn(n, generator=gen).to(device)
+    state_k = [master0.clone(), torch.zeros_like(master0), torch.zeros_like(master0)]
+    state_r = [t.clone() for t in state_k]
+    out_k = out_r = None
+    if param_dtype is not None:
+        out_k = torch.empty(n, dtype=param_dtype, device=device)
+        out_r = torch.empty_like(out_k)
+    gf = 0.3
+    factor: float | torch.Tensor = torch.tensor(gf, device=device) if tensor_factor else gf
+    kw: dict[str, Any] = dict(
+        HP, weight_decay=weight_decay, grad_factor=factor, adam_w_mode=adam_w_mode
+    )
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen).to(device=device, dtype=grad_dtype)
+        g_k, g_r = g.clone(), g.clone()
+        fused_mixed_adamw_(
+            *state_k,
+            g_k,
+            out_k,
+            step=step,
+            zero_grad=zero_grad,
+            block_size=block_size,
+            num_warps=num_warps,
+            **kw,
+        )
+        mixed_adamw_reference_(*state_r, g_r, out_r, step=step, zero_grad=zero_grad, **kw)
+        if zero_grad:
+            assert not g_k.any(), "kernel did not zero the gradient"
+        else:
+            assert torch.equal(g_k, g), "kernel modified the gradient"
+    errors: dict[str, float] = {}
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), state_k, state_r, strict=True):
+        errors[name] = _max_rel(a, b)
+        assert errors[name] <= tol, f"{name}: relative error {errors[name]:.3g} > {tol}"
+    assert _max_rel(state_k[0], master0) > 1e-3, "master did not move"
+    if out_k is not None and out_r is not None:
+        errors["param"] = _max_rel(out_k, out_r)
+        own = state_k[0].to(out_k.dtype)
+        if exact_rounding or out_k.dtype != torch.bfloat16:
+            assert torch.equal(out_k, own), "param_out is not the kernel's master rounded"
+        else:
+            # Triton's interpreter truncates fp32 -> bf16 instead of rounding to nearest even
+            trunc = (state_k[0].view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+            assert bool(((out_k == own) | (out_k == trunc)).all()), "param_out is off by > 1 ulp"
+        assert errors["param"] <= 1e-2, f"param: relative error {errors['param']:.3g}"
+    return errors
+
+
+@pytest.mark.skipif(not _HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("n", [1, 4097, (1 << 20) + 3])
+def test_kernel_matches_reference_cuda(case: tuple[Any, ...], n: int) -> None:
+    assert triton_available()
+    check_kernel_case("cuda", n, *case)
+
+
+@pytest.mark.skipif(not _HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize(("block_size", "num_warps"), [(1024, 4), (2048, 8), (8192, 16)])
+def test_kernel_launch_configs_cuda(block_size: int, num_warps: int) -> None:
+    check_kernel_case(
+        "cuda", 100_003, *KERNEL_CASES[0], block_size=block_size, num_warps=num_warps
+    )
+
+
+_INTERPRET_SCRIPT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_fused_adamw_kernel as t
+for n in (1, 1000, 5003):
+    for case in t.KERNEL_CASES:
+        t.check_kernel_case("cpu", n, *case, block_size=1024, num_warps=4, exact_rounding=False)
+# the default launch configuration too
+t.check_kernel_case("cpu", 9000, *t.KERNEL_CASES[1], exact_rounding=False)
+print("INTERPRETER-OK")
+"""
+
+
+@pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
+def test_kernel_matches_reference_in_triton_interpreter() -> None:
+    script = _INTERPRET_SCRIPT.format(root=str(_REPO_ROOT), tests=str(_REPO_ROOT / "tests"))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0 and "INTERPRETER-OK" in proc.stdout, proc.stdout + proc.stderr
