@@ -177,7 +177,9 @@ def test_reference_validates_arguments() -> None:
     with pytest.raises(ValueError, match="float32"):
         mixed_adamw_reference_(f32.bfloat16(), f32.clone(), f32.clone(), f32.clone(), None, **kw)
     with pytest.raises(ValueError, match="elements"):
-        mixed_adamw_reference_(f32.clone(), f32.clone(), f32.clone(), torch.zeros(n + 1), None, **kw)
+        mixed_adamw_reference_(
+            f32.clone(), f32.clone(), f32.clone(), torch.zeros(n + 1), None, **kw
+        )
     with pytest.raises(ValueError, match="1-based"):
         mixed_adamw_reference_(
             f32.clone(), f32.clone(), f32.clone(), f32.clone(), None, **dict(kw, step=0)
@@ -198,7 +200,15 @@ def test_kernel_refuses_cpu_tensors_without_interpreter(monkeypatch: pytest.Monk
     z = torch.zeros(n)
     with pytest.raises(RuntimeError, match="Triton|CUDA"):
         fused_mixed_adamw_(
-            z, z.clone(), z.clone(), z.clone(), None, weight_decay=0.0, step=1, grad_factor=1.0, **HP
+            z,
+            z.clone(),
+            z.clone(),
+            z.clone(),
+            None,
+            weight_decay=0.0,
+            step=1,
+            grad_factor=1.0,
+            **HP,
         )
 
 
@@ -294,9 +304,7 @@ def test_kernel_matches_reference_cuda(case: tuple[Any, ...], n: int) -> None:
 @pytest.mark.skipif(not _HAS_CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize(("block_size", "num_warps"), [(1024, 4), (2048, 8), (8192, 16)])
 def test_kernel_launch_configs_cuda(block_size: int, num_warps: int) -> None:
-    check_kernel_case(
-        "cuda", 100_003, *KERNEL_CASES[0], block_size=block_size, num_warps=num_warps
-    )
+    check_kernel_case("cuda", 100_003, *KERNEL_CASES[0], block_size=block_size, num_warps=num_warps)
 
 
 _INTERPRET_SCRIPT = """

@@ -239,7 +239,6 @@ class Bench:
             "bandwidth_TBps_best": nbytes / (t["min_ms"] * 1e-3) / 1e12,
         }
         log(f"   copy {nbytes / 1e9:.2f} GB: {t['median_ms']:.3f} ms, {bw / 1e12:.3f} TB/s")
-        del src, dst
 
     def allocate(self) -> None:
         n, dev = self.args.numel, self.device
@@ -287,7 +286,7 @@ class Bench:
             st = opt.state.get(master, {})
             self.m, self.v = st.get("exp_avg"), st.get("exp_avg_sq")
             master.grad = None
-            del opt
+            opt.state.clear()
 
     def kernel(self) -> None:
         if self.m is None or self.v is None:
@@ -336,7 +335,7 @@ class Bench:
             ("kernel_fp32acc_bf16_zero", run_acc, torch.float32, True),
         ):
             for cfg_name, cfg in (("", best), ("_default_config", None)):
-                if cfg_name and (cfg is None or best == (DEFAULT_BLOCK, DEFAULT_NUM_WARPS)):
+                if cfg_name and best == (DEFAULT_BLOCK, DEFAULT_NUM_WARPS):
                     continue
                 b, w = cfg if cfg is not None else (DEFAULT_BLOCK, DEFAULT_NUM_WARPS)
                 t = self.time_ms(lambda fn=fn, b=b, w=w: fn(b, w))

@@ -28,6 +28,10 @@ from dtypeplan.errors import RankMismatchError
 
 __all__ = ["CommStats", "Communicator"]
 
+# torch >= 2.13 renamed the flat-tensor collectives; the old names still work but warn.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -106,7 +110,7 @@ class Communicator:
             return
         out = output if output.dtype == wire_dtype else output.new_empty(output.shape, dtype=wire_dtype)
         self.stats.add("reduce_scatter", self._ring_bytes(wire.numel(), wire_dtype))
-        dist.reduce_scatter_tensor(out, wire, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_flat(out, wire, op=dist.ReduceOp.SUM, group=self.group)
         if out is not output:
             output.copy_(out)
 
@@ -118,7 +122,7 @@ class Communicator:
         wire_shard = shard if shard.dtype == wire_dtype else shard.to(wire_dtype)
         out = full if full.dtype == wire_dtype else full.new_empty(full.shape, dtype=wire_dtype)
         self.stats.add("all_gather", self._ring_bytes(out.numel(), wire_dtype))
-        dist.all_gather_into_tensor(out, wire_shard, group=self.group)
+        _all_gather_flat(out, wire_shard, group=self.group)
         if out is not full:
             full.copy_(out)
 

@@ -1,0 +1,115 @@
+"""Start a function on several local ranks, each a spawned process in one gloo/NCCL group.
+
+Used by the demo, the tests and the benchmarks. What was seen to make CPU groups reliable:
+the ``spawn`` start method (forked ranks can deadlock in matmul), one intra-op thread per rank,
+a FileStore in a private temporary directory, and a barrier before
+``destroy_process_group`` (without it gloo aborted a rank at teardown in half the runs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "spawn"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or ran out of time. The message holds its traceback."""
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    workdir: str,
+    backend: str,
+    group_timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
+    torch.set_num_threads(1)
+    outcome: tuple[str, Any]
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=group_timeout_s),
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        outcome = ("error", traceback.format_exc())
+    with open(os.path.join(workdir, f"result.{rank}"), "wb") as handle:
+        pickle.dump(outcome, handle)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    group_timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`RankFailure`
+    with the failing rank's traceback if any rank raises, dies or outlives ``timeout_s``.
+    """
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="dtypeplan-") as workdir:
+        processes = [
+            context.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, workdir, backend, group_timeout_s, args),
+                daemon=False,
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, p in enumerate(processes) if p.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        results: list[Any] = []
+        failures: list[str] = []
+        for rank, process in enumerate(processes):
+            path = os.path.join(workdir, f"result.{rank}")
+            if rank in late:
+                failures.append(f"rank {rank} did not finish within {timeout_s:g} s")
+                continue
+            if not os.path.exists(path):
+                failures.append(f"rank {rank} died with exit code {process.exitcode} and no result")
+                continue
+            with open(path, "rb") as handle:
+                status, value = pickle.load(handle)
+            if status == "ok":
+                results.append(value)
+            else:
+                failures.append(f"rank {rank} raised:\n{value}")
+        if failures:
+            raise RankFailure("\n".join(failures))
+        return results

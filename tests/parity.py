@@ -1,0 +1,142 @@
+"""Parity cases: a dtypeplan optimizer against plain fp32 ``torch.optim`` on the full batch.
+
+A case runs on every rank of a group: each rank trains on its slice of the batch, split into
+micro-batches whose losses are divided by their count; the reference trains an fp32 copy of
+the same model on the whole batch with the same torch optimizer. Both are replicated, so the
+reference runs on every rank and nothing about it is communicated.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dtypeplan
+
+IN, HIDDEN, OUT = 12, 24, 6
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
+    )
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def make_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(size, IN, generator=generator), torch.randn(size, OUT, generator=generator)
+
+
+def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Train ``case["steps"]`` steps both ways; return losses and final master weights' error."""
+    config = case["config"]
+    steps, micro = case.get("steps", 4), case.get("micro_batches", 2)
+    per_micro = case.get("micro_batch_size", 4)
+    seed = case.get("seed", 0)
+    use_loss_backward = case.get("loss_backward", False)
+    plan = dtypeplan.resolve(config)
+    assert plan.status == "OK", plan.explain()
+
+    reference = make_model(seed)
+    model = copy.deepcopy(reference)
+    groups = _param_groups(model, case.get("param_groups", 1))
+    optimizer = plan.build(groups)
+    ref_groups = _param_groups(reference, case.get("param_groups", 1))
+    ref_opt = plan.optimizer.torch_class(ref_groups, **plan.optimizer.params)
+
+    batch_size = world_size * micro * per_micro
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for step in range(steps):
+        x, y = make_batch(seed + step, batch_size)
+        # Reference: the whole batch at once, fp32.
+        ref_opt.zero_grad()
+        ref_loss = mse(reference, x, y)
+        ref_loss.backward()
+        if plan.gradient_clipping > 0:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), plan.gradient_clipping)))
+        else:
+            ref_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])))
+        ref_opt.step()
+        ref_losses.append(float(ref_loss.detach()))
+        # dtypeplan: this rank's slice, in micro-batches.
+        mine_x = x.chunk(world_size)[rank].chunk(micro)
+        mine_y = y.chunk(world_size)[rank].chunk(micro)
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        for xm, ym in zip(mine_x, mine_y):
+            loss = mse(model, xm, ym) / micro
+            if use_loss_backward:
+                loss.backward()
+            else:
+                optimizer.backward(loss)
+            total += loss.detach()
+        optimizer.step()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+        norms.append(optimizer.grad_norm)
+    state = optimizer.full_state()
+    ref_params = [p for group in ref_groups for p in group["params"]]
+    diff = sum(float((state[f"param.{i}.master"] - p.detach()).square().sum()) for i, p in enumerate(ref_params))
+    size = sum(float(p.detach().square().sum()) for p in ref_params)
+    param_dtype_ok = all(p.dtype == plan.param_dtype for p in model.parameters())
+    return {
+        "name": case.get("name", ""),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grad_norms": norms,
+        "ref_grad_norms": ref_norms,
+        "master_rel_error": math.sqrt(diff / size),
+        "param_dtype_ok": param_dtype_ok,
+        "skipped_steps": optimizer.skipped_steps,
+    }
+
+
+def _param_groups(model: torch.nn.Module, count: int) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    if count == 1:
+        return [{"params": params}]
+    # Weights decay, biases do not, as in most training scripts.
+    return [
+        {"params": [p for p in params if p.dim() > 1]},
+        {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+    ]
+
+
+def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    results = []
+    for case in cases:
+        try:
+            results.append(run_case(case, rank, world_size))
+        except Exception as exc:  # report the case, keep the group alive for the others
+            import traceback
+
+            results.append({"name": case.get("name", ""), "error": f"{exc!r}\n{traceback.format_exc()}"})
+    return results
+
+
+def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:
+    assert "error" not in result, result["error"]
+    assert result["param_dtype_ok"], result["name"]
+    for step, (mine, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
+        assert abs(mine - ref) <= loss_rtol * abs(ref) + 1e-7, (
+            f"{result['name']}: step {step} loss {mine} vs reference {ref}"
+        )
+    assert result["master_rel_error"] <= master_rtol, (
+        f"{result['name']}: master weights rel error {result['master_rel_error']:.2e} > {master_rtol}"
+    )
