@@ -11,13 +11,20 @@ return sums). Nothing is sent when the group has one rank. Two ways to reduce 16
 
 Every call adds to :attr:`Communicator.stats` (calls and bytes sent per collective), which the
 benchmarks read to compare the wire traffic with theory.
+
+A collective that fails (a peer died, or stalled past the group's timeout, or the backend broke)
+raises :class:`CollectiveError`, which names the collective, its size and the group, with the
+backend's own error chained: gloo's "Connection closed by peer" alone does not say which of a
+step's dozen collectives was waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +33,21 @@ import torch.distributed as dist
 
 from dtypeplan.errors import RankMismatchError
 
-__all__ = ["CommStats", "Communicator"]
+__all__ = ["CollectiveError", "CommStats", "Communicator"]
 
 # torch >= 2.13 renamed the flat-tensor collectives; the old names still work but warn.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the data-parallel group failed; the backend's error is ``__cause__``.
+
+    The message names the collective (``"reduce_scatter of 4096 bf16 elements"``), the group
+    (name, backend, this rank and the world size) and the backend's message.
+    """
 
 
 @dataclass
@@ -62,6 +79,34 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.stats = CommStats()
+        self.description = self._describe_group()
+
+    def _describe_group(self) -> str:
+        if not self.distributed:
+            return "a single process"
+        name = getattr(self.group, "group_name", None) or "?"
+        try:
+            backend = str(dist.get_backend(self.group))
+        except (RuntimeError, ValueError):
+            backend = "unknown backend"
+        return f"process group {name!r} ({backend}, rank {self.rank} of {self.world_size})"
+
+    @contextlib.contextmanager
+    def _guard(
+        self, op: str, numel: int | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[None]:
+        """Re-raise a failure of the collective inside as a CollectiveError that names it."""
+        try:
+            yield
+        except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's RuntimeError
+            what = op
+            if numel is not None:
+                what += f" of {numel} {_DTYPE_NAMES.get(dtype, str(dtype))} elements"
+            raise CollectiveError(
+                f"{what} failed on {self.description}: {type(exc).__name__}: {exc}. "
+                "A peer rank probably died or stalled longer than the group's timeout "
+                "(init_process_group(timeout=...)); look at the other ranks' logs first"
+            ) from exc
 
     @property
     def active(self) -> bool:
@@ -82,7 +127,8 @@ class Communicator:
             return
         wire = tensor if tensor.dtype == wire_dtype else tensor.to(wire_dtype)
         self.stats.add("all_reduce", 2 * self._ring_bytes(wire.numel(), wire_dtype))
-        dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group)
+        with self._guard("all_reduce", wire.numel(), wire_dtype):
+            dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group)
         if wire is not tensor:
             tensor.copy_(wire)
 
@@ -101,35 +147,41 @@ class Communicator:
         if method == "fp32_sum" and wire_dtype != torch.float32:
             received = torch.empty_like(wire)
             self.stats.add("all_to_all", self._ring_bytes(wire.numel(), wire_dtype))
-            dist.all_to_all_single(received, wire, group=self.group)
+            with self._guard("all_to_all", wire.numel(), wire_dtype):
+                dist.all_to_all_single(received, wire, group=self.group)
             pieces = received.view(self.world_size, -1)
             total = pieces[0].float()
             for piece in pieces[1:]:
                 total.add_(piece)
             output.copy_(total)
             return
-        out = output if output.dtype == wire_dtype else output.new_empty(output.shape, dtype=wire_dtype)
+        out = output
+        if output.dtype != wire_dtype:
+            out = output.new_empty(output.shape, dtype=wire_dtype)
         self.stats.add("reduce_scatter", self._ring_bytes(wire.numel(), wire_dtype))
-        _reduce_scatter_flat(out, wire, op=dist.ReduceOp.SUM, group=self.group)
+        with self._guard("reduce_scatter", wire.numel(), wire_dtype):
+            _reduce_scatter_flat(out, wire, op=dist.ReduceOp.SUM, group=self.group)
         if out is not output:
             output.copy_(out)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, wire_dtype: torch.dtype) -> None:
-        """Fill ``full`` with every rank's ``shard``, in rank order, on the wire in ``wire_dtype``."""
+        """Fill ``full`` with every rank's ``shard`` in rank order, wire dtype ``wire_dtype``."""
         if not self.active:
             full.copy_(shard)
             return
         wire_shard = shard if shard.dtype == wire_dtype else shard.to(wire_dtype)
         out = full if full.dtype == wire_dtype else full.new_empty(full.shape, dtype=wire_dtype)
         self.stats.add("all_gather", self._ring_bytes(out.numel(), wire_dtype))
-        _all_gather_flat(out, wire_shard, group=self.group)
+        with self._guard("all_gather", out.numel(), wire_dtype):
+            _all_gather_flat(out, wire_shard, group=self.group)
         if out is not full:
             full.copy_(out)
 
     def all_reduce_scalars(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small fp32 vector (norms, overflow flags) over the group; returns it."""
         if self.active:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            with self._guard("all_reduce", values.numel(), values.dtype):
+                dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         return values
 
     def check_consistent(self, facts: dict[str, Any]) -> None:
@@ -145,9 +197,16 @@ class Communicator:
             for key, value in facts.items()
         }
         gathered: list[dict[str, str] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, digests, group=self.group)
+        with self._guard("all_gather_object of the plan digests"):
+            dist.all_gather_object(gathered, digests, group=self.group)
         differing = sorted(
-            {key for other in gathered if other is not None for key in digests if other.get(key) != digests[key]}
+            {
+                key
+                for other in gathered
+                if other is not None
+                for key in digests
+                if other.get(key) != digests[key]
+            }
         )
         if differing:
             by_rank = "; ".join(

@@ -1,0 +1,59 @@
+"""The bytes each rank really holds match plan.memory() within 10%."""
+
+from __future__ import annotations
+
+import itertools
+
+from dtypeplan._launch import spawn
+from tests.optimizer_cases import memory_cases
+
+WIDTH = 256  # ~130k parameters: bucket padding is well under 1%
+_MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
+
+
+def _configs() -> list[dict]:
+    configs = []
+    for model, accum, (stage, sharded), optimizer in itertools.product(
+        ["fp32", "bf16", "fp16"], ["fp32", "bf16"], [(0, False), (1, False), (1, True), (2, True)],
+        [{"type": "AdamW", "params": {"lr": 1e-3}}, {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}],
+    ):
+        configs.append(
+            {
+                **_MODEL_KEYS[model],
+                "gradient_accumulation_dtype": {"dtype": accum, "sharded": sharded},
+                "zero_optimization": {"stage": stage},
+                "optimizer": optimizer,
+            }
+        )
+    return configs
+
+
+def _assert_close(measured: dict, predicted: dict, context: object) -> None:
+    for key in ("params", "accumulator", "master", "total"):
+        assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (key, measured, predicted, context)
+    # Adam's state appears at the first step, SGD's momentum too: before it, none is held.
+    assert measured["grads"] == 0, (measured, context)
+
+
+def test_memory_matches_model_two_ranks() -> None:
+    configs = _configs()
+    results = spawn(memory_cases, 2, configs, WIDTH)[0]
+    for config, result in zip(configs, results):
+        predicted = dict(result["predicted"])
+        # States are created lazily by the first step; compare what exists at the boundary.
+        predicted["total"] -= predicted["optimizer_states"]
+        _assert_close(result["at_boundary"], predicted, config)
+        _assert_close(result["after_build"], predicted, config)
+
+
+def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over_n() -> None:
+    base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    configs = [
+        {**base, "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": False}},
+        {**base, "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": True}},
+    ]
+    for world_size in (2, 4):
+        whole, sharded = spawn(memory_cases, world_size, configs, WIDTH)[0]
+        saved = whole["at_boundary"]["accumulator"] - sharded["at_boundary"]["accumulator"]
+        expected = 4 * whole["num_params"] * (1 - 1 / world_size)
+        assert abs(saved - expected) <= 0.02 * expected, (world_size, saved, expected)
