@@ -53,7 +53,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     assert plan.status == "OK", plan.explain()
 
     reference = make_model(seed)
-    model = copy.deepcopy(reference)
+    model = plan.prepare_model(copy.deepcopy(reference))
     groups = _param_groups(model, case.get("param_groups", 1))
     optimizer = plan.build(groups)
     ref_groups = _param_groups(reference, case.get("param_groups", 1))
@@ -94,7 +94,9 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     ref_params = [p for group in ref_groups for p in group["params"]]
     diff = sum(float((state[f"param.{i}.master"] - p.detach()).square().sum()) for i, p in enumerate(ref_params))
     size = sum(float(p.detach().square().sum()) for p in ref_params)
-    param_dtype_ok = all(p.dtype == plan.param_dtype for p in model.parameters())
+    # ZeRO-3 keeps fp32 shards and computes in plan.param_dtype on gathered copies.
+    stored = torch.float32 if plan.zero_stage == 3 else plan.param_dtype
+    param_dtype_ok = all(p.dtype == stored for p in model.parameters())
     return {
         "name": case.get("name", ""),
         "losses": losses,

@@ -1,11 +1,13 @@
 """Optimizer implementations and the registry the rules table names them in."""
 
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers._loss_scaler import LossScaler, MinimumLossScaleError
 from dtypeplan.optimizers._registry import get_implementation, register, registered_names
 
 __all__ = [
+    "FSDP2Optimizer",
     "LossScaler",
     "MinimumLossScaleError",
     "MixedPrecisionOptimizer",

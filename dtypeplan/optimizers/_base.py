@@ -43,6 +43,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.skipped_steps = 0
         self.grad_norm: float | None = None
 
+    @classmethod
+    def prepare_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        plan: PrecisionPlan,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> torch.nn.Module:
+        """Make ``model`` ready for this implementation (ZeRO-3 shards it); default: as is."""
+        return model
+
     # --- the training-loop calls -------------------------------------------------------------
     @property
     @abc.abstractmethod

@@ -5,13 +5,14 @@ parameter and accumulation dtypes and ``S`` the optimizer's fp32 state bytes per
 (AdamW and Adam 8, SGD with momentum 4, plain SGD 0):
 
 ============  =====================================================================
-params        ``P * N``
+params        ``P * N``; at stage 3 ``4 * N / W``: FSDP2's fp32 shards, gathered in the
+              parameter dtype only while a layer runs
 grads         ``0``: the parameters' own ``.grad`` is consumed by a hook the moment
               autograd produces it (DeepSpeed counts ``P * N`` here; in dtypeplan those
               bytes are the accumulator when ``A == P``)
 accumulator   ``A * N`` whole, ``A * N / W`` sharded
 master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 parameters
-              below stage 3, whose master weights are the parameters themselves
+              and at stage 3, where the master weights are the parameters themselves
 states        ``S * N / D``
 ============  =====================================================================
 
@@ -43,9 +44,14 @@ def memory_model(
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
     n, w = num_params, world_size
     state_divisor = w if zero_stage >= 1 else 1
-    params = param_dtype.itemsize * n // (w if zero_stage >= 3 else 1)
+    if zero_stage >= 3:
+        # FSDP2 keeps the fp32 shards, which are also the master weights; the parameter-dtype
+        # copies exist only while a layer runs.
+        params = 4 * n // w
+    else:
+        params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
-    aliased = param_dtype == torch.float32 and zero_stage < 3
+    aliased = param_dtype == torch.float32 or zero_stage >= 3
     master = 0 if aliased else 4 * n // state_divisor
     states = state_bytes_per_param * n // state_divisor
     figures = {

@@ -183,6 +183,21 @@ class PrecisionPlan:
         return "\n".join(lines)
 
     # --- building -----------------------------------------------------------------------------
+    def prepare_model(
+        self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> torch.nn.Module:
+        """Ready ``model`` for :meth:`build`: ZeRO-3 shards it (FSDP2); other stages keep it.
+
+        Call it before ``build`` and before the model is handed to a pipeline stage.
+        """
+        if self.status != Status.OK:
+            return model
+        from dtypeplan.optimizers import get_implementation
+
+        return get_implementation(self.implementation).prepare_model(
+            model, plan=self, process_group=process_group
+        )
+
     def build(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

@@ -21,6 +21,7 @@ _SETTINGS = {
     "stage": lambda v: f"zero_optimization.stage={v}",
     "pipeline": lambda v: f"pipeline_parallel={v}",
     "comm": lambda v: f"communication_data_type={v}",
+    "reduction": lambda v: f"communication_reduction={v}",
 }
 
 
@@ -93,7 +94,8 @@ def resolve_config(config: PrecisionConfig, *, pipeline_parallel: bool, table: R
         "$.check_nonfinite" if config.check_nonfinite else "default (off)"
     )
 
-    point = {"model": model, "accum": accum, "sharded": sharded, "stage": stage, "pipeline": bool(pipeline_parallel), "comm": comm}
+    point = {"model": model, "accum": accum, "sharded": sharded, "stage": stage, "pipeline": bool(pipeline_parallel), "comm": comm,
+             "reduction": config.comm_reduction}
     rule = table.lookup(point)
     status = Status(rule.status)
     param_dtype = DTYPES[model_for_defaults]

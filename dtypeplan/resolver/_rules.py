@@ -36,13 +36,15 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "stage": (0, 1, 2, 3),
     "pipeline": (False, True),
     "comm": ("fp32", "fp16", "bf16"),
+    "reduction": ("collective", "fp32_sum"),
 }
 """Every dimension of the configuration space and its values, in display order.
 
 ``model`` is the parameter dtype chosen by ``bf16.enabled`` / ``fp16.enabled`` (``fp16+bf16``
 when both are on), ``accum`` the gradient-accumulation dtype, ``sharded`` whether the
 accumulator is sharded, ``stage`` the ZeRO stage, ``pipeline`` whether the caller runs pipeline
-parallelism, ``comm`` the dtype of gradients on the wire.
+parallelism, ``comm`` the dtype of gradients on the wire, ``reduction`` how 16-bit gradients are
+summed (the backend's collective, or an all-to-all summed in fp32 by the receiver).
 """
 
 Point = Mapping[str, Any]
