@@ -5,7 +5,9 @@
     optimizer = plan.build(model.parameters())
 """
 
-from dtypeplan import checkpoint
+import importlib
+from typing import Any
+
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RankMismatchError, RulesError
 from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
 from dtypeplan.resolver import PrecisionPlan, Status, load_rules, resolve
@@ -26,3 +28,10 @@ __all__ = [
     "registered_names",
     "resolve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.checkpoint costs seconds to import; every spawned rank would pay it.
+    if name == "checkpoint":
+        return importlib.import_module("dtypeplan.checkpoint")
+    raise AttributeError(f"module 'dtypeplan' has no attribute {name!r}")

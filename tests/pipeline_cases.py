@@ -9,8 +9,10 @@ function divides by the number of micro-batches and the schedule's own ``scale_g
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +49,7 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     per_stage = len(reference) // pp_size
     stage_module = copy.deepcopy(reference[pp_rank * per_stage : (pp_rank + 1) * per_stage])
     ref_opt = plan.optimizer.torch_class(reference.parameters(), **plan.optimizer.params)
+    stage_module = plan.prepare_model(stage_module, process_group=dp_group)
     optimizer = plan.build(stage_module.parameters(), process_group=dp_group)
 
     stage = PipelineStage(stage_module, pp_rank, pp_size, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -74,10 +77,11 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         mine_y = y.chunk(dp_size)[dp_rank]
         optimizer.zero_grad()
         step_losses: list[torch.Tensor] = []
-        if pp_rank == 0:
-            schedule.step(mine_x)
-        else:
-            schedule.step(target=mine_y, losses=step_losses)
+        with count_calls(dist, "reduce_scatter_single") as reduce_scatters:
+            if pp_rank == 0:
+                schedule.step(mine_x)
+            else:
+                schedule.step(target=mine_y, losses=step_losses)
         optimizer.clear_lp_grads()  # what a pipeline engine calls; must exist and be harmless
         optimizer.step()
         scale = case["config"].get("fp16", {}).get("loss_scale", 1.0) if plan.param_dtype == torch.float16 else 1.0
@@ -90,11 +94,39 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     for i, param in enumerate(ref_stage.parameters()):
         diff += float((state[f"param.{i}.master"] - param.detach()).square().sum())
         size += float(param.detach().square().sum())
-    return {"name": case["name"], "losses": losses, "ref_losses": ref_losses,
-            "master_rel_error": math.sqrt(diff / size), "skipped_steps": optimizer.skipped_steps}
+    return {
+        "name": case["name"],
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "backward_reduce_scatters": reduce_scatters[0],
+        "master_rel_error": math.sqrt(diff / size),
+        "skipped_steps": optimizer.skipped_steps,
+    }
 
 
-def run_pipeline_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def count_calls(module: Any, name: str) -> Iterator[list[int]]:
+    """Count calls of ``module.name`` inside the block (FSDP2 looks collectives up there)."""
+    original = getattr(module, name, None)
+    counter = [0]
+    if original is None:
+        yield counter
+        return
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counter[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield counter
+    finally:
+        setattr(module, name, original)
+
+
+def run_pipeline_cases(
+    rank: int, world_size: int, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp"))
     results = []
     for case in cases:

@@ -75,7 +75,12 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for child in model.children():
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if not plan.pipeline_parallel:
+            # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
+            # schedule turns gradient sync off for all but the last micro-batch of a module
+            # that is an FSDPModule, which would accumulate whole gradients; the children,
+            # each its own FSDP root, reduce-scatter every micro-batch as the plan says.
+            fully_shard(model, mesh=mesh, mp_policy=policy)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)

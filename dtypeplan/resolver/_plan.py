@@ -167,8 +167,9 @@ class PrecisionPlan:
             ("non-finite check", "on" if self.check_nonfinite or self.param_dtype == torch.float16 else "off", "check_nonfinite"),
         ]
         width = max(len(r[0]) for r in rows)
+        value_width = min(max(len(r[1]) for r in rows), 12)
         for label, value, key in rows:
-            lines.append(f"  {label:<{width}}  {value:<8}  <- {self.origins.get(key, 'fixed')}")
+            lines.append(f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}")
         if self.warnings:
             lines += ["", "warnings:"] + [f"  - {w}" for w in self.warnings]
         if self.ignored_keys:

@@ -1,0 +1,280 @@
+"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint`` and ``demo``.
+
+Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
+(``demo``: the config is not OK), 2 a bad config or rules file, an Error combination, or a
+usage error, 3 a demo rank failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+from dtypeplan.errors import PrecisionConfigError, RulesError
+from dtypeplan.resolver._memory import MEMORY_KEYS
+
+__all__ = ["format_bytes", "main", "memory_report", "parse_count"]
+
+EXIT_OK = 0
+EXIT_NOT_SUPPORTED = 1
+EXIT_ERROR = 2
+EXIT_RANK_FAILED = 3
+
+DEFAULT_PARAMS = 1_000_000_000
+DEFAULT_WORLD_SIZE = 8
+
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """``"7B"``, ``"1.3b"``, ``"125M"``, ``"7e9"`` or ``"7_000_000_000"`` as an int."""
+    match = re.fullmatch(
+        r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower()
+    )
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count (examples: 125M, 1.3B, 7e9, 1000000)"
+        )
+    value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2)]
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    value = parse_count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def format_bytes(count: int | float) -> str:
+    """``1536`` -> ``"1.50 KiB"``; binary units up to TiB."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def memory_report(
+    predicted: dict[str, int],
+    num_params: int,
+    world_size: int,
+    measured: Sequence[dict[str, int] | None] = (),
+) -> str:
+    """The per-rank byte table; ``measured`` adds one column per rank next to the prediction."""
+    header = ["component", "predicted bytes", "human", "bytes/param"]
+    header += [f"rank {r} measured" for r in range(len(measured))]
+    rows = [header]
+    for key in MEMORY_KEYS:
+        row = [
+            key,
+            f"{predicted[key]:,}",
+            format_bytes(predicted[key]),
+            f"{predicted[key] / num_params:.2f}" if num_params else "-",
+        ]
+        row += [f"{m[key]:,}" if m is not None else "n/a" for m in measured]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"memory per rank at the accumulation boundary: {num_params:,} parameters, "
+        f"{world_size} rank{'s' if world_size != 1 else ''}"
+    ]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _import_modules(names: Sequence[str]) -> None:
+    """Import the modules that register a custom rules file's implementations."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise RulesError(f"cannot import {name!r} (--import): {exc}") from None
+
+
+# --- commands ----------------------------------------------------------------------------------
+def _cmd_check(args: argparse.Namespace) -> int:
+    from dtypeplan.resolver import Status, resolve
+
+    plan = resolve(args.config, pipeline_parallel=args.pipeline, rules=args.rules)
+    memory = None if plan.status == Status.ERROR else plan.memory(args.params, args.world_size)
+    if args.json:
+        data = plan.to_dict()
+        data["memory"] = (
+            None
+            if memory is None
+            else {
+                "num_params": args.params,
+                "world_size": args.world_size,
+                "bytes_per_rank": memory,
+                "bytes_per_param": {
+                    k: (v / args.params if args.params else None) for k, v in memory.items()
+                },
+            }
+        )
+        print(json.dumps(data, indent=2))
+    else:
+        print(plan.explain())
+        print()
+        if memory is None:
+            print("memory: not estimated, the combination is an Error")
+        else:
+            if plan.status == Status.NOT_SUPPORTED:
+                print("(not supported: the figures are what the plan would take)")
+            print(memory_report(memory, args.params, args.world_size))
+    if plan.status == Status.OK:
+        return EXIT_OK
+    return EXIT_NOT_SUPPORTED if plan.status == Status.NOT_SUPPORTED else EXIT_ERROR
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    from dtypeplan.resolver import load_rules
+    from dtypeplan.table import render_markdown, render_readme_block
+
+    table = load_rules(args.rules)
+    print(render_readme_block(table) if args.readme else render_markdown(table), end="")
+    return EXIT_OK
+
+
+def _cmd_lint(args: argparse.Namespace) -> int:
+    from dtypeplan.resolver import load_rules
+
+    table = load_rules(args.rules)
+    combinations = sum(1 for _ in table.points())
+    print(
+        f"ok: {len(table.rules)} rules, {combinations} combinations, "
+        "each matched by exactly one rule"
+    )
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dtypeplan.demo import run_demo
+
+    return run_demo(
+        config=args.config,
+        world_size=args.world_size,
+        steps=args.steps,
+        micro_batches=args.micro_batches,
+    )
+
+
+# --- parser ------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtypeplan",
+        description="Explicit mixed-precision plans for distributed training.",
+        epilog="exit codes: 0 OK, 1 NotSupported, 2 Error or invalid input, 3 a demo rank failed",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_import(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="import MODULE first, so that the implementations it registers are known "
+            "(repeatable)",
+        )
+
+    check = commands.add_parser(
+        "check",
+        help="resolve a config: explain the plan and predict memory",
+        description="Resolve CONFIG, print plan.explain() and the predicted bytes per rank. "
+        "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config.",
+    )
+    check.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style .json or .yaml config")
+    check.add_argument("--pipeline", action="store_true", help="the run uses pipeline parallelism")
+    check.add_argument(
+        "--world-size",
+        type=_positive,
+        default=DEFAULT_WORLD_SIZE,
+        metavar="N",
+        help=f"data-parallel ranks for the memory figures (default {DEFAULT_WORLD_SIZE})",
+    )
+    check.add_argument(
+        "--params",
+        type=parse_count,
+        default=DEFAULT_PARAMS,
+        metavar="N",
+        help="model parameters for the memory figures, e.g. 125M, 7B (default 1B)",
+    )
+    check.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
+    check.add_argument(
+        "--json", action="store_true", help="print plan.to_dict() and memory as JSON"
+    )
+    add_import(check)
+    check.set_defaults(handler=_cmd_check)
+
+    table = commands.add_parser(
+        "table",
+        help="print the rules table as markdown",
+        description="Print every rule, then the status of each parameter dtype x accumulation "
+        "dtype x ZeRO stage x pipeline cell, as markdown.",
+    )
+    table.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
+    table.add_argument(
+        "--readme",
+        action="store_true",
+        help="print the block that goes between the table markers of README.md",
+    )
+    add_import(table)
+    table.set_defaults(handler=_cmd_table)
+
+    lint = commands.add_parser(
+        "lint",
+        help="check a rules file",
+        description="Check that every combination is matched by exactly one rule and every "
+        "implementation is registered. Exit 0 if so, else 2 with file:line.",
+    )
+    lint.add_argument("rules", nargs="?", metavar="RULES", help="default: the shipped rules file")
+    add_import(lint)
+    lint.set_defaults(handler=_cmd_lint)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model on local CPU ranks",
+        description="Train a small MLP on WORLD_SIZE spawned CPU ranks with a dtypeplan "
+        "optimizer, printing the plan, one line per step and the memory per rank. Default "
+        "config: bf16 parameters, fp32 gradient accumulation, AdamW, clipping, ZeRO-1.",
+    )
+    demo.add_argument("--config", metavar="FILE", help="a config instead of the default one")
+    demo.add_argument("--world-size", type=_positive, default=2, metavar="N", help="default 2")
+    demo.add_argument("--steps", type=_positive, default=20, metavar="N", help="default 20")
+    demo.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="micro-batches accumulated per step (default 4)",
+    )
+    demo.set_defaults(handler=_cmd_demo, imports=[])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    try:
+        _import_modules(args.imports)
+        return args.handler(args)
+    except (PrecisionConfigError, RulesError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

@@ -1,0 +1,249 @@
+"""``dtypeplan demo``: a small model trained end to end on local CPU ranks.
+
+A student MLP (with a residual LayerNorm block) learns to imitate a fixed random teacher MLP
+from fresh samples, on ``world_size`` gloo ranks started by :func:`dtypeplan._launch.spawn`.
+Every rank draws its own micro-batches, so the gradient reduction does real work. The run
+shows a plan at work: the parameters in the plan's dtype, micro-batch gradients summed in the
+accumulation dtype, one reduction per step, and the memory each rank really holds next to
+``plan.memory()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtypeplan._launch import RankFailure, spawn
+from dtypeplan.resolver import PrecisionPlan, Status, resolve
+
+__all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "measured_bytes", "run_demo"]
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "bf16": {"enabled": True},
+    "gradient_accumulation_dtype": "fp32",
+    "zero_optimization": {"stage": 1},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01},
+    },
+    "gradient_clipping": 1.0,
+}
+"""bf16 parameters, fp32 gradient accumulation, AdamW, clipping at 1.0, ZeRO stage 1."""
+
+IN_FEATURES = 32
+HIDDEN = 128
+OUT_FEATURES = 8
+MICRO_BATCH = 32
+SEED = 1234
+
+
+class TinyMLP(nn.Module):
+    """Linear -> GELU -> (LayerNorm -> Linear -> GELU) + residual -> Linear."""
+
+    def __init__(
+        self, in_features: int = IN_FEATURES, hidden: int = HIDDEN, out_features: int = OUT_FEATURES
+    ) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.inp(x))
+        h = h + nn.functional.gelu(self.mid(self.norm(h)))
+        return self.out(h)
+
+
+def default_config() -> dict[str, Any]:
+    """:data:`DEFAULT_CONFIG` at ZeRO stage 1 if the rules call it OK, else at stage 0."""
+    config = copy.deepcopy(DEFAULT_CONFIG)
+    if resolve(config).status != Status.OK:
+        config["zero_optimization"]["stage"] = 0
+    return config
+
+
+def _teacher() -> nn.Module:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    teacher = nn.Sequential(nn.Linear(IN_FEATURES, 64), nn.Tanh(), nn.Linear(64, OUT_FEATURES))
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.25)
+    return teacher
+
+
+def _batch(
+    teacher: nn.Module, rank: int, step: int, micro: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1_000_003 * rank + 1009 * step + micro)
+    x = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
+    with torch.no_grad():
+        y = teacher(x)
+    return x, y
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def measured_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: int
+) -> dict[str, int] | None:
+    """Bytes this rank really holds, per component of ``plan.memory()``.
+
+    Counted from the tensors of dtypeplan's flat optimizer (other implementations: None). A
+    storage shared between components (fp32 master weights are views of the parameters'
+    buffer) is counted once, in the first component that holds it.
+    """
+    from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
+
+    if not isinstance(optimizer, FlatMixedPrecisionOptimizer):
+        return None
+    seen: set[int] = set()
+
+    def count(tensors: list[torch.Tensor], whole_storage: bool = False) -> int:
+        total = 0
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += (
+                tensor.untyped_storage().nbytes()
+                if whole_storage
+                else tensor.numel() * tensor.element_size()
+            )
+        return total
+
+    figures = {
+        # The parameters are views of flat buffers: count whole storages, padding included.
+        "params": count(list(model.parameters()), whole_storage=True),
+        "grads": grad_bytes,
+        "accumulator": count([state.accumulator for state in optimizer.groups]),
+        "master": count([m for state in optimizer.groups for m in state.masters]),
+        "optimizer_states": count(
+            [
+                v
+                for slot in optimizer.inner.state.values()
+                for v in slot.values()
+                if torch.is_tensor(v)
+            ]
+        ),
+    }
+    figures["total"] = sum(figures.values())
+    return figures
+
+
+def _train(
+    rank: int, world_size: int, plan: PrecisionPlan, steps: int, micro_batches: int
+) -> dict[str, Any]:
+    torch.manual_seed(SEED)
+    model = TinyMLP()
+    num_params = sum(p.numel() for p in model.parameters())
+    teacher = _teacher()
+    optimizer = plan.build(model.parameters())
+    dtype = plan.param_dtype
+    losses: list[float] = []
+    grad_bytes = 0
+    for step in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        total = torch.zeros(1)
+        for micro in range(micro_batches):
+            x, y = _batch(teacher, rank, step, micro)
+            # The loss is taken in fp32 whatever the parameter dtype.
+            loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+            optimizer.backward(loss / micro_batches)
+            total += loss.detach() / micro_batches
+        if step == steps - 1:
+            grad_bytes = sum(
+                p.grad.numel() * p.grad.element_size()
+                for p in model.parameters()
+                if p.grad is not None
+            )
+        optimizer.step()
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        # For the report only: the mean loss over ranks.
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+        if rank == 0:
+            print(
+                f"step {step + 1:>3}/{steps}  loss {losses[-1]:.5f}  "
+                f"grad norm {optimizer.grad_norm:.4f}  loss scale {optimizer.loss_scale:g}  "
+                f"skipped {optimizer.skipped_steps}  {elapsed_ms:6.1f} ms/step",
+                flush=True,
+            )
+    return {
+        "losses": losses,
+        "num_params": num_params,
+        "measured": measured_bytes(model, optimizer, grad_bytes),
+        "skipped_steps": optimizer.skipped_steps,
+    }
+
+
+def run_demo(
+    config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    world_size: int = 2,
+    steps: int = 20,
+    micro_batches: int = 4,
+) -> int:
+    """Train on ``world_size`` spawned CPU ranks; returns the exit code of ``dtypeplan demo``.
+
+    0 after training, 1 if the config's plan is not OK (its explanation is printed), 3 if a
+    rank failed. An invalid config raises :class:`PrecisionConfigError`.
+    """
+    if config is None:
+        config = default_config()
+    plan = resolve(config)
+    print(plan.explain())
+    print(flush=True)
+    if plan.status != Status.OK:
+        print(f"demo: the plan is {plan.status}, nothing to train", file=sys.stderr)
+        return 1
+    print(
+        f"training a {sum(p.numel() for p in TinyMLP().parameters()):,}-parameter MLP on "
+        f"{world_size} CPU rank{'s' if world_size != 1 else ''}: {steps} steps of "
+        f"{micro_batches} micro-batches of {MICRO_BATCH} samples per rank",
+        flush=True,
+    )
+    start = time.perf_counter()
+    try:
+        results = spawn(_train, world_size, plan, steps, micro_batches, timeout_s=300.0)
+    except RankFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    elapsed = time.perf_counter() - start
+    losses = results[0]["losses"]
+    num_params = results[0]["num_params"]
+    print()
+    print(
+        f"loss: first {losses[0]:.5f}, last {losses[-1]:.5f} "
+        f"({losses[-1] / losses[0]:.1%} of the first); "
+        f"skipped steps {results[0]['skipped_steps']}; {elapsed:.1f} s including rank start-up"
+    )
+    print()
+    from dtypeplan.cli import memory_report
+
+    print(
+        memory_report(
+            plan.memory(num_params, world_size),
+            num_params,
+            world_size,
+            [r["measured"] for r in results],
+        )
+    )
+    measured = results[0]["measured"]
+    if measured is not None:
+        predicted = plan.memory(num_params, world_size)["total"]
+        print(
+            f"(measured - predicted on rank 0: {measured['total'] - predicted:+,} bytes: bucket "
+            "padding and step counters, which the byte model leaves out)"
+        )
+    return 0

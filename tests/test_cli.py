@@ -1,0 +1,453 @@
+"""The ``dtypeplan`` command line: exit codes, output, the markdown table and the demo."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import dtypeplan
+from dtypeplan.cli import format_bytes, main, parse_count
+from dtypeplan.optimizers import _registry
+from dtypeplan.resolver import DIMENSIONS, load_rules
+from dtypeplan.resolver._rules import default_rules_path
+from dtypeplan.table import README_BEGIN, README_END, readme_block, render_readme_block
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SHIPPED_RULES = Path(default_rules_path()).read_text()
+
+
+def _write(path: Path, data: object) -> Path:
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return path
+
+
+# A small complete rules file, so that the exit codes are tested against a fixed table while
+# the shipped one grows. It keeps the shipped defaults.
+TEST_RULES = SHIPPED_RULES[: SHIPPED_RULES.index("\nrules:\n")] + textwrap.dedent(
+    """
+    rules:
+      - id: t-both
+        when: {model: fp16+bf16}
+        status: Error
+        reason: Both 16-bit modes.
+      - id: t-pipeline
+        when: {model: [fp32, fp16, bf16], pipeline: true}
+        status: NotSupported
+        reason: No pipeline here.
+      - id: t-zero3
+        when: {model: [fp32, fp16, bf16], pipeline: false, stage: 3}
+        status: NotSupported
+        reason: No ZeRO-3 here.
+      - id: t-ok
+        when: {model: [fp32, fp16, bf16], pipeline: false, stage: [0, 1, 2]}
+        status: OK
+        implementation: replicated
+        reason: Fine.
+    """
+)
+
+
+def _line_of(text: str, needle: str) -> int:
+    """1-based line of the first line of ``text`` containing ``needle``."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+# --- check -----------------------------------------------------------------------------------
+def test_check_ok_prints_plan_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    config = EXAMPLES / "ds_config_bf16_zero1.json"
+    code = main(["check", str(config), "--params", "7B", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = dtypeplan.resolve(config)
+    assert out.startswith(plan.explain())
+    memory = plan.memory(7 * 10**9, 8)
+    assert "7,000,000,000 parameters, 8 ranks" in out
+    for key, value in memory.items():
+        table = out[out.index("memory per rank") :].splitlines()
+        row = next(line for line in table if line.strip().startswith(key + " "))
+        assert f"{value:,}" in row
+        assert format_bytes(value) in row
+        assert f"{value / 7e9:.2f}" in row
+
+
+def test_check_fp16_example_is_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(EXAMPLES / "ds_config_fp16.json")]) == 0
+    assert "loss scaling" in capsys.readouterr().out
+
+
+def test_check_yaml_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path / "c.yaml", "bf16:\n  enabled: true\nzero_optimization:\n  stage: 2\n")
+    assert main(["check", str(config)]) == 0
+    assert "rule: zero2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("config", "pipeline", "rule"),
+    [
+        ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, False, "t-zero3"),
+        ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, True, "t-pipeline"),
+    ],
+)
+def test_check_not_supported_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict, pipeline: bool, rule: str
+) -> None:
+    rules = _write(tmp_path / "rules.yaml", TEST_RULES)
+    argv = ["check", str(_write(tmp_path / "c.json", config)), "--rules", str(rules)]
+    assert main(argv + ["--pipeline"] * pipeline) == 1
+    out = capsys.readouterr().out
+    assert "status: NotSupported" in out
+    assert f"rule: {rule} " in out
+    assert "nearest supported configs:" in out and "-> OK (replicated, rule t-ok)" in out
+    assert "memory per rank" in out
+
+
+def test_check_error_plan_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path / "c.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    assert main(["check", str(config)]) == 2
+    out = capsys.readouterr().out
+    assert "status: Error" in out and "rule: fp16-and-bf16" in out
+    assert "memory per rank" not in out
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ({"bf16": {"enabeld": True}}, "$.bf16.enabeld"),
+        ({"zero_optimization": {"stage": "one"}}, "$.zero_optimization.stage"),
+        ("{not json", "not valid JSON"),
+        (None, "cannot read config file"),
+    ],
+)
+def test_check_bad_config_exits_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: object, expected: str
+) -> None:
+    path = tmp_path / "c.json"
+    if content is not None:
+        _write(path, content)
+    assert main(["check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ")
+    assert expected in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_check_bad_rules_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rules = _write(tmp_path / "rules.yaml", SHIPPED_RULES.replace("status: OK", "status: Fine", 1))
+    config = EXAMPLES / "ds_config_bf16_zero1.json"
+    assert main(["check", str(config), "--rules", str(rules)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {rules}:{_line_of(SHIPPED_RULES, 'status: OK')}: ")
+
+
+def test_check_json(capsys: pytest.CaptureFixture[str]) -> None:
+    config = EXAMPLES / "ds_config_bf16_zero1.json"
+    assert main(["check", str(config), "--json", "--params", "125M", "--world-size", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = dtypeplan.resolve(config)
+    memory = data.pop("memory")
+    assert data == json.loads(json.dumps(plan.to_dict()))
+    assert memory["num_params"] == 125_000_000 and memory["world_size"] == 4
+    assert memory["bytes_per_rank"] == plan.memory(125_000_000, 4)
+    assert memory["bytes_per_param"]["total"] == pytest.approx(
+        plan.memory(125_000_000, 4)["total"] / 125_000_000
+    )
+
+
+def test_check_json_not_supported_and_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rules = str(_write(tmp_path / "rules.yaml", TEST_RULES))
+    stage3 = _write(tmp_path / "a.json", {"zero_optimization": {"stage": 3}})
+    assert main(["check", str(stage3), "--json", "--rules", rules]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "NotSupported" and data["memory"]["bytes_per_rank"]["total"] > 0
+    both = _write(tmp_path / "b.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    assert main(["check", str(both), "--json", "--rules", rules]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "Error" and data["memory"] is None
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("7B", 7 * 10**9),
+        ("1.3b", 1_300_000_000),
+        ("125M", 125_000_000),
+        ("7e9", 7 * 10**9),
+        ("1_000", 1000),
+        ("0", 0),
+    ],
+)
+def test_parse_count(text: str, value: int) -> None:
+    assert parse_count(text) == value
+
+
+def test_bad_count_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(EXAMPLES / "ds_config_bf16_zero1.json")
+    assert main(["check", config, "--params", "lots"]) == 2
+    assert main(["check", config, "--world-size", "0"]) == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+# --- table -----------------------------------------------------------------------------------
+def _table_rows(out: str, header_start: str) -> list[list[str]]:
+    """Body rows (cells split) of the markdown table whose header starts with ``header_start``."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").replace("\\|", "\x00").split("|")]
+        rows.append([c.replace("\x00", "|") for c in cells])
+    return rows
+
+
+def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["table"]) == 0
+    out = capsys.readouterr().out
+    table = load_rules()
+    rows = _table_rows(out, "| id |")
+    assert len(rows) == len(table.rules)
+    for row, rule in zip(rows, table.rules, strict=True):
+        assert row == [
+            f"`{rule.id}`",
+            rule.when_text(),
+            rule.status,
+            rule.implementation or "-",
+            rule.reason,
+        ]
+
+
+def test_table_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["table"]) == 0
+    rows = _table_rows(capsys.readouterr().out, "| params |")
+    assert len(rows) == 9 and all(len(row) == 2 + 8 for row in rows)
+    flags = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
+    cells = list(itertools.product(range(4), (False, True)))
+    for row in rows:
+        model, accum = row[0], row[1]
+        for column, (stage, pipeline) in enumerate(cells, 2):
+            config = {
+                **flags[model],
+                "gradient_accumulation_dtype": accum,
+                "zero_optimization": {"stage": stage},
+            }
+            expected = str(dtypeplan.resolve(config, pipeline_parallel=pipeline).status)
+            assert row[column].strip("*") == expected, (model, accum, stage, pipeline)
+    assert [(r[0], r[1]) for r in rows] == list(
+        itertools.product(("fp32", "fp16", "bf16"), repeat=2)
+    )
+
+
+def test_table_grid_applies_the_rules_file_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A rules file whose default shards the accumulator at stage 0: every stage-0 cell of the
+    # grid must then be the stage0-sharded-accumulator Error, which only the defaults reach.
+    text = SHIPPED_RULES.replace(
+        "  accumulator_sharded:\n    0: false", "  accumulator_sharded:\n    0: true"
+    )
+    assert text != SHIPPED_RULES
+    rules = _write(tmp_path / "rules.yaml", text)
+    assert main(["table", "--rules", str(rules)]) == 0
+    rows = _table_rows(capsys.readouterr().out, "| params |")
+    assert {row[2] for row in rows} == {"Error"} and {row[3] for row in rows} == {"Error"}
+    assert {row[4].strip("*") for row in rows} == {"OK"}
+
+
+def test_table_readme_block(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["table", "--readme"]) == 0
+    out = capsys.readouterr().out
+    assert out == render_readme_block(load_rules())
+    assert "| id |" in out and "| params |" in out
+    assert README_BEGIN not in out and README_END not in out
+
+
+def test_readme_table_is_current() -> None:
+    readme = ROOT / "README.md"
+    block = readme_block(readme.read_text()) if readme.exists() else None
+    if block is None:
+        pytest.skip("README.md has no table markers")
+    assert block.strip() == render_readme_block(load_rules()).strip(), (
+        "the table in README.md is stale: paste the output of `dtypeplan table --readme` "
+        f"between {README_BEGIN} and {README_END}"
+    )
+
+
+# --- lint ------------------------------------------------------------------------------------
+def test_lint_shipped_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["lint"]) == 0
+    combinations = math.prod(len(values) for values in DIMENSIONS.values())
+    assert capsys.readouterr().out == (
+        f"ok: {len(load_rules().rules)} rules, {combinations} combinations, "
+        "each matched by exactly one rule\n"
+    )
+
+
+def _break_gap(text: str) -> tuple[str, str]:
+    start = text.index("  - id: zero3")
+    return text[:start], "rules:"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda t: (t.replace("id: zero2\n", "id: zero2\n    weird: 1\n"), "weird: 1"),
+            "unknown key 'weird'",
+        ),
+        (
+            lambda t: (
+                t.replace("implementation: sharded", "implementation: nowhere", 1),
+                "implementation: nowhere",
+            ),
+            "not registered",
+        ),
+        (_break_gap, "matched by no rule"),
+        (
+            lambda t: (
+                t.replace("status: Error", "status: Error: yes", 1),
+                "status: Error: yes",
+            ),
+            "not valid YAML",
+        ),
+        (
+            lambda t: (
+                t.replace("reason: >", "reason: !!python/object:os.system >", 1),
+                "!!python/object",
+            ),
+            "not allowed",
+        ),
+    ],
+    ids=["unknown-key", "unknown-implementation", "gap", "yaml-syntax", "python-tag"],
+)
+def test_lint_broken_rules_exits_2_with_file_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit, expected: str
+) -> None:
+    text, needle = edit(SHIPPED_RULES)
+    assert text != SHIPPED_RULES
+    path = _write(tmp_path / "rules.yaml", text)
+    assert main(["lint", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    line = _line_of(text, needle)
+    assert captured.err.startswith(f"error: {path}:"), captured.err
+    reported = int(captured.err.split(":")[2])
+    assert reported == line, captured.err
+    assert expected in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_lint_import_registers_user_implementations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
+    module = "dtypeplan_cli_test_impl"
+    (tmp_path / f"{module}.py").write_text(
+        textwrap.dedent(
+            """
+            import dtypeplan
+            from dtypeplan.optimizers._implementations import ShardedOptimizer
+
+            @dtypeplan.register("cli-test-zero1")
+            class MyZero1(ShardedOptimizer):
+                pass
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    text = SHIPPED_RULES.replace(
+        "status: OK\n    implementation: sharded",
+        "status: OK\n    implementation: cli-test-zero1",
+        1,
+    )
+    assert text != SHIPPED_RULES
+    rules = _write(tmp_path / "rules.yaml", text)
+    assert main(["lint", str(rules)]) == 2
+    assert "'cli-test-zero1', which is not registered" in capsys.readouterr().err
+    try:
+        assert main(["lint", str(rules), "--import", module]) == 0
+        assert capsys.readouterr().out.startswith("ok: ")
+    finally:
+        sys.modules.pop(module, None)
+    assert main(["lint", "--import", "no_such_module_dtypeplan"]) == 2
+    assert "cannot import 'no_such_module_dtypeplan'" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["--help"]) == 0
+    assert "check" in capsys.readouterr().out
+
+
+# --- demo ------------------------------------------------------------------------------------
+def _run_module(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "dtypeplan", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_demo_runs_on_two_ranks() -> None:
+    result = _run_module("demo", "--steps", "3", "--world-size", "2", "--micro-batches", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("status: OK (implementation ")
+    assert "parameters             bf16" in out and "gradient accumulation  fp32" in out
+    progress = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["1/3", "2/3", "3/3"]
+    for line in progress:
+        for field in ("loss", "grad norm", "loss scale", "skipped", "ms/step"):
+            assert field in line
+    assert "loss: first " in out
+    memory = out[out.index("memory per rank") :].splitlines()
+    assert "rank 0 measured" in memory[1] and "rank 1 measured" in memory[1]
+    assert [row.split()[0] for row in memory[2:8]] == [
+        "params",
+        "grads",
+        "accumulator",
+        "master",
+        "optimizer_states",
+        "total",
+    ]
+    total_row = memory[7].split()
+    predicted, rank0, rank1 = (int(total_row[i].replace(",", "")) for i in (1, -2, -1))
+    # Measured bytes exceed the byte model only by bucket padding and step counters.
+    assert predicted <= rank0 <= predicted * 1.05 and predicted <= rank1 <= predicted * 1.05
+
+
+def test_demo_with_a_config_that_is_not_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Runs in-process: a plan that is not OK stops before any rank is started.
+    config = _write(tmp_path / "c.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    assert main(["demo", "--config", str(config)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("status: Error")
+    assert "nearest supported configs:" in captured.out
+    bad = _write(tmp_path / "bad.json", {"bf16": {"enabled": "yes"}})
+    assert main(["demo", "--config", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
