@@ -24,11 +24,21 @@ def record_wire() -> Iterator[list[tuple[str, torch.dtype, int]]]:
         "_reduce_scatter_flat": _collectives._reduce_scatter_flat,
         "_all_gather_flat": _collectives._all_gather_flat,
     }
-    dist_originals = {"all_reduce": dist.all_reduce, "all_to_all_single": dist.all_to_all_single}
+    # FSDP2 (ZeRO-3) looks its collectives up on torch.distributed at call time.
+    dist_originals = {
+        "all_reduce": dist.all_reduce,
+        "all_to_all_single": dist.all_to_all_single,
+        "reduce_scatter_single": dist.reduce_scatter_single,
+        "all_gather_single": dist.all_gather_single,
+    }
 
     def wrap(op: str, fn: Any, which: int) -> Any:
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[which]
+            # The sent tensor: positional, or by keyword (FSDP2 passes input=/input_tensor=).
+            if len(args) > which:
+                tensor = args[which]
+            else:
+                tensor = next(kwargs[k] for k in ("input", "input_tensor", "tensor") if k in kwargs)
             log.append((op, tensor.dtype, tensor.numel()))
             return fn(*args, **kwargs)
 
@@ -38,6 +48,8 @@ def record_wire() -> Iterator[list[tuple[str, torch.dtype, int]]]:
     _collectives._all_gather_flat = wrap("all_gather", originals["_all_gather_flat"], 1)
     dist.all_reduce = wrap("all_reduce", dist_originals["all_reduce"], 0)
     dist.all_to_all_single = wrap("all_to_all", dist_originals["all_to_all_single"], 1)
+    dist.reduce_scatter_single = wrap("reduce_scatter", dist_originals["reduce_scatter_single"], 1)
+    dist.all_gather_single = wrap("all_gather", dist_originals["all_gather_single"], 1)
     try:
         yield log
     finally:
@@ -49,7 +61,7 @@ def record_wire() -> Iterator[list[tuple[str, torch.dtype, int]]]:
 
 def wire_case(rank: int, world_size: int, config: dict[str, Any]) -> list[tuple[str, str, int]]:
     plan = dtypeplan.resolve(config)
-    model = make_model(0)
+    model = plan.prepare_model(make_model(0))
     optimizer = plan.build(model.parameters())
     x, y = make_batch(0, 8 * world_size)
     with record_wire() as log:

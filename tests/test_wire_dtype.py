@@ -23,11 +23,13 @@ def _cases() -> list[dict]:
         ["fp32", "bf16", "fp16"],
         ["fp32", "bf16"],
         ["fp32", "fp16", "bf16"],
-        [(0, False), (1, False), (1, True), (2, True)],
+        [(0, False), (1, False), (1, True), (2, True), (3, True)],
         ["collective", "fp32_sum"],
     ):
         if reduction == "fp32_sum" and (comm == "fp32" or model != "bf16"):
             continue
+        if stage == 3 and (accum != "fp32" or reduction != "collective"):
+            continue  # NotSupported in the table
         cases.append(
             {
                 "model": model, "accum": accum, "comm": comm, "stage": stage, "sharded": sharded,
@@ -65,6 +67,9 @@ def test_wire_dtypes() -> None:
         # Only the one-element norm/overflow scalar travels outside the gradient dtype.
         scalars = [(op, dtype) for op, dtype, numel in log if numel == 1]
         assert scalars in ([], [("all_reduce", "torch.float32")]), log
+        if case["stage"] == 3:
+            # FSDP2 gathers every sharded module before forward and again before backward.
+            assert len(gathers) >= 2 * 2, log
     # Ranks record the same traffic: the collectives pair up.
     assert logs[0] == logs[1]
 

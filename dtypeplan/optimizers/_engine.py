@@ -447,13 +447,16 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         result["scalar.step"] = int(steps[0].item()) if steps else 0
         result["scalar.loss_scale"] = float(self.scaler.scale)
         result["scalar.skipped_steps"] = int(self.skipped_steps)
-        for key, value in self.scaler.state_dict().items():
-            result[f"scalar.scaler.{key}"] = value
+        if self.scaler.enabled:
+            for key, value in self.scaler.state_dict().items():
+                result[f"scalar.scaler.{key}"] = value
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         names = sorted({key.split(".", 2)[2] for key in state if key.startswith("param.")})
+        # States absent from the input must not survive from before the load.
+        self.inner.state.clear()
         first = 0
         step = int(state.get("scalar.step", 0))
         for group_state in self.groups:
@@ -470,7 +473,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         slot = self.inner.state[master]
                         slot[name] = chunk.clone()
                         if self.plan.optimizer.type in ("Adam", "AdamW"):
-                            slot["step"] = torch.tensor(float(step))
+                            slot["step"] = torch.tensor(float(step), device=master.device)
             first += len(flat.params)
         self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
         scaler = {k[len("scalar.scaler."):]: v for k, v in state.items() if k.startswith("scalar.scaler.")}

@@ -231,13 +231,15 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         result["scalar.step"] = step
         result["scalar.loss_scale"] = float(self.scaler.scale)
         result["scalar.skipped_steps"] = int(self.skipped_steps)
-        for key, value in self.scaler.state_dict().items():
-            result[f"scalar.scaler.{key}"] = value
+        if self.scaler.enabled:
+            for key, value in self.scaler.state_dict().items():
+                result[f"scalar.scaler.{key}"] = value
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         step = int(state.get("scalar.step", 0))
+        self.inner.state.clear()
         for index, (param, local) in enumerate(zip(self._params(), self._locals())):
 
             def shard(full: torch.Tensor, like: DTensor = param) -> torch.Tensor:
@@ -251,7 +253,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for name in names:
                 slot[name] = shard(state[prefix + name]).clone()
             if names and self.plan.optimizer.type in ("Adam", "AdamW"):
-                slot["step"] = torch.tensor(float(step))
+                slot["step"] = torch.tensor(float(step), device=local.device)
         self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
         scaler = {k[len("scalar.scaler."):]: v for k, v in state.items() if k.startswith("scalar.scaler.")}
         if scaler and self.scaler.enabled:

@@ -1,0 +1,405 @@
+"""dtypeplan.checkpoint: resharding loads, atomic saves, refusals.
+
+One spawned group of 4 ranks carries the multi-rank cases (see ``tests/checkpoint_cases.py``):
+a 2-rank subgroup saves four runs (fp32 AdamW, bf16 AdamW, fp32 SGD with momentum, fp16 AdamW
+with a moving loss scale) at ZeRO stage 1 with several buckets; they are loaded on 4 ranks at
+stages 1 and 2, on 2 ranks at stages 0 and 2, and in this process (torch.distributed off) on one
+rank. A resumed run must continue with the losses of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan import checkpoint
+from dtypeplan._launch import spawn
+from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError
+from tests import checkpoint_cases as cases
+
+LOSS_RTOL = {"fp32": 1e-5, "sgd": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
+TIMINGS: dict[str, float] = {}
+
+
+def _ok(result: dict[str, Any]) -> Any:
+    assert result["ok"], f"{result['type']}: {result['message']}\n{result['trace']}"
+    return result["value"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def spawned(root: str) -> list[dict[str, Any]]:
+    """The one spawned group (4 ranks; see checkpoint_cases), per rank."""
+    start = time.perf_counter()
+    results = spawn(cases.four_rank_group, 4, root, timeout_s=240)
+    TIMINGS["4-rank group"] = time.perf_counter() - start
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved(spawned: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The 2-rank reference runs, as rank 0 saw them."""
+    return {case: _ok(result) for case, result in spawned[0]["save"].items()}
+
+
+@pytest.fixture(scope="module")
+def one(root: str, spawned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Loads in this process, torch.distributed not initialized."""
+    start = time.perf_counter()
+    loads = {}
+    for case, stage in [("fp32", 1), ("fp32", 0), ("bf16", 1), ("sgd", 1), ("fp16", 0)]:
+        loads[f"1 rank/{case}/stage{stage}"] = cases.capture(
+            lambda case=case, stage=stage: cases.load_case(root, case, stage, None)
+        )
+    TIMINGS["1-rank loads"] = time.perf_counter() - start
+    return [{"load": loads}]
+
+
+def _loads(request: pytest.FixtureRequest, group: str) -> list[tuple[str, dict[str, Any]]]:
+    ranks = request.getfixturevalue(group)
+    return [(key, rank["load"][key]) for rank in ranks for key in rank["load"]]
+
+
+def test_public_names() -> None:
+    for name in checkpoint.__all__:
+        assert hasattr(checkpoint, name), name
+    assert issubclass(CheckpointMismatchError, CheckpointError)
+    assert issubclass(CheckpointError, ValueError)
+
+
+def test_saves_succeed_on_every_rank(spawned: list[dict[str, Any]]) -> None:
+    for rank in spawned[:2]:
+        assert rank["save"].keys() == cases.CASES.keys()
+        for result in rank["save"].values():
+            _ok(result)
+    keys = {key for rank in spawned for key in rank["load"]}
+    assert len(keys) == len(cases.FOUR_RANK_LOADS) + sum(len(v) for v in cases.PAIR_LOADS.values())
+
+
+@pytest.mark.parametrize("group", ["one", "spawned"])
+def test_resumed_run_continues_the_uninterrupted_one(
+    request: pytest.FixtureRequest, group: str, saved: dict[str, dict[str, Any]]
+) -> None:
+    """Losses after a load (other world size / stage / bucket layout) equal the reference."""
+    for key, result in _loads(request, group):
+        loaded = _ok(result)
+        case = key.split("/")[1]
+        reference = saved[case]
+        for step, (mine, ref) in enumerate(
+            zip(loaded["losses_after"], reference["losses_after"], strict=True)
+        ):
+            assert abs(mine - ref) <= LOSS_RTOL[case] * abs(ref), (
+                f"{group} {key}: step {cases.STEPS_BEFORE + step} loss {mine} "
+                f"vs uninterrupted {ref}"
+            )
+
+
+@pytest.mark.parametrize("group", ["one", "spawned"])
+def test_load_restores_weights_states_and_scalars(
+    request: pytest.FixtureRequest, group: str, saved: dict[str, dict[str, Any]]
+) -> None:
+    for key, result in _loads(request, group):
+        loaded = _ok(result)
+        reference = saved[key.split("/")[1]]
+        for i, (mine, ref) in enumerate(zip(loaded["masters"], reference["masters"], strict=True)):
+            assert torch.equal(mine, ref), f"{group} {key}: master {i} differs"
+        for i, (param, ref) in enumerate(zip(loaded["params"], reference["masters"], strict=True)):
+            assert torch.equal(param, ref.to(param.dtype)), (
+                f"{group} {key}: parameter {i} not loaded"
+            )
+        assert loaded["states"].keys() == reference["states"].keys(), key
+        for name, ref in reference["states"].items():
+            assert torch.equal(loaded["states"][name], ref), f"{group} {key}: {name} differs"
+        # The loss scaler carries state only in fp16; elsewhere it is off and not restored.
+        scalars = ("step", "loss_scale", "skipped_steps") + (("scaler",) if "fp16" in key else ())
+        for scalar in scalars:
+            assert loaded[scalar] == reference[scalar], f"{group} {key}: {scalar}"
+
+
+def test_sharded_loads_read_only_their_shard(spawned: list[dict[str, Any]]) -> None:
+    """ZeRO 1-2 ranks read their own shard of the masters (a chunk: at most total/n + ALIGN)."""
+    total = sum(p.numel() for p in cases.make_model(0).parameters())
+    for key, ranks in [("4 ranks/fp32/stage1", spawned), ("2 ranks/fp32/stage2", spawned[2:])]:
+        counts = [_ok(rank["load"][key])["read_numel"] for rank in ranks]
+        assert sum(counts) == total, (key, counts)
+        assert max(counts) <= total / len(ranks) + 64, (key, counts)
+    # Stage 0 holds (and reads) everything on every rank.
+    for rank in spawned[:2]:
+        assert _ok(rank["load"]["2 ranks/fp32/stage0"])["read_numel"] == total
+
+
+def test_fp16_loss_scale_and_step_survive(
+    saved: dict[str, dict[str, Any]], spawned: list[dict[str, Any]]
+) -> None:
+    reference = saved["fp16"]
+    # The run moved the scale (overflow at step 1, growth every 2 steps) and skipped one step,
+    # so a load that fell back to the initial scale would not match.
+    assert reference["skipped_steps"] == 1
+    assert reference["loss_scale"] != 2.0**8
+    assert reference["step"] == cases.STEPS_BEFORE - 1
+    for rank in spawned:
+        loaded = _ok(rank["load"]["4 ranks/fp16/stage1"])
+        assert loaded["loss_scale"] == reference["loss_scale"]
+        assert loaded["skipped_steps"] == 1
+        assert loaded["step"] == reference["step"]
+        assert loaded["scaler"] == reference["scaler"]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(spawned: list[dict[str, Any]]) -> None:
+    for rank in spawned[2:]:
+        outcome = _ok(rank["interrupted"])
+        failed = outcome["failed"]
+        assert not failed["ok"] and failed["type"] == "CheckpointError", failed
+        assert "disk died" in failed["message"]
+        assert len(outcome["leftovers"]) == 1
+        for mine, ref in zip(outcome["reloaded_masters"], outcome["first_masters"], strict=True):
+            assert torch.equal(mine, ref)
+        assert len(outcome["after_next_save"]) == 2 and "LATEST" in outcome["after_next_save"]
+
+
+def test_refusals_on_every_rank(spawned: list[dict[str, Any]]) -> None:
+    for rank in spawned[2:]:
+        out = _ok(rank["refusals"])
+        kind = out["optimizer_type"]
+        assert kind["type"] == "CheckpointMismatchError", kind
+        assert "AdamW" in kind["message"] and "SGD" in kind["message"]
+        shapes = out["shapes"]
+        assert shapes["type"] == "CheckpointMismatchError", shapes
+        assert "6 trainable parameters, this optimizer 4" in shapes["message"]
+        assert "[24, 12]" in shapes["message"] and "[20, 12]" in shapes["message"]
+        truncated = out["truncated"]
+        assert truncated["type"] == "CheckpointError", truncated
+        assert "damaged-truncated" in truncated["message"] and "truncated" in truncated["message"]
+        zeroed = out["zeroed"]
+        assert zeroed["type"] == "CheckpointError", zeroed
+        assert (
+            "damaged-zeroed" in zeroed["message"]
+            and "reading the checkpoint failed" in zeroed["message"]
+        )
+        assert out["unchanged_after_failed_loads"]
+
+
+def test_format_written_through_full_state_loads_sharded(
+    root: str, spawned: list[dict[str, Any]]
+) -> None:
+    """4 ranks wrote full tensors (full_state); one process reads them into its shard layout."""
+    reference = _ok(spawned[0]["full_state_save"])
+    model, opt = cases.build("fp32", stage=1, seed=5)
+    checkpoint.load(opt, os.path.join(root, "written-as-full"))
+    loaded = cases.snapshot(opt)
+    for mine, ref in zip(loaded["masters"], reference["masters"], strict=True):
+        assert torch.equal(mine, ref)
+    for name, ref in reference["states"].items():
+        assert torch.equal(loaded["states"][name], ref), name
+    assert loaded["step"] == reference["step"] == 2
+    with open(os.path.join(root, "written-as-full", "LATEST")) as handle:
+        snap = handle.read().strip()
+    with open(os.path.join(root, "written-as-full", snap, "manifest.json")) as handle:
+        manifest = json.load(handle)
+    assert manifest["written_as"] == "full" and manifest["world_size"] == 4
+    assert manifest["plan"]["zero_stage"] == 2
+
+
+# --- single process: damage, refusals, dtype change ------------------------------------------
+@pytest.fixture
+def trained(tmp_path: Any) -> tuple[str, torch.nn.Module, dtypeplan.MixedPrecisionOptimizer]:
+    model, opt = cases.build("fp32", stage=1)
+    cases.train(model, opt, range(2))
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(opt, path)
+    return path, model, opt
+
+
+def _snapshot_dir(path: str) -> str:
+    with open(os.path.join(path, "LATEST")) as handle:
+        return os.path.join(path, handle.read().strip())
+
+
+def _load_fresh(path: str, case: str = "fp32") -> dtypeplan.MixedPrecisionOptimizer:
+    _model, opt = cases.build(case, stage=0, seed=4)
+    checkpoint.load(opt, path)
+    return opt
+
+
+def test_manifest_records_layout_free_facts(trained: tuple[str, Any, Any]) -> None:
+    path, model, opt = trained
+    with open(os.path.join(_snapshot_dir(path), "manifest.json")) as handle:
+        manifest = json.load(handle)
+    assert manifest["version"] == 1 and manifest["world_size"] == 1
+    assert manifest["shapes"] == [list(p.shape) for p in model.parameters()]
+    assert (
+        manifest["optimizer"]["type"] == "AdamW" and manifest["optimizer"]["params"]["lr"] == 1e-2
+    )
+    assert manifest["states"] == ["master", "exp_avg", "exp_avg_sq"]
+    assert manifest["scalars"]["step"] == 2
+    assert manifest["plan"] == json.loads(json.dumps(opt.plan.to_dict()))
+    assert manifest["written_as"] == "sharded"
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p, s: os.remove(os.path.join(p, "LATEST")), "no LATEST file"),
+        (lambda p, s: shutil.rmtree(s), "which does not exist"),
+        (
+            lambda p, s: open(os.path.join(p, "LATEST"), "w").write("../../etc\n"),
+            "not a snapshot name",
+        ),
+        (lambda p, s: os.remove(os.path.join(s, "manifest.json")), "manifest is missing"),
+        (
+            lambda p, s: open(os.path.join(s, "manifest.json"), "w").write('{"format": '),
+            "not valid JSON",
+        ),
+        (lambda p, s: os.remove(os.path.join(s, ".metadata")), "missing from the checkpoint"),
+        (lambda p, s: os.remove(os.path.join(s, "__0_0.distcp")), "missing from the checkpoint"),
+        (
+            lambda p, s: open(os.path.join(s, "__0_0.distcp"), "ab").write(b"x"),
+            "the manifest recorded",
+        ),
+    ],
+    ids=[
+        "no-latest",
+        "no-snapshot",
+        "bad-latest",
+        "no-manifest",
+        "bad-json",
+        "no-metadata",
+        "no-data",
+        "grown",
+    ],
+)
+def test_damaged_checkpoint_is_refused_by_name(
+    trained: tuple[str, Any, Any], damage: Any, expected: str
+) -> None:
+    path, _model, _opt = trained
+    damage(path, _snapshot_dir(path))
+    with pytest.raises(CheckpointError, match=expected) as info:
+        _load_fresh(path)
+    assert path in str(info.value) and info.value.path == path
+
+
+def test_manifest_with_wrong_version_or_fields_is_refused(trained: tuple[str, Any, Any]) -> None:
+    path, _model, _opt = trained
+    where = os.path.join(_snapshot_dir(path), "manifest.json")
+    with open(where) as handle:
+        good = json.load(handle)
+    for change, expected in [
+        ({"version": 99}, "manifest version 99"),
+        ({"shapes": "x"}, "'shapes'"),
+    ]:
+        with open(where, "w") as handle:
+            json.dump({**good, **change}, handle)
+        with pytest.raises(CheckpointError, match=expected):
+            _load_fresh(path)
+
+
+def test_missing_path_and_foreign_directory(tmp_path: Any, trained: tuple[str, Any, Any]) -> None:
+    _path, _model, opt = trained
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        checkpoint.load(opt, tmp_path / "nothing")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not a dtypeplan checkpoint directory"):
+        checkpoint.save(opt, foreign)
+    assert os.listdir(foreign) == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        checkpoint.save(opt, tmp_path / "file")
+
+
+def test_single_process_save_dying_before_commit_keeps_previous(
+    trained: tuple[str, Any, Any],
+) -> None:
+    path, model, opt = trained
+    before = [p.detach().clone() for p in model.parameters()]
+    cases.train(model, opt, range(2, 3))
+    with mock.patch.object(checkpoint, "_commit_directory", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(opt, path)
+    assert any(e.endswith(".tmp") for e in os.listdir(path))
+    fresh = _load_fresh(path)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, [p for g in fresh.param_groups for p in g["params"]], strict=True)
+    )
+
+
+def test_mismatched_model_and_optimizer_are_refused(trained: tuple[str, Any, Any]) -> None:
+    path, _model, _opt = trained
+    plan = dtypeplan.resolve(cases.config("fp32", stage=1))
+    wider = torch.nn.Sequential(
+        torch.nn.Linear(12, 24),
+        torch.nn.Tanh(),
+        torch.nn.Linear(24, 25),
+        torch.nn.Tanh(),
+        torch.nn.Linear(25, 6),
+    )
+    opt = plan.build(wider.parameters())
+    before = [p.detach().clone() for p in wider.parameters()]
+    with pytest.raises(CheckpointMismatchError) as info:
+        checkpoint.load(opt, path)
+    message = str(info.value)
+    assert "parameter 2 shape: the checkpoint has [24, 24], this optimizer [25, 24]" in message
+    assert "parameter 4 shape: the checkpoint has [6, 24], this optimizer [6, 25]" in message
+    assert "count" not in message
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.parameters(), strict=True))
+    _m, adam = cases.build("fp32", stage=1, optimizer="sgd")
+    with pytest.raises(
+        CheckpointMismatchError, match="the checkpoint has AdamW, this optimizer is SGD"
+    ):
+        checkpoint.load(adam, path)
+
+
+def test_fp32_checkpoint_resumes_in_bf16(trained: tuple[str, Any, Any]) -> None:
+    """Masters are fp32 either way, so a change of parameter dtype is allowed."""
+    path, model, opt = trained
+    masters = cases.snapshot(opt)["masters"]
+    bf16_model, bf16 = cases.build("bf16", stage=2, seed=6)
+    checkpoint.load(bf16, path)
+    assert all(p.dtype == torch.bfloat16 for p in bf16_model.parameters())
+    for param, master in zip(bf16_model.parameters(), masters, strict=True):
+        assert torch.equal(param, master.to(torch.bfloat16))
+    for mine, ref in zip(cases.snapshot(bf16)["masters"], masters, strict=True):
+        assert torch.equal(mine, ref)
+
+
+def test_hyperparameters_are_restored(trained: tuple[str, Any, Any]) -> None:
+    path, _model, opt = trained
+    opt.param_groups[0]["lr"] = 0.123
+    checkpoint.save(opt, path)
+    fresh = _load_fresh(path)
+    assert fresh.param_groups[0]["lr"] == 0.123
+    assert isinstance(fresh.param_groups[0]["weight_decay"], float)
+
+
+def test_load_before_any_step_clears_optimizer_state(tmp_path: Any) -> None:
+    model, opt = cases.build("fp32", stage=1)
+    path = str(tmp_path / "fresh")
+    checkpoint.save(opt, path)
+    trained_model, trained_opt = cases.build("fp32", stage=1, seed=3)
+    cases.train(trained_model, trained_opt, range(2))
+    checkpoint.load(trained_opt, path)
+    state = cases.snapshot(trained_opt)
+    assert state["step"] == 0 and not state["states"]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(trained_model.parameters(), model.parameters(), strict=True)
+    )
+
+
+def test_report_timings(spawned: Any, one: Any) -> None:
+    # Not an assertion on speed: the numbers go to the log (-rA) for the suite's time budget.
+    print("checkpoint test groups:", {k: f"{v:.1f} s" for k, v in TIMINGS.items()})
