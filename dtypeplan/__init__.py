@@ -8,6 +8,7 @@
 import importlib
 from typing import Any
 
+from dtypeplan.comm import CollectiveError
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RankMismatchError, RulesError
 from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
 from dtypeplan.resolver import PrecisionPlan, Status, load_rules, resolve
@@ -15,6 +16,7 @@ from dtypeplan.resolver import PrecisionPlan, Status, load_rules, resolve
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "MixedPrecisionOptimizer",
     "NotSupportedError",
     "PrecisionConfigError",

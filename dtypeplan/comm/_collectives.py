@@ -188,34 +188,43 @@ class Communicator:
         """Raise RankMismatchError on every rank if any rank was given other ``facts``.
 
         Each fact is hashed on its own, so the error names what differs rather than hanging
-        later in a collective of mismatched sizes.
+        later in a collective of mismatched sizes. A fact that is a dict is also hashed entry by
+        entry, and the error then names the entries too (``plan.comm_dtype``).
         """
         if not self.active:
             return
-        digests = {
-            key: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-            for key, value in facts.items()
-        }
+        digests: dict[str, str] = {}
+        for key, value in facts.items():
+            digests[key] = _digest(value)
+            if isinstance(value, dict):
+                digests.update({f"{key}.{sub}": _digest(item) for sub, item in value.items()})
         gathered: list[dict[str, str] | None] = [None] * self.world_size
         with self._guard("all_gather_object of the plan digests"):
             dist.all_gather_object(gathered, digests, group=self.group)
+        others = [other for other in gathered if other is not None]
         differing = sorted(
             {
                 key
-                for other in gathered
-                if other is not None
-                for key in digests
-                if other.get(key) != digests[key]
+                for other in others
+                for key in digests.keys() | other.keys()
+                if other.get(key) != digests.get(key)
             }
         )
-        if differing:
+        top = [key for key in differing if key in facts]
+        if top:
             by_rank = "; ".join(
-                f"rank {rank}: " + ", ".join(f"{k}={other[k][:8]}" for k in differing)
+                f"rank {rank}: " + ", ".join(f"{k}={other.get(k, 'missing')[:8]}" for k in top)
                 for rank, other in enumerate(gathered)
                 if other is not None
             )
+            entries = [key for key in differing if key not in facts]
+            detail = f"; the entries that differ: {', '.join(entries)}" if entries else ""
             raise RankMismatchError(
-                f"ranks of the data-parallel group disagree on {', '.join(differing)} "
-                f"({by_rank}). Every rank must resolve the same config and build the optimizer "
-                "over parameters of the same shapes, in the same order"
+                f"ranks of the data-parallel group disagree on {', '.join(top)} "
+                f"({by_rank}){detail}. Every rank must resolve the same config and build the "
+                "optimizer over parameters of the same shapes, in the same order"
             )
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()

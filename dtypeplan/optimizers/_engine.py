@@ -113,7 +113,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
         self.comm.check_consistent(
             {
-                "plan": plan.digest(),
+                "plan": plan.rank_facts(),
                 "implementation": type(self).__name__,
                 "param_shapes": [
                     [list(p.shape) for p in group["params"]] for group in self.param_groups

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cache
@@ -118,7 +119,7 @@ def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         known = sorted(error.schema.get("properties", {}))
-        unknown = sorted(k for k in error.instance if k not in known)
+        unknown = sorted((k for k in error.instance if k not in known), key=str)
         key = unknown[0] if unknown else "?"
         close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
@@ -127,10 +128,14 @@ def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
             _json_path([*error.absolute_path, key]),
         )
     if error.validator in ("oneOf", "anyOf") and error.context:
-        # Report the branch that got furthest, not the generic "is not valid under any".
-        deepest = max(error.context, key=lambda e: len(e.absolute_path))
-        if len(deepest.absolute_path) > len(error.absolute_path):
-            return _schema_error(deepest)
+        # Report the branch whose type fits the value (a misspelt key inside the mapping
+        # form, say), not the generic "is not valid under any of the given schemas".
+        fitting = [e for e in error.context if e.validator not in ("type", "$ref")]
+        misspelt = [e for e in fitting if e.validator == "additionalProperties"]
+        if misspelt:
+            return _schema_error(misspelt[0])
+        if fitting:
+            return _schema_error(jsonschema.exceptions.best_match(fitting))
     value = json.dumps(error.instance, default=repr)
     if len(value) > 60:
         value = value[:57] + "..."
@@ -248,6 +253,12 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         optimizer = OptimizerConfig(type=canonical, params=params)
     zero = document.get("zero_optimization", {})
     bucket = zero.get("reduce_bucket_size")
+    for path, value in (
+        ("$.zero_optimization.reduce_bucket_size", bucket),
+        ("$.gradient_clipping", document.get("gradient_clipping")),
+    ):
+        if value is not None and not math.isfinite(value):
+            raise PrecisionConfigError(f"invalid value {value} at {path}: must be a finite number", path)
     return PrecisionConfig(
         bf16=bool(bf16.get("enabled", False)),
         fp16=bool(fp16.get("enabled", False)),
@@ -257,7 +268,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         accumulator_sharded=sharded,
         comm_dtype=document.get("communication_data_type"),
         comm_reduction=document.get("communication_reduction", "collective"),
-        zero_stage=zero.get("stage"),
+        zero_stage=int(zero["stage"]) if "stage" in zero else None,
         optimizer=optimizer,
         optimizer_given=optimizer_doc is not None,
         gradient_clipping=float(document.get("gradient_clipping", 0.0)),

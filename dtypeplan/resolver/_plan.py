@@ -108,12 +108,16 @@ class PrecisionPlan:
             ],
         }
 
-    def digest(self) -> str:
-        """A hash of everything that must agree across the ranks of one group."""
+    def rank_facts(self) -> dict[str, Any]:
+        """What must agree across the ranks of one group (not where each value came from)."""
         data = self.to_dict()
         for key in ("origins", "warnings", "ignored_keys", "alternatives", "rule_location"):
             data.pop(key)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return data
+
+    def digest(self) -> str:
+        """A hash of :meth:`rank_facts`."""
+        return hashlib.sha256(json.dumps(self.rank_facts(), sort_keys=True).encode()).hexdigest()
 
     def memory(self, num_params: int, world_size: int) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``)."""

@@ -15,7 +15,11 @@ MAX_ALTERNATIVES = 5
 
 # How each dimension is changed in a config, for the "nearest supported configs" advice.
 _SETTINGS = {
-    "model": lambda v: {"fp32": "bf16.enabled=false, fp16.enabled=false", "fp16": "fp16.enabled=true", "bf16": "bf16.enabled=true"}[v],
+    "model": lambda v: {
+        "fp32": "bf16.enabled=false, fp16.enabled=false",
+        "fp16": "fp16.enabled=true, bf16.enabled=false",
+        "bf16": "bf16.enabled=true, fp16.enabled=false",
+    }[v],
     "accum": lambda v: f"gradient_accumulation_dtype.dtype={v}",
     "sharded": lambda v: f"gradient_accumulation_dtype.sharded={'true' if v else 'false'}",
     "stage": lambda v: f"zero_optimization.stage={v}",

@@ -1,0 +1,523 @@
+"""The config boundary: every key of API.md, the three input forms, and every kind of mistake.
+
+A mistake must come back as ``PrecisionConfigError`` whose ``.path`` is the JSON path of the
+bad value and whose message names that path (and, for a misspelt key, the closest known key).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import dtypeplan
+from dtypeplan import PrecisionConfigError
+
+# Every key that API.md lists as mattering, each set to a non-default value.
+FULL_FP16_CONFIG: dict[str, Any] = {
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 3,
+        "min_loss_scale": 0.5,
+    },
+    "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": True},
+    "communication_data_type": "bf16",
+    "zero_optimization": {"stage": 1},
+    "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
+    "gradient_clipping": 1.5,
+}
+
+# Megatron-DeepSpeed's examples_deepspeed/ds_config_gpt_TEMPLATE.json and the ds_config that its
+# pretrain_llama2_distributed.sh writes, with the shell placeholders filled in.
+MEGATRON_DS_CONFIG: dict[str, Any] = {
+    "train_batch_size": 256,
+    "train_micro_batch_size_per_gpu": 4,
+    "steps_per_print": 10,
+    "zero_optimization": {"stage": 1},
+    "bf16": {"enabled": True},
+    "wall_clock_breakdown": False,
+}
+MEGATRON_GPT_TEMPLATE: dict[str, Any] = {
+    "train_batch_size": 512,
+    "train_micro_batch_size_per_gpu": 8,
+    "steps_per_print": 10,
+    "zero_optimization": {"stage": 0},
+    "gradient_clipping": 1.0,
+    "prescale_gradients": False,
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 500,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+        "initial_scale_power": 11,
+    },
+    "bf16": {"enabled": False},
+    "curriculum_learning": {
+        "enabled": False,
+        "curriculum_type": "seqlen",
+        "min_difficulty": 80,
+        "max_difficulty": 2048,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 15000, "difficulty_step": 8},
+    },
+    "wall_clock_breakdown": False,
+}
+
+
+def _write(tmp_path: Path, name: str, document: Any) -> Path:
+    path = tmp_path / name
+    if name.endswith((".yaml", ".yml")):
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
+    else:
+        path.write_text(json.dumps(document, indent=2))
+    return path
+
+
+def _error(config: Any) -> PrecisionConfigError:
+    with pytest.raises(PrecisionConfigError) as info:
+        dtypeplan.resolve(config)
+    return info.value
+
+
+# --- input forms -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["config.json", "config.yaml", "config.yml"])
+def test_file_inputs_resolve_like_the_dict(tmp_path: Path, name: str) -> None:
+    expected = dtypeplan.resolve(FULL_FP16_CONFIG).to_dict()
+    path = _write(tmp_path, name, FULL_FP16_CONFIG)
+    assert dtypeplan.resolve(path).to_dict() == expected
+    assert dtypeplan.resolve(str(path)).to_dict() == expected
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(PrecisionConfigError, match="cannot read"):
+        dtypeplan.resolve(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("bad.json", '{"bf16": {"enabled": true},}'), ("bad.yaml", "bf16: {enabled: true\n")],
+)
+def test_unparsable_file_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(PrecisionConfigError, match=name):
+        dtypeplan.resolve(path)
+
+
+def test_yaml_config_never_constructs_objects(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "config.yaml"
+    path.write_text(f'bf16: !!python/object/apply:os.system ["touch {marker}"]\n')
+    with pytest.raises(PrecisionConfigError):
+        dtypeplan.resolve(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("document", [[], "bf16", 3, None])
+def test_a_config_must_be_a_mapping(tmp_path: Path, document: Any) -> None:
+    assert _error(document).path == "$"
+    path = _write(tmp_path, "config.json", document)
+    assert _error(path).path == "$"
+
+
+# --- every key of API.md ---------------------------------------------------------------------
+def test_every_documented_key_reaches_the_plan() -> None:
+    plan = dtypeplan.resolve(FULL_FP16_CONFIG)
+    assert plan.status == "OK" and plan.implementation == "sharded"
+    assert plan.param_dtype == torch.float16
+    assert plan.grad_accum_dtype == torch.float32
+    assert plan.accumulator_sharded is True
+    assert plan.comm_dtype == torch.bfloat16
+    assert plan.zero_stage == 1
+    assert plan.gradient_clipping == 1.5
+    scaling = plan.loss_scaling
+    assert (scaling.loss_scale, scaling.initial_scale_power, scaling.loss_scale_window) == (
+        0,
+        12,
+        500,
+    )
+    assert (scaling.hysteresis, scaling.min_loss_scale) == (3, 0.5)
+    assert plan.optimizer.type == "SGD"
+    assert plan.optimizer.params == {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
+    assert plan.origins["grad_accum_dtype"] == "$.gradient_accumulation_dtype.dtype"
+    assert plan.origins["comm_dtype"] == "$.communication_data_type"
+    text = plan.explain()
+    assert "dynamic from 2**12, window 500, hysteresis 3, min 0.5" in text
+    assert "global L2 norm 1.5" in text and "SGD" in text
+
+
+def test_static_loss_scale() -> None:
+    plan = dtypeplan.resolve({"fp16": {"enabled": True, "loss_scale": 128}})
+    assert plan.loss_scaling.loss_scale == 128
+    assert "static 128" in plan.explain()
+
+
+@pytest.mark.parametrize(
+    ("bf16", "fp16", "dtype"),
+    [
+        (None, None, torch.float32),
+        (False, False, torch.float32),
+        (True, None, torch.bfloat16),
+        (True, False, torch.bfloat16),
+        (None, True, torch.float16),
+        (False, True, torch.float16),
+    ],
+)
+def test_param_dtype_from_enabled_flags(
+    bf16: bool | None, fp16: bool | None, dtype: torch.dtype
+) -> None:
+    config: dict[str, Any] = {}
+    if bf16 is not None:
+        config["bf16"] = {"enabled": bf16}
+    if fp16 is not None:
+        config["fp16"] = {"enabled": fp16}
+    plan = dtypeplan.resolve(config)
+    assert plan.param_dtype == dtype and plan.master_dtype == torch.float32
+    assert plan.status == "OK"
+
+
+def test_both_16_bit_modes_are_an_error_plan_not_an_exception() -> None:
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    assert plan.status == "Error" and plan.implementation is None
+    assert "bf16" in plan.reason and "fp16" in plan.reason
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_accumulation_dtype_as_string(dtype: str) -> None:
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "gradient_accumulation_dtype": dtype})
+    assert (
+        plan.grad_accum_dtype
+        == {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    )
+    assert plan.origins["grad_accum_dtype"] == "$.gradient_accumulation_dtype"
+    # The string form leaves sharding to the stage's default (stage 0: whole).
+    assert plan.accumulator_sharded is False
+
+
+@pytest.mark.parametrize(("stage", "sharded"), [(1, True), (1, False), (2, True), (0, False)])
+def test_accumulation_dtype_as_mapping(stage: int, sharded: bool) -> None:
+    plan = dtypeplan.resolve(
+        {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage},
+            "gradient_accumulation_dtype": {"dtype": "bf16", "sharded": sharded},
+        }
+    )
+    assert plan.status == "OK"
+    assert plan.grad_accum_dtype == torch.bfloat16
+    assert plan.accumulator_sharded is sharded
+    assert plan.origins["accumulator_sharded"] == "$.gradient_accumulation_dtype.sharded"
+
+
+def test_accumulation_mapping_without_sharded_uses_the_stage_default() -> None:
+    for stage, sharded in [(0, False), (1, False), (2, True), (3, True)]:
+        plan = dtypeplan.resolve(
+            {
+                "zero_optimization": {"stage": stage},
+                "gradient_accumulation_dtype": {"dtype": "fp32"},
+            }
+        )
+        assert plan.accumulator_sharded is sharded, stage
+
+
+def test_data_types_alias() -> None:
+    plan = dtypeplan.resolve(
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
+    )
+    assert plan.grad_accum_dtype == torch.bfloat16
+    assert plan.origins["grad_accum_dtype"] == "$.data_types.grad_accum_dtype"
+
+
+@pytest.mark.parametrize(
+    "spelling", ["fp16", {"dtype": "fp16"}, {"dtype": "fp16", "sharded": False}]
+)
+def test_data_types_alias_agreeing_with_the_key(spelling: Any) -> None:
+    plan = dtypeplan.resolve(
+        {
+            "fp16": {"enabled": True},
+            "gradient_accumulation_dtype": spelling,
+            "data_types": {"grad_accum_dtype": "fp16"},
+        }
+    )
+    assert plan.grad_accum_dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "spelling", ["fp32", {"dtype": "fp32"}, {"dtype": "fp32", "sharded": True}]
+)
+def test_data_types_alias_contradicting_the_key(spelling: Any) -> None:
+    error = _error(
+        {
+            "zero_optimization": {"stage": 1},
+            "gradient_accumulation_dtype": spelling,
+            "data_types": {"grad_accum_dtype": "bf16"},
+        }
+    )
+    assert error.path == "$.data_types.grad_accum_dtype"
+    assert "$.data_types.grad_accum_dtype" in str(error)
+    assert "'bf16'" in str(error) and "'fp32'" in str(error)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, torch.float32), ("fp16", torch.float16)])
+def test_communication_data_type(value: str | None, expected: torch.dtype) -> None:
+    plan = dtypeplan.resolve({"communication_data_type": value})
+    assert plan.comm_dtype == expected
+
+
+@pytest.mark.parametrize(
+    ("spelling", "canonical"),
+    [
+        ("AdamW", "AdamW"),
+        ("adamw", "AdamW"),
+        ("Adam", "Adam"),
+        ("adam", "Adam"),
+        ("SGD", "SGD"),
+        ("sgd", "SGD"),
+    ],
+)
+def test_optimizer_types(spelling: str, canonical: str) -> None:
+    plan = dtypeplan.resolve({"optimizer": {"type": spelling, "params": {"lr": 0.01}}})
+    assert plan.optimizer.type == canonical
+    assert plan.optimizer.torch_class.__name__ == canonical
+
+
+def test_optimizer_betas_list_becomes_a_tuple() -> None:
+    plan = dtypeplan.resolve({"optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95]}}})
+    assert plan.optimizer.params["betas"] == (0.8, 0.95)
+    assert plan.to_dict()["optimizer"]["params"]["betas"] == [0.8, 0.95]
+
+
+def test_defaults_when_silent() -> None:
+    plan = dtypeplan.resolve({})
+    assert plan.status == "OK" and plan.implementation == "replicated"
+    assert plan.zero_stage == 0 and plan.gradient_clipping == 0
+    assert plan.optimizer.type == "AdamW"
+    assert (plan.param_dtype, plan.grad_accum_dtype, plan.comm_dtype) == (torch.float32,) * 3
+    bf16 = dtypeplan.resolve({"bf16": {"enabled": True}})
+    # precision_rules.yaml: bf16 parameters sum their gradients in fp32.
+    assert bf16.grad_accum_dtype == torch.float32 and bf16.comm_dtype == torch.float32
+    fp16 = dtypeplan.resolve({"fp16": {"enabled": True}})
+    assert fp16.grad_accum_dtype == torch.float16
+
+
+# --- misspelt and unknown keys ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("config", "path", "suggestion"),
+    [
+        ({"zero_optimizaton": {"stage": 1}}, "$.zero_optimizaton", "zero_optimization"),
+        ({"bf16": {"enabeld": True}}, "$.bf16.enabeld", "enabled"),
+        (
+            {"fp16": {"enabled": True, "loss_scale_windw": 10}},
+            "$.fp16.loss_scale_windw",
+            "loss_scale_window",
+        ),
+        ({"zero_optimization": {"stgae": 2}}, "$.zero_optimization.stgae", "stage"),
+        (
+            {"gradient_acumulation_dtype": "fp32"},
+            "$.gradient_acumulation_dtype",
+            "gradient_accumulation_dtype",
+        ),
+        ({"communication_data_typ": "fp32"}, "$.communication_data_typ", "communication_data_type"),
+        ({"gradient_clip": 1.0}, "$.gradient_clip", "gradient_clipping"),
+        (
+            {"data_types": {"grad_acum_dtype": "fp32"}},
+            "$.data_types.grad_acum_dtype",
+            "grad_accum_dtype",
+        ),
+        (
+            {"gradient_accumulation_dtype": {"dtype": "fp32", "shardd": True}},
+            "$.gradient_accumulation_dtype.shardd",
+            "sharded",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
+            "$.optimizer.params.weight_decy",
+            "weight_decay",
+        ),
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentun": 0.9}}},
+            "$.optimizer.params.momentun",
+            "momentum",
+        ),
+        ({"trian_batch_size": 8}, "$.trian_batch_size", "train_batch_size"),
+    ],
+)
+def test_misspelt_key_names_the_path_and_the_closest_key(
+    config: dict[str, Any], path: str, suggestion: str
+) -> None:
+    error = _error(config)
+    assert error.path == path
+    assert path in str(error)
+    assert f"did you mean {suggestion!r}" in str(error)
+
+
+def test_misspelt_key_in_accumulation_mapping_without_dtype() -> None:
+    error = _error({"gradient_accumulation_dtype": {"dtpye": "fp32"}})
+    assert error.path == "$.gradient_accumulation_dtype.dtpye"
+    assert "did you mean 'dtype'" in str(error)
+
+
+def test_unknown_key_without_a_close_match_lists_the_known_keys() -> None:
+    error = _error({"bf16": {"enabled": True, "xyzzy": 1}})
+    assert error.path == "$.bf16.xyzzy"
+    assert "'xyzzy'" in str(error) and "enabled" in str(error)
+
+
+# --- wrong types and values ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"bf16": True}, "$.bf16"),
+        ({"bf16": {"enabled": "yes"}}, "$.bf16.enabled"),
+        ({"bf16": {"enabled": 1}}, "$.bf16.enabled"),
+        ({"fp16": {"enabled": None}}, "$.fp16.enabled"),
+        ({"fp16": {"enabled": True, "loss_scale": -1}}, "$.fp16.loss_scale"),
+        ({"fp16": {"enabled": True, "loss_scale": "dynamic"}}, "$.fp16.loss_scale"),
+        ({"fp16": {"enabled": True, "initial_scale_power": 1.5}}, "$.fp16.initial_scale_power"),
+        ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "$.fp16.loss_scale_window"),
+        ({"fp16": {"enabled": True, "hysteresis": "2"}}, "$.fp16.hysteresis"),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "$.fp16.min_loss_scale"),
+        ({"gradient_accumulation_dtype": "fp8"}, "$.gradient_accumulation_dtype"),
+        ({"gradient_accumulation_dtype": "float32"}, "$.gradient_accumulation_dtype"),
+        ({"gradient_accumulation_dtype": 32}, "$.gradient_accumulation_dtype"),
+        ({"gradient_accumulation_dtype": {"dtype": "fp64"}}, "$.gradient_accumulation_dtype.dtype"),
+        (
+            {"gradient_accumulation_dtype": {"dtype": "fp32", "sharded": "yes"}},
+            "$.gradient_accumulation_dtype.sharded",
+        ),
+        ({"gradient_accumulation_dtype": {"sharded": True}}, "$.gradient_accumulation_dtype"),
+        ({"data_types": {"grad_accum_dtype": "fp8"}}, "$.data_types.grad_accum_dtype"),
+        ({"data_types": []}, "$.data_types"),
+        ({"communication_data_type": "int8"}, "$.communication_data_type"),
+        ({"communication_data_type": ["fp32"]}, "$.communication_data_type"),
+        ({"zero_optimization": {"stage": 4}}, "$.zero_optimization.stage"),
+        ({"zero_optimization": {"stage": "1"}}, "$.zero_optimization.stage"),
+        ({"zero_optimization": {"stage": True}}, "$.zero_optimization.stage"),
+        ({"zero_optimization": 1}, "$.zero_optimization"),
+        ({"optimizer": {"type": "Lion"}}, "$.optimizer.type"),
+        ({"optimizer": {"params": {"lr": 0.1}}}, "$.optimizer"),
+        ({"optimizer": {"type": "AdamW", "params": [0.1]}}, "$.optimizer.params"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": -1.0}}}, "$.optimizer.params"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, "$.optimizer.params"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [1.5, 0.9]}}}, "$.optimizer.params"),
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "foreach": True}}},
+            "$.optimizer.params.foreach",
+        ),
+        ({"gradient_clipping": -1.0}, "$.gradient_clipping"),
+        ({"gradient_clipping": "1.0"}, "$.gradient_clipping"),
+        ({"gradient_clipping": True}, "$.gradient_clipping"),
+    ],
+)
+def test_bad_value_names_its_json_path(config: dict[str, Any], path: str) -> None:
+    error = _error(config)
+    assert error.path == path
+    assert path in str(error)
+
+
+def test_bad_value_in_a_file_names_its_json_path(tmp_path: Path) -> None:
+    path = _write(tmp_path, "config.yaml", {"zero_optimization": {"stage": 7}})
+    assert _error(path).path == "$.zero_optimization.stage"
+
+
+def test_integral_float_stage_gives_an_int_stage() -> None:
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 1.0}})
+    assert type(plan.zero_stage) is int
+
+
+def test_infinite_bucket_size_is_a_config_error() -> None:
+    error = _error({"zero_optimization": {"reduce_bucket_size": math.inf}})
+    assert error.path == "$.zero_optimization.reduce_bucket_size"
+
+
+def test_yaml_config_with_integer_key_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("1: one\nfoo: bar\n")
+    assert _error(path).path.startswith("$")
+
+
+# --- ignored DeepSpeed keys ------------------------------------------------------------------
+IGNORED = {
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 8,
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
+    "zero_optimization": {
+        "stage": 2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "allgather_bucket_size": 5e8,
+    },
+    "bf16": {"enabled": True, "immediate_grad_update": True},
+}
+IGNORED_PATHS = [
+    "$.train_batch_size",
+    "$.train_micro_batch_size_per_gpu",
+    "$.gradient_accumulation_steps",
+    "$.steps_per_print",
+    "$.wall_clock_breakdown",
+    "$.scheduler",
+    "$.zero_optimization.overlap_comm",
+    "$.zero_optimization.contiguous_gradients",
+    "$.zero_optimization.allgather_bucket_size",
+    "$.bf16.immediate_grad_update",
+]
+
+
+def test_ignored_keys_are_accepted_listed_and_change_nothing() -> None:
+    plan = dtypeplan.resolve(IGNORED)
+    assert sorted(plan.ignored_keys) == sorted(IGNORED_PATHS)
+    text = plan.explain()
+    assert "ignored" in text
+    for path in IGNORED_PATHS:
+        assert path in text
+    bare = dtypeplan.resolve({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    assert bare.ignored_keys == ()
+    with_keys, without = plan.to_dict(), bare.to_dict()
+    for data in (with_keys, without):
+        data.pop("ignored_keys")
+    assert with_keys == without
+
+
+def test_ignored_offload_key_warns() -> None:
+    plan = dtypeplan.resolve(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    )
+    assert "$.zero_optimization.offload_optimizer" in plan.ignored_keys
+    assert any("offload" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize("name", ["ds_config.json", "ds_config.yaml"])
+def test_megatron_deepspeed_config_resolves(tmp_path: Path, name: str) -> None:
+    plan = dtypeplan.resolve(_write(tmp_path, name, MEGATRON_DS_CONFIG))
+    assert plan.status == "OK" and plan.implementation == "sharded" and plan.rule_id == "zero1"
+    assert plan.param_dtype == torch.bfloat16 and plan.grad_accum_dtype == torch.float32
+    assert plan.zero_stage == 1 and plan.accumulator_sharded is False
+    assert set(plan.ignored_keys) == {
+        "$.train_batch_size",
+        "$.train_micro_batch_size_per_gpu",
+        "$.steps_per_print",
+        "$.wall_clock_breakdown",
+    }
+    assert "$.wall_clock_breakdown" in plan.explain()
+
+
+def test_megatron_gpt_template_resolves(tmp_path: Path) -> None:
+    plan = dtypeplan.resolve(_write(tmp_path, "ds_config_gpt.json", MEGATRON_GPT_TEMPLATE))
+    assert plan.status == "OK" and plan.implementation == "replicated"
+    assert plan.param_dtype == torch.float16 and plan.grad_accum_dtype == torch.float16
+    assert plan.gradient_clipping == 1.0
+    assert plan.loss_scaling.initial_scale_power == 11
+    assert plan.loss_scaling.loss_scale_window == 500
+    assert {"$.prescale_gradients", "$.curriculum_learning"} <= set(plan.ignored_keys)

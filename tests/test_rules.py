@@ -1,0 +1,442 @@
+"""The rules file: the shipped table, user tables, and every way a table can be wrong.
+
+Each broken table is the shipped ``precision_rules.yaml`` with one edit. The expected line is
+found in the edited text (the line holding the edit), never hard-coded, so the tests follow the
+shipped file as it changes while still asserting the exact line that the error must name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan import RulesError
+from dtypeplan.optimizers import ReplicatedOptimizer, get_implementation
+from dtypeplan.resolver import DIMENSIONS, Rule, RuleTable
+from dtypeplan.resolver._rules import default_rules_path
+
+SHIPPED = Path(default_rules_path()).read_text()
+
+
+@dtypeplan.register("my_impl")
+class MyOptimizer(ReplicatedOptimizer):
+    """A user's implementation: the replicated optimizer, counting its steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps_taken = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.steps_taken += 1
+        return super().step(closure)
+
+
+# --- editing helpers -------------------------------------------------------------------------
+# The rules are picked by what they are (the first rule, the first OK rule, ...), not by id, so
+# the tests keep working as cells of the shipped table change status.
+TABLE = dtypeplan.load_rules()
+RULES = sorted(TABLE.rules, key=lambda rule: rule.line)
+FIRST, LAST = RULES[0], RULES[-1]
+FIRST_OK = next(rule for rule in RULES if rule.status == "OK")
+NOT_OK = [rule for rule in RULES if rule.status != "OK"]
+
+
+def field_line(rule: Rule, name: str) -> int:
+    """1-based line of ``name:`` inside ``rule`` in the shipped file."""
+    lines = SHIPPED.splitlines()
+    following = [r.line for r in RULES if r.line > rule.line]
+    end = following[0] - 1 if following else len(lines)
+    for number in range(rule.line, end + 1):
+        if lines[number - 1].lstrip(" -").startswith(f"{name}:"):
+            return number
+    raise AssertionError(f"rule {rule.id} has no {name!r} line")
+
+
+def replace_line(number: int, new: str, text: str = SHIPPED) -> str:
+    lines = text.splitlines(keepends=True)
+    lines[number - 1] = new + "\n"
+    return "".join(lines)
+
+
+def insert_after(number: int, new: str, text: str = SHIPPED) -> str:
+    lines = text.splitlines(keepends=True)
+    lines.insert(number, new + "\n")
+    return "".join(lines)
+
+
+def delete_lines(first: int, last: int, text: str = SHIPPED) -> str:
+    lines = text.splitlines(keepends=True)
+    del lines[first - 1 : last]
+    return "".join(lines)
+
+
+def rule_end(rule: Rule) -> int:
+    """Last line of ``rule`` (before the next rule, or the end of the file)."""
+    following = [r.line for r in RULES if r.line > rule.line]
+    return following[0] - 1 if following else len(SHIPPED.splitlines())
+
+
+def line_of(text: str, needle: str) -> int:
+    """1-based number of the one line of ``text`` that contains ``needle``."""
+    found = [n for n, line in enumerate(text.splitlines(), start=1) if needle in line]
+    assert len(found) == 1, (needle, found)
+    return found[0]
+
+
+def write(tmp_path: Path, text: str, name: str = "rules.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def rules_error(path: str) -> RulesError:
+    with pytest.raises(RulesError) as info:
+        dtypeplan.load_rules(path)
+    return info.value
+
+
+def assert_at(error: RulesError, path: str, line: int) -> None:
+    assert str(error).startswith(f"{path}:{line}: "), str(error)
+    assert (error.file, error.line) == (path, line)
+
+
+# --- the shipped table -----------------------------------------------------------------------
+def test_shipped_table_loads_and_covers_every_point_once() -> None:
+    table = dtypeplan.load_rules()
+    assert isinstance(table, RuleTable)
+    points = list(itertools.product(*DIMENSIONS.values()))
+    assert len(points) == len(list(table.points()))
+    registered = set(dtypeplan.registered_names())
+    for values in points:
+        point = dict(zip(DIMENSIONS, values, strict=True))
+        matching = [rule for rule in table.rules if rule.matches(point)]
+        assert len(matching) == 1, (point, [r.id for r in matching])
+        assert table.lookup(point) is matching[0]
+    for rule in table.rules:
+        assert (rule.status == "OK") == (rule.implementation is not None), rule.id
+        if rule.implementation is not None:
+            assert rule.implementation in registered
+        assert SHIPPED.splitlines()[rule.line - 1] == f"  - id: {rule.id}"
+
+
+def test_shipped_table_by_explicit_path_equals_default() -> None:
+    by_path = dtypeplan.load_rules(default_rules_path())
+    assert by_path.rules == dtypeplan.load_rules().rules
+
+
+def test_unchanged_copy_loads(tmp_path: Path) -> None:
+    table = dtypeplan.load_rules(write(tmp_path, SHIPPED))
+    assert [r.id for r in table.rules] == [r.id for r in dtypeplan.load_rules().rules]
+
+
+# --- broken tables ---------------------------------------------------------------------------
+def test_malformed_yaml(tmp_path: Path) -> None:
+    line = field_line(LAST, "status")
+    text = replace_line(line, "    status: Not: valid")
+    path = write(tmp_path, text)
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "not valid YAML" in str(error)
+
+
+def test_unclosed_flow_mapping(tmp_path: Path) -> None:
+    line = field_line(FIRST, "when")
+    when = SHIPPED.splitlines()[line - 1]
+    assert when.endswith("}")
+    path = write(tmp_path, replace_line(line, when[:-1]))
+    error = rules_error(path)
+    # The parser notices at a later token; a line before the edit would be wrong.
+    assert error.line is not None and error.line >= line
+    assert str(error).startswith(f"{path}:{error.line}: not valid YAML")
+
+
+def test_python_object_tag_is_refused_and_never_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    line = field_line(FIRST, "status")
+    text = replace_line(
+        line, f'    status: !!python/object/apply:os.system ["echo pwned > {marker}"]'
+    )
+    path = write(tmp_path, text)
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "tag" in str(error)
+    with pytest.raises(RulesError):
+        dtypeplan.resolve({}, rules=path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "new"),
+    [
+        ("status", "    status: !!str {status}"),
+        ("id", "  - id: !!str {id}"),
+        ("status", "    status: !local {status}"),
+        ("when", "    when: !!map {{}}"),
+    ],
+)
+def test_plain_tags_are_refused_too(tmp_path: Path, field: str, new: str) -> None:
+    line = field_line(FIRST, field)
+    path = write(tmp_path, replace_line(line, new.format(status=FIRST.status, id=FIRST.id)))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "tag" in str(error)
+
+
+def test_tag_in_defaults_is_refused(tmp_path: Path) -> None:
+    line = line_of(SHIPPED, "  communication_data_type:")
+    path = write(tmp_path, replace_line(line, "  communication_data_type: !!str accum"))
+    assert_at(rules_error(path), path, line)
+
+
+def test_anchor_is_refused_at_its_line(tmp_path: Path) -> None:
+    first, last = field_line(FIRST, "status"), field_line(LAST, "status")
+    text = replace_line(first, f"    status: &status {FIRST.status}")
+    text = replace_line(last, "    status: *status", text)
+    path = write(tmp_path, text)
+    error = rules_error(path)
+    assert_at(error, path, first)
+    assert "anchor" in str(error)
+
+
+def test_alias_is_refused_at_its_line(tmp_path: Path) -> None:
+    line = field_line(LAST, "status")
+    path = write(tmp_path, replace_line(line, "    status: *status"))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "alias" in str(error)
+
+
+def test_duplicate_key(tmp_path: Path) -> None:
+    line = field_line(FIRST_OK, "status")
+    path = write(tmp_path, insert_after(line, "    status: Error"))
+    error = rules_error(path)
+    assert_at(error, path, line + 1)
+    assert "duplicate key 'status'" in str(error)
+
+
+def test_duplicate_rule_id(tmp_path: Path) -> None:
+    path = write(tmp_path, replace_line(LAST.line, f"  - id: {FIRST.id}"))
+    error = rules_error(path)
+    assert_at(error, path, LAST.line)
+    assert f"{FIRST.id!r} already used at line {FIRST.line}" in str(error)
+
+
+def test_unknown_key_in_a_rule(tmp_path: Path) -> None:
+    line = field_line(LAST, "status")
+    path = write(tmp_path, insert_after(line, "    priority: 1"))
+    error = rules_error(path)
+    assert_at(error, path, line + 1)
+    assert "'priority'" in str(error)
+
+
+def test_unknown_dimension_name(tmp_path: Path) -> None:
+    line = field_line(LAST, "when")
+    path = write(tmp_path, replace_line(line, "    when: {model: fp32, stages: 3}"))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "'stages'" in str(error)
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    line = line_of(SHIPPED, "version: 1")
+    path = write(tmp_path, insert_after(line, "author: me"))
+    assert_at(rules_error(path), path, line + 1)
+
+
+@pytest.mark.parametrize(
+    ("when", "dimension"),
+    [
+        ("{model: fp8}", "model"),
+        ("{model: [fp32, fp8]}", "model"),
+        ("{accum: fp64}", "accum"),
+        ("{stage: 7}", "stage"),
+        ("{stage: true}", "stage"),
+        ("{stage: '1'}", "stage"),
+        ("{sharded: 1}", "sharded"),
+        ("{pipeline: [false, maybe]}", "pipeline"),
+        ("{comm: int8}", "comm"),
+    ],
+)
+def test_unknown_dimension_value(tmp_path: Path, when: str, dimension: str) -> None:
+    line = field_line(FIRST, "when")
+    path = write(tmp_path, replace_line(line, f"    when: {when}"))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert f"{dimension}: unknown value" in str(error)
+
+
+def test_dimension_value_on_a_later_line_of_a_block_mapping(tmp_path: Path) -> None:
+    line = field_line(FIRST, "when")
+    path = write(tmp_path, replace_line(line, "    when:\n      model: fp32\n      stage: 9"))
+    assert_at(rules_error(path), path, line + 2)
+
+
+def test_bad_status(tmp_path: Path) -> None:
+    line = field_line(LAST, "status")
+    path = write(tmp_path, replace_line(line, "    status: Maybe"))
+    assert_at(rules_error(path), path, line)
+
+
+def test_missing_reason(tmp_path: Path) -> None:
+    reason = field_line(LAST, "reason")
+    path = write(tmp_path, delete_lines(reason, rule_end(LAST)))
+    error = rules_error(path)
+    assert_at(error, path, LAST.line)
+    assert "reason" in str(error)
+
+
+def test_gap(tmp_path: Path) -> None:
+    text = delete_lines(LAST.line, rule_end(LAST))
+    path = write(tmp_path, text)
+    error = rules_error(path)
+    assert_at(error, path, line_of(text, "rules:"))
+    assert "matched by no rule" in str(error)
+
+
+def test_overlap(tmp_path: Path) -> None:
+    # Widen the last rule to every point: for the first point that another rule also matches,
+    # the widened rule is the second match in file order, so its line is the one named.
+    line = field_line(LAST, "when")
+    path = write(tmp_path, replace_line(line, "    when: {}"))
+    error = rules_error(path)
+    assert_at(error, path, LAST.line)
+    assert "overlap" in str(error) and repr(LAST.id) in str(error)
+
+
+def test_overlap_names_both_rules_and_their_lines(tmp_path: Path) -> None:
+    line = field_line(FIRST, "when")
+    path = write(tmp_path, replace_line(line, "    when: {}"))
+    error = rules_error(path)
+    assert f"{FIRST.id!r} (line {FIRST.line})" in str(error)
+    other = next(rule for rule in RULES if rule is not FIRST and repr(rule.id) in str(error))
+    assert_at(error, path, other.line)
+
+
+def test_ok_rule_with_unknown_implementation(tmp_path: Path) -> None:
+    line = field_line(FIRST_OK, "implementation")
+    path = write(tmp_path, replace_line(line, "    implementation: warp_drive"))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "'warp_drive'" in str(error)
+    for name in dtypeplan.registered_names():
+        assert name in str(error)
+
+
+def test_unknown_implementation_passes_without_the_registry_check(tmp_path: Path) -> None:
+    line = field_line(FIRST_OK, "implementation")
+    path = write(tmp_path, replace_line(line, "    implementation: warp_drive"))
+    table = dtypeplan.load_rules(path, check_registry=False)
+    assert any(rule.implementation == "warp_drive" for rule in table.rules)
+
+
+def test_ok_rule_without_implementation(tmp_path: Path) -> None:
+    line = field_line(FIRST_OK, "implementation")
+    path = write(tmp_path, delete_lines(line, line))
+    error = rules_error(path)
+    assert_at(error, path, FIRST_OK.line)
+    assert "no implementation" in str(error)
+
+
+def test_non_ok_rule_with_implementation(tmp_path: Path) -> None:
+    rule = NOT_OK[0]
+    line = field_line(rule, "status")
+    path = write(tmp_path, insert_after(line, "    implementation: replicated"))
+    assert_at(rules_error(path), path, line + 1)
+
+
+def test_missing_rules_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "absent.yaml")
+    assert str(rules_error(path)).startswith(path)
+
+
+def test_document_not_a_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "- just\n- a list\n")
+    assert_at(rules_error(path), path, 1)
+
+
+# --- user tables and user implementations ----------------------------------------------------
+def _rule_for_empty_config() -> Rule:
+    return next(rule for rule in RULES if rule.id == dtypeplan.resolve({}).rule_id)
+
+
+def test_resolve_uses_a_user_rules_file(tmp_path: Path) -> None:
+    rule = _rule_for_empty_config()
+    assert rule.status == "OK"
+    # The user's copy turns the cell of the empty config into NotSupported.
+    implementation = field_line(rule, "implementation")
+    text = delete_lines(implementation, implementation)
+    text = replace_line(field_line(rule, "status"), "    status: NotSupported", text)
+    path = write(tmp_path, text, "mine.yaml")
+    plan = dtypeplan.resolve({}, rules=path)
+    assert plan.status == "NotSupported" and plan.implementation is None
+    assert plan.rule_location == f"mine.yaml:{rule.line}"
+    assert plan.rule_location in plan.explain()
+    with pytest.raises(dtypeplan.NotSupportedError):
+        plan.build(torch.nn.Linear(2, 2).parameters())
+    assert dtypeplan.resolve({}).status == "OK"
+
+
+def test_resolve_with_a_broken_rules_file_raises(tmp_path: Path) -> None:
+    path = write(tmp_path, delete_lines(LAST.line, rule_end(LAST)))
+    with pytest.raises(RulesError):
+        dtypeplan.resolve({}, rules=path)
+
+
+def test_user_implementation_is_built_from_a_user_rules_file(tmp_path: Path) -> None:
+    rule = _rule_for_empty_config()
+    text = replace_line(field_line(rule, "implementation"), "    implementation: my_impl")
+    path = write(tmp_path, text)
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}}, rules=path)
+    assert plan.status == "OK" and plan.implementation == "my_impl"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = plan.build(model.parameters())
+    assert type(optimizer) is MyOptimizer
+    assert isinstance(optimizer, dtypeplan.MixedPrecisionOptimizer)
+    assert model.weight.dtype == torch.bfloat16
+    before = model.weight.detach().clone()
+    loss = model(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean()
+    optimizer.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert optimizer.steps_taken == 1
+    assert not torch.equal(model.weight, before)
+
+
+def test_registering_a_name_twice_fails() -> None:
+    class Another(ReplicatedOptimizer):
+        pass
+
+    for name in ("my_impl", "replicated", "sharded"):
+        with pytest.raises(ValueError, match=name):
+            dtypeplan.register(name)(Another)
+    assert get_implementation("my_impl") is MyOptimizer
+    assert get_implementation("replicated") is not Another
+
+
+def test_registering_a_non_optimizer_fails() -> None:
+    with pytest.raises(TypeError):
+        dtypeplan.register("not_an_optimizer")(torch.optim.SGD)  # type: ignore[arg-type]
+    assert "not_an_optimizer" not in dtypeplan.registered_names()
+
+
+def test_unknown_implementation_name_lists_the_registered_ones() -> None:
+    with pytest.raises(KeyError) as info:
+        get_implementation("warp_drive")
+    message = str(info.value)
+    assert "warp_drive" in message
+    for name in ("my_impl", "replicated", "sharded"):
+        assert name in message
+
+
+def test_rules_file_may_be_a_pathlike(tmp_path: Path) -> None:
+    path = Path(write(tmp_path, SHIPPED))
+    assert isinstance(dtypeplan.load_rules(path), RuleTable)
+    assert dtypeplan.resolve({}, rules=path).status == "OK"
+    assert os.fspath(path) == dtypeplan.load_rules(path).path
