@@ -27,7 +27,10 @@ Phases of one step:
    done), viewed as fp32, checked and clipped through one scalar all-reduce of the squared
    norm (a non-finite sum means some rank overflowed), scaled once by
    ``clip / (loss_scale * world_size)``, handed to one fused optimizer call, cast to the
-   parameter dtype and all-gathered into the buffer.
+   parameter dtype and all-gathered into the buffer. On CUDA with Triton, Adam and AdamW
+   instead run one kernel per chunk that reads the accumulator as it is (no fp32 copy),
+   updates master and moments and writes the 16-bit parameters in a single pass
+   (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
 
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 """
@@ -35,6 +38,7 @@ On one process every collective is skipped and the update is the plain ``torch.o
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +132,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.inner = self._build_inner_optimizer()
         self._fresh = True
         self._backward_open = False
+        self._fused_kernel: bool | None = None
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
             for gi, state in enumerate(self.groups)
@@ -271,8 +276,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def _reduced_fp32_grads(self) -> list[list[torch.Tensor]]:
-        """Per group, per bucket: this rank's chunk of the group-summed gradient, in fp32."""
+    def _reduced_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, per bucket: this rank's chunk of the group-summed gradient.
+
+        In the accumulation dtype (fp32 where stage 1 reduce-scatters a whole accumulator),
+        not yet divided by the world size or the loss scale.
+        """
         if self._fresh:
             # step() with no backward since zero_grad: the gradient is zero, not stale data.
             for state in self.groups:
@@ -288,16 +297,18 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     chunk = flat.bucket_view(state.accumulator, bucket)
                     self.comm.all_reduce_sum_(chunk, self.comm_dtype, self.comm_method)
                 else:
-                    chunk = torch.empty(bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device)
+                    chunk = torch.empty(
+                        bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device
+                    )
                     self.comm.reduce_scatter_sum(
                         chunk, flat.bucket_view(state.accumulator, bucket), self.comm_dtype, self.comm_method
                     )
-                per_bucket.append(chunk if chunk.dtype == torch.float32 else chunk.float())
+                per_bucket.append(chunk)
             grads.append(per_bucket)
         return grads
 
     def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
-        norms = torch._foreach_norm(grads, 2.0) if grads else []
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if grads else []
         local = torch.stack(norms).double().square().sum().float() if norms else torch.zeros(())
         if self.shards > 1:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
@@ -311,7 +322,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         if self._backward_open:
             raise RuntimeError("step() was called while a backward pass is still running")
-        grads_by_group = self._reduced_fp32_grads()
+        grads_by_group = self._reduced_grads()
         grads = [g for per_bucket in grads_by_group for g in per_bucket]
         divisor = self.scaler.scale * self.comm.world_size
         sq_norm = self._global_sq_norm(grads)
@@ -325,19 +336,71 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         factor = 1.0 / divisor
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
-        torch._foreach_mul_(grads, factor)
         self._sync_hyperparameters()
-        for state, per_bucket in zip(self.groups, grads_by_group):
+        fused = self._use_fused_kernel()
+        if fused:
+            self._fused_kernel_update(grads_by_group, factor)
+        else:
+            self._torch_update(grads_by_group, factor)
+        self._write_back(cast=not fused)
+        self._fresh = True
+        self.scaler.update(overflow=False)
+        return loss
+
+    def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
+        """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
+        fp32 = [[g if g.dtype == torch.float32 else g.float() for g in per] for per in grads_by_group]
+        torch._foreach_mul_([g for per in fp32 for g in per], factor)
+        for state, per_bucket in zip(self.groups, fp32):
             for master, grad in zip(state.masters, per_bucket):
                 master.grad = grad
         self.inner.step()
         for state in self.groups:
             for master in state.masters:
                 master.grad = None
-        self._write_back()
-        self._fresh = True
-        self.scaler.update(overflow=False)
-        return loss
+
+    def _use_fused_kernel(self) -> bool:
+        """The one-pass Triton AdamW (CUDA) applies to Adam/AdamW without amsgrad or maximize."""
+        if self._fused_kernel is None:
+            from dtypeplan.optimizers import _fused_adamw_triton as kernel
+
+            params = self.plan.optimizer.params
+            device = self.groups[0].flat.buffer.device
+            self._fused_kernel = (
+                os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
+                and self.plan.optimizer.type in ("Adam", "AdamW")
+                and not params.get("amsgrad", False)
+                and not params.get("maximize", False)
+                and kernel.fused_kernel_available(device)
+            )
+        return self._fused_kernel
+
+    def _fused_kernel_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
+        """Read each accumulator chunk as it is, update master and moments, write the params.
+
+        The moments live in ``self.inner.state`` under torch's names, so ``state_dict``,
+        ``full_state`` and checkpoints do not know which path ran.
+        """
+        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
+
+        adam_w = self.plan.optimizer.type == "AdamW"
+        for state, group, per_bucket in zip(self.groups, self.inner.param_groups, grads_by_group):
+            beta1, beta2 = group["betas"]
+            for bucket, master, grad in zip(state.flat.buckets, state.masters, per_bucket):
+                slot = self.inner.state[master]
+                if "exp_avg" not in slot:
+                    slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+                    slot["exp_avg"] = torch.zeros_like(master)
+                    slot["exp_avg_sq"] = torch.zeros_like(master)
+                slot["step"] += 1
+                param_chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
+                fused_mixed_adamw_(
+                    master, slot["exp_avg"], slot["exp_avg_sq"], grad,
+                    None if param_chunk.data_ptr() == master.data_ptr() else param_chunk,
+                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=int(slot["step"].item()),
+                    grad_factor=factor, adam_w_mode=adam_w,
+                )
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
@@ -345,12 +408,13 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 if key != "params":
                     inner_group[key] = value
 
-    def _write_back(self) -> None:
+    def _write_back(self, cast: bool = True) -> None:
+        """Cast the master chunks into the parameters (unless done) and all-gather them."""
         for state in self.groups:
             flat = state.flat
             for bucket, master in zip(flat.buckets, state.masters):
                 chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
-                if master.data_ptr() != chunk.data_ptr():
+                if cast and master.data_ptr() != chunk.data_ptr():
                     chunk.copy_(master)
                 if self.shards > 1:
                     self.comm.all_gather(flat.bucket_view(flat.buffer, bucket), chunk.clone(), self.param_dtype)
