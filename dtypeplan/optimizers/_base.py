@@ -9,11 +9,15 @@ missing one of them).
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from dtypeplan.comm import Communicator
+from dtypeplan.optimizers._loss_scaler import LossScaler
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -42,6 +46,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.process_group = process_group
         self.skipped_steps = 0
         self.grad_norm: float | None = None
+        self.clip = plan.gradient_clipping
+        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
+        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
 
     @classmethod
     def prepare_model(
@@ -56,9 +63,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
 
     # --- the training-loop calls -------------------------------------------------------------
     @property
-    @abc.abstractmethod
     def loss_scale(self) -> float:
         """The current loss scale (1.0 unless fp16)."""
+        return self.scaler.scale
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch: scale the loss (fp16), run backward, accumulate the gradients."""
@@ -75,6 +82,56 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     @abc.abstractmethod
     def clear_lp_grads(self) -> None:
         """Clear the parameters' own low-precision ``.grad`` (pipeline engines call this)."""
+
+    # --- shared by the implementations --------------------------------------------------------
+    def _check_ranks_agree(self, comm: Communicator) -> None:
+        """Fail on every rank, naming what differs, if ranks got other plans or shapes."""
+        comm.check_consistent(
+            {
+                "plan": self.plan.rank_facts(),
+                "implementation": type(self).__name__,
+                "param_shapes": [[list(p.shape) for p in g["params"]] for g in self.param_groups],
+            }
+        )
+
+    def _gradient_factor(self, sq_norm: float, divisor: float) -> float | None:
+        """Record the step's global norm and return what to multiply the gradients by.
+
+        ``sq_norm`` is the global squared norm of the gradients as summed, ``divisor`` what
+        they must still be divided by (loss scale, and world size where the reduction was a
+        plain SUM). A non-finite norm means some rank overflowed: with the non-finite check on
+        (always under fp16) the step is skipped, counted and the scale lowered, and None is
+        returned. Otherwise the factor folds in clipping to ``gradient_clipping``.
+        """
+        finite = math.isfinite(sq_norm)
+        norm = math.sqrt(sq_norm) / divisor if finite else math.inf
+        self.grad_norm = norm if finite else float("nan")
+        if not finite and self.check_nonfinite:
+            self.skipped_steps += 1
+            self.scaler.update(overflow=True)
+            return None
+        factor = 1.0 / divisor
+        if self.clip > 0 and norm > self.clip:
+            factor *= self.clip / (norm + 1e-6)
+        return factor
+
+    def _scalar_state(self) -> dict[str, float | int]:
+        """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16)."""
+        scalars: dict[str, float | int] = {
+            "scalar.loss_scale": float(self.scaler.scale),
+            "scalar.skipped_steps": int(self.skipped_steps),
+        }
+        if self.scaler.enabled:
+            for key, value in self.scaler.state_dict().items():
+                scalars[f"scalar.scaler.{key}"] = value
+        return scalars
+
+    def _load_scalar_state(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
+        prefix = "scalar.scaler."
+        scaler = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if scaler and self.scaler.enabled:
+            self.scaler.load_state_dict(scaler)
 
     # --- state --------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -37,7 +37,6 @@ On one process every collective is skipped and the update is the plain ``torch.o
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,6 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._layout import FlatGroup
-from dtypeplan.optimizers._loss_scaler import LossScaler
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -110,20 +108,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.comm_dtype = plan.comm_dtype
         self.comm_method = plan.comm_reduction
         self.sharded_accumulator = plan.accumulator_sharded and self.shards > 1
-        self.clip = plan.gradient_clipping
-        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
-        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
-
-        self.comm.check_consistent(
-            {
-                "plan": plan.rank_facts(),
-                "implementation": type(self).__name__,
-                "param_shapes": [
-                    [list(p.shape) for p in group["params"]] for group in self.param_groups
-                ],
-            }
-        )
+        self._check_ranks_agree(self.comm)
         self.groups: list[_GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -272,10 +258,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._reset_backward_bookkeeping()
 
     # --- step ---------------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
     def _reduced_grads(self) -> list[list[torch.Tensor]]:
         """Per group, per bucket: this rank's chunk of the group-summed gradient.
 
@@ -324,18 +306,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             raise RuntimeError("step() was called while a backward pass is still running")
         grads_by_group = self._reduced_grads()
         grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        divisor = self.scaler.scale * self.comm.world_size
-        sq_norm = self._global_sq_norm(grads)
-        norm = math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
-        self.grad_norm = norm if math.isfinite(sq_norm) else float("nan")
-        if not math.isfinite(sq_norm) and self.check_nonfinite:
-            self.skipped_steps += 1
+        factor = self._gradient_factor(self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size)
+        if factor is None:
             self._fresh = True
-            self.scaler.update(overflow=True)
             return loss
-        factor = 1.0 / divisor
-        if self.clip > 0 and norm > self.clip:
-            factor *= self.clip / (norm + 1e-6)
         self._sync_hyperparameters()
         fused = self._use_fused_kernel()
         if fused:
@@ -509,11 +483,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(state.flat.params)
         steps = [v["step"] for v in self.inner.state.values() if "step" in v]
         result["scalar.step"] = int(steps[0].item()) if steps else 0
-        result["scalar.loss_scale"] = float(self.scaler.scale)
-        result["scalar.skipped_steps"] = int(self.skipped_steps)
-        if self.scaler.enabled:
-            for key, value in self.scaler.state_dict().items():
-                result[f"scalar.scaler.{key}"] = value
+        result.update(self._scalar_state())
         return result
 
     @torch.no_grad()
@@ -539,8 +509,5 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         if self.plan.optimizer.type in ("Adam", "AdamW"):
                             slot["step"] = torch.tensor(float(step), device=master.device)
             first += len(flat.params)
-        self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
-        scaler = {k[len("scalar.scaler."):]: v for k, v in state.items() if k.startswith("scalar.scaler.")}
-        if scaler and self.scaler.enabled:
-            self.scaler.load_state_dict(scaler)
+        self._load_scalar_state(state)
         self._write_back()

@@ -31,7 +31,6 @@ Use: ``model = plan.prepare_model(model)`` (shards it; a no-op at other stages),
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._registry import register
 
 if TYPE_CHECKING:
@@ -116,16 +114,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if any(p.dtype != torch.float32 for p in trainable):
             raise ValueError("ZeRO-3 expects fp32 sharded parameters (they are the master weights)")
         self.comm = Communicator(process_group)
-        self.comm.check_consistent(
-            {
-                "plan": plan.rank_facts(),
-                "implementation": type(self).__name__,
-                "param_shapes": [[list(p.shape) for p in g["params"]] for g in self.param_groups],
-            }
-        )
-        self.clip = plan.gradient_clipping
-        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
-        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
+        self._check_ranks_agree(self.comm)
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # The update runs on the local shards as plain tensors: fused kernels have no DTensor
         # sharding rules (SGD's has none at all), and a local update needs no communication.
@@ -135,10 +124,6 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for g, local in zip(self.param_groups, self.locals)
         ]
         self.inner = plan.optimizer.torch_class(groups, fused=True)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
 
     def _params(self) -> list[DTensor]:
         return [p for group in self.sharded for p in group]
@@ -161,17 +146,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         sq = torch.stack(norms).double().square().sum().float().reshape(1) if norms else torch.zeros(1)
         sq_norm = float(self.comm.all_reduce_scalars(sq)[0])
         # FSDP2 already divided by the world size; only the loss scale is left.
-        divisor = self.scaler.scale
-        norm = math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
-        self.grad_norm = norm if math.isfinite(sq_norm) else float("nan")
-        if not math.isfinite(sq_norm) and self.check_nonfinite:
-            self.skipped_steps += 1
+        factor = self._gradient_factor(sq_norm, self.scaler.scale)
+        if factor is None:
             self.zero_grad()
-            self.scaler.update(overflow=True)
             return loss
-        factor = 1.0 / divisor
-        if self.clip > 0 and norm > self.clip:
-            factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             torch._foreach_mul_(local_grads, factor)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
@@ -242,11 +220,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                     )
                     result[f"param.{index}.{name}"] = whole.full_tensor().float()
         result["scalar.step"] = step
-        result["scalar.loss_scale"] = float(self.scaler.scale)
-        result["scalar.skipped_steps"] = int(self.skipped_steps)
-        if self.scaler.enabled:
-            for key, value in self.scaler.state_dict().items():
-                result[f"scalar.scaler.{key}"] = value
+        result.update(self._scalar_state())
         return result
 
     @torch.no_grad()
@@ -267,7 +241,4 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 slot[name] = shard(state[prefix + name]).clone()
             if names and self.plan.optimizer.type in ("Adam", "AdamW"):
                 slot["step"] = torch.tensor(float(step), device=local.device)
-        self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
-        scaler = {k[len("scalar.scaler."):]: v for k, v in state.items() if k.startswith("scalar.scaler.")}
-        if scaler and self.scaler.enabled:
-            self.scaler.load_state_dict(scaler)
+        self._load_scalar_state(state)
