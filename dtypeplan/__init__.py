@@ -1,8 +1,8 @@
 """dtypeplan: explicit mixed-precision plans and sharded optimizers for distributed training.
 
-    plan = dtypeplan.resolve(config, pipeline_parallel=False)
-    print(plan.explain())
-    optimizer = plan.build(model.parameters())
+plan = dtypeplan.resolve(config, pipeline_parallel=False)
+print(plan.explain())
+optimizer = plan.build(model.parameters())
 """
 
 import importlib

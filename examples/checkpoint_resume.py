@@ -1,6 +1,6 @@
 """Save a run on 2 ranks at ZeRO-1, resume it on 1 rank at ZeRO-0 (and it continues identically).
 
-    python examples/checkpoint_resume.py
+python examples/checkpoint_resume.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def train(rank: int, world_size: int, config: dict, path: str, steps: range, resume: bool) -> list[float]:
+def train(
+    rank: int, world_size: int, config: dict, path: str, steps: range, resume: bool
+) -> list[float]:
     net = model()
     optimizer = dtypeplan.resolve(config).build(net.parameters())
     if resume:
@@ -55,7 +57,7 @@ def main() -> int:
     print("saved on 2 ranks (ZeRO-1):  ", " ".join(f"{v:.5f}" for v in first))
     print("resumed on 1 rank (ZeRO-0): ", " ".join(f"{v:.5f}" for v in resumed))
     print("uninterrupted, steps 5-9:   ", " ".join(f"{v:.5f}" for v in straight[5:]))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[5:]))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[5:], strict=True))
     print(f"largest relative difference: {worst:.1e}")
     return 0 if worst < 1e-5 else 1
 

@@ -52,7 +52,9 @@ def train(rank: int, world_size: int, stage_index: int, schedule_name: str) -> f
         return torch.nn.functional.mse_loss(output.float(), target) / MICRO_BATCHES
 
     schedule_class = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
-    schedule = schedule_class(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
+    schedule = schedule_class(
+        stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False
+    )
     generator = torch.Generator().manual_seed(100 + mesh["dp"].get_local_rank())
     target_map = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
     loss = float("nan")
@@ -65,11 +67,14 @@ def train(rank: int, world_size: int, stage_index: int, schedule_name: str) -> f
         else:
             schedule.step(target=x @ target_map, losses=losses)
         optimizer.step()
-        total = torch.tensor([sum(float(l.detach()) for l in losses)], dtype=torch.float32)
+        total = torch.tensor([sum(float(part.detach()) for part in losses)], dtype=torch.float32)
         dist.all_reduce(total)  # only the last stage holds losses; average over the dp replicas
         loss = float(total) / (world_size // 2)
         if rank == 0 and step % 5 == 4:
-            print(f"step {step + 1:2d}  loss {loss:.4f}  grad norm {optimizer.grad_norm:.3f}", flush=True)
+            print(
+                f"step {step + 1:2d}  loss {loss:.4f}  grad norm {optimizer.grad_norm:.3f}",
+                flush=True,
+            )
     return loss
 
 

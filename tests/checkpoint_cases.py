@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import dtypeplan
 from dtypeplan import checkpoint
+from dtypeplan.checkpoint import _adapters, _io
 from tests.parity import make_batch, make_model, mse
 
 GLOBAL_BATCH = 16
@@ -166,13 +167,13 @@ def load_case(
     """Build a differently initialized optimizer, load, report its state and continued losses."""
     model, opt = build(case, stage=stage, seed=7, group=group)
     if full_state_io:
-        with mock.patch.object(checkpoint, "_adapter_for", checkpoint._FullStateAdapter):
+        with mock.patch.object(_io, "adapter_for", _adapters.FullStateAdapter):
             checkpoint.load(opt, os.path.join(root, case))
     else:
         checkpoint.load(opt, os.path.join(root, case))
     loaded = snapshot(opt)
     # How many master elements this rank reads: its shard only, unless written as full state.
-    adapter = checkpoint._adapter_for(opt)
+    adapter = _adapters.adapter_for(opt)
     targets = adapter.load_targets(["master"], adapter.shapes())
     loaded["read_numel"] = sum(t.numel() for flat in targets.values() for _o, t in flat.pieces)
     params = [p.detach().clone() for p in model.parameters()]
@@ -184,7 +185,7 @@ def full_state_save(root: str, group: dist.ProcessGroup | None) -> dict[str, Any
     """Save through ``full_state()`` (full tensors, written once) instead of per-rank pieces."""
     model, opt = build("fp32", stage=2, seed=11, group=group)
     train(model, opt, range(2), group)
-    with mock.patch.object(checkpoint, "_adapter_for", checkpoint._FullStateAdapter):
+    with mock.patch.object(_io, "adapter_for", _adapters.FullStateAdapter):
         checkpoint.save(opt, os.path.join(root, "written-as-full"))
     return snapshot(opt)
 

@@ -65,7 +65,9 @@ def wire_case(rank: int, world_size: int, config: dict[str, Any]) -> list[tuple[
     optimizer = plan.build(model.parameters())
     x, y = make_batch(0, 8 * world_size)
     with record_wire() as log:
-        for xm, ym in zip(x.chunk(world_size)[rank].chunk(2), y.chunk(world_size)[rank].chunk(2)):
+        for xm, ym in zip(
+            x.chunk(world_size)[rank].chunk(2), y.chunk(world_size)[rank].chunk(2), strict=True
+        ):
             optimizer.backward(mse(model, xm, ym) / 2)
         optimizer.step()
     return [(op, str(dtype), numel) for op, dtype, numel in log]
@@ -98,7 +100,12 @@ def held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
         "accumulator": size([g.accumulator for g in optimizer.groups]),
         "master": size([m for g in optimizer.groups for m in g.masters]),
         "optimizer_states": size(
-            [v for s in optimizer.inner.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+            [
+                v
+                for s in optimizer.inner.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.numel() > 1
+            ]
         ),
     }
     figures["total"] = sum(figures.values())
@@ -108,7 +115,9 @@ def held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
 def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) -> dict[str, Any]:
     plan = dtypeplan.resolve(config)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
+    )
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = plan.build(model.parameters())
     after_build = held_bytes(optimizer, model)
@@ -125,14 +134,18 @@ def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) 
     }
 
 
-def memory_cases(rank: int, world_size: int, configs: list[dict[str, Any]], width: int) -> list[Any]:
+def memory_cases(
+    rank: int, world_size: int, configs: list[dict[str, Any]], width: int
+) -> list[Any]:
     return [memory_case(rank, world_size, config, width) for config in configs]
 
 
 # --- accumulation precision --------------------------------------------------------------------
 
 
-def accumulation_error(rank: int, world_size: int, config: dict[str, Any], micro_batches: int) -> float:
+def accumulation_error(
+    rank: int, world_size: int, config: dict[str, Any], micro_batches: int
+) -> float:
     """Relative error of the gradient the optimizer applies, against a float64 sum.
 
     Plain SGD with lr 1 and no clipping moves the master weights by exactly the reduced mean
@@ -147,10 +160,14 @@ def accumulation_error(rank: int, world_size: int, config: dict[str, Any], micro
     x, y = make_batch(5, 2 * micro_batches * world_size)
     reference = [torch.zeros(p.shape, dtype=torch.float64) for p in probe.parameters()]
     for r in range(world_size):
-        for xm, ym in zip(x.chunk(world_size)[r].chunk(micro_batches), y.chunk(world_size)[r].chunk(micro_batches)):
+        for xm, ym in zip(
+            x.chunk(world_size)[r].chunk(micro_batches),
+            y.chunk(world_size)[r].chunk(micro_batches),
+            strict=True,
+        ):
             probe.zero_grad()
             (mse(probe, xm, ym) / micro_batches).backward()
-            for total, param in zip(reference, probe.parameters()):
+            for total, param in zip(reference, probe.parameters(), strict=True):
                 total += param.grad.double()
             if r == rank:
                 optimizer.backward(mse(model, xm, ym) / micro_batches)
@@ -165,5 +182,7 @@ def accumulation_error(rank: int, world_size: int, config: dict[str, Any], micro
     return (num / den) ** 0.5
 
 
-def accumulation_cases(rank: int, world_size: int, configs: list[dict[str, Any]], micro_batches: int) -> list[float]:
+def accumulation_cases(
+    rank: int, world_size: int, configs: list[dict[str, Any]], micro_batches: int
+) -> list[float]:
     return [accumulation_error(rank, world_size, config, micro_batches) for config in configs]

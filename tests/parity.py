@@ -23,8 +23,11 @@ IN, HIDDEN, OUT = 12, 24, 6
 def make_model(seed: int) -> torch.nn.Module:
     generator = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
     )
     with torch.no_grad():
         for param in model.parameters():
@@ -68,9 +71,15 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         ref_loss = mse(reference, x, y)
         ref_loss.backward()
         if plan.gradient_clipping > 0:
-            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), plan.gradient_clipping)))
+            ref_norms.append(
+                float(
+                    torch.nn.utils.clip_grad_norm_(reference.parameters(), plan.gradient_clipping)
+                )
+            )
         else:
-            ref_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])))
+            ref_norms.append(
+                float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+            )
         ref_opt.step()
         ref_losses.append(float(ref_loss.detach()))
         # dtypeplan: this rank's slice, in micro-batches.
@@ -78,7 +87,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         mine_y = y.chunk(world_size)[rank].chunk(micro)
         optimizer.zero_grad()
         total = torch.zeros(())
-        for xm, ym in zip(mine_x, mine_y):
+        for xm, ym in zip(mine_x, mine_y, strict=True):
             loss = mse(model, xm, ym) / micro
             if use_loss_backward:
                 loss.backward()
@@ -92,7 +101,10 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         norms.append(optimizer.grad_norm)
     state = optimizer.full_state()
     ref_params = [p for group in ref_groups for p in group["params"]]
-    diff = sum(float((state[f"param.{i}.master"] - p.detach()).square().sum()) for i, p in enumerate(ref_params))
+    diff = sum(
+        float((state[f"param.{i}.master"] - p.detach()).square().sum())
+        for i, p in enumerate(ref_params)
+    )
     size = sum(float(p.detach().square().sum()) for p in ref_params)
     # ZeRO-3 keeps fp32 shards and computes in plan.param_dtype on gathered copies.
     stored = torch.float32 if plan.zero_stage == 3 else plan.param_dtype
@@ -128,17 +140,18 @@ def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[d
         except Exception as exc:  # report the case, keep the group alive for the others
             import traceback
 
-            results.append({"name": case.get("name", ""), "error": f"{exc!r}\n{traceback.format_exc()}"})
+            results.append(
+                {"name": case.get("name", ""), "error": f"{exc!r}\n{traceback.format_exc()}"}
+            )
     return results
 
 
 def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:
     assert "error" not in result, result["error"]
     assert result["param_dtype_ok"], result["name"]
-    for step, (mine, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
+    for step, (mine, ref) in enumerate(zip(result["losses"], result["ref_losses"], strict=True)):
         assert abs(mine - ref) <= loss_rtol * abs(ref) + 1e-7, (
             f"{result['name']}: step {step} loss {mine} vs reference {ref}"
         )
-    assert result["master_rel_error"] <= master_rtol, (
-        f"{result['name']}: master weights rel error {result['master_rel_error']:.2e} > {master_rtol}"
-    )
+    error = result["master_rel_error"]
+    assert error <= master_rtol, f"{result['name']}: master weights rel error {error:.2e}"

@@ -43,7 +43,12 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     dp_group = mesh["dp"].get_group()
     plan = dtypeplan.resolve(case["config"], pipeline_parallel=True)
     assert plan.status == "OK", plan.explain()
-    micro, per_micro, steps, seed = case["micro_batches"], 2, case.get("steps", 3), case.get("seed", 0)
+    micro, per_micro, steps, seed = (
+        case["micro_batches"],
+        2,
+        case.get("steps", 3),
+        case.get("seed", 0),
+    )
 
     reference = make_layers(seed)
     per_stage = len(reference) // pp_size
@@ -52,7 +57,9 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     stage_module = plan.prepare_model(stage_module, process_group=dp_group)
     optimizer = plan.build(stage_module.parameters(), process_group=dp_group)
 
-    stage = PipelineStage(stage_module, pp_rank, pp_size, torch.device("cpu"), group=mesh["pp"].get_group())
+    stage = PipelineStage(
+        stage_module, pp_rank, pp_size, torch.device("cpu"), group=mesh["pp"].get_group()
+    )
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(output.float(), target) / micro
@@ -84,8 +91,12 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
                 schedule.step(target=mine_y, losses=step_losses)
         optimizer.clear_lp_grads()  # what a pipeline engine calls; must exist and be harmless
         optimizer.step()
-        scale = case["config"].get("fp16", {}).get("loss_scale", 1.0) if plan.param_dtype == torch.float16 else 1.0
-        total = torch.tensor([sum(float(l.detach()) for l in step_losses) / scale])
+        scale = (
+            case["config"].get("fp16", {}).get("loss_scale", 1.0)
+            if plan.param_dtype == torch.float16
+            else 1.0
+        )
+        total = torch.tensor([sum(float(part.detach()) for part in step_losses) / scale])
         dist.all_reduce(total)  # only the last stage contributes
         losses.append(float(total) / dp_size)
     state = optimizer.full_state()

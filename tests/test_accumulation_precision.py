@@ -30,7 +30,9 @@ def test_single_process() -> None:
 
 def test_stages_one_and_two() -> None:
     layouts = [(1, False), (1, True), (2, True)]
-    configs = [_config(accum, stage, sharded) for stage, sharded in layouts for accum in ("fp32", "bf16")]
+    configs = [
+        _config(accum, stage, sharded) for stage, sharded in layouts for accum in ("fp32", "bf16")
+    ]
     errors = spawn(accumulation_cases, 2, configs, MICRO_BATCHES)[0]
     for index, (stage, sharded) in enumerate(layouts):
         fp32, bf16 = errors[2 * index], errors[2 * index + 1]

@@ -22,7 +22,7 @@ import torch
 import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan._launch import spawn
-from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError
+from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError, _io
 from tests import checkpoint_cases as cases
 
 LOSS_RTOL = {"fp32": 1e-5, "sgd": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
@@ -326,7 +326,7 @@ def test_single_process_save_dying_before_commit_keeps_previous(
     path, model, opt = trained
     before = [p.detach().clone() for p in model.parameters()]
     cases.train(model, opt, range(2, 3))
-    with mock.patch.object(checkpoint, "_commit_directory", side_effect=KeyboardInterrupt):
+    with mock.patch.object(_io, "commit_directory", side_effect=KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             checkpoint.save(opt, path)
     assert any(e.endswith(".tmp") for e in os.listdir(path))

@@ -367,6 +367,10 @@ def test_engine_step_through_the_kernel_matches_torch_optim() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-c", _ENGINE_SCRIPT.format(root=str(_REPO_ROOT))],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0 and "ENGINE-KERNEL-OK" in proc.stdout, proc.stdout + proc.stderr

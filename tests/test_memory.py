@@ -14,8 +14,13 @@ _MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16":
 def _configs() -> list[dict]:
     configs = []
     for model, accum, (stage, sharded), optimizer in itertools.product(
-        ["fp32", "bf16", "fp16"], ["fp32", "bf16"], [(0, False), (1, False), (1, True), (2, True)],
-        [{"type": "AdamW", "params": {"lr": 1e-3}}, {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}],
+        ["fp32", "bf16", "fp16"],
+        ["fp32", "bf16"],
+        [(0, False), (1, False), (1, True), (2, True)],
+        [
+            {"type": "AdamW", "params": {"lr": 1e-3}},
+            {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        ],
     ):
         configs.append(
             {
@@ -30,7 +35,12 @@ def _configs() -> list[dict]:
 
 def _assert_close(measured: dict, predicted: dict, context: object) -> None:
     for key in ("params", "accumulator", "master", "total"):
-        assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (key, measured, predicted, context)
+        assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+            key,
+            measured,
+            predicted,
+            context,
+        )
     # Adam's state appears at the first step, SGD's momentum too: before it, none is held.
     assert measured["grads"] == 0, (measured, context)
 
@@ -38,7 +48,7 @@ def _assert_close(measured: dict, predicted: dict, context: object) -> None:
 def test_memory_matches_model_two_ranks() -> None:
     configs = _configs()
     results = spawn(memory_cases, 2, configs, WIDTH)[0]
-    for config, result in zip(configs, results):
+    for config, result in zip(configs, results, strict=True):
         predicted = dict(result["predicted"])
         # States are created lazily by the first step; compare what exists at the boundary.
         predicted["total"] -= predicted["optimizer_states"]

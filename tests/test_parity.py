@@ -29,12 +29,18 @@ LOW_PRECISION_MASTER_RTOL = 2e-2
 _MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
 
 
-def ok_cells(stages: tuple[int, ...] = (0, 1, 2, 3), pipeline: bool = False) -> list[dict[str, Any]]:
+def ok_cells(
+    stages: tuple[int, ...] = (0, 1, 2, 3), pipeline: bool = False
+) -> list[dict[str, Any]]:
     """The OK cells of the shipped table; ``reductions`` lists the OK reduction methods."""
     table = load_rules()
     cells: dict[tuple, dict[str, Any]] = {}
     for point in table.points():
-        if point["model"] == "fp16+bf16" or point["stage"] not in stages or point["pipeline"] != pipeline:
+        if (
+            point["model"] == "fp16+bf16"
+            or point["stage"] not in stages
+            or point["pipeline"] != pipeline
+        ):
             continue
         if table.lookup(point).status != "OK":
             continue
@@ -97,16 +103,18 @@ def draw_case(data: st.DataObject, point: dict[str, Any]) -> dict[str, Any]:
 
 
 def check(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> None:
-    for result, case in zip(results, cases):
+    for result, case in zip(results, cases, strict=True):
         point = case["point"]
         exact = point["model"] == point["accum"] == point["comm"] == "fp32"
         if exact:
             assert_parity(result, FP32_RTOL, FP32_RTOL)
         else:
             assert_parity(result, LOW_PRECISION_LOSS_RTOL, LOW_PRECISION_MASTER_RTOL)
-        for norm, ref in zip(result["grad_norms"], result["ref_grad_norms"]):
+        for norm, ref in zip(result["grad_norms"], result["ref_grad_norms"], strict=True):
             tolerance = FP32_RTOL if exact else 5e-2
-            assert abs(norm - ref) <= tolerance * ref + 1e-6, f"{case['name']}: norm {norm} vs {ref}"
+            assert abs(norm - ref) <= tolerance * ref + 1e-6, (
+                f"{case['name']}: norm {norm} vs {ref}"
+            )
 
 
 def test_every_cell_is_tested() -> None:
@@ -138,8 +146,20 @@ def test_parity_four_ranks(data: st.DataObject) -> None:
 
 @pytest.mark.parametrize("model", ["fp32", "bf16", "fp16"])
 def test_single_process_reduces_to_plain_update(model: str) -> None:
-    point = {"model": model, "accum": "fp32", "sharded": False, "stage": 0, "pipeline": False, "comm": "fp32"}
-    extras = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "clip": 0.0, "reduction": "collective", "bucket": 500}
+    point = {
+        "model": model,
+        "accum": "fp32",
+        "sharded": False,
+        "stage": 0,
+        "pipeline": False,
+        "comm": "fp32",
+    }
+    extras = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "clip": 0.0,
+        "reduction": "collective",
+        "bucket": 500,
+    }
     case = {"name": model, "point": point, "config": config_for(point, extras), "steps": 3}
     result = run_case(case, 0, 1)
     check([result], [case])

@@ -13,7 +13,11 @@ from tests.parity import assert_parity
 from tests.pipeline_cases import run_pipeline_cases
 from tests.test_parity import ok_cells
 
-_MODEL_KEYS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "loss_scale": 128}}}
+_MODEL_KEYS = {
+    "fp32": {},
+    "bf16": {"bf16": {"enabled": True}},
+    "fp16": {"fp16": {"enabled": True, "loss_scale": 128}},
+}
 
 
 def _cases() -> list[dict]:
@@ -36,9 +40,16 @@ def _cases() -> list[dict]:
                     "zero_optimization": {"stage": stage},
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
                 }
-                cases.append({"name": f"stage{stage}-{model}-{accum}-{schedule}", "config": config,
-                              "micro_batches": 4, "schedule": schedule, "steps": 2,
-                              "exact": model == accum == "fp32"})
+                cases.append(
+                    {
+                        "name": f"stage{stage}-{model}-{accum}-{schedule}",
+                        "config": config,
+                        "micro_batches": 4,
+                        "schedule": schedule,
+                        "steps": 2,
+                        "exact": model == accum == "fp32",
+                    }
+                )
     return cases
 
 
@@ -56,7 +67,7 @@ def test_pipeline_parity_pp2_dp2() -> None:
     cases = _cases()
     per_rank = spawn(run_pipeline_cases, 4, cases, timeout_s=500)
     for results in per_rank:
-        for result, case in zip(results, cases):
+        for result, case in zip(results, cases, strict=True):
             result["param_dtype_ok"] = True
             if case["exact"]:
                 assert_parity(result, 1e-5, 1e-5)

@@ -32,7 +32,11 @@ def _cases() -> list[dict]:
             continue  # NotSupported in the table
         cases.append(
             {
-                "model": model, "accum": accum, "comm": comm, "stage": stage, "sharded": sharded,
+                "model": model,
+                "accum": accum,
+                "comm": comm,
+                "stage": stage,
+                "sharded": sharded,
                 "reduction": reduction,
                 "config": {
                     **_MODEL_KEYS[model],
@@ -50,18 +54,23 @@ def _cases() -> list[dict]:
 def test_wire_dtypes() -> None:
     cases = _cases()
     logs = spawn(wire_cases, 2, [c["config"] for c in cases], timeout_s=300)
-    for case, log in zip(cases, logs[0]):
+    for case, log in zip(cases, logs[0], strict=True):
         gradient_ops = [(op, dtype) for op, dtype, numel in log if op != "all_gather" and numel > 1]
         gathers = [(op, dtype) for op, dtype, numel in log if op == "all_gather"]
         assert gradient_ops, case
         assert {dtype for _, dtype in gradient_ops} == {_DTYPE[case["comm"]]}, (case, log)
         if case["stage"] == 0:
-            ops = {"all_to_all", "all_gather"} if case["reduction"] == "fp32_sum" else {"all_reduce"}
+            ops = (
+                {"all_to_all", "all_gather"} if case["reduction"] == "fp32_sum" else {"all_reduce"}
+            )
             assert {op for op, _ in gradient_ops} | {op for op, _ in gathers} == ops, log
             if case["reduction"] == "fp32_sum":
                 assert {dtype for _, dtype in gathers} == {_DTYPE[case["comm"]]}
         else:
-            assert gathers and {dtype for _, dtype in gathers} == {_DTYPE[case["model"]]}, (case, log)
+            assert gathers and {dtype for _, dtype in gathers} == {_DTYPE[case["model"]]}, (
+                case,
+                log,
+            )
             expected = "all_to_all" if case["reduction"] == "fp32_sum" else "reduce_scatter"
             assert {op for op, _ in gradient_ops} == {expected}, log
         # Only the one-element norm/overflow scalar travels outside the gradient dtype.
@@ -75,7 +84,10 @@ def test_wire_dtypes() -> None:
 
 
 def test_sharded_accumulator_reduces_every_micro_batch() -> None:
-    whole = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**6}}
+    whole = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**6},
+    }
     sharded = {**whole, "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": True}}
     log_whole, log_sharded = spawn(wire_cases, 2, [whole, sharded])[0]
     count = lambda log: sum(1 for op, _, _ in log if op == "reduce_scatter")  # noqa: E731

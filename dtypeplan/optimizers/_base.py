@@ -129,7 +129,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
         prefix = "scalar.scaler."
-        scaler = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        scaler = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         if scaler and self.scaler.enabled:
             self.scaler.load_state_dict(scaler)
 

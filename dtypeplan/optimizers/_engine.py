@@ -113,7 +113,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.groups: list[_GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
-            flat = FlatGroup(trainable, self.param_dtype, self.shards, bucket_numel, self.comm.world_size)
+            flat = FlatGroup(
+                trainable, self.param_dtype, self.shards, bucket_numel, self.comm.world_size
+            )
             self.groups.append(self._build_group(flat))
         self.inner = self._build_inner_optimizer()
         self._fresh = True
@@ -134,7 +136,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # Master chunks take the parameters' values before they are cast down.
             for bucket in flat.buckets:
                 state.masters.append(
-                    torch.zeros(bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device)
+                    torch.zeros(
+                        bucket.chunk_numel(self.shards),
+                        dtype=torch.float32,
+                        device=flat.buffer.device,
+                    )
                 )
             shard_offsets = flat.shard_offsets()
             for index, param in enumerate(flat.params):
@@ -156,7 +162,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             offsets = flat.shard_offsets()
             state.acc_chunks = [
                 state.accumulator[off : off + b.chunk_numel(self.shards)]
-                for off, b in zip(offsets, flat.buckets)
+                for off, b in zip(offsets, flat.buckets, strict=True)
             ]
         else:
             state.accumulator = torch.zeros(flat.numel, dtype=self.accum_dtype, device=device)
@@ -166,7 +172,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
         groups = []
-        for group, state in zip(self.param_groups, self.groups):
+        for group, state in zip(self.param_groups, self.groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": state.masters, **hyper})
         fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
@@ -178,7 +184,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             state.touched = [False] * len(state.flat.params)
             state.pending = [len(b.params) for b in state.flat.buckets]
         self._next_bucket = 0
-        self._bucket_order = [(gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets]
+        self._bucket_order = [
+            (gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets
+        ]
 
     def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -216,7 +224,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def _staging(self, state: _GroupState, bucket: int) -> torch.Tensor:
         if bucket not in state.staging:
             numel = state.flat.buckets[bucket].numel
-            state.staging[bucket] = torch.zeros(numel, dtype=self.comm_dtype, device=state.flat.buffer.device)
+            state.staging[bucket] = torch.zeros(
+                numel, dtype=self.comm_dtype, device=state.flat.buffer.device
+            )
         return state.staging[bucket]
 
     def _drain(self, complete_only: bool) -> None:
@@ -280,10 +290,15 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     self.comm.all_reduce_sum_(chunk, self.comm_dtype, self.comm_method)
                 else:
                     chunk = torch.empty(
-                        bucket.chunk_numel(self.shards), dtype=torch.float32, device=flat.buffer.device
+                        bucket.chunk_numel(self.shards),
+                        dtype=torch.float32,
+                        device=flat.buffer.device,
                     )
                     self.comm.reduce_scatter_sum(
-                        chunk, flat.bucket_view(state.accumulator, bucket), self.comm_dtype, self.comm_method
+                        chunk,
+                        flat.bucket_view(state.accumulator, bucket),
+                        self.comm_dtype,
+                        self.comm_method,
                     )
                 per_bucket.append(chunk)
             grads.append(per_bucket)
@@ -306,7 +321,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             raise RuntimeError("step() was called while a backward pass is still running")
         grads_by_group = self._reduced_grads()
         grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        factor = self._gradient_factor(self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size)
+        factor = self._gradient_factor(
+            self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size
+        )
         if factor is None:
             self._fresh = True
             return loss
@@ -323,10 +340,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
         """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
-        fp32 = [[g if g.dtype == torch.float32 else g.float() for g in per] for per in grads_by_group]
+        fp32 = [
+            [g if g.dtype == torch.float32 else g.float() for g in per] for per in grads_by_group
+        ]
         torch._foreach_mul_([g for per in fp32 for g in per], factor)
-        for state, per_bucket in zip(self.groups, fp32):
-            for master, grad in zip(state.masters, per_bucket):
+        for state, per_bucket in zip(self.groups, fp32, strict=True):
+            for master, grad in zip(state.masters, per_bucket, strict=True):
                 master.grad = grad
         self.inner.step()
         for state in self.groups:
@@ -358,9 +377,13 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
 
         adam_w = self.plan.optimizer.type == "AdamW"
-        for state, group, per_bucket in zip(self.groups, self.inner.param_groups, grads_by_group):
+        for state, group, per_bucket in zip(
+            self.groups, self.inner.param_groups, grads_by_group, strict=True
+        ):
             beta1, beta2 = group["betas"]
-            for bucket, master, grad in zip(state.flat.buckets, state.masters, per_bucket):
+            for bucket, master, grad in zip(
+                state.flat.buckets, state.masters, per_bucket, strict=True
+            ):
                 slot = self.inner.state[master]
                 if "exp_avg" not in slot:
                     slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
@@ -369,15 +392,23 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 slot["step"] += 1
                 param_chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
                 fused_mixed_adamw_(
-                    master, slot["exp_avg"], slot["exp_avg_sq"], grad,
+                    master,
+                    slot["exp_avg"],
+                    slot["exp_avg_sq"],
+                    grad,
                     None if param_chunk.data_ptr() == master.data_ptr() else param_chunk,
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=int(slot["step"].item()),
-                    grad_factor=factor, adam_w_mode=adam_w,
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(slot["step"].item()),
+                    grad_factor=factor,
+                    adam_w_mode=adam_w,
                 )
 
     def _sync_hyperparameters(self) -> None:
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in group.items():
                 if key != "params":
                     inner_group[key] = value
@@ -386,12 +417,15 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """Cast the master chunks into the parameters (unless done) and all-gather them."""
         for state in self.groups:
             flat = state.flat
-            for bucket, master in zip(flat.buckets, state.masters):
+            for bucket, master in zip(flat.buckets, state.masters, strict=True):
                 chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
                 if cast and master.data_ptr() != chunk.data_ptr():
                     chunk.copy_(master)
                 if self.shards > 1:
-                    self.comm.all_gather(flat.bucket_view(flat.buffer, bucket), chunk.clone(), self.param_dtype)
+                    # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
+                    self.comm.all_gather(
+                        flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
+                    )
 
     # --- gradients ----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -418,7 +452,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             "layout": self._layout_facts(),
             "masters": [[m.detach().clone() for m in s.masters] for s in self.groups],
             "inner": self.inner.state_dict(),
-            "hyperparameters": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "hyperparameters": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
@@ -433,11 +469,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 f"{self._layout_facts()}; use dtypeplan.checkpoint to load across world sizes "
                 "or ZeRO stages"
             )
-        for state, masters in zip(self.groups, state_dict["masters"]):
-            for mine, saved in zip(state.masters, masters):
+        for state, masters in zip(self.groups, state_dict["masters"], strict=True):
+            for mine, saved in zip(state.masters, masters, strict=True):
                 mine.copy_(saved)
         self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["hyperparameters"]):
+        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
             group.update(saved)
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
@@ -448,14 +484,18 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state in self.groups:
             for master in state.masters:
                 for key, value in self.inner.state.get(master, {}).items():
-                    if torch.is_tensor(value) and value.numel() == master.numel() and key not in names:
+                    if (
+                        torch.is_tensor(value)
+                        and value.numel() == master.numel()
+                        and key not in names
+                    ):
                         names.append(key)
         return names
 
     def _gather_full(self, state: _GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
         flat = state.flat
         full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
-        for bucket, chunk in zip(flat.buckets, chunks):
+        for bucket, chunk in zip(flat.buckets, chunks, strict=True):
             target = flat.bucket_view(full, bucket)
             if self.shards > 1:
                 self.comm.all_gather(target, chunk.float().contiguous(), torch.float32)
@@ -474,7 +514,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     chunks = state.masters
                 else:
                     chunks = [
-                        self.inner.state[m][name] if name in self.inner.state.get(m, {}) else torch.zeros_like(m)
+                        self.inner.state[m][name]
+                        if name in self.inner.state.get(m, {})
+                        else torch.zeros_like(m)
                         for m in state.masters
                     ]
                 full = self._gather_full(state, chunks)
@@ -500,7 +542,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 for index, view in enumerate(flat.param_views(full)):
                     view.copy_(state[f"param.{first + index}.{name}"])
                 chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
-                for master, chunk in zip(group_state.masters, chunks):
+                for master, chunk in zip(group_state.masters, chunks, strict=True):
                     if name == "master":
                         master.copy_(chunk)
                     else:

@@ -54,7 +54,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
     @classmethod
     def prepare_model(
-        cls, model: torch.nn.Module, *, plan: PrecisionPlan, process_group: dist.ProcessGroup | None = None
+        cls,
+        model: torch.nn.Module,
+        *,
+        plan: PrecisionPlan,
+        process_group: dist.ProcessGroup | None = None,
     ) -> torch.nn.Module:
         """Shard ``model`` with ``fully_shard``: every child with parameters, then the root."""
         from torch.distributed.device_mesh import DeviceMesh
@@ -121,7 +125,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         self.locals = [[p.to_local().detach() for p in group] for group in self.sharded]
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
-            for g, local in zip(self.param_groups, self.locals)
+            for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
         self.inner = plan.optimizer.torch_class(groups, fused=True)
 
@@ -143,7 +147,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 param.grad = torch.zeros_like(param)
         local_grads = [p.grad.to_local() for p in params]
         norms = torch._foreach_norm(local_grads, 2.0) if local_grads else []
-        sq = torch.stack(norms).double().square().sum().float().reshape(1) if norms else torch.zeros(1)
+        sq = (
+            torch.stack(norms).double().square().sum().float().reshape(1)
+            if norms
+            else torch.zeros(1)
+        )
         sq_norm = float(self.comm.all_reduce_scalars(sq)[0])
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._gradient_factor(sq_norm, self.scaler.scale)
@@ -152,9 +160,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             return loss
         if factor != 1.0:
             torch._foreach_mul_(local_grads, factor)
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        for local, grad in zip(self._locals(), local_grads):
+        for local, grad in zip(self._locals(), local_grads, strict=True):
             local.grad = grad
         self.inner.step()
         for local in self._locals():
@@ -185,22 +193,27 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             "world_size": self.comm.world_size,
             "inner": self.inner.state_dict(),
             "masters": [t.clone() for t in self._locals()],
-            "hyperparameters": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "hyperparameters": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("format") != "dtypeplan.fsdp2/1" or state_dict["world_size"] != self.comm.world_size:
+        if (
+            state_dict.get("format") != "dtypeplan.fsdp2/1"
+            or state_dict["world_size"] != self.comm.world_size
+        ):
             raise ValueError(
                 "state dict was not saved by a ZeRO-3 optimizer on this world size; use "
                 "dtypeplan.checkpoint to load across world sizes or ZeRO stages"
             )
-        for local, saved in zip(self._locals(), state_dict["masters"]):
+        for local, saved in zip(self._locals(), state_dict["masters"], strict=True):
             local.copy_(saved)
         self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["hyperparameters"]):
+        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
             group.update(saved)
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
@@ -209,14 +222,18 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         result: dict[str, torch.Tensor | float | int] = {}
         step = 0
-        for index, (param, local) in enumerate(zip(self._params(), self._locals())):
+        for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             result[f"param.{index}.master"] = param.full_tensor().float()
             for name, value in self.inner.state.get(local, {}).items():
                 if name == "step":
                     step = int(value.item()) if torch.is_tensor(value) else int(value)
                 elif torch.is_tensor(value) and value.shape == local.shape:
                     whole = DTensor.from_local(
-                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        shape=param.shape,
+                        stride=param.stride(),
                     )
                     result[f"param.{index}.{name}"] = whole.full_tensor().float()
         result["scalar.step"] = step
@@ -227,7 +244,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         step = int(state.get("scalar.step", 0))
         self.inner.state.clear()
-        for index, (param, local) in enumerate(zip(self._params(), self._locals())):
+        for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
 
             def shard(full: torch.Tensor, like: DTensor = param) -> torch.Tensor:
                 full = full.to(like.device, torch.float32)
@@ -235,7 +252,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
             local.copy_(shard(state[f"param.{index}.master"]))
             prefix = f"param.{index}."
-            names = [k[len(prefix):] for k in state if k.startswith(prefix) and k != prefix + "master"]
+            names = [
+                k[len(prefix) :] for k in state if k.startswith(prefix) and k != prefix + "master"
+            ]
             slot = self.inner.state[local]
             for name in names:
                 slot[name] = shard(state[prefix + name]).clone()

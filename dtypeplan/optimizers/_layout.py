@@ -95,7 +95,7 @@ class FlatGroup:
     def adopt_parameters(self) -> None:
         """Copy the parameters into the buffer (casting) and make them views of it."""
         with torch.no_grad():
-            for param, view in zip(self.params, self.param_views(self.buffer)):
+            for param, view in zip(self.params, self.param_views(self.buffer), strict=True):
                 view.copy_(param.detach())
                 param.data = view
 
@@ -103,7 +103,7 @@ class FlatGroup:
         """Views of ``flat`` (any tensor laid out like the buffer) shaped like each parameter."""
         return [
             flat[offset : offset + param.numel()].view(param.shape)
-            for param, offset in zip(self.params, self.offsets)
+            for param, offset in zip(self.params, self.offsets, strict=True)
         ]
 
     def bucket_view(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:

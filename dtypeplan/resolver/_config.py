@@ -153,7 +153,9 @@ def _read_file(path: str) -> Any:
             return yaml.safe_load(text)
         return json.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise PrecisionConfigError(f"{path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}") from exc
+        raise PrecisionConfigError(
+            f"{path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}"
+        ) from exc
 
 
 def _ignored_paths(document: Any, schema: dict[str, Any], prefix: list[Any]) -> list[str]:
@@ -212,7 +214,9 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         )
     schema = config_schema()
     validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(document), key=lambda e: (list(map(str, e.path)), e.message))
+    errors = sorted(
+        validator.iter_errors(document), key=lambda e: (list(map(str, e.path)), e.message)
+    )
     if errors:
         raise _schema_error(jsonschema.exceptions.best_match(errors))
 
@@ -258,7 +262,9 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         ("$.gradient_clipping", document.get("gradient_clipping")),
     ):
         if value is not None and not math.isfinite(value):
-            raise PrecisionConfigError(f"invalid value {value} at {path}: must be a finite number", path)
+            raise PrecisionConfigError(
+                f"invalid value {value} at {path}: must be a finite number", path
+            )
     return PrecisionConfig(
         bf16=bool(bf16.get("enabled", False)),
         fp16=bool(fp16.get("enabled", False)),
@@ -273,7 +279,9 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         optimizer_given=optimizer_doc is not None,
         gradient_clipping=float(document.get("gradient_clipping", 0.0)),
         reduce_bucket_size=int(bucket) if bucket is not None else None,
-        check_nonfinite=bool(document.get("check_nonfinite", bf16.get("check_grad_overflow", False))),
+        check_nonfinite=bool(
+            document.get("check_nonfinite", bf16.get("check_grad_overflow", False))
+        ),
         ignored_keys=tuple(_ignored_paths(document, schema, [])),
         source=source,
     )

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "PrecisionPlan", "Status"]
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
@@ -94,7 +98,9 @@ class PrecisionPlan:
             "master_dtype": DTYPE_NAMES[self.master_dtype],
             "zero_stage": self.zero_stage,
             "pipeline_parallel": self.pipeline_parallel,
-            "loss_scaling": vars(self.loss_scaling).copy() if self.param_dtype == torch.float16 else None,
+            "loss_scaling": vars(self.loss_scaling).copy()
+            if self.param_dtype == torch.float16
+            else None,
             "optimizer": {"type": self.optimizer.type, "params": _jsonable(self.optimizer.params)},
             "gradient_clipping": self.gradient_clipping,
             "reduce_bucket_size": self.reduce_bucket_size,
@@ -103,7 +109,11 @@ class PrecisionPlan:
             "warnings": list(self.warnings),
             "ignored_keys": list(self.ignored_keys),
             "alternatives": [
-                {"changes": list(a.changes), "rule_id": a.rule_id, "implementation": a.implementation}
+                {
+                    "changes": list(a.changes),
+                    "rule_id": a.rule_id,
+                    "implementation": a.implementation,
+                }
                 for a in self.alternatives
             ],
         }
@@ -155,7 +165,11 @@ class PrecisionPlan:
         rows = [
             ("parameters", DTYPE_NAMES[self.param_dtype], "param_dtype"),
             ("gradient accumulation", DTYPE_NAMES[self.grad_accum_dtype], "grad_accum_dtype"),
-            ("accumulator", "sharded" if self.accumulator_sharded else "whole", "accumulator_sharded"),
+            (
+                "accumulator",
+                "sharded" if self.accumulator_sharded else "whole",
+                "accumulator_sharded",
+            ),
             ("communication", DTYPE_NAMES[self.comm_dtype], "comm_dtype"),
             ("reduction", self.comm_reduction, "comm_reduction"),
             ("master weights", DTYPE_NAMES[self.master_dtype], "master_dtype"),
@@ -168,12 +182,18 @@ class PrecisionPlan:
                 f"global L2 norm {self.gradient_clipping:g}" if self.gradient_clipping else "off",
                 "gradient_clipping",
             ),
-            ("non-finite check", "on" if self.check_nonfinite or self.param_dtype == torch.float16 else "off", "check_nonfinite"),
+            (
+                "non-finite check",
+                "on" if self.check_nonfinite or self.param_dtype == torch.float16 else "off",
+                "check_nonfinite",
+            ),
         ]
         width = max(len(r[0]) for r in rows)
         value_width = min(max(len(r[1]) for r in rows), 12)
         for label, value, key in rows:
-            lines.append(f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}")
+            lines.append(
+                f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
+            )
         if self.warnings:
             lines += ["", "warnings:"] + [f"  - {w}" for w in self.warnings]
         if self.ignored_keys:
@@ -184,7 +204,8 @@ class PrecisionPlan:
             if not self.alternatives:
                 lines.append("  none: no rule of this table is OK")
             for alt in self.alternatives:
-                lines.append(f"  - {'; '.join(alt.changes)}  -> OK ({alt.implementation}, rule {alt.rule_id})")
+                changes = "; ".join(alt.changes)
+                lines.append(f"  - {changes}  -> OK ({alt.implementation}, rule {alt.rule_id})")
         return "\n".join(lines)
 
     # --- building -----------------------------------------------------------------------------
@@ -210,7 +231,9 @@ class PrecisionPlan:
     ) -> MixedPrecisionOptimizer:
         """The optimizer for ``params`` on ``process_group`` (default: the default group)."""
         if self.status == Status.ERROR:
-            raise PrecisionConfigError(f"{self.reason} (rule {self.rule_id} at {self.rule_location})")
+            raise PrecisionConfigError(
+                f"{self.reason} (rule {self.rule_id} at {self.rule_location})"
+            )
         if self.status == Status.NOT_SUPPORTED:
             raise NotSupportedError(f"{self.reason} (rule {self.rule_id} at {self.rule_location})")
         from dtypeplan.optimizers import get_implementation

@@ -40,10 +40,14 @@ def resolve(
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
     rules file (:class:`RulesError`) raises.
     """
-    return resolve_config(load_config(config), pipeline_parallel=pipeline_parallel, table=load_rules(rules))
+    return resolve_config(
+        load_config(config), pipeline_parallel=pipeline_parallel, table=load_rules(rules)
+    )
 
 
-def resolve_config(config: PrecisionConfig, *, pipeline_parallel: bool, table: RuleTable) -> PrecisionPlan:
+def resolve_config(
+    config: PrecisionConfig, *, pipeline_parallel: bool, table: RuleTable
+) -> PrecisionPlan:
     name = os.path.basename(table.path)
     defaults = table.defaults
     origins: dict[str, str] = {}
@@ -53,31 +57,38 @@ def resolve_config(config: PrecisionConfig, *, pipeline_parallel: bool, table: R
     else:
         model = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
     origins["param_dtype"] = (
-        "$.bf16.enabled and $.fp16.enabled" if model == "fp16+bf16"
-        else "$.bf16.enabled" if config.bf16 else "$.fp16.enabled" if config.fp16
+        "$.bf16.enabled and $.fp16.enabled"
+        if model == "fp16+bf16"
+        else "$.bf16.enabled"
+        if config.bf16
+        else "$.fp16.enabled"
+        if config.fp16
         else "default (neither bf16 nor fp16 enabled)"
     )
-    # Both 16-bit modes on is an Error plan; its other defaults follow fp16, DeepSpeed's check order.
+    # Both 16-bit modes on is an Error plan; its other defaults follow fp16 (DeepSpeed's order).
     model_for_defaults = "fp16" if model == "fp16+bf16" else model
 
     stage = config.zero_stage if config.zero_stage is not None else 0
-    origins["zero_stage"] = "$.zero_optimization.stage" if config.zero_stage is not None else "default (DeepSpeed's 0)"
+    origins["zero_stage"] = (
+        "$.zero_optimization.stage" if config.zero_stage is not None else "default (DeepSpeed's 0)"
+    )
 
     if config.grad_accum_dtype is not None:
         accum = config.grad_accum_dtype
         origins["grad_accum_dtype"] = config.grad_accum_dtype_key or "config"
     else:
         accum = defaults.grad_accum_dtype[model_for_defaults]
-        origins["grad_accum_dtype"] = (
-            f"default for {model_for_defaults} parameters ({name}:{defaults.lines['grad_accum_dtype']})"
-        )
+        where = f"{name}:{defaults.lines['grad_accum_dtype']}"
+        origins["grad_accum_dtype"] = f"default for {model_for_defaults} parameters ({where})"
 
     if config.accumulator_sharded is not None:
         sharded = config.accumulator_sharded
         origins["accumulator_sharded"] = "$.gradient_accumulation_dtype.sharded"
     else:
         sharded = defaults.accumulator_sharded[stage]
-        origins["accumulator_sharded"] = f"default for ZeRO stage {stage} ({name}:{defaults.lines['accumulator_sharded']})"
+        origins["accumulator_sharded"] = (
+            f"default for ZeRO stage {stage} ({name}:{defaults.lines['accumulator_sharded']})"
+        )
 
     if config.comm_dtype is not None:
         comm = config.comm_dtype
@@ -86,20 +97,35 @@ def resolve_config(config: PrecisionConfig, *, pipeline_parallel: bool, table: R
         rule = defaults.communication_data_type
         comm = accum if rule == "accum" else model_for_defaults if rule == "model" else rule
         what = {"accum": "the accumulation dtype", "model": "the parameter dtype"}.get(rule, rule)
-        origins["comm_dtype"] = f"default: {what} ({name}:{defaults.lines['communication_data_type']})"
+        origins["comm_dtype"] = (
+            f"default: {what} ({name}:{defaults.lines['communication_data_type']})"
+        )
 
-    origins["comm_reduction"] = "$.communication_reduction" if config.comm_reduction != "collective" else "default"
+    origins["comm_reduction"] = (
+        "$.communication_reduction" if config.comm_reduction != "collective" else "default"
+    )
     origins["master_dtype"] = "fixed: master weights are always fp32"
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
     origins["loss_scaling"] = "$.fp16" if model == "fp16" else "off without fp16"
     origins["optimizer"] = "$.optimizer" if config.optimizer_given else "default (AdamW, lr 1e-3)"
-    origins["gradient_clipping"] = "$.gradient_clipping" if config.gradient_clipping else "default (off)"
-    origins["check_nonfinite"] = "always on for fp16" if model == "fp16" else (
-        "$.check_nonfinite" if config.check_nonfinite else "default (off)"
+    origins["gradient_clipping"] = (
+        "$.gradient_clipping" if config.gradient_clipping else "default (off)"
+    )
+    origins["check_nonfinite"] = (
+        "always on for fp16"
+        if model == "fp16"
+        else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
 
-    point = {"model": model, "accum": accum, "sharded": sharded, "stage": stage, "pipeline": bool(pipeline_parallel), "comm": comm,
-             "reduction": config.comm_reduction}
+    point = {
+        "model": model,
+        "accum": accum,
+        "sharded": sharded,
+        "stage": stage,
+        "pipeline": bool(pipeline_parallel),
+        "comm": comm,
+        "reduction": config.comm_reduction,
+    }
     rule = table.lookup(point)
     status = Status(rule.status)
     param_dtype = DTYPES[model_for_defaults]
@@ -138,11 +164,15 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
             "precise (or overflowing) sum; fp32 accumulation avoids it"
         )
     elif model == "fp32" and accum != "fp32":
-        found.append(f"fp32 gradients are summed in {accum}: precision is lost at every micro-batch")
+        found.append(
+            f"fp32 gradients are summed in {accum}: precision is lost at every micro-batch"
+        )
     if DTYPES[comm].itemsize < DTYPES[accum].itemsize:
         found.append(f"gradients are rounded from {accum} to {comm} on the wire")
     if comm == "fp16" and model == "bf16":
-        found.append("bf16 gradients sent as fp16 may overflow (fp16 tops out at 65504) or flush to zero")
+        found.append(
+            "bf16 gradients sent as fp16 may overflow (fp16 tops out at 65504) or flush to zero"
+        )
     if config.comm_reduction == "fp32_sum" and comm == "fp32":
         found.append("communication_reduction fp32_sum has no effect with fp32 on the wire")
     offload = [k for k in config.ignored_keys if "offload" in k]

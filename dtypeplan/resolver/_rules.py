@@ -27,7 +27,15 @@ import yaml
 
 from dtypeplan.errors import RulesError
 
-__all__ = ["DIMENSIONS", "Defaults", "Point", "Rule", "RuleTable", "load_rules", "default_rules_path"]
+__all__ = [
+    "DIMENSIONS",
+    "Defaults",
+    "Point",
+    "Rule",
+    "RuleTable",
+    "load_rules",
+    "default_rules_path",
+]
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "model": ("fp32", "fp16", "bf16", "fp16+bf16"),
@@ -110,7 +118,7 @@ class RuleTable:
     def points(self) -> Iterator[dict[str, Any]]:
         """Every point of the configuration space."""
         for values in itertools.product(*DIMENSIONS.values()):
-            yield dict(zip(DIMENSIONS, values))
+            yield dict(zip(DIMENSIONS, values, strict=True))
 
     def location(self, rule: Rule) -> str:
         return f"{os.path.basename(self.path)}:{rule.line}"
@@ -154,12 +162,16 @@ class _LineLoader(yaml.SafeLoader):
         return mapping
 
 
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _LineLoader.construct_mapping)
+_LineLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _LineLoader.construct_mapping
+)
 
 
 @cache
 def _rules_schema() -> dict[str, Any]:
-    return json.loads(resources.files("dtypeplan").joinpath("schemas/rules.schema.json").read_text())
+    return json.loads(
+        resources.files("dtypeplan").joinpath("schemas/rules.schema.json").read_text()
+    )
 
 
 def _parse(text: str, name: str) -> Any:
@@ -189,7 +201,9 @@ def _parse(text: str, name: str) -> Any:
 def _plain(value: Any) -> Any:
     """The document as JSON data (mapping keys as strings) for schema validation."""
     if isinstance(value, dict):
-        return {str(k) if not isinstance(k, bool) else _text(k): _plain(v) for k, v in value.items()}
+        return {
+            str(k) if not isinstance(k, bool) else _text(k): _plain(v) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
@@ -243,17 +257,23 @@ def _matcher(dim: str, spec: Any, name: str, line: int) -> frozenset[Any]:
         # bool is an int in Python: keep stage=true from matching stage 1.
         if not any(value == a and type(value) is type(a) for a in allowed):
             choices = ", ".join(_text(a) for a in allowed)
-            raise RulesError(f"{dim}: unknown value {_text(value)!r} (one of: {choices}, *)", name, line)
+            raise RulesError(
+                f"{dim}: unknown value {_text(value)!r} (one of: {choices}, *)", name, line
+            )
     return frozenset(values)
 
 
-def _build_rules(document: _LineMap, name: str, registered: frozenset[str] | None) -> tuple[Rule, ...]:
+def _build_rules(
+    document: _LineMap, name: str, registered: frozenset[str] | None
+) -> tuple[Rule, ...]:
     rules: list[Rule] = []
     seen: dict[str, int] = {}
     for raw in document["rules"]:
         line = raw.line
         if raw["id"] in seen:
-            raise RulesError(f"rule id {raw['id']!r} already used at line {seen[raw['id']]}", name, line)
+            raise RulesError(
+                f"rule id {raw['id']!r} already used at line {seen[raw['id']]}", name, line
+            )
         seen[raw["id"]] = line
         when = {
             dim: _matcher(dim, spec, name, raw["when"].key_lines.get(dim, line))
@@ -263,7 +283,9 @@ def _build_rules(document: _LineMap, name: str, registered: frozenset[str] | Non
         implementation = raw.get("implementation")
         if status == "OK":
             if implementation is None:
-                raise RulesError(f"rule {raw['id']!r} is OK but names no implementation", name, line)
+                raise RulesError(
+                    f"rule {raw['id']!r} is OK but names no implementation", name, line
+                )
             if registered is not None and implementation not in registered:
                 known = ", ".join(sorted(registered)) or "none"
                 raise RulesError(
@@ -280,8 +302,14 @@ def _build_rules(document: _LineMap, name: str, registered: frozenset[str] | Non
                 raw.key_lines.get("implementation", line),
             )
         rules.append(
-            Rule(id=raw["id"], when=when, status=status, implementation=implementation,
-                 reason=" ".join(raw["reason"].split()), line=line)
+            Rule(
+                id=raw["id"],
+                when=when,
+                status=status,
+                implementation=implementation,
+                reason=" ".join(raw["reason"].split()),
+                line=line,
+            )
         )
     return tuple(rules)
 
@@ -289,7 +317,7 @@ def _build_rules(document: _LineMap, name: str, registered: frozenset[str] | Non
 def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> None:
     gaps: list[dict[str, Any]] = []
     for values in itertools.product(*DIMENSIONS.values()):
-        point = dict(zip(DIMENSIONS, values))
+        point = dict(zip(DIMENSIONS, values, strict=True))
         matching = [rule for rule in rules if rule.matches(point)]
         if len(matching) > 1:
             first, second = matching[0], matching[1]
@@ -313,7 +341,9 @@ def _point_text(point: Point) -> str:
     return ", ".join(f"{dim}={_text(point[dim])}" for dim in DIMENSIONS)
 
 
-def load_rules(path: str | os.PathLike[str] | None = None, *, check_registry: bool = True) -> RuleTable:
+def load_rules(
+    path: str | os.PathLike[str] | None = None, *, check_registry: bool = True
+) -> RuleTable:
     """Load and check a rules file (the shipped ``precision_rules.yaml`` by default).
 
     Raises :class:`RulesError` naming ``file:line`` for any problem: YAML syntax, a tag, the

@@ -1,0 +1,70 @@
+"""Distributed checkpoints of a dtypeplan optimizer that reshard across world sizes and stages.
+
+    dtypeplan.checkpoint.save(optimizer, "ckpt/run1")   # on every rank of the optimizer's group
+    dtypeplan.checkpoint.load(optimizer, "ckpt/run1")   # any world size, any ZeRO stage
+
+What is stored: everything the optimizer owns -- the fp32 master weights, every full-size
+optimizer state (``exp_avg``, ``momentum_buffer``, ...), the step count, the loss scaler, the
+skipped-step count and the param groups' hyperparameters. The model's weights are the master
+weights cast to the parameter dtype, so ``load`` writes them into the parameters as well.
+Frozen parameters (``requires_grad=False``) are not the optimizer's and are not stored.
+
+On disk (``path`` is a directory)::
+
+    path/LATEST                  one line: the name of the current snapshot
+    path/snapshot-<hex>/         a torch.distributed.checkpoint (DCP) directory ...
+    path/snapshot-<hex>/manifest.json   ... plus what DCP does not describe (see _manifest)
+
+Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor of the parameter's
+``numel`` (``i`` numbers the trainable parameters over all param groups in order, as
+``MixedPrecisionOptimizer.full_state`` does); shapes live in the manifest.
+
+Sharded I/O. For the built-in flat-buffer optimizers each rank writes only the pieces of each
+parameter that its own shard holds, as DCP chunks with their offsets, and on load reads only
+the pieces that its new shard needs; DCP's resharding matches old chunks to new ones. No rank
+ever materializes the full state. (At ZeRO stage 0 every rank holds everything; DCP then
+writes each piece once.) Any other ``MixedPrecisionOptimizer`` goes through its layout-free
+``full_state()`` / ``load_full_state()``: full tensors, replicated on every rank and written
+once. Both ways write the same format, so either reads what the other wrote. (The sharded
+way reads the flat optimizer's layout -- ``groups``, ``masters``, ``inner``, ``_write_back`` --
+in ``_adapters.FlatAdapter``; a change there must keep ``tests/test_checkpoint.py`` passing.)
+
+Atomic replacement. A save writes ``snapshot-<hex>.tmp`` inside ``path``; when every rank has
+written (DCP's final collective) rank 0 adds the manifest, renames the directory to
+``snapshot-<hex>``, and atomically replaces ``LATEST`` (write, fsync, ``os.replace``). Only then
+are older snapshots and leftovers of failed saves deleted. A save that dies at any point leaves
+``LATEST`` naming the previous complete snapshot, so ``load(path)`` still works. Concurrent
+saves into one ``path`` are not supported.
+
+Checks on load. A missing ``LATEST``, snapshot or data file, a file whose size differs from the
+size recorded at save (truncation), a manifest that is not valid, or any failure inside DCP
+raises :class:`CheckpointError` naming the path. (Bytes overwritten in place, sizes kept, are
+caught only where they break DCP's serialization: there are no checksums.) A checkpoint
+whose parameter count or shapes or optimizer type (AdamW, Adam, SGD) differ from the
+optimizer's raises
+:class:`CheckpointMismatchError` listing the differences. A different world size, ZeRO stage,
+implementation or parameter dtype is allowed: the masters are fp32 whatever the parameter
+dtype, so a run saved in fp32 resumes in bf16 and back. The loss scaler is restored only when
+both the checkpoint and the optimizer use fp16. Hyperparameters (``lr``, ``betas``, ...) are
+restored from the checkpoint when the number of param groups matches, as
+``torch.optim.Optimizer.load_state_dict`` does. A load that fails leaves the optimizer as it
+was: pieces are read into staging tensors (one shard's worth) and copied in only at the end.
+
+Both calls are collective over the optimizer's process group (the default group when it has
+none, a single process when ``torch.distributed`` is not initialized). Every rank must see the
+same ``path`` (a shared filesystem). Errors are agreed on: when one rank fails, every rank
+raises, so no rank is left waiting in a collective.
+
+Modules: ``_io`` (the steps of ``save`` and ``load``), ``_collective`` (the group, and errors
+agreed on by every rank), ``_adapters`` (an optimizer's state as pieces), ``_planners`` (DCP
+planners for those pieces), ``_manifest`` and ``_directory`` (the files on disk), ``_errors``.
+"""
+
+from dtypeplan.checkpoint._directory import LATEST as LATEST
+from dtypeplan.checkpoint._directory import MANIFEST as MANIFEST
+from dtypeplan.checkpoint._errors import CheckpointError, CheckpointMismatchError
+from dtypeplan.checkpoint._io import load, save
+from dtypeplan.checkpoint._manifest import FORMAT as FORMAT
+from dtypeplan.checkpoint._manifest import FORMAT_VERSION as FORMAT_VERSION
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "load", "save"]

@@ -1,0 +1,103 @@
+"""``save`` and ``load``: the steps of each, every one agreed on by all ranks of the group."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed.checkpoint as dcp
+
+from dtypeplan.checkpoint._adapters import adapter_for
+from dtypeplan.checkpoint._collective import Group
+from dtypeplan.checkpoint._directory import commit_directory, open_snapshot, prepare_directory
+from dtypeplan.checkpoint._errors import CheckpointMismatchError
+from dtypeplan.checkpoint._manifest import build_manifest, differences, restore_hyperparameters
+from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
+from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+
+__all__ = ["load", "save"]
+
+
+def save(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
+    """Write a checkpoint of ``opt`` to the directory ``path``; collective over its group.
+
+    Replaces an earlier checkpoint at ``path`` atomically: if the save fails or dies, the
+    previous one stays loadable. Raises :class:`CheckpointError` on every rank if any rank fails.
+    """
+    path = os.fspath(path)
+    if not isinstance(opt, MixedPrecisionOptimizer):
+        raise TypeError(f"save() takes a dtypeplan optimizer, not {type(opt).__name__}")
+    group = Group(opt.process_group)
+    name = group.agree(
+        lambda: prepare_directory(path) if group.rank == 0 else None, "preparing", path
+    )
+    name = group.broadcast(name)
+    tmp = os.path.join(path, name + ".tmp")
+    adapter = adapter_for(opt)
+
+    local_names = group.agree(adapter.state_names, "listing the optimizer states", path)
+    # A state one rank has not created yet is still saved (as zeros) so that chunks cover it.
+    names: list[str] = []
+    for rank_names in group.all_gather(local_names):
+        names += [n for n in rank_names if n not in names]
+    flats, scalars = group.agree(
+        lambda: (adapter.save_pieces(names), adapter.scalars()), "collecting the state", path
+    )
+    group.dcp(
+        lambda: dcp.save(
+            {},
+            storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+            planner=PieceSavePlanner(flats),
+            process_group=opt.process_group,
+            no_dist=not group.distributed,
+        ),
+        path,
+        "writing",
+    )
+
+    def commit() -> None:
+        if group.rank == 0:
+            commit_directory(path, name, build_manifest(opt, adapter, names, scalars, group.size))
+
+    group.agree(commit, "committing", path)
+
+
+def load(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
+    """Load the checkpoint at ``path`` into ``opt`` and its model; collective over its group.
+
+    The checkpoint may come from another world size, ZeRO stage or parameter dtype. Raises
+    :class:`CheckpointMismatchError` if its parameters or optimizer type differ from ``opt``'s,
+    :class:`CheckpointError` if it is missing, incomplete or corrupt; ``opt`` is then unchanged.
+    """
+    path = os.fspath(path)
+    if not isinstance(opt, MixedPrecisionOptimizer):
+        raise TypeError(f"load() takes a dtypeplan optimizer, not {type(opt).__name__}")
+    group = Group(opt.process_group)
+    opened = group.agree(lambda: open_snapshot(path) if group.rank == 0 else None, "opening", path)
+    snapshot, manifest = group.broadcast(opened)
+    adapter = adapter_for(opt)
+    shapes = group.agree(adapter.shapes, "reading the parameter shapes", path)
+
+    def check() -> None:
+        found = differences(manifest, opt, shapes)
+        if found:
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint does not fit this optimizer:\n  - " + "\n  - ".join(found),
+                path,
+            )
+
+    group.agree(check, "checking", path)
+    names = list(manifest["states"])
+    flats = group.agree(lambda: adapter.load_targets(names, shapes), "allocating", path)
+    group.dcp(
+        lambda: dcp.load(
+            {},
+            storage_reader=dcp.FileSystemReader(snapshot),
+            planner=PieceLoadPlanner(flats, path),
+            process_group=opt.process_group,
+            no_dist=not group.distributed,
+        ),
+        path,
+        "reading",
+    )
+    adapter.commit(flats, names, manifest["scalars"])
+    restore_hyperparameters(opt, manifest["param_groups"])
