@@ -21,7 +21,9 @@ Phases of one step:
      (a complete bucket waits for its predecessors) and the rest are flushed by a callback at
      the end of backward, so ranks never pair different collectives.
    Because the hooks fire inside autograd, ``loss.backward()`` run by a pipeline schedule takes
-   the same path as ``opt.backward(loss)``.
+   the same path as ``opt.backward(loss)``. One difference: a micro-batch whose loss reaches
+   no parameter fires no hook; ``opt.backward`` notices and still takes part in the sharded
+   reductions (with zeros), a bare ``loss.backward()`` cannot.
 2. ``step()`` at the accumulation boundary: the accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done), viewed as fp32, checked and clipped through one scalar all-reduce of the squared
@@ -113,6 +115,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.groups: list[_GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
+            with torch.no_grad():
+                # Frozen parameters are not the optimizer's, but the model must run in one dtype.
+                for param in group["params"]:
+                    if not param.requires_grad and param.is_floating_point():
+                        param.data = param.data.to(self.param_dtype)
             flat = FlatGroup(
                 trainable, self.param_dtype, self.shards, bucket_numel, self.comm.world_size
             )
@@ -121,6 +128,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._fresh = True
         self._backward_open = False
         self._fused_kernel: bool | None = None
+        self._grads_seen = False
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
             for gi, state in enumerate(self.groups)
@@ -198,6 +206,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         grad = param.grad
         if grad is None:
             return
+        self._grads_seen = True
         if not self._backward_open:
             self._backward_open = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -430,7 +439,27 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     # --- gradients ----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.clear_lp_grads()
+        self._abandon_backward()
         self._fresh = True
+
+    def _abandon_backward(self) -> None:
+        """Forget a backward pass that raised before its end-of-backward callback ran."""
+        self._backward_open = False
+        for state in self.groups:
+            state.staging.clear()
+        self._reset_backward_bookkeeping()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._grads_seen = False
+        try:
+            super().backward(loss)
+        except BaseException:
+            self._abandon_backward()
+            raise
+        if not self._grads_seen:
+            # The micro-batch reached no parameter (no hook fired): it still takes part in the
+            # reductions, with zeros, or the ranks would pair different collectives.
+            self._finish_backward()
 
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:

@@ -7,19 +7,23 @@ owns the precision plan around it::
                                 the master weights: nothing else holds an fp32 copy
     compute parameters          gathered in the parameter dtype (MixedPrecisionPolicy.param_dtype)
                                 before each forward and backward, released after
-    accumulator (fp32, sharded) FSDP2 reduce-scatters every micro-batch's gradient in the
-                                communication dtype (reduce_dtype) and adds it into the
-                                sharded ``.grad``, which has the sharded parameters' dtype
+    accumulator (sharded)       FSDP2 reduce-scatters every micro-batch's gradient in the
+                                communication dtype (reduce_dtype) into the sharded ``.grad``.
+                                fp32 accumulation: that ``.grad`` (fp32, the sharded
+                                parameters' dtype) is the accumulator. 16-bit accumulation: a
+                                post-accumulate-grad hook on each sharded parameter (FSDP2 runs
+                                it after every reduce-scatter) adds the fp32 shard into a 16-bit
+                                accumulator and frees ``.grad``, so the sum is rounded to the
+                                accumulation dtype at every micro-batch, as the plan says
     optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters
 
-What FSDP2 cannot express, and the table therefore marks NotSupported:
-
-* a 16-bit accumulator: FSDP2 sums reduce-scattered gradients in the dtype of the sharded
-  parameters, which are the fp32 master weights here. Sharding 16-bit parameters instead would
-  give 16-bit master weights;
-* pipeline parallelism: ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for
-  every micro-batch but the last, so gradients accumulate whole (unsharded), not in the sharded
-  accumulator the plan promises.
+What FSDP2 does not offer and this module adds: accumulation in a dtype other than that of
+the sharded parameters (the hook above), and pipeline parallelism with a sharded accumulator:
+``torch.distributed.pipelining`` turns gradient sync off for every micro-batch but the last of
+a stage module that is an FSDPModule, which would accumulate whole (unsharded) gradients, so
+under a pipeline only the stage's children are sharded (each its own FSDP root) and they
+reduce-scatter every micro-batch. What it does not do: ``communication_reduction: fp32_sum``
+(FSDP2's reduce-scatter sums in the wire dtype); the table marks that NotSupported.
 
 FSDP2 would reduce fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo has been reported to
 compute as a sum; the model is switched to SUM and an explicit divide
@@ -74,6 +78,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for child in model.children():
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, mesh=mesh, mp_policy=policy)
+        own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
+        if plan.pipeline_parallel and own:
+            raise ValueError(
+                f"under pipeline parallelism ZeRO-3 shards the stage module's children, but the "
+                f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
+                "torch.nn.Sequential(stage_module), before plan.prepare_model"
+            )
         if not plan.pipeline_parallel:
             # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
             # schedule turns gradient sync off for all but the last micro-batch of a module
@@ -128,6 +139,32 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
         self.inner = plan.optimizer.torch_class(groups, fused=True)
+        # 16-bit accumulation: FSDP2 hands each micro-batch's fp32 shard to a hook.
+        self.accumulators: list[torch.Tensor] | None = None
+        self._fresh: list[bool] = []
+        if plan.grad_accum_dtype != torch.float32:
+            self.accumulators = [
+                torch.zeros_like(t, dtype=plan.grad_accum_dtype) for t in self._locals()
+            ]
+            self._fresh = [True] * len(self.accumulators)
+            self._hooks = [
+                param.register_post_accumulate_grad_hook(self._make_hook(index))
+                for index, param in enumerate(self._params())
+            ]
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def fold(param: torch.Tensor) -> None:
+            assert self.accumulators is not None
+            with torch.no_grad():
+                shard = param.grad.to_local()
+                if self._fresh[index]:
+                    self.accumulators[index].copy_(shard)
+                else:
+                    self.accumulators[index].add_(shard)
+            self._fresh[index] = False
+            param.grad = None
+
+        return fold
 
     def _params(self) -> list[DTensor]:
         return [p for group in self.sharded for p in group]
@@ -141,12 +178,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = self._params()
-        for param in params:
-            if param.grad is None:  # no micro-batch since zero_grad reached it
-                param.grad = torch.zeros_like(param)
-        local_grads = [p.grad.to_local() for p in params]
-        norms = torch._foreach_norm(local_grads, 2.0) if local_grads else []
+        local_grads = self._local_gradients()
+        norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
         sq = (
             torch.stack(norms).double().square().sum().float().reshape(1)
             if norms
@@ -158,6 +191,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if factor is None:
             self.zero_grad()
             return loss
+        local_grads = [g if g.dtype == torch.float32 else g.float() for g in local_grads]
         if factor != 1.0:
             torch._foreach_mul_(local_grads, factor)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -171,9 +205,30 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         self.scaler.update(overflow=False)
         return loss
 
+    def _local_gradients(self) -> list[torch.Tensor]:
+        """This rank's shard of each accumulated gradient (fp32 ``.grad`` or 16-bit sums)."""
+        params = self._params()
+        if self.accumulators is None:
+            for param in params:
+                if param.grad is None:  # no micro-batch since zero_grad reached it
+                    param.grad = torch.zeros_like(param)
+            return [p.grad.to_local() for p in params]
+        for param in params:
+            if param.grad is not None:
+                raise RuntimeError(
+                    "FSDP2 left a gradient that the 16-bit accumulation hook did not take: this "
+                    "torch's FSDP2 does not run post-accumulate-grad hooks on sharded parameters. "
+                    "Use gradient_accumulation_dtype fp32 at ZeRO-3 with it"
+                )
+        for index, fresh in enumerate(self._fresh):
+            if fresh:  # no micro-batch since zero_grad reached this parameter
+                self.accumulators[index].zero_()
+        return self.accumulators
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._params():
             param.grad = None
+        self._fresh = [True] * len(self._fresh)
 
     def clear_lp_grads(self) -> None:
         """Clear the compute (low-precision) gradients: FSDP2 already frees them.

@@ -54,8 +54,7 @@ class FlatGroup:
         bucket_numel: int,
         world_size: int,
     ) -> None:
-        if not params:
-            raise ValueError("a param group needs at least one parameter that requires grad")
+        # A group without trainable parameters (all frozen) is valid and simply has no buckets.
         self.params = params
         self.dtype = dtype
         self.shards = shards
@@ -89,7 +88,7 @@ class FlatGroup:
         for bucket in self.buckets:
             for index in bucket.params:
                 self.bucket_of[index] = bucket.index
-        device = params[0].device
+        device = params[0].device if params else torch.device("cpu")
         self.buffer = torch.zeros(self.numel, dtype=dtype, device=device)
 
     def adopt_parameters(self) -> None:

@@ -19,6 +19,8 @@ states        ``S * N / D``
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
 per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
 ``W * 64`` elements per bucket) and transient buffers during ``step()`` are not counted.
+ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimizer instead of
+FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master.
 """
 
 from __future__ import annotations

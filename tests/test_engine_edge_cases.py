@@ -1,0 +1,72 @@
+"""Edge cases of the flat engine that training loops hit: frozen parameters, a backward that
+raises, a micro-batch that reaches no parameter."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan._launch import spawn
+from tests.engine_edge_cases import empty_micro_batch_on_one_rank
+from tests.parity import make_batch, make_model, mse
+
+BF16_SGD = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_frozen_parameters_take_the_plan_dtype_and_stay_put() -> None:
+    model = make_model(0)
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    optimizer = dtypeplan.resolve(BF16_SGD).build(model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    x, y = make_batch(0, 8)
+    optimizer.backward(mse(model, x, y))
+    optimizer.step()
+    assert torch.equal(model[0].weight.float(), frozen.bfloat16().float())
+
+
+def test_a_group_with_only_frozen_parameters_is_accepted() -> None:
+    model = make_model(0)
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2:].parameters())}]
+    optimizer = dtypeplan.resolve(BF16_SGD).build(groups)
+    x, y = make_batch(0, 8)
+    optimizer.backward(mse(model, x, y))
+    optimizer.step()
+
+
+def test_a_backward_that_raises_leaves_no_trace() -> None:
+    model = make_model(0)
+    reference = copy.deepcopy(model)
+    config = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    optimizer = dtypeplan.resolve(config).build(model.parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = make_batch(0, 8)
+
+    def failing_hook(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("simulated out-of-memory in backward")
+
+    out = model(x)
+    out.register_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="simulated"):
+        optimizer.backward(torch.nn.functional.mse_loss(out, y))
+    # The usual recovery: skip the batch, start the step again.
+    optimizer.zero_grad()
+    optimizer.backward(mse(model, x, y))
+    optimizer.step()
+    ref_opt.zero_grad()
+    mse(reference, x, y).backward()
+    ref_opt.step()
+    for mine, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_micro_batch_that_reaches_no_parameter_keeps_ranks_paired() -> None:
+    # Stage 2 reduce-scatters every micro-batch: without the zero contribution rank 1 would
+    # skip two reduce-scatters and pair its norm all-reduce with rank 0's reduce-scatter.
+    rank0, rank1 = spawn(empty_micro_batch_on_one_rank, 2, [1, 2])
+    assert rank0 == rank1
