@@ -306,3 +306,37 @@ def four_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     if rank >= 2:
         out["refusals"] = capture(lambda: refusals(root, pair))
     return out
+
+
+def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[float]]:
+    """Save a ZeRO-3 (FSDP2) run; resume it at ZeRO-3 and at ZeRO-1; run it uninterrupted."""
+    from tests.parity import make_batch, make_model, mse
+
+    def run(stage: int, steps: range, load: bool, save: bool) -> list[float]:
+        config = {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        }
+        plan = dtypeplan.resolve(config)
+        model = plan.prepare_model(make_model(0))
+        optimizer = plan.build(model.parameters())
+        if load:
+            dtypeplan.checkpoint.load(optimizer, path)
+        norms = []
+        for step in steps:
+            x, y = make_batch(step, 8 * world_size)
+            optimizer.zero_grad()
+            optimizer.backward(mse(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]))
+            optimizer.step()
+            norms.append(float(optimizer.grad_norm))
+        if save:
+            dtypeplan.checkpoint.save(optimizer, path)
+        return norms
+
+    return {
+        "saved": run(3, range(0, 3), load=False, save=True),
+        "resumed_zero3": run(3, range(3, 6), load=True, save=False),
+        "resumed_zero1": run(1, range(3, 6), load=True, save=False),
+        "uninterrupted": run(3, range(0, 6), load=False, save=False),
+    }
