@@ -186,3 +186,62 @@ def accumulation_cases(
     rank: int, world_size: int, configs: list[dict[str, Any]], micro_batches: int
 ) -> list[float]:
     return [accumulation_error(rank, world_size, config, micro_batches) for config in configs]
+
+
+def fsdp2_held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
+    """Like :func:`held_bytes` for the ZeRO-3 (FSDP2) optimizer: local shards only."""
+    seen: set[int] = set()
+
+    def size(tensors: list[torch.Tensor]) -> int:
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    figures = {
+        "params": size([p.to_local() for p in params]),
+        "grads": 0,
+        "accumulator": size(grads + list(optimizer.accumulators or [])),
+        "master": 0,
+        "optimizer_states": size(
+            [
+                v
+                for s in optimizer.inner.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.numel() > 1
+            ]
+        ),
+    }
+    figures["total"] = sum(figures.values())
+    return figures
+
+
+def fsdp2_memory_cases(
+    rank: int, world_size: int, configs: list[dict[str, Any]], width: int
+) -> list[Any]:
+    results = []
+    for config in configs:
+        plan = dtypeplan.resolve(config)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
+        )
+        num_params = sum(p.numel() for p in model.parameters())
+        model = plan.prepare_model(model)
+        optimizer = plan.build(model.parameters())
+        for _ in range(2):  # a step first, so that the optimizer states exist at the boundary
+            for _ in range(2):
+                optimizer.backward(model(torch.randn(4, width)).float().square().mean())
+            at_boundary = fsdp2_held_bytes(optimizer, model)
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(
+            {"at_boundary": at_boundary, "predicted": plan.memory(num_params, world_size)}
+        )
+    return results

@@ -67,3 +67,28 @@ def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over
         saved = whole["at_boundary"]["accumulator"] - sharded["at_boundary"]["accumulator"]
         expected = 4 * whole["num_params"] * (1 - 1 / world_size)
         assert abs(saved - expected) <= 0.02 * expected, (world_size, saved, expected)
+
+
+def test_zero3_memory_matches_model_two_ranks() -> None:
+    from tests.optimizer_cases import fsdp2_memory_cases
+
+    configs = [
+        {
+            **_MODEL_KEYS[model],
+            "gradient_accumulation_dtype": accum,
+            "zero_optimization": {"stage": 3},
+        }
+        for model in ("fp32", "bf16")
+        for accum in ("fp32", "bf16")
+    ]
+    for config, result in zip(
+        configs, spawn(fsdp2_memory_cases, 2, configs, WIDTH)[0], strict=True
+    ):
+        measured, predicted = result["at_boundary"], result["predicted"]
+        for key in ("params", "accumulator", "optimizer_states", "total"):
+            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+                key,
+                measured,
+                predicted,
+                config,
+            )
