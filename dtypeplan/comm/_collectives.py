@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,29 +140,53 @@ class Communicator:
         ``full`` is split into ``world_size`` equal slices; slice ``rank`` of the sum lands in
         ``output`` (any dtype). ``full`` is not modified.
         """
+        self.start_reduce_scatter_sum(output, full, wire_dtype, method)()
+
+    def start_reduce_scatter_sum(
+        self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, method: str
+    ) -> Callable[[], None]:
+        """:meth:`reduce_scatter_sum`, launched asynchronously.
+
+        Returns the function that waits for it and finishes it (casts, the fp32 sum of
+        ``fp32_sum``); ``output`` holds the result only after that call, and ``full`` must not
+        change before it. Ranks must finish their launches in the same order.
+        """
         if not self.active:
             output.copy_(full)
-            return
+            return _nothing
         wire = full if full.dtype == wire_dtype else full.to(wire_dtype)
         if method == "fp32_sum" and wire_dtype != torch.float32:
             received = torch.empty_like(wire)
             self.stats.add("all_to_all", self._ring_bytes(wire.numel(), wire_dtype))
             with self._guard("all_to_all", wire.numel(), wire_dtype):
-                dist.all_to_all_single(received, wire, group=self.group)
-            pieces = received.view(self.world_size, -1)
-            total = pieces[0].float()
-            for piece in pieces[1:]:
-                total.add_(piece)
-            output.copy_(total)
-            return
+                work = dist.all_to_all_single(received, wire, group=self.group, async_op=True)
+
+            def finish_sum(wire: torch.Tensor = wire) -> None:  # keeps `wire` alive until done
+                with self._guard("all_to_all", wire.numel(), wire_dtype):
+                    work.wait()
+                pieces = received.view(self.world_size, -1)
+                total = pieces[0].float()
+                for piece in pieces[1:]:
+                    total.add_(piece)
+                output.copy_(total)
+
+            return finish_sum
         out = output
         if output.dtype != wire_dtype:
             out = output.new_empty(output.shape, dtype=wire_dtype)
         self.stats.add("reduce_scatter", self._ring_bytes(wire.numel(), wire_dtype))
         with self._guard("reduce_scatter", wire.numel(), wire_dtype):
-            _reduce_scatter_flat(out, wire, op=dist.ReduceOp.SUM, group=self.group)
-        if out is not output:
-            output.copy_(out)
+            work = _reduce_scatter_flat(
+                out, wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
+
+        def finish(wire: torch.Tensor = wire) -> None:  # keeps `wire` alive until done
+            with self._guard("reduce_scatter", wire.numel(), wire_dtype):
+                work.wait()
+            if out is not output:
+                output.copy_(out)
+
+        return finish
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Fill ``full`` with every rank's ``shard`` in rank order, wire dtype ``wire_dtype``."""
@@ -228,3 +252,7 @@ class Communicator:
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _nothing() -> None:
+    """The finisher of a collective that had nothing to send."""

@@ -17,7 +17,9 @@ Phases of one step:
      (the first micro-batch after ``zero_grad`` copies, so nothing is ever memset);
    * sharded accumulator: the gradient is copied into its bucket's staging buffer (in the
      communication dtype); when a bucket is complete it is reduce-scattered and this rank's
-     chunk is added into the accumulator. Buckets are issued in a fixed order on every rank
+     chunk is added into the accumulator. The reduce-scatters run asynchronously (at most
+     ``MAX_IN_FLIGHT`` at once) while backward goes on, and are all complete when backward
+     returns. Buckets are issued in a fixed order on every rank
      (a complete bucket waits for its predecessors) and the rest are flushed by a callback at
      the end of backward, so ranks never pair different collectives.
    Because the hooks fire inside autograd, ``loss.backward()`` run by a pipeline schedule takes
@@ -55,7 +57,12 @@ if TYPE_CHECKING:
 
 __all__ = ["FlatMixedPrecisionOptimizer", "accumulate_"]
 
-DEFAULT_BUCKET_NUMEL = 1 << 24
+DEFAULT_BUCKET_NUMEL = 1 << 22
+"""Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
+of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters of a sharded accumulator that may run while backward goes on; each holds
+its bucket's staging buffer until it completes."""
 _UPCAST_CHUNK = 1 << 20
 
 
@@ -129,6 +136,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._backward_open = False
         self._fused_kernel: bool | None = None
         self._grads_seen = False
+        self._in_flight: list[
+            tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
             for gi, state in enumerate(self.groups)
@@ -254,19 +264,28 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         offset = flat.offsets[pi] - flat.buckets[bucket].start
                         staging[offset : offset + flat.params[pi].numel()].zero_()
             chunk = state.acc_chunks[bucket]
-            if self._fresh:
-                self.comm.reduce_scatter_sum(chunk, staging, self.comm_dtype, self.comm_method)
-            else:
-                received = torch.empty_like(chunk)
-                self.comm.reduce_scatter_sum(received, staging, self.comm_dtype, self.comm_method)
-                accumulate_(chunk, received)
-            del state.staging[bucket]
+            # The first micro-batch writes the reduced chunk in place; later ones add it.
+            target = chunk if self._fresh else torch.empty_like(chunk)
+            finish = self.comm.start_reduce_scatter_sum(
+                target, staging, self.comm_dtype, self.comm_method
+            )
+            self._in_flight.append((finish, chunk, target, state.staging.pop(bucket)))
             self._next_bucket += 1
+            while len(self._in_flight) > MAX_IN_FLIGHT:
+                self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        finish, chunk, target, _staging = self._in_flight.pop(0)
+        finish()
+        if target is not chunk:
+            accumulate_(chunk, target)
 
     def _finish_backward(self) -> None:
         with torch.no_grad():
             if self.sharded_accumulator:
                 self._drain(complete_only=False)
+                while self._in_flight:
+                    self._complete_oldest()
             elif self._fresh:
                 for state in self.groups:
                     for pi, touched in enumerate(state.touched):
@@ -445,6 +464,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def _abandon_backward(self) -> None:
         """Forget a backward pass that raised before its end-of-backward callback ran."""
         self._backward_open = False
+        self._in_flight.clear()
         for state in self.groups:
             state.staging.clear()
         self._reset_backward_bookkeeping()
