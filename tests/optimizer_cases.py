@@ -80,19 +80,24 @@ def wire_cases(rank: int, world_size: int, configs: list[dict[str, Any]]) -> lis
 # --- memory at the accumulation boundary --------------------------------------------------------
 
 
+def distinct_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not yet in ``seen`` (each counted once)."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
 def held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
     """Bytes of distinct storages the rank holds, by the component that owns them."""
     seen: set[int] = set()
 
     def size(tensors: list[torch.Tensor]) -> int:
-        total = 0
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return total
+        return distinct_bytes(tensors, seen)
 
     figures = {
         "params": size(list(model.parameters())),
@@ -193,14 +198,7 @@ def fsdp2_held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
     seen: set[int] = set()
 
     def size(tensors: list[torch.Tensor]) -> int:
-        total = 0
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return total
+        return distinct_bytes(tensors, seen)
 
     params = list(model.parameters())
     grads = [p.grad.to_local() for p in params if p.grad is not None]

@@ -83,7 +83,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def clear_lp_grads(self) -> None:
         """Clear the parameters' own low-precision ``.grad`` (pipeline engines call this)."""
 
-    # --- shared by the implementations --------------------------------------------------------
+    # --- shared by the implementations (they keep their update in ``self.inner``, a torch
+    # optimizer over the master weights) --------------------------------------------------------
     def _check_ranks_agree(self, comm: Communicator) -> None:
         """Fail on every rank, naming what differs, if ranks got other plans or shapes."""
         comm.check_consistent(
@@ -125,6 +126,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             for key, value in self.scaler.state_dict().items():
                 scalars[f"scalar.scaler.{key}"] = value
         return scalars
+
+    def _update_state(self) -> dict[str, Any]:
+        """The part of :meth:`state_dict` every implementation shares (the inner optimizer's)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "hyperparameters": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+            "scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def _load_update_state(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
+            group.update(saved)
+        self.scaler.load_state_dict(state_dict["scaler"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
 
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("scalar.skipped_steps", 0))

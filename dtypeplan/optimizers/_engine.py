@@ -500,12 +500,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             "format": "dtypeplan.flat/1",
             "layout": self._layout_facts(),
             "masters": [[m.detach().clone() for m in s.masters] for s in self.groups],
-            "inner": self.inner.state_dict(),
-            "hyperparameters": [
-                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-            ],
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
+            **self._update_state(),
         }
 
     @torch.no_grad()
@@ -521,11 +516,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state, masters in zip(self.groups, state_dict["masters"], strict=True):
             for mine, saved in zip(state.masters, masters, strict=True):
                 mine.copy_(saved)
-        self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
-            group.update(saved)
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
+        self._load_update_state(state_dict)
         self._write_back()
 
     def _state_names(self) -> list[str]:

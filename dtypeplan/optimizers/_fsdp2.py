@@ -246,13 +246,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return {
             "format": "dtypeplan.fsdp2/1",
             "world_size": self.comm.world_size,
-            "inner": self.inner.state_dict(),
             "masters": [t.clone() for t in self._locals()],
-            "hyperparameters": [
-                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-            ],
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
+            **self._update_state(),
         }
 
     @torch.no_grad()
@@ -267,11 +262,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             )
         for local, saved in zip(self._locals(), state_dict["masters"], strict=True):
             local.copy_(saved)
-        self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
-            group.update(saved)
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
+        self._load_update_state(state_dict)
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
