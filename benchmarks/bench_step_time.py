@@ -175,8 +175,10 @@ class DtypeplanRunner(Runner):
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         t0 = time.perf_counter()
-        for x, y in batches:
-            self.opt.backward(_loss(self.model(x.to(self.dtype)), y, self.micro))
+        for index, (x, y) in enumerate(batches):
+            loss = _loss(self.model(x.to(self.dtype)), y, self.micro)
+            # The last micro-batch starts the step's reduction inside its backward.
+            self.opt.backward(loss, last_micro_batch=index == len(batches) - 1)
         t1 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()

@@ -160,7 +160,8 @@ def _train(
             x, y = _batch(teacher, rank, step, micro)
             # The loss is taken in fp32 whatever the parameter dtype.
             loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
-            optimizer.backward(loss / micro_batches)
+            # The last micro-batch starts the step's reduction inside its backward.
+            optimizer.backward(loss / micro_batches, last_micro_batch=micro == micro_batches - 1)
             total += loss.detach() / micro_batches
         if step == steps - 1:
             grad_bytes = sum(

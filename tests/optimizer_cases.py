@@ -64,11 +64,12 @@ def wire_case(rank: int, world_size: int, config: dict[str, Any]) -> list[tuple[
     model = plan.prepare_model(make_model(0))
     optimizer = plan.build(model.parameters())
     x, y = make_batch(0, 8 * world_size)
+    micro_x, micro_y = x.chunk(world_size)[rank].chunk(2), y.chunk(world_size)[rank].chunk(2)
     with record_wire() as log:
-        for xm, ym in zip(
-            x.chunk(world_size)[rank].chunk(2), y.chunk(world_size)[rank].chunk(2), strict=True
-        ):
-            optimizer.backward(mse(model, xm, ym) / 2)
+        for index, (xm, ym) in enumerate(zip(micro_x, micro_y, strict=True)):
+            # The last micro-batch starts the step's reduction inside its backward: the same
+            # collectives as at step(), only earlier.
+            optimizer.backward(mse(model, xm, ym) / 2, last_micro_batch=index == 1)
         optimizer.step()
     return [(op, str(dtype), numel) for op, dtype, numel in log]
 

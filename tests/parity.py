@@ -87,12 +87,13 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         mine_y = y.chunk(world_size)[rank].chunk(micro)
         optimizer.zero_grad()
         total = torch.zeros(())
-        for xm, ym in zip(mine_x, mine_y, strict=True):
+        for index, (xm, ym) in enumerate(zip(mine_x, mine_y, strict=True)):
             loss = mse(model, xm, ym) / micro
             if use_loss_backward:
                 loss.backward()
             else:
-                optimizer.backward(loss)
+                last = case.get("boundary", False) and index == micro - 1
+                optimizer.backward(loss, last_micro_batch=last)
             total += loss.detach()
         optimizer.step()
         if dist.is_initialized():

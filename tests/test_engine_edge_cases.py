@@ -70,3 +70,15 @@ def test_micro_batch_that_reaches_no_parameter_keeps_ranks_paired() -> None:
     # skip two reduce-scatters and pair its norm all-reduce with rank 0's reduce-scatter.
     rank0, rank1 = spawn(empty_micro_batch_on_one_rank, 2, [1, 2])
     assert rank0 == rank1
+
+
+def test_backward_after_the_last_micro_batch_is_refused() -> None:
+    model = make_model(0)
+    optimizer = dtypeplan.resolve(BF16_SGD).build(model.parameters())
+    x, y = make_batch(0, 8)
+    optimizer.backward(mse(model, x, y), last_micro_batch=True)
+    with pytest.raises(RuntimeError, match="last_micro_batch"):
+        optimizer.backward(mse(model, x, y))
+    optimizer.zero_grad()  # recovers: a fresh step
+    optimizer.backward(mse(model, x, y), last_micro_batch=True)
+    optimizer.step()

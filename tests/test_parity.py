@@ -98,6 +98,8 @@ def draw_case(data: st.DataObject, point: dict[str, Any]) -> dict[str, Any]:
         "param_groups": data.draw(st.sampled_from([1, 2])),
         # fp16 needs opt.backward(loss) to scale the loss.
         "loss_backward": point["model"] != "fp16" and data.draw(st.booleans()),
+        # opt.backward(loss, last_micro_batch=True) starts the reduction inside backward.
+        "boundary": data.draw(st.booleans()),
         "seed": data.draw(st.integers(0, 1000)),
     }
 

@@ -125,12 +125,32 @@ class Communicator:
             self.reduce_scatter_sum(shard, tensor, wire_dtype, method)
             self.all_gather(tensor, shard, wire_dtype)
             return
+        self.start_all_reduce_sum(tensor, wire_dtype, method)()
+
+    def start_all_reduce_sum(
+        self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str
+    ) -> Callable[[], None]:
+        """:meth:`all_reduce_sum_`, launched asynchronously; call the result to finish it.
+
+        ``fp32_sum`` (a reduce-scatter and an all-gather) runs synchronously.
+        """
+        if not self.active:
+            return _nothing
+        if method == "fp32_sum" and wire_dtype != torch.float32:
+            self.all_reduce_sum_(tensor, wire_dtype, method)
+            return _nothing
         wire = tensor if tensor.dtype == wire_dtype else tensor.to(wire_dtype)
         self.stats.add("all_reduce", 2 * self._ring_bytes(wire.numel(), wire_dtype))
         with self._guard("all_reduce", wire.numel(), wire_dtype):
-            dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group)
-        if wire is not tensor:
-            tensor.copy_(wire)
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def finish(wire: torch.Tensor = wire) -> None:
+            with self._guard("all_reduce", wire.numel(), wire_dtype):
+                work.wait()
+            if wire is not tensor:
+                tensor.copy_(wire)
+
+        return finish
 
     def reduce_scatter_sum(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, method: str

@@ -67,8 +67,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         """The current loss scale (1.0 unless fp16)."""
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch: scale the loss (fp16), run backward, accumulate the gradients."""
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
+        """One micro-batch: scale the loss (fp16), run backward, accumulate the gradients.
+
+        ``last_micro_batch=True`` says that ``step()`` comes next: an implementation may then
+        start the step's gradient reduction inside this backward, overlapping it with compute.
+        """
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
     @abc.abstractmethod

@@ -136,6 +136,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._backward_open = False
         self._fused_kernel: bool | None = None
         self._grads_seen = False
+        self._boundary = False
+        self._early: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
         self._in_flight: list[
             tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]
         ] = []
@@ -217,6 +219,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if grad is None:
             return
         self._grads_seen = True
+        if self._early and not self._boundary:
+            raise RuntimeError(
+                "a backward after the micro-batch marked last_micro_batch=True: its gradient "
+                "reduction has started already; call step() (or zero_grad()) first"
+            )
         if not self._backward_open:
             self._backward_open = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -238,6 +245,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 else:
                     accumulate_(view, grad)
                 state.touched[pi] = True
+                if self._boundary:
+                    state.pending[state.flat.bucket_of[pi]] -= 1
+                    self._start_boundary_reductions(complete_only=True)
         param.grad = None
 
     def _staging(self, state: _GroupState, bucket: int) -> torch.Tensor:
@@ -280,12 +290,48 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if target is not chunk:
             accumulate_(chunk, target)
 
+    def _start_boundary_reductions(self, complete_only: bool) -> None:
+        """Start the step's reduction of complete buckets, in the fixed order on every rank."""
+        while self._next_bucket < len(self._bucket_order):
+            gi, bucket = self._bucket_order[self._next_bucket]
+            state = self.groups[gi]
+            if complete_only and state.pending[bucket] > 0:
+                return
+            if self._fresh:
+                for pi in state.flat.buckets[bucket].params:
+                    if not state.touched[pi]:
+                        state.acc_param_views[pi].zero_()
+            self._early[(gi, bucket)] = self._start_bucket_reduction(state, bucket)
+            self._next_bucket += 1
+
+    def _start_bucket_reduction(
+        self, state: _GroupState, bucket: int
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """Launch the reduction of one bucket of a whole accumulator.
+
+        Returns the finisher and the tensor that holds this rank's reduced chunk once it ran:
+        the accumulator's own bucket (all-reduce, stage 0) or a new fp32 chunk (reduce-scatter).
+        """
+        flat = state.flat
+        full = flat.bucket_view(state.accumulator, flat.buckets[bucket])
+        if self.shards == 1:
+            return self.comm.start_all_reduce_sum(full, self.comm_dtype, self.comm_method), full
+        chunk = torch.empty(
+            flat.buckets[bucket].chunk_numel(self.shards),
+            dtype=torch.float32,
+            device=flat.buffer.device,
+        )
+        finish = self.comm.start_reduce_scatter_sum(chunk, full, self.comm_dtype, self.comm_method)
+        return finish, chunk
+
     def _finish_backward(self) -> None:
         with torch.no_grad():
             if self.sharded_accumulator:
                 self._drain(complete_only=False)
                 while self._in_flight:
                     self._complete_oldest()
+            elif self._boundary:
+                self._start_boundary_reductions(complete_only=False)
             elif self._fresh:
                 for state in self.groups:
                     for pi, touched in enumerate(state.touched):
@@ -307,27 +353,16 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             for state in self.groups:
                 state.accumulator.zero_()
         grads: list[list[torch.Tensor]] = []
-        for state in self.groups:
+        for gi, state in enumerate(self.groups):
             flat = state.flat
             per_bucket = []
             for bucket in flat.buckets:
                 if self.sharded_accumulator:
                     chunk = state.acc_chunks[bucket.index]
-                elif self.shards == 1:
-                    chunk = flat.bucket_view(state.accumulator, bucket)
-                    self.comm.all_reduce_sum_(chunk, self.comm_dtype, self.comm_method)
                 else:
-                    chunk = torch.empty(
-                        bucket.chunk_numel(self.shards),
-                        dtype=torch.float32,
-                        device=flat.buffer.device,
-                    )
-                    self.comm.reduce_scatter_sum(
-                        chunk,
-                        flat.bucket_view(state.accumulator, bucket),
-                        self.comm_dtype,
-                        self.comm_method,
-                    )
+                    early = self._early.pop((gi, bucket.index), None)
+                    finish, chunk = early or self._start_bucket_reduction(state, bucket.index)
+                    finish()
                 per_bucket.append(chunk)
             grads.append(per_bucket)
         return grads
@@ -465,17 +500,23 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """Forget a backward pass that raised before its end-of-backward callback ran."""
         self._backward_open = False
         self._in_flight.clear()
+        self._early.clear()
         for state in self.groups:
             state.staging.clear()
         self._reset_backward_bookkeeping()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
         self._grads_seen = False
+        # A sharded accumulator is reduced every micro-batch anyway; a whole one can start its
+        # boundary reduction bucket by bucket while the last backward goes on.
+        self._boundary = last_micro_batch and not self.sharded_accumulator
         try:
             super().backward(loss)
         except BaseException:
             self._abandon_backward()
             raise
+        finally:
+            self._boundary = False
         if not self._grads_seen:
             # The micro-batch reached no parameter (no hook fired): it still takes part in the
             # reductions, with zeros, or the ranks would pair different collectives.
