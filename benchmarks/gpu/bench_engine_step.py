@@ -40,7 +40,10 @@ import dtypeplan  # noqa: E402
 CONFIG = {
     "bf16": {"enabled": True},
     "gradient_accumulation_dtype": "fp32",
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1},
+    },
     "gradient_clipping": 1.0,
 }
 
@@ -63,12 +66,16 @@ def cuda_time(fn: Any, iters: int, warmup: int = 2) -> float:
 def check(kernel: bool) -> float:
     os.environ["DTYPEPLAN_FUSED_KERNEL"] = "1" if kernel else "0"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)
+    ).cuda()
     reference = __import__("copy").deepcopy(model)
     plan = dtypeplan.resolve(CONFIG)
     optimizer = plan.build(model.parameters())
     assert optimizer._use_fused_kernel() == kernel
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(
+        reference.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     for step in range(5):
         x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
         ref_opt.zero_grad()
@@ -77,7 +84,9 @@ def check(kernel: bool) -> float:
         ref_opt.step()
         optimizer.zero_grad()
         for part in x.chunk(2):
-            optimizer.backward(torch.nn.functional.mse_loss(model(part.bfloat16()).float(), part[:, :64]) / 2)
+            optimizer.backward(
+                torch.nn.functional.mse_loss(model(part.bfloat16()).float(), part[:, :64]) / 2
+            )
         optimizer.step()
     state = optimizer.full_state()
     num = den = 0.0
@@ -157,13 +166,19 @@ def main() -> int:
     if results.get("copy_bandwidth_Bps"):
         floor = args.numel * 34 / results["copy_bandwidth_Bps"] * 1e3
         results["floor_ms_34B"] = floor
-        for name in ("dtypeplan_kernel_ms", "dtypeplan_torch_path_ms", "reference_fp32_fused_adamw_ms"):
+        for name in (
+            "dtypeplan_kernel_ms",
+            "dtypeplan_torch_path_ms",
+            "reference_fp32_fused_adamw_ms",
+        ):
             if results.get(name):
                 results[name.replace("_ms", "_over_floor")] = results[name] / floor
     if results.get("reference_fp32_fused_adamw_ms"):
         for name in ("dtypeplan_kernel_ms", "dtypeplan_torch_path_ms"):
             if results.get(name):
-                results[name.replace("_ms", "_over_reference")] = results[name] / results["reference_fp32_fused_adamw_ms"]
+                results[name.replace("_ms", "_over_reference")] = (
+                    results[name] / results["reference_fp32_fused_adamw_ms"]
+                )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "engine_step.json").write_text(json.dumps(results, indent=2))
