@@ -28,7 +28,9 @@ Phases of one step:
    reductions (with zeros), a bare ``loss.backward()`` cannot.
 2. ``step()`` at the accumulation boundary: the accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
-   done), viewed as fp32, checked and clipped through one scalar all-reduce of the squared
+   done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
+   backward, when the caller marks it: ``opt.backward(loss, last_micro_batch=True)``. Then it
+   is viewed as fp32, checked and clipped through one scalar all-reduce of the squared
    norm (a non-finite sum means some rank overflowed), scaled once by
    ``clip / (loss_scale * world_size)``, handed to one fused optimizer call, cast to the
    parameter dtype and all-gathered into the buffer. On CUDA with Triton, Adam and AdamW
