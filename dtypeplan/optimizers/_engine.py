@@ -422,13 +422,15 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self._fused_kernel is None:
             from dtypeplan.optimizers import _fused_adamw_triton as kernel
 
-            params = self.plan.optimizer.params
             device = self.groups[0].flat.buffer.device
+            # Per-group settings count too: a param group may turn amsgrad on for itself.
+            unsupported = any(
+                g.get("amsgrad", False) or g.get("maximize", False) for g in self.param_groups
+            )
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
                 and self.plan.optimizer.type in ("Adam", "AdamW")
-                and not params.get("amsgrad", False)
-                and not params.get("maximize", False)
+                and not unsupported
                 and kernel.fused_kernel_available(device)
             )
         return self._fused_kernel
