@@ -20,14 +20,17 @@ import dtypeplan
 IN, HIDDEN, OUT = 12, 24, 6
 
 
-def make_model(seed: int) -> torch.nn.Module:
+def make_model(
+    seed: int, in_features: int = IN, hidden: int = HIDDEN, out_features: int = OUT
+) -> torch.nn.Module:
+    """A 3-layer tanh MLP with seeded N(0, 0.3^2) weights, the same on every rank."""
     generator = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Linear(in_features, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Linear(hidden, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, OUT),
+        torch.nn.Linear(hidden, out_features),
     )
     with torch.no_grad():
         for param in model.parameters():

@@ -26,6 +26,7 @@ import dtypeplan
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
 from dtypeplan.optimizers import MinimumLossScaleError
+from tests import parity
 
 IN, HIDDEN, OUT = 8, 16, 4
 MICRO_BATCHES, MICRO_BATCH_SIZE = 2, 3
@@ -34,18 +35,7 @@ _FAULT_VALUES = {"inf": math.inf, "nan": math.nan}
 
 
 def make_model(seed: int, hidden: int = HIDDEN) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(IN, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, OUT),
-    )
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
+    return parity.make_model(seed, in_features=IN, hidden=hidden, out_features=OUT)
 
 
 def micro_batches(
