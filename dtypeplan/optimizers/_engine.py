@@ -134,6 +134,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
             self.groups.append(self._build_group(flat))
         self.inner = self._build_inner_optimizer()
+        # The order in which every rank issues its bucket reductions.
+        self._bucket_order = [
+            (gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets
+        ]
         self._fresh = True
         self._backward_open = False
         self._fused_kernel: bool | None = None
@@ -206,9 +210,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             state.touched = [False] * len(state.flat.params)
             state.pending = [len(b.params) for b in state.flat.buckets]
         self._next_bucket = 0
-        self._bucket_order = [
-            (gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets
-        ]
 
     def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
