@@ -521,3 +521,17 @@ def test_megatron_gpt_template_resolves(tmp_path: Path) -> None:
     assert plan.loss_scaling.initial_scale_power == 11
     assert plan.loss_scaling.loss_scale_window == 500
     assert {"$.prescale_gradients", "$.curriculum_learning"} <= set(plan.ignored_keys)
+
+
+@pytest.mark.parametrize("path", ["\x00", "no/such/file.json"])
+def test_unreadable_config_path_is_a_config_error(path: str) -> None:
+    # Found by the thorough hypothesis profile: a NUL byte made open() raise ValueError.
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="cannot read config file"):
+        dtypeplan.resolve(path)
+
+
+def test_binary_config_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="cannot read config file"):
+        dtypeplan.resolve(path)

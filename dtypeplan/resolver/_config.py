@@ -148,6 +148,8 @@ def _read_file(path: str) -> Any:
             text = handle.read()
     except OSError as exc:
         raise PrecisionConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL in the path, or a file that is not UTF-8 text
+        raise PrecisionConfigError(f"cannot read config file {path!r}: {exc}") from exc
     try:
         if path.endswith((".yaml", ".yml")):
             return yaml.safe_load(text)
