@@ -213,6 +213,18 @@ def write_result(
     return stem
 
 
+def save_figure(fig: Any, out: Path, name: str, date: str) -> Path:
+    """Save a matplotlib figure as ``<out>/<name>-<date>.png`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{date}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def finish(summary: Mapping[str, Any]) -> None:
     """Print the summary as the last line of output, one JSON object."""
     print(json.dumps(dict(summary), default=str, sort_keys=True), flush=True)

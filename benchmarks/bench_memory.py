@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 import dtypeplan
-from benchmarks._common import base_parser, environment, finish, format_table, write_result
+from benchmarks._common import (
+    base_parser,
+    environment,
+    finish,
+    format_table,
+    save_figure,
+    write_result,
+)
 from dtypeplan._launch import spawn
 
 WORLD_SIZES = (1, 2, 4)
@@ -344,12 +351,7 @@ def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> Path:
                              max(r["DeepSpeed B/param"] or 0 for r in rows)))
     ax.legend(fontsize=8, ncol=5, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory-{date}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "memory", date)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 
 import dtypeplan
-from benchmarks._common import base_parser, environment, finish, format_table, write_result
+from benchmarks._common import (
+    base_parser,
+    environment,
+    finish,
+    format_table,
+    save_figure,
+    write_result,
+)
 from dtypeplan._launch import spawn
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers._engine import accumulate_
@@ -310,10 +317,7 @@ def _plot(acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: P
     ax.set_title("Gradient accumulation error")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / f"numerics_accumulation-{date}.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out, "numerics_accumulation", date))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for wire in WIRE:
@@ -336,10 +340,7 @@ def _plot(acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: P
     ax.set_title("16-bit gradient reduction error")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / f"numerics_reduction-{date}.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out, "numerics_reduction", date))
     return paths
 
 

@@ -47,7 +47,14 @@ import torch
 import torch.distributed as dist
 
 import dtypeplan
-from benchmarks._common import base_parser, environment, finish, format_table, write_result
+from benchmarks._common import (
+    base_parser,
+    environment,
+    finish,
+    format_table,
+    save_figure,
+    write_result,
+)
 from dtypeplan._launch import spawn
 
 BASELINE = "torch AdamW fused (1 proc)"
@@ -84,8 +91,24 @@ class Runner:
     name: str
     note: str = ""
 
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    micro: int
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """How this method lets a micro-batch's gradients be reduced (or not) in backward."""
+        return contextlib.nullcontext()
+
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        raise NotImplementedError
+        t0 = time.perf_counter()
+        for index, (x, y) in enumerate(batches):
+            with self.sync_context(last=index == len(batches) - 1):
+                _loss(self.model(x), y, self.micro).backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
@@ -112,18 +135,9 @@ class PlainRunner(Runner):
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         self.ddp = wrap in ("ddp", "zero")
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        for index, (x, y) in enumerate(batches):
-            last = index == len(batches) - 1
-            ctx = self.model.no_sync() if self.ddp and not last else contextlib.nullcontext()
-            with ctx:
-                _loss(self.model(x), y, self.micro).backward()
-        t1 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        return t2 - t0, t2 - t1
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # DDP reduces only in the last micro-batch's backward.
+        return self.model.no_sync() if self.ddp and not last else contextlib.nullcontext()
 
 
 class FSDP2Runner(Runner):
@@ -148,16 +162,10 @@ class FSDP2Runner(Runner):
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
             self.note = f"fused AdamW refused ({error}); foreach"
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        for index, (x, y) in enumerate(batches):
-            self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            _loss(self.model(x), y, self.micro).backward()
-        t1 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        return t2 - t0, t2 - t1
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # FSDP2 reduce-scatters only in the last micro-batch's backward.
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
 
 
 class DtypeplanRunner(Runner):
@@ -523,12 +531,7 @@ def _plot(rows: list[dict[str, Any]], out: Any, date: str) -> Any:
     ax.set_xlabel("median ms per step (2 gloo ranks)")
     ax.legend(fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"step_time-{date}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "step_time", date)
 
 
 if __name__ == "__main__":
