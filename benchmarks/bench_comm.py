@@ -35,7 +35,7 @@ import dtypeplan
 import dtypeplan.comm._collectives as collectives
 from benchmarks._common import base_parser, environment, finish, format_table, write_result
 from benchmarks.bench_memory import make_model
-from dtypeplan._launch import spawn
+from dtypeplan.launch import spawn
 
 WIRES = (("fp32", "collective"), ("bf16", "collective"), ("bf16", "fp32_sum"),
          ("fp16", "collective"), ("fp16", "fp32_sum"))

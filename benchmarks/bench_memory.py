@@ -33,7 +33,7 @@ from benchmarks._common import (
     save_figure,
     write_result,
 )
-from dtypeplan._launch import spawn
+from dtypeplan.launch import spawn
 
 WORLD_SIZES = (1, 2, 4)
 MICRO_BATCHES = 2

@@ -39,8 +39,8 @@ from benchmarks._common import (
     save_figure,
     write_result,
 )
-from dtypeplan._launch import spawn
 from dtypeplan.comm import Communicator
+from dtypeplan.launch import spawn
 from dtypeplan.optimizers._engine import accumulate_
 
 MICRO_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -55,7 +55,7 @@ from benchmarks._common import (
     save_figure,
     write_result,
 )
-from dtypeplan._launch import spawn
+from dtypeplan.launch import spawn
 
 BASELINE = "torch AdamW fused (1 proc)"
 DDP = "DDP + AdamW fused"

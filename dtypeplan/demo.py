@@ -1,7 +1,7 @@
 """``dtypeplan demo``: a small model trained end to end on local CPU ranks.
 
 A student MLP (with a residual LayerNorm block) learns to imitate a fixed random teacher MLP
-from fresh samples, on ``world_size`` gloo ranks started by :func:`dtypeplan._launch.spawn`.
+from fresh samples, on ``world_size`` gloo ranks started by :func:`dtypeplan.launch.spawn`.
 Every rank draws its own micro-batches, so the gradient reduction does real work. The run
 shows a plan at work: the parameters in the plan's dtype, micro-batch gradients summed in the
 accumulation dtype, one reduction per step, and the memory each rank really holds next to
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtypeplan._launch import RankFailure, spawn
+from dtypeplan.launch import RankFailure, spawn
 from dtypeplan.resolver import PrecisionPlan, Status, resolve
 
 __all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "measured_bytes", "run_demo"]

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 import dtypeplan
-from dtypeplan._launch import spawn
+from dtypeplan.launch import spawn
 
 CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}}
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import dtypeplan
-from dtypeplan._launch import spawn
+from dtypeplan.launch import spawn
 
 MICRO_BATCHES, WIDTH = 4, 32
 

@@ -5,8 +5,8 @@ This proves the accumulation dtype is really used, at every stage.
 
 from __future__ import annotations
 
-from dtypeplan._launch import spawn
-from tests.optimizer_cases import accumulation_cases, accumulation_error
+from dtypeplan.launch import spawn
+from tests.workers.optimizer import accumulation_cases, accumulation_error
 
 MICRO_BATCHES = 48
 

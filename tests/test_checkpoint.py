@@ -21,9 +21,9 @@ import torch
 
 import dtypeplan
 from dtypeplan import checkpoint
-from dtypeplan._launch import spawn
 from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError, _io
-from tests import checkpoint_cases as cases
+from dtypeplan.launch import spawn
+from tests.workers import checkpoint as cases
 
 LOSS_RTOL = {"fp32": 1e-5, "sgd": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 TIMINGS: dict[str, float] = {}
@@ -403,3 +403,12 @@ def test_load_before_any_step_clears_optimizer_state(tmp_path: Any) -> None:
 def test_report_timings(spawned: Any, one: Any) -> None:
     # Not an assertion on speed: the numbers go to the log (-rA) for the suite's time budget.
     print("checkpoint test groups:", {k: f"{v:.1f} s" for k, v in TIMINGS.items()})
+
+
+def test_zero3_checkpoint_resumes_at_zero3_and_at_zero1(tmp_path: Any) -> None:
+    results = spawn(cases.zero3_round_trip, 2, str(tmp_path / "ckpt"))[0]
+    expected = results["uninterrupted"][3:]
+    for name in ("resumed_zero3", "resumed_zero1"):
+        for got, want in zip(results[name], expected, strict=True):
+            # bf16 forward passes: the gradient norms agree to bf16-model noise.
+            assert abs(got - want) <= 1e-3 * want, (name, results[name], expected)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dtypeplan
-from dtypeplan._launch import spawn
-from tests.engine_edge_cases import empty_micro_batch_on_one_rank
-from tests.parity import make_batch, make_model, mse
+from dtypeplan.launch import spawn
+from tests._helpers import make_batch, make_model, mse
+from tests.workers.engine_edge_cases import empty_micro_batch_on_one_rank
 
 BF16_SGD = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

@@ -340,7 +340,7 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 import dtypeplan
-from tests.parity import run_case
+from tests.workers.parity import run_case
 
 configs = [
     {{"optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}},

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from dtypeplan._launch import spawn
-from tests.optimizer_cases import memory_cases
+from dtypeplan.launch import spawn
+from tests._helpers import MODEL_KEYS
+from tests.workers.optimizer import memory_cases
 
 WIDTH = 256  # ~130k parameters: bucket padding is well under 1%
-_MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
 
 
 def _configs() -> list[dict]:
@@ -24,7 +24,7 @@ def _configs() -> list[dict]:
     ):
         configs.append(
             {
-                **_MODEL_KEYS[model],
+                **MODEL_KEYS[model],
                 "gradient_accumulation_dtype": {"dtype": accum, "sharded": sharded},
                 "zero_optimization": {"stage": stage},
                 "optimizer": optimizer,
@@ -70,11 +70,11 @@ def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over
 
 
 def test_zero3_memory_matches_model_two_ranks() -> None:
-    from tests.optimizer_cases import fsdp2_memory_cases
+    from tests.workers.optimizer import fsdp2_memory_cases
 
     configs = [
         {
-            **_MODEL_KEYS[model],
+            **MODEL_KEYS[model],
             "gradient_accumulation_dtype": accum,
             "zero_optimization": {"stage": 3},
         }

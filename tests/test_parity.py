@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dtypeplan
-from dtypeplan._launch import spawn
-from dtypeplan.resolver._rules import load_rules
-from tests.parity import assert_parity, run_case, run_cases
+from dtypeplan.launch import spawn
+from tests._helpers import MODEL_KEYS, assert_parity, ok_cells
+from tests.workers.parity import run_case, run_cases
 
 FP32_RTOL = 1e-5
 # bf16 keeps 8 mantissa bits: a forward pass in bf16 moves the loss by ~1e-3 relative, and the
@@ -26,33 +26,10 @@ FP32_RTOL = 1e-5
 LOW_PRECISION_LOSS_RTOL = 1e-2
 LOW_PRECISION_MASTER_RTOL = 2e-2
 
-_MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
-
-
-def ok_cells(
-    stages: tuple[int, ...] = (0, 1, 2, 3), pipeline: bool = False
-) -> list[dict[str, Any]]:
-    """The OK cells of the shipped table; ``reductions`` lists the OK reduction methods."""
-    table = load_rules()
-    cells: dict[tuple, dict[str, Any]] = {}
-    for point in table.points():
-        if (
-            point["model"] == "fp16+bf16"
-            or point["stage"] not in stages
-            or point["pipeline"] != pipeline
-        ):
-            continue
-        if table.lookup(point).status != "OK":
-            continue
-        key = tuple(v for k, v in point.items() if k != "reduction")
-        cell = cells.setdefault(key, {**point, "reductions": []})
-        cell["reductions"].append(point["reduction"])
-    return list(cells.values())
-
 
 def config_for(point: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
-        **_MODEL_KEYS[point["model"]],
+        **MODEL_KEYS[point["model"]],
         "gradient_accumulation_dtype": {"dtype": point["accum"], "sharded": point["sharded"]},
         "communication_data_type": point["comm"],
         # Small buckets so that every model spans several of them.

@@ -8,10 +8,9 @@ plain fp32 ``torch.optim`` run on the full batch.
 
 from __future__ import annotations
 
-from dtypeplan._launch import spawn
-from tests.parity import assert_parity
-from tests.pipeline_cases import run_pipeline_cases
-from tests.test_parity import ok_cells
+from dtypeplan.launch import spawn
+from tests._helpers import assert_parity, ok_cells
+from tests.workers.pipeline import run_pipeline_cases
 
 _MODEL_KEYS = {
     "fp32": {},

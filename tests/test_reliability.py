@@ -18,12 +18,12 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from dtypeplan._launch import RankFailure, spawn
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
+from dtypeplan.launch import RankFailure, spawn
 from dtypeplan.optimizers import LossScaler, MinimumLossScaleError
 from dtypeplan.resolver._config import LossScaleConfig
-from tests import reliability_cases
+from tests.workers import reliability as reliability_cases
 
 WORLD = 2
 STAGES = (0, 1, 2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from dtypeplan._launch import spawn
-from tests.optimizer_cases import wire_cases
+from dtypeplan.launch import spawn
+from tests.workers.optimizer import wire_cases
 
 _DTYPE = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 # A small initial loss scale: 2**16-scaled gradients can overflow fp16 on the wire, and a

@@ -16,36 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dtypeplan
-
-IN, HIDDEN, OUT = 12, 24, 6
-
-
-def make_model(
-    seed: int, in_features: int = IN, hidden: int = HIDDEN, out_features: int = OUT
-) -> torch.nn.Module:
-    """A 3-layer tanh MLP with seeded N(0, 0.3^2) weights, the same on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(in_features, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.Tanh(),
-        torch.nn.Linear(hidden, out_features),
-    )
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
-
-
-def make_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed + 1000)
-    return torch.randn(size, IN, generator=generator), torch.randn(size, OUT, generator=generator)
-
-
-def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    dtype = next(model.parameters()).dtype
-    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+from tests._helpers import make_batch, make_model, mse
 
 
 def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -148,14 +119,3 @@ def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[d
                 {"name": case.get("name", ""), "error": f"{exc!r}\n{traceback.format_exc()}"}
             )
     return results
-
-
-def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:
-    assert "error" not in result, result["error"]
-    assert result["param_dtype_ok"], result["name"]
-    for step, (mine, ref) in enumerate(zip(result["losses"], result["ref_losses"], strict=True)):
-        assert abs(mine - ref) <= loss_rtol * abs(ref) + 1e-7, (
-            f"{result['name']}: step {step} loss {mine} vs reference {ref}"
-        )
-    error = result["master_rel_error"]
-    assert error <= master_rtol, f"{result['name']}: master weights rel error {error:.2e}"

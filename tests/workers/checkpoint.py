@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.checkpoint import _adapters, _io
-from tests.parity import make_batch, make_model, mse
+from tests._helpers import make_batch, make_model, mse
 
 GLOBAL_BATCH = 16
 MICRO = 2
@@ -310,7 +310,7 @@ def four_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[float]]:
     """Save a ZeRO-3 (FSDP2) run; resume it at ZeRO-3 and at ZeRO-1; run it uninterrupted."""
-    from tests.parity import make_batch, make_model, mse
+    from tests._helpers import make_batch, make_model, mse
 
     def run(stage: int, steps: range, load: bool, save: bool) -> list[float]:
         config = {

@@ -1,6 +1,7 @@
 """Start a function on several local ranks, each a spawned process in one gloo/NCCL group.
 
-Used by the demo, the tests and the benchmarks. What was seen to make CPU groups reliable:
+Public: the demo, the examples, the tests and the benchmarks start their ranks with
+:func:`spawn`. What was seen to make CPU groups reliable:
 the ``spawn`` start method (forked ranks can deadlock in matmul), one intra-op thread per rank,
 a FileStore in a private temporary directory, and a barrier before
 ``destroy_process_group`` (without it gloo aborted a rank at teardown in half the runs).
@@ -40,6 +41,9 @@ def _rank_main(
     torch.set_num_threads(1)
     outcome: tuple[str, Any]
     try:
+        if backend == "nccl":
+            # Before the group exists, so NCCL binds this rank's communicator to its own GPU.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group(
             backend,
@@ -48,8 +52,6 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
         )
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
             outcome = ("ok", fn(rank, world_size, *args))
             dist.barrier()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import dtypeplan
-from tests.parity import make_batch, make_model, mse
+from tests._helpers import make_batch, make_model, mse
 
 
 def empty_micro_batch_on_one_rank(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import dtypeplan
 from dtypeplan.comm import _collectives
-from tests.parity import make_batch, make_model, mse
+from tests._helpers import make_batch, make_model, mse
 
 # --- the dtype on the wire ---------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Spawn-able workers for ``tests/test_reliability.py``.
 
-Every function here runs on each rank of a group started by :func:`dtypeplan._launch.spawn`
+Every function here runs on each rank of a group started by :func:`dtypeplan.launch.spawn`
 and returns plain data (floats, bools, strings, CPU tensors) that the test process checks.
 :func:`run_cases` runs many cases in one group, because a 2-rank group costs seconds to start;
 a case that raises is reported as ``{"error": traceback}`` and the group goes on. The workers
@@ -26,7 +26,7 @@ import dtypeplan
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
 from dtypeplan.optimizers import MinimumLossScaleError
-from tests import parity
+from tests._helpers import make_model as make_mlp
 
 IN, HIDDEN, OUT = 8, 16, 4
 MICRO_BATCHES, MICRO_BATCH_SIZE = 2, 3
@@ -35,7 +35,7 @@ _FAULT_VALUES = {"inf": math.inf, "nan": math.nan}
 
 
 def make_model(seed: int, hidden: int = HIDDEN) -> torch.nn.Module:
-    return parity.make_model(seed, in_features=IN, hidden=hidden, out_features=OUT)
+    return make_mlp(seed, in_features=IN, hidden=hidden, out_features=OUT)
 
 
 def micro_batches(

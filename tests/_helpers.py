@@ -1,0 +1,78 @@
+"""Builders and checks shared by the test modules and the workers they spawn.
+
+No test module imports another; what two of them need lives here (parent-side checks and the
+seeded model/batch builders) or in ``tests/workers/`` (code that runs inside spawned ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtypeplan.resolver import load_rules
+
+IN, HIDDEN, OUT = 12, 24, 6
+
+
+def make_model(
+    seed: int, in_features: int = IN, hidden: int = HIDDEN, out_features: int = OUT
+) -> torch.nn.Module:
+    """A 3-layer tanh MLP with seeded N(0, 0.3^2) weights, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(in_features, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, out_features),
+    )
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def make_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(size, IN, generator=generator), torch.randn(size, OUT, generator=generator)
+
+
+def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
+
+
+def ok_cells(
+    stages: tuple[int, ...] = (0, 1, 2, 3), pipeline: bool = False
+) -> list[dict[str, Any]]:
+    """The OK cells of the shipped table; ``reductions`` lists the OK reduction methods."""
+    table = load_rules()
+    cells: dict[tuple, dict[str, Any]] = {}
+    for point in table.points():
+        if (
+            point["model"] == "fp16+bf16"
+            or point["stage"] not in stages
+            or point["pipeline"] != pipeline
+        ):
+            continue
+        if table.lookup(point).status != "OK":
+            continue
+        key = tuple(v for k, v in point.items() if k != "reduction")
+        cell = cells.setdefault(key, {**point, "reductions": []})
+        cell["reductions"].append(point["reduction"])
+    return list(cells.values())
+
+
+def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:
+    assert "error" not in result, result["error"]
+    assert result["param_dtype_ok"], result["name"]
+    for step, (mine, ref) in enumerate(zip(result["losses"], result["ref_losses"], strict=True)):
+        assert abs(mine - ref) <= loss_rtol * abs(ref) + 1e-7, (
+            f"{result['name']}: step {step} loss {mine} vs reference {ref}"
+        )
+    error = result["master_rel_error"]
+    assert error <= master_rtol, f"{result['name']}: master weights rel error {error:.2e}"

@@ -1,0 +1,1 @@
+"""Code that runs inside spawned ranks (started by :func:`dtypeplan.launch.spawn`)."""
