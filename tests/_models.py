@@ -59,10 +59,11 @@ class TiedLM(nn.Module):
     The shape of GPT-2 / Llama in miniature: what ZeRO-3 must shard per block and keep tied.
     """
 
-    def __init__(self, blocks: int = 2) -> None:
+    def __init__(self, blocks: int = 2, container: type[nn.Module] = nn.ModuleList) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(Block() for _ in range(blocks))
+        layers = [Block() for _ in range(blocks)]
+        self.layers = nn.ModuleList(layers) if container is nn.ModuleList else container(*layers)
         self.final_norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
@@ -74,8 +75,8 @@ class TiedLM(nn.Module):
         return self.head(self.final_norm(h))
 
 
-def tied_lm(seed: int) -> TiedLM:
-    return _seed_weights(TiedLM(), seed)  # type: ignore[return-value]
+def tied_lm(seed: int, container: type[nn.Module] = nn.ModuleList) -> TiedLM:
+    return _seed_weights(TiedLM(container=container), seed)  # type: ignore[return-value]
 
 
 class NormAndFrozen(nn.Module):

@@ -226,11 +226,20 @@ def two_ranks() -> list[dict[str, str]]:
     return spawn(run_cases, 2, TWO_RANK_CASES, timeout_s=500, group_timeout_s=60)
 
 
-def two_rank_params(prefix: str, mark: pytest.MarkDecorator | None = None) -> Any:
-    ids = [f"{n}-stage{s}-{d}" for n, s, d in TWO_RANK_CASES if n.startswith(prefix)]
-    return pytest.mark.parametrize(
-        "case", [pytest.param(i, id=i, marks=[mark] if mark else []) for i in ids]
-    )
+def two_rank_params(
+    prefix: str, mark: pytest.MarkDecorator | None = None, stages: tuple[int, ...] = (0, 1, 2, 3)
+) -> Any:
+    """The two-rank cases named ``prefix...``; ``mark`` applies to those at ``stages``."""
+    params = [
+        pytest.param(
+            f"{n}-stage{s}-{d}",
+            id=f"{n}-stage{s}-{d}",
+            marks=[mark] if mark and s in stages else [],
+        )
+        for n, s, d in TWO_RANK_CASES
+        if n.startswith(prefix)
+    ]
+    return pytest.mark.parametrize("case", params)
 
 
 def check_two(results: list[dict[str, str]], case: str) -> None:
@@ -244,7 +253,8 @@ def test_contract_two_ranks(two_ranks: list[dict[str, str]], name: str, stage: i
     check_two(two_ranks, f"{name}-stage{stage}-fp32")
 
 
-@two_rank_params("item1_", ITEM1)
+# ZeRO-3 with fp32 accumulation installs no hooks (FSDP2 owns the gradients): it passes today
+@two_rank_params("item1_", ITEM1, stages=(0, 1, 2))
 def test_item1_two_ranks(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 1
     check_two(two_ranks, case)
@@ -286,7 +296,7 @@ def test_item8_rank_freezing_a_param_is_refused(two_ranks: list[dict[str, str]],
     check_two(two_ranks, case)
 
 
-@two_rank_params("item9_")
+@two_rank_params("item9_", xfail(9, "ZeRO-3 unties lm_head from wte; FSDP refuses"), stages=(3,))
 def test_item9_tied_weights_every_stage(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 9
     check_two(two_ranks, case)
