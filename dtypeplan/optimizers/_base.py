@@ -46,7 +46,7 @@ class HeldTensors:
     grads: tuple[torch.Tensor, ...]
     """The parameters' own ``.grad`` that exist right now."""
     accumulator: tuple[torch.Tensor, ...]
-    """Where micro-batch gradients are summed, with any staging buffer of a reduction."""
+    """Where micro-batch gradients are summed, with the buffers of reductions under way."""
     master: tuple[torch.Tensor, ...]
     """The fp32 master weights this rank updates (empty where the parameters are the masters)."""
     optimizer_states: tuple[torch.Tensor, ...]
@@ -56,6 +56,25 @@ class HeldTensors:
         """``(component, tensors)`` in the order of ``plan.memory()``'s keys."""
         for field in fields(self):
             yield field.name, getattr(self, field.name)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes per component and ``total``, each storage counted once, whole.
+
+        Whole storages include the flat buffers' bucket padding; a storage shared between
+        components counts in the first one that holds it, in the order of :meth:`items`.
+        """
+        seen: set[int] = set()
+        figures: dict[str, int] = {}
+        for component, tensors in self.items():
+            figures[component] = 0
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                figures[component] += storage.nbytes()
+        figures["total"] = sum(figures.values())
+        return figures
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):

@@ -149,7 +149,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
             ),
             accumulator=tuple(state.accumulator for state in self.groups)
-            + tuple(self.reductions.staging_buffers()),
+            + tuple(self.reductions.buffers()),
             master=tuple(m for state in self.groups for m in state.masters),
             optimizer_states=tuple(
                 v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)

@@ -135,10 +135,15 @@ class ReductionScheduler:
         ]
         self._reset_bookkeeping()
 
-    def staging_buffers(self) -> list[torch.Tensor]:
-        """The staging buffers held right now (bucket gradients not yet reduce-scattered)."""
+    def buffers(self) -> list[torch.Tensor]:
+        """What the reductions hold right now besides the accumulator itself.
+
+        Staging buffers of buckets not yet reduce-scattered (or in flight) and the fp32
+        chunks that the step's early reduce-scatters write into; empty between steps.
+        """
         held = [s for per_group in self._staging for s in per_group.values()]
-        return held + [work.staging for work in self._in_flight]
+        held += [work.staging for work in self._in_flight]
+        return held + [work.result for work in self._step_reductions.values()]
 
     # --- one micro-batch ----------------------------------------------------------------------
     @contextlib.contextmanager
