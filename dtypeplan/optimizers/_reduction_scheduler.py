@@ -136,14 +136,15 @@ class ReductionScheduler:
         self._reset_bookkeeping()
 
     def buffers(self) -> list[torch.Tensor]:
-        """What the reductions hold right now besides the accumulator itself.
+        """The staging buffers held right now (bucket gradients not yet reduce-scattered).
 
-        Staging buffers of buckets not yet reduce-scattered (or in flight) and the fp32
-        chunks that the step's early reduce-scatters write into; empty between steps.
+        Not listed: the fp32 chunks that the step's early reduce-scatters (stage 1, whole
+        accumulator, ``last_micro_batch=True``) write into. They live from the last backward
+        to ``step()`` only, as the chunks a plain ``step()`` allocates do, and ``plan.memory()``
+        leaves both out.
         """
         held = [s for per_group in self._staging for s in per_group.values()]
-        held += [work.staging for work in self._in_flight]
-        return held + [work.result for work in self._step_reductions.values()]
+        return held + [work.staging for work in self._in_flight]
 
     # --- one micro-batch ----------------------------------------------------------------------
     @contextlib.contextmanager
