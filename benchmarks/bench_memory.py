@@ -7,10 +7,11 @@ whole/sharded accumulator, where the rules table says OK) an MLP is trained for 
 one more micro-batch is run and the optimizer's memory is measured at that accumulation
 boundary (after backward, before ``step()``, with the AdamW states already created).
 
-Measured: every tensor reachable from the optimizer object (the flat parameter buffer, the
-accumulator, the master chunks, the inner ``torch.optim`` states, staging buffers, any
-``param.grad``) is collected and counted once per distinct storage (aliases such as fp32 master
-chunks that are views of the parameter buffer count once), by its untyped storage's size. So
+Measured: the tensors ``opt.held_tensors()`` lists per component (the flat parameter buffer,
+the accumulator and reduction buffers, the master chunks, the inner ``torch.optim`` states, any
+``param.grad``), then every other tensor reachable from the optimizer object (as "other"),
+counted once per distinct storage (aliases such as fp32 master chunks that are views of the
+parameter buffer count once), by its untyped storage's size. So
 the figure includes bucket padding. It is set next to ``plan.memory()`` and next to DeepSpeed's
 published byte counts for its nearest optimizer.
 """
@@ -128,22 +129,14 @@ def measure(opt: Any, model: torch.nn.Module) -> dict[str, int]:
         storage = tensor.untyped_storage()
         by_storage.setdefault(storage.data_ptr(), (category, storage.nbytes()))
 
-    # Claim in this order so an alias counts where it lives: fp32 masters are param views.
+    # The optimizer's own account first, in plan.memory()'s order, so an alias counts where it
+    # lives (fp32 masters are views of the parameters' buffer); the model's parameters are
+    # views of those buffers. Whatever else is reachable is "other".
+    for component, tensors in opt.held_tensors().items():
+        for tensor in tensors:
+            claim(tensor, component)
     for param in model.parameters():
         claim(param.detach(), "params")
-        if param.grad is not None:
-            claim(param.grad, "grads")
-    for state in opt.groups:
-        claim(state.flat.buffer, "params")
-        claim(state.accumulator, "accumulator")
-        for master in state.masters:
-            claim(master, "master")
-        for staging in state.staging.values():
-            claim(staging, "accumulator")
-    for per_param in opt.inner.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                claim(value, "optimizer_states")
     for _path, tensor in _reachable_tensors(opt):
         claim(tensor, "other")
     totals = dict.fromkeys(CATEGORIES, 0)
@@ -177,7 +170,7 @@ def run_mode(mode: dict[str, Any], widths: list[int], world: int, rank: int) -> 
         micro_step()
     measured = measure(opt, model)
     predicted = plan.memory(num_params, world)
-    padded = sum(s.flat.numel for s in opt.groups)
+    padded = sum(buffer.numel() for buffer in opt.held_tensors().params)
     return {
         "status": "OK",
         "num_params": num_params,
@@ -265,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "modes": len(modes) - len(skipped),
         "max_abs_measured_over_plan_minus_1": round(worst, 5),
         "bf16_fp32accum_z1_whole_N4_B_per_param": next(
-            r["measured B/param"]
-            for r in rows
-            if r["mode"] == "bf16/fp32 z1 whole" and r["N"] == 4
+            r["measured B/param"] for r in rows if r["mode"] == "bf16/fp32 z1 whole" and r["N"] == 4
         ),
         "deepspeed_minus_measured_B_per_param": savings,
     }
@@ -289,9 +280,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "memory",
             out=args.out,
             env=env,
-            config={"model": f"MLP {widths}", "num_params": num_params, "optimizer": "AdamW",
-                    "micro_batches": MICRO_BATCHES, "world_sizes": list(WORLD_SIZES),
-                    "quick": args.quick},
+            config={
+                "model": f"MLP {widths}",
+                "num_params": num_params,
+                "optimizer": "AdamW",
+                "micro_batches": MICRO_BATCHES,
+                "world_sizes": list(WORLD_SIZES),
+                "quick": args.quick,
+            },
             sections=[
                 ("Bytes per parameter per rank", table),
                 ("Plot", f"![bytes per param]({plot.name})"),
@@ -338,17 +334,36 @@ def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> Path:
                 ds_x.append(x)
                 ds_y.append(row["DeepSpeed B/param"])
         ax.bar(xs, measured, width, label=f"measured N={world}")
-        ax.scatter(xs, predicted, marker="_", s=120, color="black",
-                   label="plan.memory()" if k == 0 else None, zorder=3)
-        ax.scatter(ds_x, ds_y, marker="x", color="red",
-                   label="DeepSpeed formula" if k == 0 else None, zorder=3)
+        ax.scatter(
+            xs,
+            predicted,
+            marker="_",
+            s=120,
+            color="black",
+            label="plan.memory()" if k == 0 else None,
+            zorder=3,
+        )
+        ax.scatter(
+            ds_x,
+            ds_y,
+            marker="x",
+            color="red",
+            label="DeepSpeed formula" if k == 0 else None,
+            zorder=3,
+        )
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("bytes per parameter per rank")
-    ax.set_title("Optimizer memory at the accumulation boundary "
-                 "(model/accum dtype, ZeRO stage, accumulator)")
-    ax.set_ylim(0, 1.2 * max(max(r["measured B/param"] for r in rows),
-                             max(r["DeepSpeed B/param"] or 0 for r in rows)))
+    ax.set_title(
+        "Optimizer memory at the accumulation boundary (model/accum dtype, ZeRO stage, accumulator)"
+    )
+    ax.set_ylim(
+        0,
+        1.2
+        * max(
+            max(r["measured B/param"] for r in rows), max(r["DeepSpeed B/param"] or 0 for r in rows)
+        ),
+    )
     ax.legend(fontsize=8, ncol=5, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, out, "memory", date)

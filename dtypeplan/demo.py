@@ -23,7 +23,7 @@ from torch import nn
 from dtypeplan.launch import RankFailure, spawn
 from dtypeplan.resolver import PrecisionPlan, Status, resolve
 
-__all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "measured_bytes", "run_demo"]
+__all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "run_demo"]
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "bf16": {"enabled": True},
@@ -89,58 +89,6 @@ def _batch(
     return x, y
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-def measured_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_bytes: int
-) -> dict[str, int] | None:
-    """Bytes this rank really holds, per component of ``plan.memory()``.
-
-    Counted from the tensors of dtypeplan's flat optimizer (other implementations: None). A
-    storage shared between components (fp32 master weights are views of the parameters'
-    buffer) is counted once, in the first component that holds it.
-    """
-    from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
-
-    if not isinstance(optimizer, FlatMixedPrecisionOptimizer):
-        return None
-    seen: set[int] = set()
-
-    def count(tensors: list[torch.Tensor], whole_storage: bool = False) -> int:
-        total = 0
-        for tensor in tensors:
-            key = _storage_key(tensor)
-            if key in seen:
-                continue
-            seen.add(key)
-            total += (
-                tensor.untyped_storage().nbytes()
-                if whole_storage
-                else tensor.numel() * tensor.element_size()
-            )
-        return total
-
-    figures = {
-        # The parameters are views of flat buffers: count whole storages, padding included.
-        "params": count(list(model.parameters()), whole_storage=True),
-        "grads": grad_bytes,
-        "accumulator": count([state.accumulator for state in optimizer.groups]),
-        "master": count([m for state in optimizer.groups for m in state.masters]),
-        "optimizer_states": count(
-            [
-                v
-                for slot in optimizer.inner.state.values()
-                for v in slot.values()
-                if torch.is_tensor(v)
-            ]
-        ),
-    }
-    figures["total"] = sum(figures.values())
-    return figures
-
-
 def _train(
     rank: int, world_size: int, plan: PrecisionPlan, steps: int, micro_batches: int
 ) -> dict[str, Any]:
@@ -151,7 +99,7 @@ def _train(
     optimizer = plan.build(model.parameters())
     dtype = plan.param_dtype
     losses: list[float] = []
-    grad_bytes = 0
+    measured: dict[str, int] = {}
     for step in range(steps):
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -164,11 +112,8 @@ def _train(
             optimizer.backward(loss / micro_batches, last_micro_batch=micro == micro_batches - 1)
             total += loss.detach() / micro_batches
         if step == steps - 1:
-            grad_bytes = sum(
-                p.grad.numel() * p.grad.element_size()
-                for p in model.parameters()
-                if p.grad is not None
-            )
+            # What plan.memory() predicts: the bytes held at the accumulation boundary.
+            measured = optimizer.held_tensors().nbytes()
         optimizer.step()
         elapsed_ms = (time.perf_counter() - start) * 1000
         # For the report only: the mean loss over ranks.
@@ -184,7 +129,7 @@ def _train(
     return {
         "losses": losses,
         "num_params": num_params,
-        "measured": measured_bytes(model, optimizer, grad_bytes),
+        "measured": measured,
         "skipped_steps": optimizer.skipped_steps,
     }
 
@@ -241,10 +186,9 @@ def run_demo(
         )
     )
     measured = results[0]["measured"]
-    if measured is not None:
-        predicted = plan.memory(num_params, world_size)["total"]
-        print(
-            f"(measured - predicted on rank 0: {measured['total'] - predicted:+,} bytes: bucket "
-            "padding and step counters, which the byte model leaves out)"
-        )
+    predicted = plan.memory(num_params, world_size)["total"]
+    print(
+        f"(measured - predicted on rank 0: {measured['total'] - predicted:+,} bytes: bucket "
+        "padding and step counters, which the byte model leaves out)"
+    )
     return 0

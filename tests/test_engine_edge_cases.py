@@ -10,6 +10,7 @@ import torch
 
 import dtypeplan
 from dtypeplan.launch import spawn
+from dtypeplan.optimizers._reduction_scheduler import InFlightReduction
 from tests._helpers import make_batch, make_model, mse
 from tests.workers.engine_edge_cases import empty_micro_batch_on_one_rank
 
@@ -82,3 +83,34 @@ def test_backward_after_the_last_micro_batch_is_refused() -> None:
     optimizer.zero_grad()  # recovers: a fresh step
     optimizer.backward(mse(model, x, y), last_micro_batch=True)
     optimizer.step()
+
+
+def test_a_backward_that_raises_waits_for_reductions_in_flight() -> None:
+    # A reduce-scatter still in flight writes into the accumulator: it must be waited for
+    # before the accumulator is reused, and its own failure must not hide the first error.
+    model = make_model(0)
+    optimizer = dtypeplan.resolve(BF16_SGD).build(model.parameters())
+    waited: list[str] = []
+
+    def finish_ok() -> None:
+        waited.append("ok")
+
+    def finish_failing() -> None:
+        waited.append("failing")
+        raise RuntimeError("the peer is gone too")
+
+    chunk = torch.zeros(4)
+    scheduler = optimizer.reductions
+    for finish in (finish_failing, finish_ok):
+        scheduler._in_flight.append(InFlightReduction(finish, chunk, chunk, torch.zeros(4)))
+
+    def failing_hook(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("simulated out-of-memory in backward")
+
+    x, y = make_batch(0, 8)
+    out = model(x.to(torch.bfloat16)).float()
+    out.register_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="simulated"):
+        optimizer.backward(torch.nn.functional.mse_loss(out, y))
+    assert waited == ["failing", "ok"]
+    assert scheduler.buffers() == []

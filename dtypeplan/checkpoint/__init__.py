@@ -26,8 +26,8 @@ ever materializes the full state. (At ZeRO stage 0 every rank holds everything; 
 writes each piece once.) Any other ``MixedPrecisionOptimizer`` goes through its layout-free
 ``full_state()`` / ``load_full_state()``: full tensors, replicated on every rank and written
 once. Both ways write the same format, so either reads what the other wrote. (The sharded
-way reads the flat optimizer's layout -- ``groups``, ``masters``, ``inner``, ``_write_back`` --
-in ``_adapters.FlatAdapter``; a change there must keep ``tests/test_checkpoint.py`` passing.)
+way uses the flat optimizer's public ``shard_pieces()``, ``state_names()``,
+``reset_update_state()`` and ``refresh_params()`` in ``_adapters.FlatAdapter``.)
 
 Atomic replacement. A save writes ``snapshot-<hex>.tmp`` inside ``path``; when every rank has
 written (DCP's final collective) rank 0 adds the manifest, renames the directory to

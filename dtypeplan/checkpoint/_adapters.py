@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dtypeplan.checkpoint._planners import Flat
+from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 
@@ -30,12 +31,10 @@ def _numel(shape: list[int]) -> int:
 def _empty_flats(names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
     """A :class:`Flat` without pieces for every state ``name`` of every parameter."""
     return {
-        f"param.{i}.{name}": Flat(_numel(shape)) for name in names for i, shape in enumerate(shapes)
+        keys.param_key(i, name): Flat(_numel(shape))
+        for name in names
+        for i, shape in enumerate(shapes)
     }
-
-
-def _is_adam(opt: MixedPrecisionOptimizer) -> bool:
-    return issubclass(opt.plan.optimizer.torch_class, (torch.optim.Adam, torch.optim.AdamW))
 
 
 class FlatAdapter:
@@ -46,61 +45,32 @@ class FlatAdapter:
     def __init__(self, opt: FlatMixedPrecisionOptimizer) -> None:
         self.opt = opt
 
-    def _walk(self) -> list[tuple[int, int, torch.Tensor, int, int]]:
-        """``(global index, offset in the flat parameter, master chunk, offset in it, length)``."""
-        out = []
-        first = 0
-        for state in self.opt.groups:
-            flat = state.flat
-            shard_offsets = flat.shard_offsets()
-            for index in range(len(flat.params)):
-                where = flat.param_chunk_ranges(index, self.opt.shard_rank)
-                if where is not None:
-                    begin, end, shard_offset = where
-                    bucket = flat.bucket_of[index]
-                    local = shard_offset - shard_offsets[bucket]
-                    out.append((first + index, begin, state.masters[bucket], local, end - begin))
-            first += len(flat.params)
-        return out
-
     def shapes(self) -> list[list[int]]:
-        return [list(p.shape) for state in self.opt.groups for p in state.flat.params]
+        return [list(p.shape) for p in self.opt.trainable_parameters()]
 
     def state_names(self) -> list[str]:
-        names = ["master"]
-        for state in self.opt.groups:
-            for master in state.masters:
-                for key, value in self.opt.inner.state.get(master, {}).items():
-                    if (
-                        key != "step"
-                        and torch.is_tensor(value)
-                        and value.numel() == master.numel()
-                        and key not in names
-                    ):
-                        names.append(key)
-        return names
+        return self.opt.state_names()
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         flats = _empty_flats(names, self.shapes())
-        for index, begin, master, local, length in self._walk():
-            slot = self.opt.inner.state.get(master, {})
+        for piece in self.opt.shard_pieces():
+            slot = self.opt.inner.state.get(piece.master, {})
             for name in names:
-                if name == "master":
-                    source = master
+                if name == keys.MASTER:
+                    source = piece.master
                 elif name in slot:
                     source = slot[name]
                 else:
                     # A state this rank has not created yet is still zero (as in full_state).
-                    source = torch.zeros_like(master)
-                flats[f"param.{index}.{name}"].pieces.append(
-                    (begin, source[local : local + length])
+                    source = torch.zeros_like(piece.master)
+                flats[keys.param_key(piece.index, name)].pieces.append(
+                    (piece.begin, piece.of(source))
                 )
         return flats
 
     def scalars(self) -> dict[str, Any]:
-        steps = [v["step"] for v in self.opt.inner.state.values() if "step" in v]
         return {
-            "step": int(steps[0].item()) if steps else 0,
+            "step": self.opt.step_count(),
             "loss_scale": float(self.opt.scaler.scale),
             "skipped_steps": int(self.opt.skipped_steps),
             "scaler_enabled": bool(self.opt.scaler.enabled),
@@ -109,39 +79,29 @@ class FlatAdapter:
 
     def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
         flats = _empty_flats(names, shapes)
-        for index, begin, master, _local, length in self._walk():
+        for piece in self.opt.shard_pieces():
             for name in names:
-                staging = torch.empty(length, dtype=torch.float32, device=master.device)
-                flats[f"param.{index}.{name}"].pieces.append((begin, staging))
+                staging = torch.empty(
+                    piece.end - piece.begin, dtype=torch.float32, device=piece.master.device
+                )
+                flats[keys.param_key(piece.index, name)].pieces.append((piece.begin, staging))
         return flats
 
     @torch.no_grad()
     def commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
         opt = self.opt
-        inner = opt.inner
-        step = int(scalars["step"])
-        stateful = [name for name in names if name != "master"]
-        for state, group in zip(opt.groups, inner.param_groups, strict=True):
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            for master in state.masters:
-                inner.state.pop(master, None)
-                if not stateful:
-                    continue
-                slot = inner.state[master]
-                for name in stateful:
-                    slot[name] = torch.zeros_like(master)
-                if _is_adam(opt):
-                    device = master.device if on_device else torch.device("cpu")
-                    slot["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+        opt.reset_update_state([n for n in names if n != keys.MASTER], int(scalars["step"]))
         pieces = {key: dict(flat.pieces) for key, flat in flats.items()}
-        for index, begin, master, local, length in self._walk():
+        for piece in opt.shard_pieces():
             for name in names:
-                target = master if name == "master" else inner.state[master][name]
-                target[local : local + length].copy_(pieces[f"param.{index}.{name}"][begin])
+                target = (
+                    piece.master if name == keys.MASTER else opt.inner.state[piece.master][name]
+                )
+                piece.of(target).copy_(pieces[keys.param_key(piece.index, name)][piece.begin])
         opt.skipped_steps = int(scalars["skipped_steps"])
         if opt.scaler.enabled and scalars.get("scaler_enabled"):
             opt.scaler.load_state_dict(scalars["scaler"])
-        opt._write_back()
+        opt.refresh_params()
 
 
 class FullStateAdapter:
@@ -162,20 +122,16 @@ class FullStateAdapter:
     def shapes(self) -> list[list[int]]:
         if self._shapes is None:
             template = self._full if self._full is not None else self.opt.full_state_template()
-            count = sum(
-                1 for key in template if key.startswith("param.") and key.endswith(".master")
-            )
-            self._shapes = [list(template[f"param.{i}.master"].shape) for i in range(count)]
+            masters = [keys.parse_param_key(key) for key in template]
+            count = sum(1 for parsed in masters if parsed is not None and parsed[1] == keys.MASTER)
+            self._shapes = [
+                list(template[keys.param_key(i, keys.MASTER)].shape) for i in range(count)
+            ]
         return self._shapes
 
     def state_names(self) -> list[str]:
-        names = ["master"]
-        for key in self._state():
-            if key.startswith("param."):
-                name = key.split(".", 2)[2]
-                if name not in names:
-                    names.append(name)
-        return names
+        found = keys.param_state_names(self._state())
+        return [keys.MASTER] + [name for name in found if name != keys.MASTER]
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         state = self._state()
@@ -186,17 +142,12 @@ class FullStateAdapter:
 
     def scalars(self) -> dict[str, Any]:
         state = self._state()
-        scaler = {
-            k[len("scalar.scaler.") :]: v
-            for k, v in state.items()
-            if k.startswith("scalar.scaler.")
-        }
         return {
-            "step": int(state.get("scalar.step", 0)),
-            "loss_scale": float(state.get("scalar.loss_scale", 1.0)),
-            "skipped_steps": int(state.get("scalar.skipped_steps", 0)),
+            "step": int(state.get(keys.scalar_key(keys.STEP), 0)),
+            "loss_scale": float(state.get(keys.scalar_key(keys.LOSS_SCALE), 1.0)),
+            "skipped_steps": int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0)),
             "scaler_enabled": self.opt.plan.param_dtype == torch.float16,
-            "scaler": scaler,
+            "scaler": keys.scaler_state(state),
         }
 
     def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
@@ -209,14 +160,13 @@ class FullStateAdapter:
         shapes = self.shapes()
         state: dict[str, Any] = {}
         for key, flat in flats.items():
-            index = int(key.split(".", 2)[1])
-            state[key] = flat.pieces[0][1].view(shapes[index])
-        state["scalar.step"] = int(scalars["step"])
-        state["scalar.skipped_steps"] = int(scalars["skipped_steps"])
+            state[key] = flat.pieces[0][1].view(shapes[keys.param_index(key)])
+        state[keys.scalar_key(keys.STEP)] = int(scalars["step"])
+        state[keys.scalar_key(keys.SKIPPED_STEPS)] = int(scalars["skipped_steps"])
         if scalars.get("scaler_enabled") and self.opt.plan.param_dtype == torch.float16:
-            state["scalar.loss_scale"] = float(scalars["loss_scale"])
-            for key, value in scalars["scaler"].items():
-                state[f"scalar.scaler.{key}"] = value
+            state[keys.scalar_key(keys.LOSS_SCALE)] = float(scalars["loss_scale"])
+            for field, value in scalars["scaler"].items():
+                state[keys.scaler_key(field)] = value
         self.opt.load_full_state(state)
 
 

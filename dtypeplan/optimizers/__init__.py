@@ -1,6 +1,6 @@
 """Optimizer implementations and the registry the rules table names them in."""
 
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers._loss_scaler import LossScaler, MinimumLossScaleError
@@ -8,6 +8,7 @@ from dtypeplan.optimizers._registry import get_implementation, register, registe
 
 __all__ = [
     "FSDP2Optimizer",
+    "HeldTensors",
     "LossScaler",
     "MinimumLossScaleError",
     "MixedPrecisionOptimizer",

@@ -10,26 +10,81 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
+from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._loss_scaler import LossScaler
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["MixedPrecisionOptimizer"]
+__all__ = ["HeldTensors", "MixedPrecisionOptimizer", "is_adam"]
+
+
+def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
+    """Whether the update is Adam or AdamW (a step counter beside its moments, the Triton path)."""
+    return issubclass(torch_class, (torch.optim.Adam, torch.optim.AdamW))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldTensors:
+    """The tensors one rank holds for the optimizer, by the components of ``plan.memory()``.
+
+    A read-only view for measuring memory: the tensors are the optimizer's own (not copies),
+    so count them, never write them. Two components may share a storage (fp32 master weights
+    are views of the parameters' flat buffer): count each storage once.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    """The storage of the parameters the optimizer updates (flat buffers, padding included)."""
+    grads: tuple[torch.Tensor, ...]
+    """The parameters' own ``.grad`` that exist right now."""
+    accumulator: tuple[torch.Tensor, ...]
+    """Where micro-batch gradients are summed, with the buffers of reductions under way."""
+    master: tuple[torch.Tensor, ...]
+    """The fp32 master weights this rank updates (empty where the parameters are the masters)."""
+    optimizer_states: tuple[torch.Tensor, ...]
+    """Every tensor of the inner ``torch.optim`` state (moments, step counters)."""
+
+    def items(self) -> Iterator[tuple[str, tuple[torch.Tensor, ...]]]:
+        """``(component, tensors)`` in the order of ``plan.memory()``'s keys."""
+        for field in fields(self):
+            yield field.name, getattr(self, field.name)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes per component and ``total``, each storage counted once, whole.
+
+        Whole storages include the flat buffers' bucket padding; a storage shared between
+        components counts in the first one that holds it, in the order of :meth:`items`.
+        """
+        seen: set[int] = set()
+        figures: dict[str, int] = {}
+        for component, tensors in self.items():
+            figures[component] = 0
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                figures[component] += storage.nbytes()
+        figures["total"] = sum(figures.values())
+        return figures
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base class of every implementation that a rules file can name.
 
     Subclasses are built as ``cls(params, plan=plan, process_group=group)`` and must provide
-    the abstract methods. ``param_groups`` holds the model's parameters and the
+    the abstract members: :attr:`inner`, the training-loop calls (:meth:`step`,
+    :meth:`zero_grad`, :meth:`clear_lp_grads`), the state calls (:meth:`state_dict`,
+    :meth:`load_state_dict`, :meth:`full_state`, :meth:`load_full_state`) and
+    :meth:`held_tensors`. ``param_groups`` holds the model's parameters and the
     hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers work unchanged;
     implementations read them at every step.
     """
@@ -61,6 +116,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         """Make ``model`` ready for this implementation (ZeRO-3 shards it); default: as is."""
         return model
 
+    # --- what a subclass provides ------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def inner(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` instance that runs the update on this rank's master weights.
+
+        Its param groups mirror :attr:`param_groups` (same order, same hyperparameters), and
+        its ``state`` holds the optimizer states under torch's names. :meth:`state_dict` and
+        the shared helpers below read and write it.
+        """
+
+    @abc.abstractmethod
+    def held_tensors(self) -> HeldTensors:
+        """The tensors this rank holds right now, by component (see :class:`HeldTensors`)."""
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimizer updates, in the numbering of the ``param.{i}`` keys."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
     # --- the training-loop calls -------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -87,8 +161,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def clear_lp_grads(self) -> None:
         """Clear the parameters' own low-precision ``.grad`` (pipeline engines call this)."""
 
-    # --- shared by the implementations (they keep their update in ``self.inner``, a torch
-    # optimizer over the master weights) --------------------------------------------------------
+    # --- shared by the implementations ------------------------------------------------------
     def _check_ranks_agree(self, comm: Communicator) -> None:
         """Fail on every rank, naming what differs, if ranks got other plans or shapes."""
         comm.check_consistent(
@@ -123,13 +196,45 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def _scalar_state(self) -> dict[str, float | int]:
         """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16)."""
         scalars: dict[str, float | int] = {
-            "scalar.loss_scale": float(self.scaler.scale),
-            "scalar.skipped_steps": int(self.skipped_steps),
+            keys.scalar_key(keys.STEP): self.step_count(),
+            keys.scalar_key(keys.LOSS_SCALE): float(self.scaler.scale),
+            keys.scalar_key(keys.SKIPPED_STEPS): int(self.skipped_steps),
         }
         if self.scaler.enabled:
-            for key, value in self.scaler.state_dict().items():
-                scalars[f"scalar.scaler.{key}"] = value
+            for field, value in self.scaler.state_dict().items():
+                scalars[keys.scaler_key(field)] = value
         return scalars
+
+    def step_count(self) -> int:
+        """Steps the inner optimizer has counted (0 before the first step, or without a counter)."""
+        for slot in self.inner.state.values():
+            if "step" in slot:
+                step = slot["step"]
+                return int(step.item()) if torch.is_tensor(step) else int(step)
+        return 0
+
+    def reset_update_state(self, names: Iterable[str], step: int) -> None:
+        """Drop every optimizer state; with ``names``, give each master zeroed states instead.
+
+        The new states (``exp_avg``, ...; Adam also gets its step counter at ``step``, on the
+        device its fused and capturable paths expect) are for a loader to fill in place, as
+        :meth:`load_full_state` and a sharded checkpoint load do. Without ``names`` the
+        optimizer starts as if it had never stepped.
+        """
+        names = list(names)
+        self.inner.state.clear()
+        if not names:
+            return
+        adam = is_adam(self.plan.optimizer.torch_class)
+        for group in self.inner.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for master in group["params"]:
+                slot = self.inner.state[master]
+                for name in names:
+                    slot[name] = torch.zeros_like(master)
+                if adam:
+                    device = master.device if on_device else torch.device("cpu")
+                    slot["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
     def _update_state(self) -> dict[str, Any]:
         """The part of :meth:`state_dict` every implementation shares (the inner optimizer's)."""
@@ -150,9 +255,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.skipped_steps = int(state_dict["skipped_steps"])
 
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
-        self.skipped_steps = int(state.get("scalar.skipped_steps", 0))
-        prefix = "scalar.scaler."
-        scaler = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        self.skipped_steps = int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0))
+        scaler = keys.scaler_state(state)
         if scaler and self.scaler.enabled:
             self.scaler.load_state_dict(scaler)
 
@@ -169,10 +273,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         """Layout-free state for resharding checkpoints.
 
-        Keys: ``"param.{i}.{name}"`` with full-shape fp32 tensors for the master weights
-        (``name`` = ``master``) and each optimizer state of global parameter ``i`` (numbered
-        over all param groups in order), plus scalars under ``"scalar.{name}"``. Every rank
-        returns the same dict; the call is collective.
+        Keys (built by ``_state_keys.py``): ``"param.{i}.{name}"`` with full-shape fp32
+        tensors for the master weights (``name`` = ``master``) and each optimizer state of
+        parameter ``i`` of :meth:`trainable_parameters`, plus scalars under
+        ``"scalar.{name}"``. Every rank returns the same dict; the call is collective.
         """
 
     @abc.abstractmethod

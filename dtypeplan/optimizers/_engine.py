@@ -9,7 +9,8 @@ Design (one param group shown; every group has its own flat buffer, see ``_layou
                                 for fp32 parameters they are views of the buffer itself
     optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
 
-Phases of one step:
+Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the rest is
+``step()``'s, one method each):
 
 1. backward, per micro-batch. A ``post_accumulate_grad`` hook on every parameter consumes
    ``.grad`` as soon as autograd has produced it, and frees it:
@@ -26,7 +27,8 @@ Phases of one step:
    the same path as ``opt.backward(loss)``. One difference: a micro-batch whose loss reaches
    no parameter fires no hook; ``opt.backward`` notices and still takes part in the sharded
    reductions (with zeros), a bare ``loss.backward()`` cannot.
-2. ``step()`` at the accumulation boundary: the accumulator is reduced over the group in the
+2. ``step()`` at the accumulation boundary: reduce -> check/clip -> update -> write back.
+   The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
    backward, when the caller marks it: ``opt.backward(loss, last_micro_batch=True)``. Then it
@@ -51,50 +53,20 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers import _state_keys as keys
+from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, is_adam
+from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
+from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["FlatMixedPrecisionOptimizer", "accumulate_"]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "FlatMixedPrecisionOptimizer"]
 
 DEFAULT_BUCKET_NUMEL = 1 << 22
 """Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
 of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
-MAX_IN_FLIGHT = 2
-"""Reduce-scatters of a sharded accumulator that may run while backward goes on; each holds
-its bucket's staging buffer until it completes."""
-_UPCAST_CHUNK = 1 << 20
-
-
-def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst += src`` without a full-size temporary when the dtypes differ.
-
-    A mixed-dtype ``add_`` materializes ``src`` in ``dst``'s dtype first; chunking bounds that
-    temporary to ``_UPCAST_CHUNK`` elements.
-    """
-    if dst.dtype == src.dtype or dst.numel() <= _UPCAST_CHUNK:
-        dst.add_(src)
-        return
-    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
-    for begin in range(0, flat_dst.numel(), _UPCAST_CHUNK):
-        end = begin + _UPCAST_CHUNK
-        flat_dst[begin:end].add_(flat_src[begin:end])
-
-
-class _GroupState:
-    """Per param group: the flat buffer, accumulator, master chunks and backward bookkeeping."""
-
-    def __init__(self, flat: FlatGroup) -> None:
-        self.flat = flat
-        self.accumulator: torch.Tensor
-        self.acc_param_views: list[torch.Tensor] = []
-        self.acc_chunks: list[torch.Tensor] = []
-        self.masters: list[torch.Tensor] = []
-        self.staging: dict[int, torch.Tensor] = {}
-        self.pending: list[int] = []
-        self.touched: list[bool] = []
 
 
 class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
@@ -115,13 +87,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.shards = self.comm.world_size if self.shard_state else 1
         self.shard_rank = self.comm.rank if self.shard_state else 0
         self.param_dtype = plan.param_dtype
-        self.accum_dtype = plan.grad_accum_dtype
-        self.comm_dtype = plan.comm_dtype
-        self.comm_method = plan.comm_reduction
-        self.sharded_accumulator = plan.accumulator_sharded and self.shards > 1
+        sharded_accumulator = plan.accumulator_sharded and self.shards > 1
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
         self._check_ranks_agree(self.comm)
-        self.groups: list[_GroupState] = []
+        self.groups: list[GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
             with torch.no_grad():
@@ -132,68 +101,23 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             flat = FlatGroup(
                 trainable, self.param_dtype, self.shards, bucket_numel, self.comm.world_size
             )
-            self.groups.append(self._build_group(flat))
-        self.inner = self._build_inner_optimizer()
-        # The order in which every rank issues its bucket reductions.
-        self._bucket_order = [
-            (gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets
-        ]
-        self._fresh = True
-        self._backward_open = False
+            self.groups.append(
+                GroupState(
+                    flat,
+                    shard_rank=self.shard_rank,
+                    accum_dtype=plan.grad_accum_dtype,
+                    sharded_accumulator=sharded_accumulator,
+                )
+            )
+        self._inner = self._build_inner_optimizer()
         self._fused_kernel: bool | None = None
-        self._grads_seen = False
-        self._boundary = False
-        self._early: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
-        self._in_flight: list[
-            tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]
-        ] = []
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
-            for gi, state in enumerate(self.groups)
-            for pi, param in enumerate(state.flat.params)
-        ]
-        self._reset_backward_bookkeeping()
-
-    # --- construction -------------------------------------------------------------------------
-    def _build_group(self, flat: FlatGroup) -> _GroupState:
-        state = _GroupState(flat)
-        alias_master = self.param_dtype == torch.float32
-        if not alias_master:
-            # Master chunks take the parameters' values before they are cast down.
-            for bucket in flat.buckets:
-                state.masters.append(
-                    torch.zeros(
-                        bucket.chunk_numel(self.shards),
-                        dtype=torch.float32,
-                        device=flat.buffer.device,
-                    )
-                )
-            shard_offsets = flat.shard_offsets()
-            for index, param in enumerate(flat.params):
-                where = flat.param_chunk_ranges(index, self.shard_rank)
-                if where is None:
-                    continue
-                begin, end, shard_offset = where
-                bucket = flat.bucket_of[index]
-                local = shard_offset - shard_offsets[bucket]
-                state.masters[bucket][local : local + end - begin].copy_(
-                    param.detach().reshape(-1)[begin:end]
-                )
-        flat.adopt_parameters()
-        if alias_master:
-            state.masters = [flat.chunk_view(flat.buffer, b, self.shard_rank) for b in flat.buckets]
-        device = flat.buffer.device
-        if self.sharded_accumulator:
-            state.accumulator = torch.zeros(flat.shard_numel, dtype=self.accum_dtype, device=device)
-            offsets = flat.shard_offsets()
-            state.acc_chunks = [
-                state.accumulator[off : off + b.chunk_numel(self.shards)]
-                for off, b in zip(offsets, flat.buckets, strict=True)
-            ]
-        else:
-            state.accumulator = torch.zeros(flat.numel, dtype=self.accum_dtype, device=device)
-            state.acc_param_views = flat.param_views(state.accumulator)
-        return state
+        self.reductions = ReductionScheduler(
+            self.groups,
+            self.comm,
+            comm_dtype=plan.comm_dtype,
+            comm_method=plan.comm_reduction,
+            sharded_accumulator=sharded_accumulator,
+        )
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
@@ -204,205 +128,114 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
         return torch_class(groups, fused=fused)
 
-    # --- backward -----------------------------------------------------------------------------
-    def _reset_backward_bookkeeping(self) -> None:
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """A fused ``torch.optim`` instance over the master chunks, one group per param group."""
+        return self._inner
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (CPU for an optimizer without trainable parameters)."""
         for state in self.groups:
-            state.touched = [False] * len(state.flat.params)
-            state.pending = [len(b.params) for b in state.flat.buckets]
-        self._next_bucket = 0
+            if state.flat.params:
+                return state.flat.buffer.device
+        return torch.device("cpu")
 
-    def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(group_index, param_index, param)
-
-        return hook
-
-    def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        self._grads_seen = True
-        if self._early and not self._boundary:
-            raise RuntimeError(
-                "a backward after the micro-batch marked last_micro_batch=True: its gradient "
-                "reduction has started already; call step() (or zero_grad()) first"
-            )
-        if not self._backward_open:
-            self._backward_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        state = self.groups[gi]
-        with torch.no_grad():
-            if self.sharded_accumulator:
-                flat = state.flat
-                bucket = flat.bucket_of[pi]
-                staging = self._staging(state, bucket)
-                offset = flat.offsets[pi] - flat.buckets[bucket].start
-                staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
-                state.pending[bucket] -= 1
-                state.touched[pi] = True
-                self._drain(complete_only=True)
-            else:
-                view = state.acc_param_views[pi]
-                if self._fresh and not state.touched[pi]:
-                    view.copy_(grad)
-                else:
-                    accumulate_(view, grad)
-                state.touched[pi] = True
-                if self._boundary:
-                    state.pending[state.flat.bucket_of[pi]] -= 1
-                    self._start_boundary_reductions(complete_only=True)
-        param.grad = None
-
-    def _staging(self, state: _GroupState, bucket: int) -> torch.Tensor:
-        if bucket not in state.staging:
-            numel = state.flat.buckets[bucket].numel
-            state.staging[bucket] = torch.zeros(
-                numel, dtype=self.comm_dtype, device=state.flat.buffer.device
-            )
-        return state.staging[bucket]
-
-    def _drain(self, complete_only: bool) -> None:
-        """Reduce-scatter staged buckets in the fixed order, stopping at an incomplete one."""
-        while self._next_bucket < len(self._bucket_order):
-            gi, bucket = self._bucket_order[self._next_bucket]
-            state = self.groups[gi]
-            if complete_only and state.pending[bucket] > 0:
-                return
-            staging = self._staging(state, bucket)
-            if not complete_only:
-                # Parameters that got no gradient this micro-batch contribute zeros.
-                flat = state.flat
-                for pi in flat.buckets[bucket].params:
-                    if not state.touched[pi]:
-                        offset = flat.offsets[pi] - flat.buckets[bucket].start
-                        staging[offset : offset + flat.params[pi].numel()].zero_()
-            chunk = state.acc_chunks[bucket]
-            # The first micro-batch writes the reduced chunk in place; later ones add it.
-            target = chunk if self._fresh else torch.empty_like(chunk)
-            finish = self.comm.start_reduce_scatter_sum(
-                target, staging, self.comm_dtype, self.comm_method
-            )
-            self._in_flight.append((finish, chunk, target, state.staging.pop(bucket)))
-            self._next_bucket += 1
-            while len(self._in_flight) > MAX_IN_FLIGHT:
-                self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        finish, chunk, target, _staging = self._in_flight.pop(0)
-        finish()
-        if target is not chunk:
-            accumulate_(chunk, target)
-
-    def _start_boundary_reductions(self, complete_only: bool) -> None:
-        """Start the step's reduction of complete buckets, in the fixed order on every rank."""
-        while self._next_bucket < len(self._bucket_order):
-            gi, bucket = self._bucket_order[self._next_bucket]
-            state = self.groups[gi]
-            if complete_only and state.pending[bucket] > 0:
-                return
-            if self._fresh:
-                for pi in state.flat.buckets[bucket].params:
-                    if not state.touched[pi]:
-                        state.acc_param_views[pi].zero_()
-            self._early[(gi, bucket)] = self._start_bucket_reduction(state, bucket)
-            self._next_bucket += 1
-
-    def _start_bucket_reduction(
-        self, state: _GroupState, bucket: int
-    ) -> tuple[Callable[[], None], torch.Tensor]:
-        """Launch the reduction of one bucket of a whole accumulator.
-
-        Returns the finisher and the tensor that holds this rank's reduced chunk once it ran:
-        the accumulator's own bucket (all-reduce, stage 0) or a new fp32 chunk (reduce-scatter).
-        """
-        flat = state.flat
-        full = flat.bucket_view(state.accumulator, flat.buckets[bucket])
-        if self.shards == 1:
-            return self.comm.start_all_reduce_sum(full, self.comm_dtype, self.comm_method), full
-        chunk = torch.empty(
-            flat.buckets[bucket].chunk_numel(self.shards),
-            dtype=torch.float32,
-            device=flat.buffer.device,
+    # --- the public view of the tensors -------------------------------------------------------
+    def held_tensors(self) -> HeldTensors:
+        return HeldTensors(
+            params=tuple(state.flat.buffer for state in self.groups),
+            grads=tuple(
+                p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
+            ),
+            accumulator=tuple(state.accumulator for state in self.groups)
+            + tuple(self.reductions.buffers()),
+            master=tuple(m for state in self.groups for m in state.masters),
+            optimizer_states=tuple(
+                v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
+            ),
         )
-        finish = self.comm.start_reduce_scatter_sum(chunk, full, self.comm_dtype, self.comm_method)
-        return finish, chunk
 
-    def _finish_backward(self) -> None:
-        with torch.no_grad():
-            if self.sharded_accumulator:
-                self._drain(complete_only=False)
-                while self._in_flight:
-                    self._complete_oldest()
-            elif self._boundary:
-                self._start_boundary_reductions(complete_only=False)
-            elif self._fresh:
-                for state in self.groups:
-                    for pi, touched in enumerate(state.touched):
-                        if not touched:
-                            state.acc_param_views[pi].zero_()
-        self._fresh = False
-        self._backward_open = False
-        self._reset_backward_bookkeeping()
+    def shard_pieces(self) -> list[ShardPiece]:
+        """Where this rank's master chunks hold each parameter, in ``param.{i}`` numbering.
 
-    # --- step ---------------------------------------------------------------------------------
-    def _reduced_grads(self) -> list[list[torch.Tensor]]:
-        """Per group, per bucket: this rank's chunk of the group-summed gradient.
-
-        In the accumulation dtype (fp32 where stage 1 reduce-scatters a whole accumulator),
-        not yet divided by the world size or the loss scale.
+        A parameter split between ranks has a piece on each; a rank may hold none of a
+        parameter. A piece's optimizer state ``name`` is
+        ``piece.of(inner.state[piece.master][name])``. This is what a sharded checkpoint reads
+        and writes without gathering.
         """
-        if self._fresh:
-            # step() with no backward since zero_grad: the gradient is zero, not stale data.
-            for state in self.groups:
-                state.accumulator.zero_()
-        grads: list[list[torch.Tensor]] = []
-        for gi, state in enumerate(self.groups):
-            flat = state.flat
-            per_bucket = []
-            for bucket in flat.buckets:
-                if self.sharded_accumulator:
-                    chunk = state.acc_chunks[bucket.index]
-                else:
-                    early = self._early.pop((gi, bucket.index), None)
-                    finish, chunk = early or self._start_bucket_reduction(state, bucket.index)
-                    finish()
-                per_bucket.append(chunk)
-            grads.append(per_bucket)
-        return grads
+        pieces: list[ShardPiece] = []
+        first = 0
+        for state in self.groups:
+            pieces += state.shard_pieces(first)
+            first += len(state.flat.params)
+        return pieces
 
-    def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if grads else []
-        local = torch.stack(norms).double().square().sum().float() if norms else torch.zeros(())
-        if self.shards > 1:
-            local = self.comm.all_reduce_scalars(local.reshape(1))[0]
-        return float(local)
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Write the master weights into the parameters on every rank (cast, all-gather).
 
+        Call it after changing the master weights in place (a checkpoint load does); the call
+        is collective.
+        """
+        self._write_back(cast=True)
+
+    # --- backward -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
+        with self.reductions.micro_batch(last_micro_batch=last_micro_batch):
+            super().backward(loss)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.clear_lp_grads()
+        self.reductions.abandon()
+
+    def clear_lp_grads(self) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    # --- step: reduce -> check/clip -> update -> write back -----------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._backward_open:
-            raise RuntimeError("step() was called while a backward pass is still running")
-        grads_by_group = self._reduced_grads()
+        grads_by_group = self.reductions.reduced_grads()
+        factor = self._check_and_clip(grads_by_group)
+        if factor is None:
+            return loss
+        fused = self._update(grads_by_group, factor)
+        self._write_back(cast=not fused)
+        self.scaler.update(overflow=False)
+        return loss
+
+    def _check_and_clip(self, grads_by_group: list[list[torch.Tensor]]) -> float | None:
+        """The factor that unscales, averages and clips the gradients; None skips the step."""
         grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        factor = self._gradient_factor(
+        return self._gradient_factor(
             self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size
         )
-        if factor is None:
-            self._fresh = True
-            return loss
+
+    def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            local = torch.stack(norms).double().square().sum().float()
+        else:
+            local = torch.zeros((), device=self.device)
+        if self.shards > 1:
+            local = self.comm.all_reduce_scalars(local.reshape(1))[0]
+        return float(local)
+
+    def _update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> bool:
+        """Update the master weights; True where the fused kernel also wrote the parameters."""
         self._sync_hyperparameters()
         fused = self._use_fused_kernel()
         if fused:
             self._fused_kernel_update(grads_by_group, factor)
         else:
             self._torch_update(grads_by_group, factor)
-        self._write_back(cast=not fused)
-        self._fresh = True
-        self.scaler.update(overflow=False)
-        return loss
+        return fused
 
     def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
         """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
@@ -423,14 +256,14 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self._fused_kernel is None:
             from dtypeplan.optimizers import _fused_adamw_triton as kernel
 
-            device = self.groups[0].flat.buffer.device
+            device = self.device
             # Per-group settings count too: a param group may turn amsgrad on for itself.
             unsupported = any(
                 g.get("amsgrad", False) or g.get("maximize", False) for g in self.param_groups
             )
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
-                and self.plan.optimizer.type in ("Adam", "AdamW")
+                and is_adam(self.plan.optimizer.torch_class)
                 and not unsupported
                 and kernel.fused_kernel_available(device)
             )
@@ -495,43 +328,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
                     )
 
-    # --- gradients ----------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.clear_lp_grads()
-        self._abandon_backward()
-        self._fresh = True
-
-    def _abandon_backward(self) -> None:
-        """Forget a backward pass that raised before its end-of-backward callback ran."""
-        self._backward_open = False
-        self._in_flight.clear()
-        self._early.clear()
-        for state in self.groups:
-            state.staging.clear()
-        self._reset_backward_bookkeeping()
-
-    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
-        self._grads_seen = False
-        # A sharded accumulator is reduced every micro-batch anyway; a whole one can start its
-        # boundary reduction bucket by bucket while the last backward goes on.
-        self._boundary = last_micro_batch and not self.sharded_accumulator
-        try:
-            super().backward(loss)
-        except BaseException:
-            self._abandon_backward()
-            raise
-        finally:
-            self._boundary = False
-        if not self._grads_seen:
-            # The micro-batch reached no parameter (no hook fired): it still takes part in the
-            # reductions, with zeros, or the ranks would pair different collectives.
-            self._finish_backward()
-
-    def clear_lp_grads(self) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                param.grad = None
-
     # --- state --------------------------------------------------------------------------------
     def _layout_facts(self) -> dict[str, Any]:
         return {
@@ -565,20 +361,26 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._load_update_state(state_dict)
         self._write_back()
 
-    def _state_names(self) -> list[str]:
-        names = ["master"]
+    def state_names(self) -> list[str]:
+        """``master`` and the names of the optimizer states laid out like the master chunks.
+
+        The names the ``param.{i}.{name}`` keys of :meth:`full_state` take (the step counter
+        is a scalar, ``scalar.step``).
+        """
+        names = [keys.MASTER]
         for state in self.groups:
             for master in state.masters:
-                for key, value in self.inner.state.get(master, {}).items():
+                for name, value in self.inner.state.get(master, {}).items():
                     if (
-                        torch.is_tensor(value)
+                        name != keys.STEP
+                        and torch.is_tensor(value)
                         and value.numel() == master.numel()
-                        and key not in names
+                        and name not in names
                     ):
-                        names.append(key)
+                        names.append(name)
         return names
 
-    def _gather_full(self, state: _GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
+    def _gather_full(self, state: GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
         flat = state.flat
         full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
         for bucket, chunk in zip(flat.buckets, chunks, strict=True):
@@ -592,11 +394,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         result: dict[str, torch.Tensor | float | int] = {}
-        names = self._state_names()
+        names = self.state_names()
         first = 0
         for state in self.groups:
             for name in names:
-                if name == "master":
+                if name == keys.MASTER:
                     chunks = state.masters
                 else:
                     chunks = [
@@ -607,35 +409,29 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     ]
                 full = self._gather_full(state, chunks)
                 for index, view in enumerate(state.flat.param_views(full)):
-                    result[f"param.{first + index}.{name}"] = view.clone()
+                    result[keys.param_key(first + index, name)] = view.clone()
             first += len(state.flat.params)
-        steps = [v["step"] for v in self.inner.state.values() if "step" in v]
-        result["scalar.step"] = int(steps[0].item()) if steps else 0
         result.update(self._scalar_state())
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
-        names = sorted({key.split(".", 2)[2] for key in state if key.startswith("param.")})
+        names = keys.param_state_names(state)
         # States absent from the input must not survive from before the load.
-        self.inner.state.clear()
+        self.reset_update_state(
+            [n for n in names if n != keys.MASTER], int(state.get(keys.scalar_key(keys.STEP), 0))
+        )
         first = 0
-        step = int(state.get("scalar.step", 0))
         for group_state in self.groups:
             flat = group_state.flat
             for name in names:
                 full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
                 for index, view in enumerate(flat.param_views(full)):
-                    view.copy_(state[f"param.{first + index}.{name}"])
+                    view.copy_(state[keys.param_key(first + index, name)])
                 chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
                 for master, chunk in zip(group_state.masters, chunks, strict=True):
-                    if name == "master":
-                        master.copy_(chunk)
-                    else:
-                        slot = self.inner.state[master]
-                        slot[name] = chunk.clone()
-                        if self.plan.optimizer.type in ("Adam", "AdamW"):
-                            slot["step"] = torch.tensor(float(step), device=master.device)
+                    target = master if name == keys.MASTER else self.inner.state[master][name]
+                    target.copy_(chunk)
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers import _state_keys as keys
+from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
 from dtypeplan.optimizers._registry import register
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
-        self.inner = plan.optimizer.torch_class(groups, fused=True)
+        self._inner = plan.optimizer.torch_class(groups, fused=True)
         # 16-bit accumulation: FSDP2 hands each micro-batch's fp32 shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None
         self._fresh: list[bool] = []
@@ -151,6 +152,34 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 param.register_post_accumulate_grad_hook(self._make_hook(index))
                 for index, param in enumerate(self._params())
             ]
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """A fused ``torch.optim`` instance over the local shards of the sharded parameters."""
+        return self._inner
+
+    def held_tensors(self) -> HeldTensors:
+        """Local shards only; the sharded fp32 parameters are the master weights.
+
+        So ``master`` is empty and ``params`` holds the shards. The gathered compute
+        parameters live only during forward and backward and are not listed. fp32
+        accumulation: the sharded ``.grad`` is the accumulator.
+        """
+        sharded_grads = tuple(p.grad.to_local() for p in self._params() if p.grad is not None)
+        return HeldTensors(
+            params=tuple(self._locals()),
+            grads=tuple(
+                p.grad
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None and not isinstance(p, DTensor)
+            ),
+            accumulator=sharded_grads + tuple(self.accumulators or ()),
+            master=(),
+            optimizer_states=tuple(
+                v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
+            ),
+        )
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def fold(param: torch.Tensor) -> None:
@@ -180,11 +209,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 loss = closure()
         local_grads = self._local_gradients()
         norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
-        sq = (
-            torch.stack(norms).double().square().sum().float().reshape(1)
-            if norms
-            else torch.zeros(1)
-        )
+        if norms:
+            sq = torch.stack(norms).double().square().sum().float().reshape(1)
+        else:  # on the parameters' device: the all-reduce may be NCCL's
+            device = self._locals()[0].device if self._locals() else torch.device("cpu")
+            sq = torch.zeros(1, device=device)
         sq_norm = float(self.comm.all_reduce_scalars(sq)[0])
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._gradient_factor(sq_norm, self.scaler.scale)
@@ -267,13 +296,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         result: dict[str, torch.Tensor | float | int] = {}
-        step = 0
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-            result[f"param.{index}.master"] = param.full_tensor().float()
+            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float()
             for name, value in self.inner.state.get(local, {}).items():
-                if name == "step":
-                    step = int(value.item()) if torch.is_tensor(value) else int(value)
-                elif torch.is_tensor(value) and value.shape == local.shape:
+                if name != keys.STEP and torch.is_tensor(value) and value.shape == local.shape:
                     whole = DTensor.from_local(
                         value,
                         param.device_mesh,
@@ -281,29 +307,20 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                         shape=param.shape,
                         stride=param.stride(),
                     )
-                    result[f"param.{index}.{name}"] = whole.full_tensor().float()
-        result["scalar.step"] = step
+                    result[keys.param_key(index, name)] = whole.full_tensor().float()
         result.update(self._scalar_state())
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
-        step = int(state.get("scalar.step", 0))
-        self.inner.state.clear()
+        names = keys.param_state_names(state)
+        self.reset_update_state(
+            [n for n in names if n != keys.MASTER], int(state.get(keys.scalar_key(keys.STEP), 0))
+        )
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-
-            def shard(full: torch.Tensor, like: DTensor = param) -> torch.Tensor:
-                full = full.to(like.device, torch.float32)
-                return distribute_tensor(full, like.device_mesh, like.placements).to_local()
-
-            local.copy_(shard(state[f"param.{index}.master"]))
-            prefix = f"param.{index}."
-            names = [
-                k[len(prefix) :] for k in state if k.startswith(prefix) and k != prefix + "master"
-            ]
-            slot = self.inner.state[local]
             for name in names:
-                slot[name] = shard(state[prefix + name]).clone()
-            if names and self.plan.optimizer.type in ("Adam", "AdamW"):
-                slot["step"] = torch.tensor(float(step), device=local.device)
+                full = state[keys.param_key(index, name)].to(param.device, torch.float32)
+                shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+                target = local if name == keys.MASTER else self.inner.state[local][name]
+                target.copy_(shard)
         self._load_scalar_state(state)

@@ -40,19 +40,19 @@ parameters, 4 for fp32 ones, 0 when there is no separate ``param_out``:
     =====================  ==========  ==========  =========
 
 The floor. The step does ~20 fp32 flops per element against 28-34 bytes, far below the ridge
-point of any current GPU (an H200 does roughly 60 TFLOP/s fp32 against ~4.8 TB/s, about 12
+point of current GPUs (their fp32 flop rate over their memory bandwidth is well above 2
 flop/byte), so it is bound by memory. No implementation can beat
 ``t_floor = numel * bytes_per_param / B_copy``, where ``B_copy`` is the measured bandwidth of a
 device-to-device copy (bytes read + bytes written per second), the best a streaming kernel
-achieves in practice. Reference figures (H200, numel = 2**30 = 1.07e9): B_copy = 4.26 TB/s, so
-28 B/param -> 7.06 ms and 34 B/param -> 8.57 ms; a single-pass kernel measured 7.36 ms (1.04x).
+achieves in practice. Measured timings against that floor are not quoted here: they will come
+from a dated result file under ``benchmarks/results/`` once the GPU benchmark has been run.
 
 Why one pass. Composed of torch operations the same step is several kernels, each of which
 streams its operands through HBM again: scaling the accumulator (read + write, 8 B), the fused
 AdamW step (28 B), copying the master to bf16 (6 B), zeroing the accumulator (4 B) -- 46 B/param
 instead of 34, plus, when the gradient arrives in bf16, accumulating it into an fp32 buffer first
-(10 B more) which the kernel avoids by reading the bf16 gradient directly (56 B against 28, the
-14.85 ms vs 7.36 ms of the reference measurement). Fusing removes every intermediate round trip,
+(10 B more) which the kernel avoids by reading the bf16 gradient directly (56 B against 28).
+Fusing removes every intermediate round trip,
 and the clip factor is a 0-dim device tensor read inside the kernel, so no host sync is needed.
 
 Kernel choices: one program per BLOCK contiguous elements (BLOCK=4096, 8 warps: 16 elements per

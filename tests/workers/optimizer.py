@@ -81,43 +81,6 @@ def wire_cases(rank: int, world_size: int, configs: list[dict[str, Any]]) -> lis
 # --- memory at the accumulation boundary --------------------------------------------------------
 
 
-def distinct_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` not yet in ``seen`` (each counted once)."""
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
-def held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of distinct storages the rank holds, by the component that owns them."""
-    seen: set[int] = set()
-
-    def size(tensors: list[torch.Tensor]) -> int:
-        return distinct_bytes(tensors, seen)
-
-    figures = {
-        "params": size(list(model.parameters())),
-        "grads": size([p.grad for p in model.parameters() if p.grad is not None]),
-        "accumulator": size([g.accumulator for g in optimizer.groups]),
-        "master": size([m for g in optimizer.groups for m in g.masters]),
-        "optimizer_states": size(
-            [
-                v
-                for s in optimizer.inner.state.values()
-                for v in s.values()
-                if torch.is_tensor(v) and v.numel() > 1
-            ]
-        ),
-    }
-    figures["total"] = sum(figures.values())
-    return figures
-
-
 def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) -> dict[str, Any]:
     plan = dtypeplan.resolve(config)
     torch.manual_seed(0)
@@ -126,11 +89,11 @@ def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) 
     )
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = plan.build(model.parameters())
-    after_build = held_bytes(optimizer, model)
+    after_build = optimizer.held_tensors().nbytes()
     for _ in range(2):
         x = torch.randn(4, width).to(plan.param_dtype)
         optimizer.backward(model(x).float().square().mean())
-    at_boundary = held_bytes(optimizer, model)
+    at_boundary = optimizer.held_tensors().nbytes()
     optimizer.step()
     return {
         "after_build": after_build,
@@ -194,33 +157,6 @@ def accumulation_cases(
     return [accumulation_error(rank, world_size, config, micro_batches) for config in configs]
 
 
-def fsdp2_held_bytes(optimizer: Any, model: torch.nn.Module) -> dict[str, int]:
-    """Like :func:`held_bytes` for the ZeRO-3 (FSDP2) optimizer: local shards only."""
-    seen: set[int] = set()
-
-    def size(tensors: list[torch.Tensor]) -> int:
-        return distinct_bytes(tensors, seen)
-
-    params = list(model.parameters())
-    grads = [p.grad.to_local() for p in params if p.grad is not None]
-    figures = {
-        "params": size([p.to_local() for p in params]),
-        "grads": 0,
-        "accumulator": size(grads + list(optimizer.accumulators or [])),
-        "master": 0,
-        "optimizer_states": size(
-            [
-                v
-                for s in optimizer.inner.state.values()
-                for v in s.values()
-                if torch.is_tensor(v) and v.numel() > 1
-            ]
-        ),
-    }
-    figures["total"] = sum(figures.values())
-    return figures
-
-
 def fsdp2_memory_cases(
     rank: int, world_size: int, configs: list[dict[str, Any]], width: int
 ) -> list[Any]:
@@ -237,7 +173,7 @@ def fsdp2_memory_cases(
         for _ in range(2):  # a step first, so that the optimizer states exist at the boundary
             for _ in range(2):
                 optimizer.backward(model(torch.randn(4, width)).float().square().mean())
-            at_boundary = fsdp2_held_bytes(optimizer, model)
+            at_boundary = optimizer.held_tensors().nbytes()
             optimizer.step()
             optimizer.zero_grad()
         results.append(

@@ -1,0 +1,101 @@
+"""The tensors of one param group in the flat engine: buffer, accumulator and master chunks.
+
+Built once per param group from its :class:`FlatGroup` (see ``_layout.py`` for the layout)::
+
+    flat.buffer        the parameters, in the parameter dtype (they are views of it)
+    accumulator        whole:   laid out like the buffer, with one view per parameter
+                       sharded: this rank's chunk of every bucket, concatenated
+    masters            fp32, one per bucket: this rank's chunk; views of the buffer itself
+                       when the parameters are fp32
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dtypeplan.optimizers._layout import FlatGroup
+
+__all__ = ["GroupState", "ShardPiece"]
+
+
+class ShardPiece(NamedTuple):
+    """Where this rank's master chunks hold part of one parameter."""
+
+    index: int
+    """The parameter's number in ``trainable_parameters()`` (and in the ``param.{i}`` keys)."""
+    begin: int
+    """First element of the flattened parameter held here."""
+    end: int
+    """One past the last element held here."""
+    master: torch.Tensor
+    """The master chunk that holds them (also the inner optimizer's key for its states)."""
+    offset: int
+    """Where element ``begin`` sits in ``master``."""
+
+    def of(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The view of ``chunk`` (``master`` or a state laid out like it) that this piece covers."""
+        return chunk[self.offset : self.offset + self.end - self.begin]
+
+
+class GroupState:
+    """One param group's flat buffer, accumulator and master chunks on this rank."""
+
+    def __init__(
+        self,
+        flat: FlatGroup,
+        *,
+        shard_rank: int,
+        accum_dtype: torch.dtype,
+        sharded_accumulator: bool,
+    ) -> None:
+        self.flat = flat
+        self.shard_rank = shard_rank
+        shards = flat.shards
+        device = flat.buffer.device
+        self.masters: list[torch.Tensor] = []
+        alias_master = flat.dtype == torch.float32
+        if not alias_master:
+            # Master chunks take the parameters' values before they are cast down.
+            self.masters = [
+                torch.zeros(b.chunk_numel(shards), dtype=torch.float32, device=device)
+                for b in flat.buckets
+            ]
+            for index, begin, end, bucket, offset in self._pieces():
+                source = flat.params[index].detach().reshape(-1)[begin:end]
+                self.masters[bucket][offset : offset + end - begin].copy_(source)
+        flat.adopt_parameters()
+        if alias_master:
+            self.masters = [flat.chunk_view(flat.buffer, b, shard_rank) for b in flat.buckets]
+        self.acc_param_views: list[torch.Tensor] = []
+        self.acc_chunks: list[torch.Tensor] = []
+        if sharded_accumulator:
+            self.accumulator = torch.zeros(flat.shard_numel, dtype=accum_dtype, device=device)
+            self.acc_chunks = [
+                self.accumulator[off : off + b.chunk_numel(shards)]
+                for off, b in zip(flat.shard_offsets(), flat.buckets, strict=True)
+            ]
+        else:
+            self.accumulator = torch.zeros(flat.numel, dtype=accum_dtype, device=device)
+            self.acc_param_views = flat.param_views(self.accumulator)
+
+    def _pieces(self) -> list[tuple[int, int, int, int, int]]:
+        """``(param index, begin, end, bucket, offset in the bucket's chunk)`` per held piece."""
+        flat = self.flat
+        shard_offsets = flat.shard_offsets()
+        out = []
+        for index in range(len(flat.params)):
+            where = flat.param_chunk_ranges(index, self.shard_rank)
+            if where is not None:
+                begin, end, shard_offset = where
+                bucket = flat.bucket_of[index]
+                out.append((index, begin, end, bucket, shard_offset - shard_offsets[bucket]))
+        return out
+
+    def shard_pieces(self, first: int) -> list[ShardPiece]:
+        """The pieces of this group's parameters held here; ``first`` numbers its first one."""
+        return [
+            ShardPiece(first + index, begin, end, self.masters[bucket], offset)
+            for index, begin, end, bucket, offset in self._pieces()
+        ]

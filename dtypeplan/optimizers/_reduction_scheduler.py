@@ -1,0 +1,378 @@
+"""The backward-time scheduler of gradient reductions for the flat engine.
+
+It owns everything between autograd producing a gradient and ``step()`` reading this rank's
+reduced chunk: the ``post_accumulate_grad`` hooks, the bucket bookkeeping, the asynchronous
+collectives in flight, the flush at the end of backward and the step's reduction of a whole
+accumulator (started early, inside the last backward, under ``last_micro_batch=True``).
+
+Its life cycle is one :class:`Phase`::
+
+    EMPTY --hook / backward()--> BACKWARD --end of backward--> ACCUMULATED --> BACKWARD ...
+      ^                             |   (last_micro_batch, whole accumulator)
+      |                             +--end of backward--> REDUCING
+      +-------- step() / zero_grad() from any idle phase ---------+
+
+``backward()`` enters ``ARMED`` before autograd runs, so that a micro-batch whose loss reaches
+no parameter (no hook fires) is still seen and still takes part in the reductions.
+
+Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
+bucket waits for its predecessors), and whatever is left is issued at the end of backward,
+with zeros for parameters that got no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+
+from dtypeplan.comm import Communicator
+from dtypeplan.optimizers._group_state import GroupState
+
+__all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
+
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters of a sharded accumulator that may run while backward goes on; each holds
+its bucket's staging buffer until it completes."""
+_UPCAST_CHUNK = 1 << 20
+
+
+def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` without a full-size temporary when the dtypes differ.
+
+    A mixed-dtype ``add_`` materializes ``src`` in ``dst``'s dtype first; chunking bounds that
+    temporary to ``_UPCAST_CHUNK`` elements.
+    """
+    if dst.dtype == src.dtype or dst.numel() <= _UPCAST_CHUNK:
+        dst.add_(src)
+        return
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    for begin in range(0, flat_dst.numel(), _UPCAST_CHUNK):
+        end = begin + _UPCAST_CHUNK
+        flat_dst[begin:end].add_(flat_src[begin:end])
+
+
+class Phase(enum.Enum):
+    """Where the accumulation of one step stands."""
+
+    EMPTY = "empty"
+    """No gradient since ``zero_grad()`` / ``step()``: the next backward writes, not adds."""
+    ARMED = "armed"
+    """``backward()`` has begun a micro-batch; autograd has reached no parameter yet."""
+    BACKWARD = "backward"
+    """Hooks are firing; the end-of-backward callback is queued."""
+    ACCUMULATED = "accumulated"
+    """The accumulator holds the sum of whole micro-batches."""
+    REDUCING = "reducing"
+    """The last micro-batch has started the step's reductions: only step or zero_grad next."""
+
+
+class BackwardPass(NamedTuple):
+    """How the running micro-batch's gradients are taken in."""
+
+    onto_empty: bool
+    """The accumulator held nothing: gradients are copied, untouched parameters zeroed."""
+    last_micro_batch: bool
+    """A whole accumulator starts the step's reduction bucket by bucket during this pass."""
+
+
+class InFlightReduction(NamedTuple):
+    """A micro-batch reduce-scatter of a sharded accumulator that has been started."""
+
+    finish: Callable[[], None]
+    """Waits for the collective (and finishes its reduction); call exactly once."""
+    chunk: torch.Tensor
+    """This rank's chunk of the accumulator, which the result ends up in."""
+    target: torch.Tensor
+    """Where the collective writes: ``chunk`` itself (first micro-batch) or a temporary."""
+    staging: torch.Tensor
+    """The bucket's staging buffer, kept alive until the collective completes."""
+
+
+class StepReduction(NamedTuple):
+    """The step's reduction of one bucket of a whole accumulator, started."""
+
+    finish: Callable[[], None]
+    """Waits for the collective; call exactly once."""
+    result: torch.Tensor
+    """This rank's reduced chunk once ``finish`` ran."""
+
+
+class ReductionScheduler:
+    """Hooks, bucket bookkeeping and collectives in flight for the flat engine's groups."""
+
+    def __init__(
+        self,
+        groups: list[GroupState],
+        comm: Communicator,
+        *,
+        comm_dtype: torch.dtype,
+        comm_method: str,
+        sharded_accumulator: bool,
+    ) -> None:
+        self.groups = groups
+        self.comm = comm
+        self.comm_dtype = comm_dtype
+        self.comm_method = comm_method
+        self.sharded_accumulator = sharded_accumulator
+        self.phase = Phase.EMPTY
+        self._pass: BackwardPass | None = None
+        # The order in which every rank issues its bucket reductions.
+        self._bucket_order = [(gi, b.index) for gi, s in enumerate(groups) for b in s.flat.buckets]
+        self._next_bucket = 0
+        self._pending: list[list[int]] = []
+        self._touched: list[list[bool]] = []
+        self._staging: list[dict[int, torch.Tensor]] = [{} for _ in groups]
+        self._in_flight: list[InFlightReduction] = []
+        self._step_reductions: dict[tuple[int, int], StepReduction] = {}
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
+            for gi, state in enumerate(groups)
+            for pi, param in enumerate(state.flat.params)
+        ]
+        self._reset_bookkeeping()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The staging buffers held right now (bucket gradients not yet reduce-scattered).
+
+        Not listed: the fp32 chunks that the step's early reduce-scatters (stage 1, whole
+        accumulator, ``last_micro_batch=True``) write into. They live from the last backward
+        to ``step()`` only, as the chunks a plain ``step()`` allocates do, and ``plan.memory()``
+        leaves both out.
+        """
+        held = [s for per_group in self._staging for s in per_group.values()]
+        return held + [work.staging for work in self._in_flight]
+
+    # --- one micro-batch ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch(self, *, last_micro_batch: bool) -> Iterator[None]:
+        """Around ``loss.backward()`` run by the optimizer's ``backward``.
+
+        A micro-batch that reaches no parameter fires no hook; it still ends here, so it takes
+        part in the sharded reductions (with zeros) and the ranks stay paired.
+        """
+        self._refuse_after_last()
+        self._pass = BackwardPass(
+            onto_empty=self.phase is Phase.EMPTY,
+            # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
+            # its boundary reduction bucket by bucket while the last backward goes on.
+            last_micro_batch=last_micro_batch and not self.sharded_accumulator,
+        )
+        self.phase = Phase.ARMED
+        try:
+            yield
+        except BaseException:
+            self.abandon(after_error=True)
+            raise
+        if self.phase is Phase.ARMED:
+            self._finish_backward()
+
+    def _refuse_after_last(self) -> None:
+        if self.phase is Phase.REDUCING:
+            raise RuntimeError(
+                "a backward after the micro-batch marked last_micro_batch=True: its gradient "
+                "reduction has started already; call step() (or zero_grad()) first"
+            )
+
+    def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(group_index, param_index, param)
+
+        return hook
+
+    def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if self.phase is not Phase.BACKWARD:
+            self._open_pass()
+        assert self._pass is not None
+        state = self.groups[gi]
+        with torch.no_grad():
+            if self.sharded_accumulator:
+                flat = state.flat
+                bucket = flat.bucket_of[pi]
+                staging = self._staging_of(gi, bucket)
+                offset = flat.offsets[pi] - flat.buckets[bucket].start
+                staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+                self._pending[gi][bucket] -= 1
+                self._touched[gi][pi] = True
+                self._issue_micro_batch_reductions(complete_only=True)
+            else:
+                view = state.acc_param_views[pi]
+                if self._pass.onto_empty and not self._touched[gi][pi]:
+                    view.copy_(grad)
+                else:
+                    accumulate_(view, grad)
+                self._touched[gi][pi] = True
+                if self._pass.last_micro_batch:
+                    self._pending[gi][state.flat.bucket_of[pi]] -= 1
+                    self._issue_step_reductions(complete_only=True)
+        param.grad = None
+
+    def _open_pass(self) -> None:
+        """The first hook of a backward: queue the end-of-backward flush."""
+        if self.phase is not Phase.ARMED:
+            # A bare loss.backward() (a pipeline schedule): no backward() call began it.
+            self._refuse_after_last()
+            self._pass = BackwardPass(onto_empty=self.phase is Phase.EMPTY, last_micro_batch=False)
+        self.phase = Phase.BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        assert self._pass is not None
+        with torch.no_grad():
+            if self.sharded_accumulator:
+                self._issue_micro_batch_reductions(complete_only=False)
+                while self._in_flight:
+                    self._complete_oldest()
+            elif self._pass.last_micro_batch:
+                self._issue_step_reductions(complete_only=False)
+            elif self._pass.onto_empty:
+                for state, touched in zip(self.groups, self._touched, strict=True):
+                    for pi, was_touched in enumerate(touched):
+                        if not was_touched:
+                            state.acc_param_views[pi].zero_()
+        self.phase = Phase.REDUCING if self._pass.last_micro_batch else Phase.ACCUMULATED
+        self._pass = None
+        self._reset_bookkeeping()
+
+    def _reset_bookkeeping(self) -> None:
+        self._touched = [[False] * len(s.flat.params) for s in self.groups]
+        self._pending = [[len(b.params) for b in s.flat.buckets] for s in self.groups]
+        self._next_bucket = 0
+
+    # --- sharded accumulator: a reduce-scatter per bucket and micro-batch ---------------------
+    def _staging_of(self, gi: int, bucket: int) -> torch.Tensor:
+        staging = self._staging[gi]
+        if bucket not in staging:
+            flat = self.groups[gi].flat
+            staging[bucket] = torch.zeros(
+                flat.buckets[bucket].numel, dtype=self.comm_dtype, device=flat.buffer.device
+            )
+        return staging[bucket]
+
+    def _issue_micro_batch_reductions(self, complete_only: bool) -> None:
+        """Reduce-scatter staged buckets in the fixed order, stopping at an incomplete one."""
+        assert self._pass is not None
+        while self._next_bucket < len(self._bucket_order):
+            gi, bucket = self._bucket_order[self._next_bucket]
+            state = self.groups[gi]
+            if complete_only and self._pending[gi][bucket] > 0:
+                return
+            staging = self._staging_of(gi, bucket)
+            if not complete_only:
+                # Parameters that got no gradient this micro-batch contribute zeros.
+                flat = state.flat
+                for pi in flat.buckets[bucket].params:
+                    if not self._touched[gi][pi]:
+                        offset = flat.offsets[pi] - flat.buckets[bucket].start
+                        staging[offset : offset + flat.params[pi].numel()].zero_()
+            chunk = state.acc_chunks[bucket]
+            # The first micro-batch writes the reduced chunk in place; later ones add it.
+            target = chunk if self._pass.onto_empty else torch.empty_like(chunk)
+            finish = self.comm.start_reduce_scatter_sum(
+                target, staging, self.comm_dtype, self.comm_method
+            )
+            self._in_flight.append(
+                InFlightReduction(finish, chunk, target, self._staging[gi].pop(bucket))
+            )
+            self._next_bucket += 1
+            while len(self._in_flight) > MAX_IN_FLIGHT:
+                self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        work = self._in_flight.pop(0)
+        work.finish()
+        if work.target is not work.chunk:
+            accumulate_(work.chunk, work.target)
+
+    # --- whole accumulator: the step's reduction, per bucket ----------------------------------
+    def _issue_step_reductions(self, complete_only: bool) -> None:
+        """Start the step's reduction of complete buckets, in the fixed order on every rank."""
+        assert self._pass is not None
+        while self._next_bucket < len(self._bucket_order):
+            gi, bucket = self._bucket_order[self._next_bucket]
+            state = self.groups[gi]
+            if complete_only and self._pending[gi][bucket] > 0:
+                return
+            if self._pass.onto_empty:
+                for pi in state.flat.buckets[bucket].params:
+                    if not self._touched[gi][pi]:
+                        state.acc_param_views[pi].zero_()
+            self._step_reductions[(gi, bucket)] = self._start_step_reduction(state, bucket)
+            self._next_bucket += 1
+
+    def _start_step_reduction(self, state: GroupState, bucket: int) -> StepReduction:
+        """Launch the reduction of one bucket of a whole accumulator.
+
+        Its result is the accumulator's own bucket (all-reduce, stage 0) or a new fp32 chunk
+        (reduce-scatter).
+        """
+        flat = state.flat
+        full = flat.bucket_view(state.accumulator, flat.buckets[bucket])
+        if flat.shards == 1:
+            finish = self.comm.start_all_reduce_sum(full, self.comm_dtype, self.comm_method)
+            return StepReduction(finish, full)
+        chunk = torch.empty(
+            flat.buckets[bucket].chunk_numel(flat.shards),
+            dtype=torch.float32,
+            device=flat.buffer.device,
+        )
+        finish = self.comm.start_reduce_scatter_sum(chunk, full, self.comm_dtype, self.comm_method)
+        return StepReduction(finish, chunk)
+
+    # --- the step -----------------------------------------------------------------------------
+    def reduced_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, per bucket: this rank's chunk of the group-summed gradient.
+
+        In the accumulation dtype (fp32 where a whole accumulator is reduce-scattered), not
+        yet divided by the world size or the loss scale. Ends the step's accumulation: the
+        next backward starts from an empty accumulator.
+        """
+        if self.phase in (Phase.ARMED, Phase.BACKWARD):
+            raise RuntimeError("step() was called while a backward pass is still running")
+        if self.phase is Phase.EMPTY:
+            # step() with no backward since zero_grad: the gradient is zero, not stale data.
+            for state in self.groups:
+                state.accumulator.zero_()
+        grads: list[list[torch.Tensor]] = []
+        for gi, state in enumerate(self.groups):
+            per_bucket = []
+            for bucket in state.flat.buckets:
+                if self.sharded_accumulator:
+                    per_bucket.append(state.acc_chunks[bucket.index])
+                    continue
+                started = self._step_reductions.pop((gi, bucket.index), None)
+                work = started or self._start_step_reduction(state, bucket.index)
+                work.finish()
+                per_bucket.append(work.result)
+            grads.append(per_bucket)
+        self.phase = Phase.EMPTY
+        return grads
+
+    def abandon(self, *, after_error: bool = False) -> None:
+        """Forget the step's accumulation: a backward that raised, or ``zero_grad()``.
+
+        The collectives in flight are waited for first, so that none still writes into the
+        accumulator or a staging buffer once they are reused. After an error their own
+        failures are suppressed: the error being raised is the one to report.
+        """
+        pending = [work.finish for work in self._in_flight]
+        pending += [work.finish for work in self._step_reductions.values()]
+        self._in_flight.clear()
+        self._step_reductions.clear()
+        for finish in pending:
+            if after_error:
+                with contextlib.suppress(Exception):
+                    finish()
+            else:
+                finish()
+        for staging in self._staging:
+            staging.clear()
+        self._pass = None
+        self.phase = Phase.EMPTY
+        self._reset_bookkeeping()

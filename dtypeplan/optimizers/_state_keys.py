@@ -1,0 +1,85 @@
+"""The keys of the layout-free optimizer state: ``param.{i}.{name}`` and ``scalar.{name}``.
+
+:meth:`MixedPrecisionOptimizer.full_state` and the checkpoint files name every tensor
+``param.{i}.{name}`` (``i`` numbers the trainable parameters over all param groups in order;
+``name`` is ``master`` or a ``torch.optim`` state such as ``exp_avg``) and every scalar
+``scalar.{name}`` (``step``, ``loss_scale``, ``skipped_steps``, ``scaler.{field}``). This
+module is the only place that spells those strings; everything else builds and parses them here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "MASTER",
+    "LOSS_SCALE",
+    "SKIPPED_STEPS",
+    "STEP",
+    "param_index",
+    "param_key",
+    "param_state_names",
+    "parse_param_key",
+    "scaler_key",
+    "scaler_state",
+    "scalar_key",
+]
+
+_PARAM = "param."
+_SCALAR = "scalar."
+_SCALER = "scaler."
+
+MASTER = "master"
+"""The state name of the fp32 master weights."""
+STEP = "step"
+LOSS_SCALE = "loss_scale"
+SKIPPED_STEPS = "skipped_steps"
+
+
+def param_key(index: int, name: str) -> str:
+    """The key of state ``name`` of global parameter ``index``."""
+    return f"{_PARAM}{index}.{name}"
+
+
+def parse_param_key(key: str) -> tuple[int, str] | None:
+    """``(index, name)`` of a ``param.{i}.{name}`` key; None for any other key."""
+    if not key.startswith(_PARAM):
+        return None
+    index, _, name = key[len(_PARAM) :].partition(".")
+    return int(index), name
+
+
+def param_index(key: str) -> int:
+    """The parameter index of a ``param.{i}.{name}`` key (ValueError for another key)."""
+    parsed = parse_param_key(key)
+    if parsed is None:
+        raise ValueError(f"{key!r} is not a param.{{i}}.{{name}} key")
+    return parsed[0]
+
+
+def param_state_names(keys: Iterable[str], index: int | None = None) -> list[str]:
+    """The state names among ``param.*`` keys, in first-seen order (of parameter ``index``)."""
+    names: list[str] = []
+    for key in keys:
+        parsed = parse_param_key(key)
+        if parsed is not None and (index is None or parsed[0] == index):
+            if parsed[1] not in names:
+                names.append(parsed[1])
+    return names
+
+
+def scalar_key(name: str) -> str:
+    """The key of scalar ``name`` (``step``, ``loss_scale``, ``skipped_steps``)."""
+    return f"{_SCALAR}{name}"
+
+
+def scaler_key(field: str) -> str:
+    """The key of one field of the loss scaler's state (fp16 only)."""
+    return scalar_key(_SCALER + field)
+
+
+def scaler_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The loss scaler's fields found in ``state`` (empty when it holds none)."""
+    prefix = scaler_key("")
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
