@@ -399,7 +399,7 @@ class OneCycle(_DeepSpeedSchedule):
         self.min_moms: list[tuple[float, float]] = []
         self.max_moms: list[tuple[float, float]] = []
         if self.cycle_momentum:
-            if "betas" not in optimizer.defaults:
+            if not _has_betas(optimizer):
                 warnings.warn(
                     f"{_key('cycle_momentum')} is switched off: {type(optimizer).__name__} has no "
                     "betas in its defaults (DeepSpeed does the same)",
@@ -473,6 +473,17 @@ class OneCycle(_DeepSpeedSchedule):
             return list(self.max_moms)
         factor = 1 + self.decay_mom_rate * ((t - self.total_size + 1) / self.decay_step_size)
         return [(beta1 * factor, beta2) for beta1, beta2 in self.max_moms]
+
+
+def _has_betas(optimizer: Optimizer) -> bool:
+    """DeepSpeed's test for momentum cycling: ``betas`` in the optimizer's defaults. A dtypeplan
+    optimizer's defaults hold only the config's params; its update runs in ``inner`` (a torch
+    optimizer over the master weights, fed from ``param_groups`` at every step), whose defaults
+    have ``betas`` for Adam-type optimizers, as DeepSpeed's own Adam does."""
+    inner = getattr(optimizer, "inner", None)
+    return "betas" in optimizer.defaults or (
+        isinstance(inner, Optimizer) and "betas" in inner.defaults
+    )
 
 
 def _stairs(name: str, value: Any) -> int:
