@@ -22,7 +22,7 @@ Columns:
 * ``floor ratio``: ``B/param`` over the baseline's 28, the ratio a step at the same bandwidth as
   the baseline would show;
 * ``x copy floor``: ``ms`` over ``numel * B/param / copy bandwidth`` (``torch.empty(n).copy_``,
-  bytes read + written per second, measured in the same run).
+  bytes read + written per second, timed in the same rounds as the steps).
 
 Skipped steps (fp16 overflow) would time as fast ones: they are counted, and a row with any is
 marked invalid instead of given a ratio.
@@ -42,7 +42,6 @@ from benchmarks._optimizer_step import (
     REFERENCE_BYTES_PER_PARAM,
     StepCase,
     adamw_config,
-    copy_bandwidth,
     dtypeplan_case,
     profile_step,
     reference_case,
@@ -50,6 +49,7 @@ from benchmarks._optimizer_step import (
 )
 
 BASELINE = "torch AdamW fused fp32"
+COPY = "copy"  # at least 64 MiB a buffer, so that it streams from memory and not from cache
 ALL_PAIRS = [f"{p}/{a}" for p in ("bf16", "fp16", "fp32") for a in ("fp32", "bf16", "fp16")]
 TARGET_RATIO = 1.3
 CPU = torch.device("cpu")
@@ -79,9 +79,15 @@ def measure(cases: list[StepCase], args: Any) -> tuple[dict[str, list[float]], d
     for case in cases:  # first steps allocate the moments (and, for fp16, find the scale)
         time_steps(case.prepare, case.step, CPU, iters=0, warmup=args.warmup)
     skipped = {case.name: -case.skipped_steps() for case in cases}
+    # The copy that sets the floor runs in the rounds too, under the same load as the steps.
+    src = torch.empty(max(cases[0].num_params, 1 << 24)).normal_()
+    dst = torch.empty_like(src)
+    times[COPY] = []
     for _ in range(args.rounds):
+        times[COPY] += time_steps(lambda: None, lambda: dst.copy_(src), CPU, args.steps_per_round)
         for case in cases:
             times[case.name] += time_steps(case.prepare, case.step, CPU, args.steps_per_round)
+    times[COPY + " bytes"] = [2.0 * src.numel() * src.element_size()]
     return times, {case.name: skipped[case.name] + case.skipped_steps() for case in cases}
 
 
@@ -141,9 +147,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     cases = build_cases(args)
     num_params = cases[0].num_params
-    # At least 64 MiB a buffer, so that the copy streams from memory and not from cache.
-    copy = copy_bandwidth(max(num_params, 1 << 24), CPU, iters=max(5, args.rounds))
     times, skipped = measure(cases, args)
+    copy_ms = statistics.median(times.pop(COPY))
+    copy_bytes = times.pop(COPY + " bytes")[0]
+    copy = {"bytes": copy_bytes, "median_ms": copy_ms, "bytes_per_s": copy_bytes / copy_ms * 1e3}
     profiles = {c.name: profile_step(c, CPU) for c in cases} if args.profile else {}
     rows = summarize(cases, times, skipped, copy["bytes_per_s"])
     table = format_table(
