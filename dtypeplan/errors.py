@@ -5,7 +5,13 @@ Each one is a ``ValueError`` so that callers who only know the standard library 
 
 from __future__ import annotations
 
-__all__ = ["NotSupportedError", "PrecisionConfigError", "RankMismatchError", "RulesError"]
+__all__ = [
+    "NotSupportedError",
+    "PrecisionConfigError",
+    "RankMismatchError",
+    "RegistryError",
+    "RulesError",
+]
 
 
 class PrecisionConfigError(ValueError):
@@ -31,6 +37,11 @@ class RulesError(ValueError):
         super().__init__(f"{location}: {message}")
         self.file = file
         self.line = line
+
+
+class RegistryError(ValueError):
+    """An implementation name registered twice, or asked for but never registered, or a
+    registered class that is not a :class:`dtypeplan.MixedPrecisionOptimizer`."""
 
 
 class RankMismatchError(RuntimeError):

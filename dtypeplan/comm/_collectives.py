@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import RankMismatchError
 
 __all__ = ["CollectiveError", "CommStats", "Communicator"]
@@ -38,8 +39,6 @@ __all__ = ["CollectiveError", "CommStats", "Communicator"]
 # torch >= 2.13 renamed the flat-tensor collectives; the old names still work but warn.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class CollectiveError(RuntimeError):
@@ -101,7 +100,7 @@ class Communicator:
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's RuntimeError
             what = op
             if numel is not None:
-                what += f" of {numel} {_DTYPE_NAMES.get(dtype, str(dtype))} elements"
+                what += f" of {numel} {dtype_name(dtype)} elements"
             raise CollectiveError(
                 f"{what} failed on {self.description}: {type(exc).__name__}: {exc}. "
                 "A peer rank probably died or stalled longer than the group's timeout "

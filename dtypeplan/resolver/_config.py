@@ -24,6 +24,8 @@ import torch
 import yaml
 
 from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.resolver._dimensions import REDUCTION
+from dtypeplan.resolver._frozen import FrozenDict, freeze
 
 __all__ = ["LossScaleConfig", "OptimizerConfig", "PrecisionConfig", "config_schema", "load_config"]
 
@@ -60,8 +62,12 @@ class OptimizerConfig:
 
     type: str = "AdamW"
     """``"AdamW"``, ``"Adam"`` or ``"SGD"``."""
-    params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
-    """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...)."""
+    params: FrozenDict[str, Any] = field(default_factory=lambda: FrozenDict({"lr": 1e-3}))
+    """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...);
+    lists given in the config are tuples here, so the config is hashable."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", freeze(self.params))
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
@@ -88,7 +94,7 @@ class PrecisionConfig:
     """Where ``grad_accum_dtype`` was given (a JSON path), for ``explain()``."""
     accumulator_sharded: bool | None = None
     comm_dtype: str | None = None
-    comm_reduction: str = "collective"
+    comm_reduction: str = REDUCTION.default_value
     zero_stage: int | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     optimizer_given: bool = False
@@ -275,7 +281,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         grad_accum_dtype_key=accum_key,
         accumulator_sharded=sharded,
         comm_dtype=document.get("communication_data_type"),
-        comm_reduction=document.get("communication_reduction", "collective"),
+        comm_reduction=document.get("communication_reduction", REDUCTION.default_value),
         zero_stage=int(zero["stage"]) if "stage" in zero else None,
         optimizer=optimizer,
         optimizer_given=optimizer_doc is not None,
