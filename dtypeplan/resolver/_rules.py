@@ -198,17 +198,62 @@ def _rules_schema() -> dict[str, Any]:
     )
 
 
+def _refuse(what: str, value: Any, name: str, event: yaml.Event) -> RulesError:
+    return RulesError(
+        f"YAML {what} {value!r} is not allowed in a rules file: rules are plain data, nothing "
+        "in them is constructed or executed",
+        name,
+        event.start_mark.line + 1,
+    )
+
+
+def _screen(text: str, name: str) -> None:
+    """Refuse tags, anchors and aliases, and a table longer than :data:`MAX_RULES`, from the
+    parser's events: before anything is constructed, and in time linear in the file."""
+    depth = 0
+    expect_key = False  # inside the top-level mapping: whether the next node is a key
+    key: Any = None
+    key_line = 1
+    in_rules = False
+    count = 0
+    for event in yaml.parse(text, Loader=_SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _refuse("alias", event.anchor, name, event)
+        if not isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            if isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+                in_rules = in_rules and depth > 1
+            continue
+        if event.anchor is not None:
+            raise _refuse("anchor", event.anchor, name, event)
+        if event.tag is not None:
+            raise _refuse("tag", event.tag, name, event)
+        if in_rules and depth == 2:
+            count += 1
+            if count > MAX_RULES:
+                raise RulesError(
+                    f"more than {MAX_RULES} rules: a valid table has at most one rule per "
+                    f"combination ({MAX_RULES}), since every rule matches at least one and none "
+                    "may match twice",
+                    name,
+                    key_line,
+                )
+        if depth == 1:
+            if expect_key:
+                key = event.value if isinstance(event, yaml.ScalarEvent) else None
+                key_line = event.start_mark.line + 1
+            else:
+                in_rules = key == "rules" and isinstance(event, yaml.SequenceStartEvent)
+            expect_key = not expect_key
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth == 1:
+                expect_key = isinstance(event, yaml.MappingStartEvent)
+
+
 def _parse(text: str, name: str) -> Any:
     try:
-        for token in yaml.scan(text, Loader=_SafeLoader):
-            if isinstance(token, (yaml.TagToken, yaml.AnchorToken, yaml.AliasToken)):
-                kind = {yaml.TagToken: "tag", yaml.AnchorToken: "anchor", yaml.AliasToken: "alias"}
-                raise RulesError(
-                    f"YAML {kind[type(token)]} {token.value!r} is not allowed in a rules file: "
-                    "rules are plain data, nothing in them is constructed or executed",
-                    name,
-                    token.start_mark.line + 1,
-                )
+        _screen(text, name)
         loader = _LineLoader(text)
         loader.name = name
         try:
@@ -390,7 +435,7 @@ def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> tupl
 def _point_at(index: int) -> dict[str, Any]:
     """Inverse of :func:`_point_index`."""
     values: list[Any] = []
-    for dim in reversed(DIMENSIONS.values()):
+    for dim in reversed(tuple(DIMENSIONS.values())):
         index, position = divmod(index, len(dim.values))
         values.append(dim.values[position])
     return dict(zip(DIMENSIONS, reversed(values), strict=True))
@@ -436,14 +481,6 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
     document = _parse(text, name)
     if not isinstance(document, _LineMap):
         raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)
-    raw_rules = document.get("rules")
-    if isinstance(raw_rules, list) and len(raw_rules) > MAX_RULES:
-        raise RulesError(
-            f"{len(raw_rules)} rules: a valid table has at most one rule per combination "
-            f"({MAX_RULES}), since every rule matches at least one and none may match twice",
-            name,
-            document.key_lines["rules"],
-        )
     _validate_schema(document, name)
     rules = _build_rules(document, name, implementations)
     decisions = _check_coverage(rules, name, document.key_lines["rules"])
