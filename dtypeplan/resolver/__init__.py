@@ -7,14 +7,28 @@ from dtypeplan.resolver._config import (
     PrecisionConfig,
     load_config,
 )
-from dtypeplan.resolver._dimensions import COMBINATIONS, DIMENSIONS, Dimension
+from dtypeplan.resolver._dimensions import (
+    ACCUM,
+    COMBINATIONS,
+    COMM,
+    DIMENSIONS,
+    PARAMS,
+    PIPELINE,
+    REDUCTION,
+    SHARDED,
+    STAGE,
+    Dimension,
+    config_for,
+)
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules
 
 __all__ = [
+    "ACCUM",
     "COMBINATIONS",
+    "COMM",
     "DIMENSIONS",
     "DTYPES",
     "DTYPE_NAMES",
@@ -24,11 +38,17 @@ __all__ = [
     "LossScaleConfig",
     "MAX_RULES",
     "OptimizerConfig",
+    "PARAMS",
+    "PIPELINE",
     "PrecisionConfig",
     "PrecisionPlan",
+    "REDUCTION",
     "Rule",
     "RuleTable",
+    "SHARDED",
+    "STAGE",
     "Status",
+    "config_for",
     "install_builder",
     "load_config",
     "load_rules",
