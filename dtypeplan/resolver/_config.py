@@ -29,7 +29,10 @@ from dtypeplan.resolver._frozen import FrozenDict, freeze
 
 __all__ = ["LossScaleConfig", "OptimizerConfig", "PrecisionConfig", "config_schema", "load_config"]
 
-_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+OptimizerClass = type[torch.optim.Optimizer]
+"""A ``torch.optim`` class (an alias: ``OptimizerConfig.type`` shadows the builtin there)."""
+
+_OPTIMIZER_CLASSES: dict[str, OptimizerClass] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
@@ -70,7 +73,7 @@ class OptimizerConfig:
         object.__setattr__(self, "params", freeze(self.params))
 
     @property
-    def torch_class(self) -> type[torch.optim.Optimizer]:
+    def torch_class(self) -> OptimizerClass:
         return _OPTIMIZER_CLASSES[self.type.lower()]
 
     @property
@@ -124,7 +127,8 @@ def _json_path(parts: Any) -> str:
 def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        known = sorted(error.schema.get("properties", {}))
+        schema = error.schema if isinstance(error.schema, dict) else {}
+        known = sorted(schema.get("properties", {}))
         unknown = sorted((k for k in error.instance if k not in known), key=str)
         key = unknown[0] if unknown else "?"
         close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -262,7 +266,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
             params["betas"] = tuple(params["betas"])
         _check_optimizer_params(optimizer_doc["type"], params)
         canonical = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[optimizer_doc["type"].lower()]
-        optimizer = OptimizerConfig(type=canonical, params=params)
+        optimizer = OptimizerConfig(type=canonical, params=freeze(params))
     zero = document.get("zero_optimization", {})
     bucket = zero.get("reduce_bucket_size")
     for path, value in (

@@ -203,8 +203,13 @@ def _refuse(what: str, value: Any, name: str, event: yaml.Event) -> RulesError:
         f"YAML {what} {value!r} is not allowed in a rules file: rules are plain data, nothing "
         "in them is constructed or executed",
         name,
-        event.start_mark.line + 1,
+        _line(event),
     )
+
+
+def _line(event: yaml.Event) -> int:
+    """The 1-based line where ``event`` starts (1 when the parser gave no position)."""
+    return event.start_mark.line + 1 if event.start_mark is not None else 1
 
 
 def _screen(text: str, name: str) -> None:
@@ -241,7 +246,7 @@ def _screen(text: str, name: str) -> None:
         if depth == 1:
             if expect_key:
                 key = event.value if isinstance(event, yaml.ScalarEvent) else None
-                key_line = event.start_mark.line + 1
+                key_line = _line(event)
             else:
                 in_rules = key == "rules" and isinstance(event, yaml.SequenceStartEvent)
             expect_key = not expect_key
