@@ -193,12 +193,14 @@ class PrecisionPlan:
         """A human-readable account of the decision and of every effective setting."""
         head = f"status: {self.status}"
         if self.implementation:
-            head += f" (implementation {self.implementation!r}"
-            if self.single_process_implementation != self.implementation:
-                head += f"; {self.single_process_implementation!r} without torch.distributed"
-            head += ")"
-        lines = [
-            head,
+            head += f" (implementation {self.implementation!r})"
+        lines = [head]
+        if self.single_process_implementation != self.implementation:
+            lines.append(
+                f"without torch.distributed (one process): "
+                f"implementation {self.single_process_implementation!r}"
+            )
+        lines += [
             f"rule: {self.rule_id} at {self.rule_location}",
             f"reason: {self.reason}",
             "",
