@@ -126,7 +126,7 @@ def test_parity_four_ranks(data: st.DataObject) -> None:
 @pytest.mark.parametrize("model", ["fp32", "bf16", "fp16"])
 def test_single_process_reduces_to_plain_update(model: str) -> None:
     point = {
-        "model": model,
+        "params": model,
         "accum": "fp32",
         "sharded": False,
         "stage": 0,
