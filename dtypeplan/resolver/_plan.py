@@ -20,13 +20,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
+from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
 from dtypeplan.resolver._rules import Status
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "Alternative", "PrecisionPlan", "Status", "install_builder"]
+__all__ = ["Alternative", "PrecisionPlan", "install_builder"]
 
 
 class _BuildOptimizer(Protocol):
