@@ -102,8 +102,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.skipped_steps = 0
         self.grad_norm: float | None = None
         self.clip = plan.gradient_clipping
-        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
-        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
+        self.check_nonfinite = plan.check_nonfinite
+        self.scaler = LossScaler(plan.loss_scaling)
 
     @classmethod
     def prepare_model(
