@@ -43,14 +43,68 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtypeplan.comm import Communicator
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
+from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["FSDP2Optimizer"]
+__all__ = ["FSDP2Optimizer", "mesh_device", "mesh_device_type"]
+
+
+def mesh_device_type(backend: str) -> str | None:
+    """The device type a process group with ``backend`` communicates on, None if unknown.
+
+    ``backend`` is what ``dist.get_backend(group)`` says: one name (``"nccl"``, ``"gloo"``)
+    or a device map (``"cpu:gloo,cuda:nccl"``). A group that serves an accelerator runs on
+    it (NCCL hands CPU tensors nothing but errors); a CPU-only one (gloo) on the CPU.
+    """
+    backend = backend.lower()
+    if ":" in backend:
+        devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",")]
+    else:
+        devices = [d for d, b in dist.Backend.default_device_backend_map.items() if b == backend]
+        devices = ["cpu"] if "cpu" in devices else devices  # gloo also serves mps: it runs on CPU
+    accelerators = [d for d in devices if d != "cpu"]
+    if accelerators:
+        return accelerators[0]
+    return "cpu" if devices else None
+
+
+def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
+    """Where ZeRO-3's mesh, and so the sharded model, lives for a group with ``backend``.
+
+    An accelerator means its current device (``torch.cuda.current_device()``: set it before
+    ``prepare_model``, as FSDP2 expects). A backend of unknown kind keeps the model's device.
+    """
+    kind = mesh_device_type(backend)
+    if kind is None:
+        return next(model.parameters(), torch.empty(0)).device
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    cast_floating_buffers(model, dtype)
+
+
+def _masters_to_fp32(unit: torch.nn.Module) -> None:
+    """The trainable parameters of ``unit`` not sharded yet to fp32, just before sharding."""
+    with torch.no_grad():
+        for param in unit.parameters():
+            if param.requires_grad and not isinstance(param, DTensor):
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    param.data = param.data.to(torch.float32)
 
 
 @register("fsdp2")
@@ -64,34 +118,58 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         *,
         plan: PrecisionPlan,
         process_group: dist.ProcessGroup | None = None,
+        wrap: WrapPolicy | None = None,
     ) -> torch.nn.Module:
-        """Shard ``model`` with ``fully_shard``: every child with parameters, then the root."""
+        """Shard ``model`` with ``fully_shard``, one unit per block, then the root; in place.
+
+        Units: see ``_shard_units.py`` (by default each module of a ``ModuleList`` /
+        ``ModuleDict`` and each top-level child; ``wrap`` chooses others; tied parameters
+        share a unit). The mesh lives on the process group's device (NCCL: the current CUDA
+        device; gloo: CPU), and FSDP2 moves each unit there as it shards it, so a model built
+        on CPU reaches the GPU one unit at a time. Each unit's trainable parameters become
+        fp32 just before it is sharded (they are the master weights), so no rank ever holds
+        the whole model in fp32 unsharded; frozen parameters and floating-point buffers are
+        cast to ``plan.param_dtype`` first, as at every other stage.
+        """
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if not (dist.is_available() and dist.is_initialized()):
             return model  # one process: nothing to shard (the builder runs another class)
+        if isinstance(model, FSDPModule):
+            raise PrecisionConfigError(
+                "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
+                "call it once, on the unsharded model"
+            )
         group = process_group or dist.group.WORLD
-        device = next(model.parameters()).device
+        device = mesh_device(dist.get_backend(group), model)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
-        model.to(torch.float32)
-        for child in model.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh, mp_policy=policy)
         own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
         if plan.pipeline_parallel and own:
-            raise ValueError(
+            raise PrecisionConfigError(
                 f"under pipeline parallelism ZeRO-3 shards the stage module's children, but the "
                 f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
                 "torch.nn.Sequential(stage_module), before plan.prepare_model"
             )
-        if not plan.pipeline_parallel:
+        units = choose_units(model, wrap)
+        if plan.pipeline_parallel:
             # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
             # schedule turns gradient sync off for all but the last micro-batch of a module
-            # that is an FSDPModule, which would accumulate whole gradients; the children,
-            # each its own FSDP root, reduce-scatter every micro-batch as the plan says.
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+            # that is an FSDPModule, which would accumulate whole gradients; the units, the
+            # outermost of each its own FSDP root, reduce-scatter every micro-batch.
+            left = uncovered_parameters(model, units)
+            if left:
+                raise PrecisionConfigError(
+                    "under pipeline parallelism ZeRO-3 shards units below the stage module, and "
+                    f"no unit holds these trainable parameters: {', '.join(left)} (tied across "
+                    "units, or chosen by no wrap policy). Wrap the modules that share them in "
+                    "one module, or pass wrap= so that one unit holds each"
+                )
+        _cast_frozen_and_buffers(model, plan.param_dtype)
+        for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+            _masters_to_fp32(unit)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)

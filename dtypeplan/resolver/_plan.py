@@ -44,6 +44,8 @@ class _PrepareModel(Protocol):
         plan: PrecisionPlan,
         model: torch.nn.Module,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        wrap: Any = None,
     ) -> torch.nn.Module: ...
 
 
@@ -263,13 +265,22 @@ class PrecisionPlan:
 
     # --- building (delegated: see the module docstring) ---------------------------------------
     def prepare_model(
-        self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+        self,
+        model: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        wrap: Any = None,
     ) -> torch.nn.Module:
-        """Ready ``model`` for :meth:`build`: ZeRO-3 shards it (FSDP2); other stages keep it.
+        """Ready ``model`` for :meth:`build`, in place, and return it.
 
-        Call it before ``build`` and before the model is handed to a pipeline stage.
+        Every stage casts it whole to :attr:`param_dtype` (parameters, frozen ones too, and
+        floating-point buffers; the trainable parameters' fp32 values are kept for the master
+        weights that ``build`` takes). ZeRO-3 also shards it with FSDP2, one unit per block;
+        ``wrap`` (a set of module classes, or a callable ``module -> bool``) chooses the units
+        and is ignored at other stages. Call it before ``build`` and before the model is
+        handed to a pipeline stage.
         """
-        return _installed().prepare_model(self, model, process_group)
+        return _installed().prepare_model(self, model, process_group, wrap=wrap)
 
     def build(
         self,
