@@ -41,11 +41,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
+from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
@@ -87,6 +89,14 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _row_numel(shape: torch.Size) -> int:
+    """Elements in one index of dim 0 of a tensor of ``shape``."""
+    numel = 1
+    for size in shape[1:]:
+        numel *= size
+    return numel
 
 
 def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -355,11 +365,59 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             local.copy_(saved)
         self._load_update_state(state_dict)
 
+    # --- sharded state, for checkpoints that never gather ---------------------------------------
+    def shard_pieces(self) -> list[ShardPiece]:
+        """Where this rank's local shards hold each parameter, in ``param.{i}`` numbering.
+
+        FSDP2 shards every parameter on dim 0, so a local shard is one contiguous range of the
+        flattened parameter: one piece per parameter, ``master`` the local shard (the inner
+        optimizer's key for its states; use ``master.view(-1)`` for flat indexing). A rank
+        may hold an empty piece of a small parameter. This is what a ZeRO-3 checkpoint saves
+        and loads without gathering (``dtypeplan.checkpoint``).
+        """
+        pieces = []
+        for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
+            if any(not pl.is_shard(dim=0) for pl in param.placements):
+                raise NotImplementedError(
+                    f"ZeRO-3 parameter {index} is not sharded on dim 0 ({param.placements}); "
+                    "dtypeplan's sharded checkpoint reads FSDP2's default dim-0 sharding only"
+                )
+            local_shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            assert tuple(local_shape) == tuple(local.shape) and local.is_contiguous()
+            begin = offset[0] * _row_numel(param.shape) if param.dim() else 0
+            pieces.append(ShardPiece(index, begin, begin + local.numel(), local, 0))
+        return pieces
+
+    def state_names(self) -> list[str]:
+        """``master`` and the optimizer states laid out like the local shards (``exp_avg``...)."""
+        names = [keys.MASTER]
+        for local in self._locals():
+            for name, value in self.inner.state.get(local, {}).items():
+                if (
+                    name != keys.STEP
+                    and torch.is_tensor(value)
+                    and value.shape == local.shape
+                    and name not in names
+                ):
+                    names.append(name)
+        return names
+
+    def refresh_params(self) -> None:
+        """Nothing to write: the sharded parameters are the master weights (FSDP2 gathers them)."""
+
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
+        """The full state on every rank (collective), gathered one tensor at a time to CPU.
+
+        Each tensor is gathered on the device and moved to host memory before the next one,
+        so a GPU holds the local shards plus one full tensor. ``dtypeplan.checkpoint`` does
+        not call this at ZeRO-3: it saves the local shards (:meth:`shard_pieces`).
+        """
         result: dict[str, torch.Tensor | float | int] = {}
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float()
+            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float().cpu()
             for name, value in self.inner.state.get(local, {}).items():
                 if name != keys.STEP and torch.is_tensor(value) and value.shape == local.shape:
                     whole = DTensor.from_local(
@@ -369,7 +427,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                         shape=param.shape,
                         stride=param.stride(),
                     )
-                    result[keys.param_key(index, name)] = whole.full_tensor().float()
+                    result[keys.param_key(index, name)] = whole.full_tensor().float().cpu()
         result.update(self._scalar_state())
         return result
 

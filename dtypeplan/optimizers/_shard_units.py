@@ -4,9 +4,15 @@ An FSDP2 unit (one ``fully_shard`` call) is what is all-gathered before its forw
 after, so the units bound the memory of the gathered parameters. Like torchtitan, which calls
 ``fully_shard`` on every transformer block and then on the root, the default units are:
 
-* every module held by a ``ModuleList`` / ``ModuleDict``, at any depth (``model.layers[i]``,
-  ``model.transformer.h[i]``, ``model.model.layers[i]``): the repeated blocks;
-* every top-level child that is not such a container (embeddings, final norm, head);
+* every module held by a ``ModuleList``, ``ModuleDict`` or ``Sequential``, at any depth
+  (``model.layers[i]``, ``model.transformer.h[i]``, ``model.model.layers[i]``): the
+  repeated blocks;
+* every top-level child that is not such a container (embeddings, final norm, head).
+
+Containers are never units by default, ``Sequential`` included although it has a forward:
+models often iterate a container and call its blocks (``for layer in self.layers``), so the
+container's own forward, which FSDP2 hooks to gather a unit, may never run. The blocks then
+hold every parameter, and a unit would add nothing.
 * then the root (by the caller), which takes every parameter no unit took.
 
 ``wrap`` replaces the first two: a set of module classes (``{LlamaDecoderLayer}``) or a
@@ -43,14 +49,17 @@ def is_container(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def _default_policy(model: nn.Module) -> Callable[[nn.Module], bool]:
     blocks = {
         id(child)
         for module in model.modules()
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if isinstance(module, _CONTAINERS)
         for child in module.children()
     }
-    top = {id(child) for child in model.children()}
+    top = {id(child) for child in model.children() if not isinstance(child, _CONTAINERS)}
     return lambda module: id(module) in blocks or id(module) in top
 
 
@@ -92,6 +101,7 @@ def choose_units(model: nn.Module, wrap: WrapPolicy | None = None) -> list[nn.Mo
         holders.setdefault(id(param), []).append(_owner(name))
         names.setdefault(id(param), name)
     units: list[nn.Module] = []
+    covered: set[int] = set()  # parameters of the units chosen so far
     # Reversed pre-order: every module comes after all the modules inside it.
     for path, module in reversed(list(model.named_modules())):
         if module is model or not selected(module):
@@ -103,9 +113,9 @@ def choose_units(model: nn.Module, wrap: WrapPolicy | None = None) -> list[nn.Mo
                 f"prepare_model(wrap=...) chose {path} ({type(module).__name__}), which has no "
                 "forward: FSDP2 can only shard modules that run. Choose the modules it holds"
             )
-        params = list(module.parameters())
+        params = [p for p in module.parameters() if id(p) not in covered]
         if not params:
-            continue
+            continue  # nothing of its own: the units inside it hold every parameter
         mine = paths[id(module)]
         shared = [p for p in params if not all(_inside(h, mine) for h in holders[id(p)])]
         if shared:
@@ -120,6 +130,7 @@ def choose_units(model: nn.Module, wrap: WrapPolicy | None = None) -> list[nn.Mo
                 )
             continue
         units.append(module)
+        covered.update(id(p) for p in params)
     return units
 
 
