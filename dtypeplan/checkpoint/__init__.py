@@ -19,16 +19,17 @@ Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor of the pa
 ``numel`` (``i`` numbers the trainable parameters over all param groups in order, as
 ``MixedPrecisionOptimizer.full_state`` does); shapes live in the manifest.
 
-Sharded I/O. For the built-in optimizers (the flat-buffer ones of ZeRO 0-2 and ZeRO-3's
-FSDP2 one) each rank writes only the pieces of each parameter that its own shard holds, as
-DCP chunks with their offsets, and on load reads only the pieces that its new shard needs; DCP's resharding matches old chunks to new ones. No rank
-ever materializes the full state. (At ZeRO stage 0 every rank holds everything; DCP then
-writes each piece once.) Any other ``MixedPrecisionOptimizer`` goes through its layout-free
-``full_state()`` / ``load_full_state()``: full tensors, replicated on every rank and written
-once. Both ways write the same format, so either reads what the other wrote. (The sharded
-way uses the optimizer's public ``shard_pieces()``, ``state_names()``,
-``reset_update_state()`` and ``refresh_params()`` in ``_adapters.FlatAdapter``; a ZeRO-3
-rank's pieces are its local FSDP2 shards, so a ZeRO-3 save or load gathers nothing.)
+Sharded I/O. For the built-in optimizers (the flat-buffer ones of ZeRO 0-2 and ZeRO-3's FSDP2
+one) each rank writes only the pieces of each parameter that its own shard holds, as DCP chunks
+with their offsets, and on load reads only the pieces that its new shard needs; DCP's
+resharding matches old chunks to new ones. No rank ever materializes the full state. (At ZeRO
+stage 0 every rank holds everything; DCP then writes each piece once.) Any other
+``MixedPrecisionOptimizer`` goes through its layout-free ``full_state()`` /
+``load_full_state()``: full tensors, replicated on every rank and written once. Both ways write
+the same format, so either reads what the other wrote. (The sharded way uses the optimizer's
+public ``shard_pieces()``, ``state_names()``, ``reset_update_state()`` and ``refresh_params()``
+in ``_adapters.FlatAdapter``; a ZeRO-3 rank's pieces are its local FSDP2 shards, so a ZeRO-3
+save or load gathers nothing.)
 
 Atomic replacement. A save writes ``snapshot-<hex>.tmp`` inside ``path``; when every rank has
 written (DCP's final collective) rank 0 adds the manifest, renames the directory to
