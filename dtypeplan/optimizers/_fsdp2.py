@@ -58,23 +58,30 @@ if TYPE_CHECKING:
 __all__ = ["FSDP2Optimizer", "mesh_device", "mesh_device_type"]
 
 
-def mesh_device_type(backend: str) -> str | None:
-    """The device type a process group with ``backend`` communicates on, None if unknown.
+def _current_accelerator() -> str | None:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else None
+
+
+def mesh_device_type(backend: str, accelerator: str | None = None) -> str | None:
+    """The device type a process group with ``backend`` communicates on; None if ambiguous.
 
     ``backend`` is what ``dist.get_backend(group)`` says: one name (``"nccl"``, ``"gloo"``)
-    or a device map (``"cpu:gloo,cuda:nccl"``). A group that serves an accelerator runs on
-    it (NCCL hands CPU tensors nothing but errors); a CPU-only one (gloo) on the CPU.
+    or a device map (``"cpu:gloo,cuda:nccl"``); ``accelerator`` is this machine's
+    (``torch.accelerator``'s device type, None without one). A group serving this machine's
+    accelerator runs on it (NCCL hands CPU tensors nothing but errors); else one serving the
+    CPU (gloo) on the CPU; else the one device it serves (``nccl`` -> ``cuda``).
     """
     backend = backend.lower()
     if ":" in backend:
         devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",")]
     else:
         devices = [d for d, b in dist.Backend.default_device_backend_map.items() if b == backend]
-        devices = ["cpu"] if "cpu" in devices else devices  # gloo also serves mps: it runs on CPU
-    accelerators = [d for d in devices if d != "cpu"]
-    if accelerators:
-        return accelerators[0]
-    return "cpu" if devices else None
+    if accelerator is not None and accelerator in devices:
+        return accelerator
+    if "cpu" in devices:
+        return "cpu"
+    return devices[0] if len(devices) == 1 else None
 
 
 def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
@@ -83,7 +90,7 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
     An accelerator means its current device (``torch.cuda.current_device()``: set it before
     ``prepare_model``, as FSDP2 expects). A backend of unknown kind keeps the model's device.
     """
-    kind = mesh_device_type(backend)
+    kind = mesh_device_type(backend, _current_accelerator())
     if kind is None:
         return next(model.parameters(), torch.empty(0)).device
     if kind == "cpu":
