@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
+from dtypeplan.resolver._differences import deepspeed_differences
 from dtypeplan.resolver._dimensions import DIMENSIONS, PARAMS, REDUCTION, STAGE
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Status
@@ -22,6 +23,8 @@ def resolve(
     config: dict[str, Any] | str | os.PathLike[str],
     pipeline_parallel: bool = False,
     rules: str | os.PathLike[str] | None = None,
+    auto: Mapping[str, Any] | None = None,
+    strict: bool = False,
     *,
     implementations: Collection[str] | None = None,
 ) -> PrecisionPlan:
@@ -29,11 +32,13 @@ def resolve(
 
     Total for schema-valid configs: an unsupported or contradictory combination gives a plan
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
-    rules file (:class:`RulesError`) raises. ``implementations``: the registered names a rule
-    may send combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
+    rules file (:class:`RulesError`) raises. ``auto`` fills the config's ``"auto"`` values
+    (dotted path -> value; the rest take the HF Trainer's defaults); ``strict`` makes every
+    unknown key an error. ``implementations``: the registered names a rule may send
+    combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
     """
     return resolve_config(
-        load_config(config),
+        load_config(config, auto=auto, strict=strict),
         pipeline_parallel=pipeline_parallel,
         table=load_rules(rules, implementations=implementations),
     )
@@ -110,7 +115,7 @@ def resolve_config(
     origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
     origins["optimizer"] = "$.optimizer" if config.optimizer_given else "default (AdamW, lr 1e-3)"
     origins["gradient_clipping"] = (
-        "$.gradient_clipping" if config.gradient_clipping else "default (off)"
+        "$.gradient_clipping" if config.gradient_clipping_given else "default (off)"
     )
     origins["check_nonfinite"] = (
         "always on for fp16"
@@ -155,6 +160,11 @@ def resolve_config(
         warnings=tuple(_warnings(point, config)),
         ignored_keys=config.ignored_keys,
         alternatives=() if ok else _alternatives(point, table),
+        scheduler=config.scheduler,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        auto_values=config.auto_values,
+        config_warnings=config.config_warnings,
+        deepspeed_differences=tuple(deepspeed_differences(config, point, origins)),
     )
 
 
@@ -179,9 +189,6 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
         )
     if config.comm_reduction == "fp32_sum" and comm == "fp32":
         found.append("communication_reduction fp32_sum has no effect with fp32 on the wire")
-    offload = [k for k in config.ignored_keys if "offload" in k]
-    if offload:
-        found.append(f"{', '.join(offload)}: dtypeplan does not offload; the setting is ignored")
     return found
 
 
