@@ -149,6 +149,9 @@ def fill_auto(
         if current is _MISSING:
             if path not in FILLABLE:
                 hint = closest_hint(path, [*found, *FILLABLE])
+                if "did you mean" not in hint:
+                    listed = ", ".join(found) if found else "none"
+                    hint = f'the config\'s "auto" entries: {listed}'
                 raise PrecisionConfigError(
                     f"auto[{path!r}]: the config has no {path!r} and the HF integration does "
                     f"not fill such a key ({hint})",
