@@ -586,3 +586,119 @@ def test_binary_config_file_is_a_config_error(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(dtypeplan.PrecisionConfigError, match="cannot read config file"):
         dtypeplan.resolve(path)
+
+
+# --- settings that change numbers or memory: parsed, never ignored ---------------------------
+@pytest.mark.parametrize(
+    ("config", "field", "value"),
+    [
+        (
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+            "master_weights_dtype",
+            "bf16",
+        ),
+        (
+            {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+            "master_weights_dtype",
+            "fp16",
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+        (
+            {"bfloat16": {"enabled": True, "bf16_optimizer_states": True}},
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}, "autocast", "bf16"),
+        ({"fp16": {"enabled": True}, "torch_autocast": {"enabled": True}}, "autocast", "fp16"),
+        ({"torch_autocast": {"enabled": False, "dtype": "fp16"}}, "autocast", "none"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "offload_optimizer",
+            "nvme",
+        ),
+        ({"zero_optimization": {"cpu_offload": True}}, "offload_optimizer", "cpu"),
+        ({"zero_optimization": {"cpu_offload_param": True}}, "offload_param", "cpu"),
+        (
+            {"zero_optimization": {"zero_quantized_weights": True}},
+            "quantized_communication",
+            "weights",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "zero_quantized_weights": True,
+                    "zero_quantized_gradients": True,
+                }
+            },
+            "quantized_communication",
+            "both",
+        ),
+        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "hierarchical_partitioning", True),
+        ({"prescale_gradients": True}, "gradient_prescaling", "prescale"),
+        ({"gradient_predivide_factor": 8.0}, "gradient_prescaling", "predivide"),
+        ({"fp8": {"enabled": True}}, "fp8", True),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps", 4),
+        (
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                "optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}},
+            },
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+    ],
+)
+def test_number_changing_settings_are_parsed(
+    config: dict[str, Any], field: str, value: Any
+) -> None:
+    parsed = dtypeplan.resolver.load_config(config)
+    assert getattr(parsed, field) == value
+    assert parsed.ignored_keys == ()
+
+
+def test_stage3_alias_and_plain_name_are_one_setting() -> None:
+    plain = {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 10}}
+    alias = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}}
+    plain_plan, alias_plan = dtypeplan.resolve(plain).to_dict(), dtypeplan.resolve(alias).to_dict()
+    assert plain_plan.pop("ignored_keys") == ["$.zero_optimization.prefetch_bucket_size"]
+    assert alias_plan.pop("ignored_keys") == ["$.zero_optimization.stage3_prefetch_bucket_size"]
+    assert plain_plan == alias_plan
+    both = {"zero_optimization": {"prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 20}}
+    error = _error(both)
+    assert error.path == "$.zero_optimization.stage3_prefetch_bucket_size"
+
+
+def test_legacy_bfloat16_block_is_bf16_unless_bf16_is_given() -> None:
+    assert dtypeplan.resolve({"bfloat16": {"enabled": True}}).param_dtype == torch.bfloat16
+    plan = dtypeplan.resolve({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+    assert plan.param_dtype == torch.float32
+    assert any("$.bfloat16 is not read" in w for w in plan.config_warnings)
+
+
+@pytest.mark.parametrize(
+    "key", ["quantize_training", "compression_training", "sparse_attention", "amp", "elasticity"]
+)
+def test_blocks_deepspeed_removed_are_refused(key: str) -> None:
+    error = _error({key: {"enabled": False}})
+    assert error.path == f"$.{key}" and "DeepSpeed 0.19.8 removed" in str(error)
+    error = _error({"zero_optimization": {"mics_shard_size": 4}})
+    assert error.path == "$.zero_optimization.mics_shard_size"
+
+
+def test_data_types_param_dtype_must_match_the_enabled_mode() -> None:
+    assert dtypeplan.resolve({"bf16": {"enabled": True}, "data_types": {"param_dtype": "bfloat16"}})
+    error = _error({"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}})
+    assert error.path == "$.data_types.param_dtype"
+
+
+def test_model_side_settings_warn_and_are_not_ignored() -> None:
+    plan = dtypeplan.resolve({"activation_checkpointing": {"partition_activations": True}})
+    assert plan.ignored_keys == ()
+    assert any("$.activation_checkpointing" in w for w in plan.config_warnings)
+    off = dtypeplan.resolve({"compile": {"enabled": False}})
+    assert off.config_warnings == ()

@@ -2,9 +2,13 @@
 
 The JSON Schema in ``schemas/config.schema.json`` is the single source of truth for what a
 config may hold; it ships with the package so editors can validate configs too. Keys marked
-``x-dtypeplan-ignored`` there are DeepSpeed settings that do not bear on precision: they are
-accepted and reported by ``explain()``. This module only turns a schema-valid document into
-typed values; it applies no defaults (those live in ``precision_rules.yaml``).
+``x-dtypeplan-ignored`` there change neither numbers nor memory: they are accepted and reported
+by ``explain()``; keys marked ``x-dtypeplan-caller`` are model-side DeepSpeed features dtypeplan
+does not run: accepted with a warning. Before validation, ``"auto"`` values are filled
+(``_auto.py``), removed DeepSpeed blocks refused and unknown top-level keys set aside with a
+warning (``_deepspeed.py``); after it, DeepSpeed's aliases are folded into canonical names. This
+module then turns the document into typed values; it applies no table defaults (those live in
+``precision_rules.yaml``).
 """
 
 from __future__ import annotations
