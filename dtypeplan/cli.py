@@ -231,7 +231,9 @@ def _parser() -> argparse.ArgumentParser:
         "check",
         help="resolve a config: explain the plan and predict memory",
         description="Resolve CONFIG, print plan.explain() and the predicted bytes per rank. "
-        "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config.",
+        "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config. When bf16/fp16 "
+        '"enabled" are "auto" and no --auto fills them, the plan of each choice is printed and '
+        "the exit code is that of the HF default (fp32).",
     )
     check.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style .json or .yaml config")
     check.add_argument("--pipeline", action="store_true", help="the run uses pipeline parallelism")
