@@ -17,6 +17,14 @@ from dtypeplan.resolver._rules import RuleTable, load_rules
 __all__ = ["resolve", "resolve_config"]
 
 MAX_ALTERNATIVES = 5
+# "auto" config paths -> the origins entry of the effective value they decide.
+_AUTO_ORIGINS = {
+    "bf16.enabled": "param_dtype",
+    "fp16.enabled": "param_dtype",
+    "gradient_clipping": "gradient_clipping",
+    "data_types.grad_accum_dtype": "grad_accum_dtype",
+    "communication_data_type": "comm_dtype",
+}
 
 
 def resolve(
@@ -122,6 +130,14 @@ def resolve_config(
         if fp16
         else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
+
+    # An effective value that came from an "auto" says so where it is listed.
+    for auto in config.auto_values:
+        key = _AUTO_ORIGINS.get(auto.path) or (
+            "optimizer" if auto.path.startswith("optimizer.") else None
+        )
+        if key is not None and key in origins:
+            origins[key] += f'; {auto.path} "auto" <- {auto.source}'
 
     point = {
         "params": params,
