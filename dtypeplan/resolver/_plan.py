@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
@@ -122,6 +123,17 @@ class PrecisionPlan:
     ignored_keys: tuple[str, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     """For a plan that is not OK: the nearest OK configs (fewest changed settings)."""
+    scheduler: FrozenDict[str, Any] | None = None
+    """DeepSpeed's ``scheduler`` block (validated), for ``build_scheduler``; None without one."""
+    gradient_accumulation_steps: int | None = None
+    """DeepSpeed's ``gradient_accumulation_steps``: micro-batches per step, run by the caller."""
+    auto_values: tuple[AutoValue, ...] = ()
+    """Every ``"auto"`` of the config, the value used and where it came from."""
+    config_warnings: tuple[str, ...] = ()
+    """About the config as read: unknown top-level keys, model-side settings, DeepSpeed's
+    optimizer spellings."""
+    deepspeed_differences: tuple[str, ...] = ()
+    """Where this plan does not do what DeepSpeed 0.19.8 would, and how to get DeepSpeed's."""
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -155,6 +167,14 @@ class PrecisionPlan:
             "gradient_clipping": self.gradient_clipping,
             "reduce_bucket_size": self.reduce_bucket_size,
             "check_nonfinite": self.check_nonfinite,
+            "scheduler": None if self.scheduler is None else _jsonable(self.scheduler),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "auto_values": [
+                {"path": a.path, "value": _jsonable(a.value), "source": a.source}
+                for a in self.auto_values
+            ],
+            "config_warnings": list(self.config_warnings),
+            "deepspeed_differences": list(self.deepspeed_differences),
             "origins": dict(self.origins),
             "warnings": list(self.warnings),
             "ignored_keys": list(self.ignored_keys),
@@ -171,7 +191,16 @@ class PrecisionPlan:
     def rank_facts(self) -> dict[str, Any]:
         """What must agree across the ranks of one group (not where each value came from)."""
         data = self.to_dict()
-        for key in ("origins", "warnings", "ignored_keys", "alternatives", "rule_location"):
+        for key in (
+            "origins",
+            "warnings",
+            "ignored_keys",
+            "alternatives",
+            "rule_location",
+            "auto_values",
+            "config_warnings",
+            "deepspeed_differences",
+        ):
             data.pop(key)
         return data
 
@@ -249,10 +278,27 @@ class PrecisionPlan:
             lines.append(
                 f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
             )
-        if self.warnings:
-            lines += ["", "warnings:"] + [f"  - {w}" for w in self.warnings]
+        if self.scheduler is not None:
+            kind, params = self.scheduler.get("type"), self.scheduler.get("params", {})
+            lines.append(
+                f"  scheduler: {kind} {_kwargs(params)}  <- $.scheduler (plan.build_scheduler)"
+            )
+        if self.gradient_accumulation_steps is not None:
+            lines.append(
+                f"  gradient accumulation steps: {self.gradient_accumulation_steps}"
+                "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
+            )
+        if self.auto_values:
+            lines += ["", '"auto" values (path = value used <- where it came from):']
+            lines += [f"  {a.describe()}" for a in self.auto_values]
+        if self.warnings or self.config_warnings:
+            lines += ["", "warnings:"]
+            lines += [f"  - {w}" for w in (*self.warnings, *self.config_warnings)]
+        if self.deepspeed_differences:
+            lines += ["", "differences from DeepSpeed (and how to get DeepSpeed's behaviour):"]
+            lines += [f"  - {d}" for d in self.deepspeed_differences]
         if self.ignored_keys:
-            lines += ["", "ignored (DeepSpeed keys that do not bear on precision):"]
+            lines += ["", "ignored (DeepSpeed keys that change neither numbers nor memory):"]
             lines += [f"  {', '.join(self.ignored_keys)}"]
         if self.status != Status.OK:
             lines += ["", "nearest supported configs:"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
+from dtypeplan.resolver._differences import deepspeed_differences
 from dtypeplan.resolver._dimensions import DIMENSIONS, PARAMS, REDUCTION, STAGE
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Status
@@ -16,12 +17,22 @@ from dtypeplan.resolver._rules import RuleTable, load_rules
 __all__ = ["resolve", "resolve_config"]
 
 MAX_ALTERNATIVES = 5
+# "auto" config paths -> the origins entry of the effective value they decide.
+_AUTO_ORIGINS = {
+    "bf16.enabled": "param_dtype",
+    "fp16.enabled": "param_dtype",
+    "gradient_clipping": "gradient_clipping",
+    "data_types.grad_accum_dtype": "grad_accum_dtype",
+    "communication_data_type": "comm_dtype",
+}
 
 
 def resolve(
     config: dict[str, Any] | str | os.PathLike[str],
     pipeline_parallel: bool = False,
     rules: str | os.PathLike[str] | None = None,
+    auto: Mapping[str, Any] | None = None,
+    strict: bool = False,
     *,
     implementations: Collection[str] | None = None,
 ) -> PrecisionPlan:
@@ -29,11 +40,13 @@ def resolve(
 
     Total for schema-valid configs: an unsupported or contradictory combination gives a plan
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
-    rules file (:class:`RulesError`) raises. ``implementations``: the registered names a rule
-    may send combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
+    rules file (:class:`RulesError`) raises. ``auto`` fills the config's ``"auto"`` values
+    (dotted path -> value; the rest take the HF Trainer's defaults); ``strict`` makes every
+    unknown key an error. ``implementations``: the registered names a rule may send
+    combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
     """
     return resolve_config(
-        load_config(config),
+        load_config(config, auto=auto, strict=strict),
         pipeline_parallel=pipeline_parallel,
         table=load_rules(rules, implementations=implementations),
     )
@@ -110,13 +123,21 @@ def resolve_config(
     origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
     origins["optimizer"] = "$.optimizer" if config.optimizer_given else "default (AdamW, lr 1e-3)"
     origins["gradient_clipping"] = (
-        "$.gradient_clipping" if config.gradient_clipping else "default (off)"
+        "$.gradient_clipping" if config.gradient_clipping_given else "default (off)"
     )
     origins["check_nonfinite"] = (
         "always on for fp16"
         if fp16
         else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
+
+    # An effective value that came from an "auto" says so where it is listed.
+    for auto in config.auto_values:
+        key = _AUTO_ORIGINS.get(auto.path) or (
+            "optimizer" if auto.path.startswith("optimizer.") else None
+        )
+        if key is not None and key in origins:
+            origins[key] += f'; {auto.path} "auto" <- {auto.source}'
 
     point = {
         "params": params,
@@ -155,6 +176,11 @@ def resolve_config(
         warnings=tuple(_warnings(point, config)),
         ignored_keys=config.ignored_keys,
         alternatives=() if ok else _alternatives(point, table),
+        scheduler=config.scheduler,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        auto_values=config.auto_values,
+        config_warnings=config.config_warnings,
+        deepspeed_differences=tuple(deepspeed_differences(config, point, origins)),
     )
 
 
@@ -179,9 +205,6 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
         )
     if config.comm_reduction == "fp32_sum" and comm == "fp32":
         found.append("communication_reduction fp32_sum has no effect with fp32 on the wire")
-    offload = [k for k in config.ignored_keys if "offload" in k]
-    if offload:
-        found.append(f"{', '.join(offload)}: dtypeplan does not offload; the setting is ignored")
     return found
 
 
