@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -21,11 +22,18 @@ from typing import Any
 
 import jsonschema
 import torch
-import yaml
 
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
+from dtypeplan.resolver._input import (
+    InputError,
+    InputLimits,
+    check_document,
+    parse_json,
+    parse_yaml_config,
+    read_text,
+)
 
 __all__ = ["LossScaleConfig", "OptimizerConfig", "PrecisionConfig", "config_schema", "load_config"]
 
@@ -37,6 +45,12 @@ _OPTIMIZER_CLASSES: dict[str, OptimizerClass] = {
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
 }
+# A DeepSpeed config has a few hundred values; these bounds leave room and keep error
+# formatting (jsonschema quotes offending values whole) cheap.
+_CONFIG_LIMITS = InputLimits(max_bytes=4 * 2**20, max_nodes=100_000)
+_SHORT_REPR = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxdict, _SHORT_REPR.maxlist = 2, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 30
 # Chosen by dtypeplan, not by the user: the implementation sets them itself.
 _RESERVED_OPTIMIZER_ARGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
@@ -104,6 +118,8 @@ class PrecisionConfig:
     gradient_clipping: float = 0.0
     reduce_bucket_size: int | None = None
     check_nonfinite: bool = False
+    collective_timeout_s: float = 600.0
+    """How long a collective waits for a stalled or dead peer before it fails."""
     ignored_keys: tuple[str, ...] = ()
     """JSON paths of DeepSpeed keys that were accepted but do not bear on precision."""
     source: str | None = None
@@ -124,8 +140,25 @@ def _json_path(parts: Any) -> str:
     return path
 
 
+def _is_finite_number(checker: Any, instance: Any) -> bool:
+    """JSON's number: NaN and Infinity (which Python's json and dict configs allow) are not."""
+    if not jsonschema.Draft202012Validator.TYPE_CHECKER.is_type(instance, "number"):
+        return False
+    return not isinstance(instance, float) or math.isfinite(instance)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _is_finite_number),
+)
+
+
 def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
+    if isinstance(error.instance, float) and not math.isfinite(error.instance):
+        return PrecisionConfigError(
+            f"invalid value {error.instance} at {path}: must be a finite number", path
+        )
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         schema = error.schema if isinstance(error.schema, dict) else {}
         known = sorted(schema.get("properties", {}))
@@ -146,28 +179,27 @@ def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
             return _schema_error(misspelt[0])
         if fitting:
             return _schema_error(jsonschema.exceptions.best_match(fitting))
-    value = json.dumps(error.instance, default=repr)
+    if isinstance(error.instance, (dict, list)):
+        value = _SHORT_REPR.repr(error.instance)
+    else:
+        value = json.dumps(error.instance, default=repr)
     if len(value) > 60:
         value = value[:57] + "..."
-    return PrecisionConfigError(f"invalid value {value} at {path}: {error.message}", path)
+    # jsonschema's message quotes the whole value; the value is bounded (_input), the text too.
+    message = error.message if len(error.message) <= 200 else error.message[:197] + "..."
+    return PrecisionConfigError(f"invalid value {value} at {path}: {message}", path)
 
 
 def _read_file(path: str) -> Any:
+    is_yaml = path.endswith((".yaml", ".yml"))
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise PrecisionConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
-    except ValueError as exc:  # a NUL in the path, or a file that is not UTF-8 text
-        raise PrecisionConfigError(f"cannot read config file {path!r}: {exc}") from exc
-    try:
-        if path.endswith((".yaml", ".yml")):
-            return yaml.safe_load(text)
-        return json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise PrecisionConfigError(
-            f"{path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}"
-        ) from exc
+        text = read_text(path, _CONFIG_LIMITS)
+        return (
+            parse_yaml_config(text, _CONFIG_LIMITS) if is_yaml else parse_json(text, _CONFIG_LIMITS)
+        )
+    except InputError as exc:
+        line = f":{exc.line}" if exc.line is not None else ""
+        raise PrecisionConfigError(f"cannot read config file {path}{line}: {exc}") from None
 
 
 def _ignored_paths(document: Any, schema: dict[str, Any], prefix: list[Any]) -> list[str]:
@@ -220,12 +252,16 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         document = _read_file(source)
     else:
         document = config
+        try:
+            check_document(document, _CONFIG_LIMITS, path=_json_path)
+        except InputError as exc:
+            raise PrecisionConfigError(f"config: {exc}") from None
     if not isinstance(document, dict):
         raise PrecisionConfigError(
             f"a config must be a mapping of keys to values, not {type(document).__name__}"
         )
     schema = config_schema()
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _Validator(schema)
     errors = sorted(
         validator.iter_errors(document), key=lambda e: (list(map(str, e.path)), e.message)
     )
@@ -294,6 +330,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         check_nonfinite=bool(
             document.get("check_nonfinite", bf16.get("check_grad_overflow", False))
         ),
+        collective_timeout_s=float(document.get("collective_timeout_s", 600.0)),
         ignored_keys=tuple(_ignored_paths(document, schema, [])),
         source=source,
     )
