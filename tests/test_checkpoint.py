@@ -163,7 +163,13 @@ def test_interrupted_save_keeps_the_previous_checkpoint(spawned: list[dict[str, 
         failed = outcome["failed"]
         assert not failed["ok"] and failed["type"] == "CheckpointError", failed
         assert "disk died" in failed["message"]
-        assert len(outcome["leftovers"]) == 1
+        # A failed save removes its temporary directory (issue 12, item 7).
+        assert outcome["leftovers"] == []
+        for who in ("one", "all"):  # ENOSPC on one rank, on both
+            full = outcome["disk_full"][who]
+            assert not full["ok"] and full["type"] == "CheckpointError", full
+            assert "no space left on device" in full["message"], full["message"]
+            assert len(full["entries"]) == 2 and "LATEST" in full["entries"], full["entries"]
         for mine, ref in zip(outcome["reloaded_masters"], outcome["first_masters"], strict=True):
             assert torch.equal(mine, ref)
         assert len(outcome["after_next_save"]) == 2 and "LATEST" in outcome["after_next_save"]
@@ -184,10 +190,8 @@ def test_refusals_on_every_rank(spawned: list[dict[str, Any]]) -> None:
         assert "damaged-truncated" in truncated["message"] and "truncated" in truncated["message"]
         zeroed = out["zeroed"]
         assert zeroed["type"] == "CheckpointError", zeroed
-        assert (
-            "damaged-zeroed" in zeroed["message"]
-            and "reading the checkpoint failed" in zeroed["message"]
-        )
+        # Bytes overwritten with sizes kept: caught by the sha256 check before DCP reads.
+        assert "damaged-zeroed" in zeroed["message"] and "sha256 differs" in zeroed["message"]
         assert out["unchanged_after_failed_loads"]
 
 

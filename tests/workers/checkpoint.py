@@ -14,6 +14,7 @@ what lets a run resumed on another world size be compared with the uninterrupted
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import traceback
@@ -211,7 +212,25 @@ def interrupted_save(
 
     with mock.patch.object(dcp.FileSystemWriter, "write_data", dying_write):
         failed = capture(lambda: checkpoint.save(opt, path))
+    if group is not None:
+        dist.barrier(group)  # rank 0 removes the failed save's directory before others look
     leftovers = sorted(e for e in os.listdir(path) if e.endswith(".tmp"))
+
+    full: dict[str, Any] = {}
+    for who in ("one", "all"):
+
+        def disk_full(self: Any, plan: Any, planner: Any, who: str = who) -> Any:
+            # Real bytes first, then the error a full disk gives: the failed save has written.
+            written = original(self, plan, planner)
+            if who == "all" or rank == failing_rank:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return written
+
+        with mock.patch.object(dcp.FileSystemWriter, "write_data", disk_full):
+            full[who] = capture(lambda: checkpoint.save(opt, path))
+        if group is not None:
+            dist.barrier(group)
+        full[who]["entries"] = sorted(os.listdir(path))
     _fresh_model, fresh = build("fp32", stage=1, seed=3, group=group)
     checkpoint.load(fresh, path)
     reloaded = snapshot(fresh)
@@ -220,6 +239,7 @@ def interrupted_save(
     return {
         "failed": failed,
         "leftovers": leftovers,
+        "disk_full": full,
         "first_masters": first["masters"],
         "reloaded_masters": reloaded["masters"],
         "after_next_save": sorted(os.listdir(path)),
