@@ -40,6 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtypeplan.comm import Communicator
@@ -51,6 +55,45 @@ if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["FSDP2Optimizer"]
+
+
+class _NamedAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, whose failure (a dead or stalled peer) is a CollectiveError.
+
+    FSDP2 all-gathers synchronously unless explicit prefetching asks otherwise; an asynchronous
+    one fails later, in FSDP2's wait, with the backend's own error.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), output_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _NamedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 reduce_scatter", input_tensor.numel(), input_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 @register("fsdp2")
@@ -92,9 +135,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             # that is an FSDPModule, which would accumulate whole gradients; the children,
             # each its own FSDP root, reduce-scatter every micro-batch as the plan says.
             fully_shard(model, mesh=mesh, mp_policy=policy)
+        comm = Communicator(group)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+                # FSDP2's own collectives fail as CollectiveError naming them, like ours.
+                module.set_custom_all_gather(_NamedAllGather(comm))
+                module.set_custom_reduce_scatter(_NamedReduceScatter(comm))
         return model
 
     def __init__(
