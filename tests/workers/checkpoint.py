@@ -192,6 +192,22 @@ def full_state_save(root: str, group: dist.ProcessGroup | None) -> dict[str, Any
 
 
 # --- failures --------------------------------------------------------------------------------
+def _entries_after(
+    path: str, group: dist.ProcessGroup | None, keep: Callable[[str], bool]
+) -> list[str]:
+    """The directory's entries once every rank is back from a failed save, before any goes on.
+
+    The first barrier lets rank 0 finish removing the failed save's directory; the second keeps
+    it from creating the next save's directory while another rank still looks.
+    """
+    if dist.is_initialized():
+        dist.barrier(group)
+    entries = sorted(e for e in os.listdir(path) if keep(e))
+    if dist.is_initialized():
+        dist.barrier(group)
+    return entries
+
+
 def interrupted_save(
     root: str, group: dist.ProcessGroup | None, failing_rank: int
 ) -> dict[str, Any]:
@@ -212,9 +228,7 @@ def interrupted_save(
 
     with mock.patch.object(dcp.FileSystemWriter, "write_data", dying_write):
         failed = capture(lambda: checkpoint.save(opt, path))
-    if group is not None:
-        dist.barrier(group)  # rank 0 removes the failed save's directory before others look
-    leftovers = sorted(e for e in os.listdir(path) if e.endswith(".tmp"))
+    leftovers = _entries_after(path, group, lambda e: e.endswith(".tmp"))
 
     full: dict[str, Any] = {}
     for who in ("one", "all"):
@@ -228,9 +242,7 @@ def interrupted_save(
 
         with mock.patch.object(dcp.FileSystemWriter, "write_data", disk_full):
             full[who] = capture(lambda: checkpoint.save(opt, path))
-        if group is not None:
-            dist.barrier(group)
-        full[who]["entries"] = sorted(os.listdir(path))
+        full[who]["entries"] = _entries_after(path, group, lambda e: True)
     _fresh_model, fresh = build("fp32", stage=1, seed=3, group=group)
     checkpoint.load(fresh, path)
     reloaded = snapshot(fresh)
