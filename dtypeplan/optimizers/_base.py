@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.process_group = process_group
         self.skipped_steps = 0
         self.grad_norm: float | None = None
+        self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
         self.check_nonfinite = plan.check_nonfinite
         self.scaler = LossScaler(plan.loss_scaling)
@@ -199,6 +201,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             self.skipped_steps += 1
             self.scaler.update(overflow=True)
             return None
+        if not finite and not self._warned_nonfinite:
+            # The norm is already reduced over the group, so every rank warns alike, once.
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"the global gradient norm is not finite (step {self.step_count() + 1}): inf or "
+                "NaN gradients on some rank are being applied, and the master weights will turn "
+                'inf/NaN on every rank. Set "check_nonfinite": true in the config to skip '
+                "(and count) such steps instead; this warning is given once",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         factor = 1.0 / divisor
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)

@@ -40,6 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -124,6 +128,45 @@ def _masters_to_fp32(unit: torch.nn.Module) -> None:
                     param.data = param.data.to(torch.float32)
 
 
+class _NamedAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, whose failure (a dead or stalled peer) is a CollectiveError.
+
+    FSDP2 all-gathers synchronously unless explicit prefetching asks otherwise; an asynchronous
+    one fails later, in FSDP2's wait, with the backend's own error.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), output_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _NamedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 reduce_scatter", input_tensor.numel(), input_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
 @register("fsdp2")
 class FSDP2Optimizer(MixedPrecisionOptimizer):
     """ZeRO-3: master weights, gradients and optimizer states sharded, on FSDP2."""
@@ -187,9 +230,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
             _masters_to_fp32(unit)
             fully_shard(unit, mesh=mesh, mp_policy=policy)
+        comm = Communicator(group)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+                # FSDP2's own collectives fail as CollectiveError naming them, like ours.
+                module.set_custom_all_gather(_NamedAllGather(comm))
+                module.set_custom_reduce_scatter(_NamedReduceScatter(comm))
         return model
 
     def __init__(
