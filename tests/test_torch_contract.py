@@ -51,14 +51,7 @@ def test_item1_second_optimizer_on_same_params(stage: int, dtype: str) -> None:
     check("item1_second_optimizer", stage, dtype)
 
 
-# The restructured engine made bf16 optimizers collectible; fp32 ones are still kept alive.
-@one_process("item1", ITEM1, combos=[(0, "fp32")])
-def test_item1_dropped_optimizer_is_collected_fp32(stage: int, dtype: str) -> None:
-    # issue 10 item 1
-    check("item1_dropped_optimizer_collected", stage, dtype)
-
-
-@one_process("item1", None, combos=[c for c in ONE_PROCESS if c[1] != "fp32"])
+@one_process("item1", None)
 def test_item1_dropped_optimizer_is_collected(stage: int, dtype: str) -> None:
     # issue 10 item 1
     check("item1_dropped_optimizer_collected", stage, dtype)
