@@ -5,7 +5,13 @@ Each one is a ``ValueError`` so that callers who only know the standard library 
 
 from __future__ import annotations
 
-__all__ = ["NotSupportedError", "PrecisionConfigError", "RankMismatchError", "RulesError"]
+__all__ = [
+    "NotSupportedError",
+    "OptimizerUsageError",
+    "PrecisionConfigError",
+    "RankMismatchError",
+    "RulesError",
+]
 
 
 class PrecisionConfigError(ValueError):
@@ -35,3 +41,12 @@ class RulesError(ValueError):
 
 class RankMismatchError(RuntimeError):
     """Ranks of one process group were given different plans or parameter shapes."""
+
+
+class OptimizerUsageError(ValueError):
+    """A call the optimizer cannot follow as made; the message says what to do instead.
+
+    Raised at the call that causes it: a closed (replaced) optimizer stepped, a parameter
+    listed twice, a param group added after build, a model changed in a way the flat buffers
+    cannot follow (another dtype or device, a parameter unfrozen after build).
+    """
