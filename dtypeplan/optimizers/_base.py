@@ -267,14 +267,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             {
                 "plan": self.plan.rank_facts(),
                 "implementation": type(self).__name__,
-                "param_groups": [
-                    {
-                        "params": [
-                            [list(p.shape), str(p.dtype), p.requires_grad] for p in g["params"]
-                        ],
-                        "hyperparameters": {k: v for k, v in g.items() if k != "params"},
-                    }
+                "param_shapes": [
+                    [[list(p.shape), str(p.dtype), p.requires_grad] for p in g["params"]]
                     for g in self.param_groups
+                ],
+                "hyperparameters": [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
                 ],
             }
         )

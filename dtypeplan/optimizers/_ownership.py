@@ -51,7 +51,7 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
             f"a new optimizer was built on {moved} parameter(s) that {type(old).__name__} "
             f"at 0x{id(old):x} owned: the old optimizer is closed (its gradient hooks removed, "
             "any later step() raises) so that the new one receives the gradients",
-            stacklevel=4,
+            stacklevel=5,
         )
         old.close()
     ref = weakref.ref(owner)
