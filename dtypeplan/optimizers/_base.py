@@ -97,11 +97,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
 
     Subclasses are built as ``cls(params, plan=plan, process_group=group)`` and must provide
     the abstract members: :attr:`inner`, the training-loop calls (:meth:`step`,
-    :meth:`zero_grad`, :meth:`clear_lp_grads`), the state calls (:meth:`state_dict`,
-    :meth:`load_state_dict`, :meth:`full_state`, :meth:`load_full_state`) and
-    :meth:`held_tensors`. ``param_groups`` holds the model's parameters and the
-    hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers work unchanged;
-    implementations read them at every step.
+    :meth:`zero_grad`, :meth:`clear_lp_grads`, and :meth:`_prepare_grad_norm` behind
+    :meth:`clip_grad_norm_`), the per-parameter state behind :meth:`state_dict`
+    (:meth:`_param_state`, :meth:`_load_param_state`, :meth:`_layout_facts`,
+    :meth:`state_names`), the layout-free state (:meth:`full_state`,
+    :meth:`load_full_state`) and :meth:`held_tensors`. ``param_groups`` holds the model's
+    parameters and the hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers
+    work unchanged; implementations read them at every step.
+
+    What the base class owns for every implementation, as ``torch.optim`` users expect:
+    refusing a parameter listed twice and ``add_param_group`` after build; the hooks' lifetime
+    (:attr:`hooks`, :meth:`close`, replacing the previous owner of the parameters:
+    ``_ownership.py``); the rank check and the first rank's weights on every rank;
+    :attr:`last_step_skipped`; :meth:`clip_grad_norm_`; and ``torch.optim``'s state dict
+    layout. A subclass registers its gradient hooks in :attr:`hooks` (holding itself weakly),
+    calls :meth:`_take_ownership` at the end of its ``__init__`` and
+    ``_check_open("step()")`` first in :meth:`step`.
     """
 
     STATE_FORMAT: str = "dtypeplan/1"

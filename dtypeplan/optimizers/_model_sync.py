@@ -41,6 +41,8 @@ class ModelSync:
         self.param_groups = param_groups
         self._in_buffers = {id(p) for s in groups for p in s.flat.params}
         self._versions = [[p._version for p in s.flat.params] for s in groups]
+        # Views of the buffers never change: made once, not per step.
+        self._views = [s.flat.param_views(s.flat.buffer) for s in groups]
 
     @torch.no_grad()
     def pick_up(self) -> None:
@@ -50,9 +52,7 @@ class ModelSync:
             flat = state.flat
             versions = self._versions[gi]
             changed: set[int] = set()
-            for index, (param, view) in enumerate(
-                zip(flat.params, flat.param_views(flat.buffer), strict=True)
-            ):
+            for index, (param, view) in enumerate(zip(flat.params, self._views[gi], strict=True)):
                 if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
                     self._readopt(gi, index, param, view)
                     changed.add(index)

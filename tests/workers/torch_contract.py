@@ -184,6 +184,12 @@ def item1_second_optimizer(rank: int, world: int, stage: int, dtype: str) -> Non
     assert pair.opt is not first
     pair.train(2, rank, world)
     pair.assert_close("the second optimizer on the same parameters")
+    try:
+        first.step()
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        assert "closed" in str(exc), f"unclear refusal of the replaced optimizer: {exc}"
+    else:
+        raise AssertionError("the replaced optimizer still steps")
 
 
 def item1_dropped_optimizer_collected(rank: int, world: int, stage: int, dtype: str) -> None:
