@@ -263,6 +263,39 @@ def item4_unused_head_not_updated(rank: int, world: int, stage: int, dtype: str)
     pair.assert_close("the used part of the model")
 
 
+def item4_head_used_on_one_rank(rank: int, world: int, stage: int, dtype: str) -> None:
+    # "No gradient" means on no rank: head_b has one on rank 0, so every replica updates it
+    # with the mean over ranks (rank 1 contributes zero), as DDP + torch.optim would.
+    pair = Pair(stage, dtype, two_heads(0))
+    for step in range(2):
+        x, y = batch(step, 8 * world)
+        pair.ref_opt.zero_grad()
+        slices = [(my_slice(x, r, world), my_slice(y, r, world)) for r in range(world)]
+        ref_loss = sum(
+            regression_loss(pair.reference, xs, ys, use_b=r == 0)
+            for r, (xs, ys) in enumerate(slices)
+        )
+        (ref_loss / world).backward()
+        pair.ref_opt.step()
+        pair.opt.zero_grad()
+        xs, ys = slices[rank]
+        pair.opt.backward(regression_loss(pair.model, xs, ys, use_b=rank == 0))
+        pair.opt.step()
+    pair.assert_close("head_b used on rank 0 only")
+
+
+def item3_left_in_another_dtype(rank: int, world: int, stage: int, dtype: str) -> None:
+    pair = Pair(stage, dtype, two_heads(0))
+    pair.model.float()  # and not cast back: the flat buffers cannot hold fp32 parameters
+    try:
+        pair.train(1, rank, world)
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        message = str(exc)
+        assert "torch.float32" in message and "prepare_model" in message, message
+        return
+    raise AssertionError("step() trained a model left in fp32 under a 16-bit plan")
+
+
 def item4_frozen_after_build(rank: int, world: int, stage: int, dtype: str) -> None:
     pair = Pair(stage, dtype, two_heads(0))
     pair.train(1, rank, world)
