@@ -212,6 +212,8 @@ def _two_rank_cases() -> list[tuple[str, int, str]]:
         ("item2_load_state_dict_after_build", 1, "bf16"),
         ("item3_data_rebinding", 2, "fp32"),
         ("item5_hand_set_grad", 2, "fp32"),
+        ("item5_clip_grad_norm", 2, "fp32"),
+        ("item5_clip_grad_norm", 3, "fp32"),
         ("item10_module_list_blocks", 3, "bf16"),
         ("item11_prepare_model_casts_whole_model", 3, "bf16"),
     ]

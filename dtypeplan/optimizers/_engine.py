@@ -88,6 +88,8 @@ class PreparedStep(NamedTuple):
     """The global squared norm of the summed (still scaled) gradient."""
     untouched: list[list[int]]
     """Per group: the parameters no rank gave a gradient in this window (not updated)."""
+    any_touched: bool
+    """Some rank gave some parameter a gradient (else the update is skipped altogether)."""
 
 
 class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
@@ -247,8 +249,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
             if factor is None:
                 return loss
-            fused, kept = self._update(prepared.grads, factor, prepared.untouched)
-            self._write_back(cast=not fused or kept)
+            if prepared.any_touched:
+                fused, kept = self._update(prepared.grads, factor, prepared.untouched)
+                self._write_back(cast=not fused or kept)
+            # else no parameter got a gradient: torch.optim would not touch any, nor its states
             self.scaler.update(overflow=False)
         finally:
             self.reductions.end_step()
@@ -274,7 +278,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self.reductions.reduce_hand_set(hand_set, hand_set_buckets)
             sq_norm = self._global_sq_norm(grads)
         untouched = [[pi for pi, t in enumerate(per_group) if not t] for per_group in touched]
-        return PreparedStep(grads, sq_norm, untouched)
+        any_touched = any(any(per_group) for per_group in touched)
+        return PreparedStep(grads, sq_norm, untouched, any_touched)
 
     def _take_hand_set_grads(self) -> dict[tuple[int, int], torch.Tensor]:
         """The ``.grad`` found on parameters at step (set by hand: the hooks take the rest).

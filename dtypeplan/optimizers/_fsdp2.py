@@ -135,7 +135,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             raise ValueError("ZeRO-3 expects fp32 sharded parameters (they are the master weights)")
         self.comm = Communicator(process_group)
         self._check_ranks_agree(self.comm)
-        self._pending_sq_norm: float | None = None
+        # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
+        self._pending: tuple[float, list[bool]] | None = None
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # The update runs on the local shards as plain tensors: fused kernels have no DTensor
         # sharding rules (SGD's has none at all), and a local update needs no communication.
@@ -210,9 +211,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        touched = self._touched()
-        local_grads = self._local_gradients()
-        sq_norm, touched = self._step_summary(local_grads, touched)
+        if self._pending is not None:
+            (sq_norm, touched), self._pending = self._pending, None
+            local_grads = self._local_gradients()
+        else:
+            touched = self._touched()
+            local_grads = self._local_gradients()
+            sq_norm, touched = self._step_summary(local_grads, touched)
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._gradient_factor(sq_norm, self.scaler.scale)
         if factor is None:
@@ -244,9 +249,6 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         self, local_grads: list[torch.Tensor], touched: list[bool]
     ) -> tuple[float, list[bool]]:
         """One all-reduce of ``[squared norm, touched flag per parameter...]``."""
-        if self._pending_sq_norm is not None:  # clip_grad_norm_ reduced the norm already
-            sq_norm, self._pending_sq_norm = self._pending_sq_norm, None
-            return sq_norm, [True] * len(touched)
         norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
         device = self._locals()[0].device if self._locals() else torch.device("cpu")
         if norms:
@@ -258,9 +260,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return values[0], [flag > 0 for flag in values[1:]]
 
     def _prepare_grad_norm(self) -> float:
-        local_grads = self._local_gradients()
-        sq_norm, _ = self._step_summary(local_grads, self._touched())
-        self._pending_sq_norm = sq_norm
+        if self._pending is None:
+            touched = self._touched()  # before _local_gradients fills missing ones with zeros
+            self._pending = self._step_summary(self._local_gradients(), touched)
+        sq_norm = self._pending[0]
         return math.sqrt(sq_norm) / self.scaler.scale if math.isfinite(sq_norm) else math.inf
 
     def _local_gradients(self) -> list[torch.Tensor]:
@@ -287,7 +290,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for param in self._params():
             param.grad = None
         self._fresh = [True] * len(self._fresh)
-        self._pending_sq_norm = None
+        self._pending = None
 
     def clear_lp_grads(self) -> None:
         """Clear the compute (low-precision) gradients: FSDP2 already frees them.
