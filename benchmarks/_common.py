@@ -26,6 +26,7 @@ __all__ = [
     "environment",
     "finish",
     "format_table",
+    "gpu",
     "hardware",
     "result_stem",
     "write_result",
@@ -83,6 +84,36 @@ def hardware() -> dict[str, Any]:
     }
 
 
+def gpu() -> dict[str, Any] | None:
+    """The CUDA device and the versions of the GPU stack; ``None`` without CUDA.
+
+    Kept apart from :func:`hardware` so that a CPU run records exactly what it always did.
+    """
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    try:
+        nccl: str | None = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:  # a torch built without NCCL
+        nccl = None
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except Exception:  # Triton missing or broken: the kernel benchmark records why
+        triton_version = None
+    return {
+        "name": props.name,
+        "count": torch.cuda.device_count(),
+        "capability": f"{props.major}.{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "triton": triton_version,
+    }
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -107,11 +138,11 @@ def _git_commit() -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """Hardware, versions and the moment of the run."""
+    """Hardware, versions and the moment of the run (and the GPU stack where CUDA is present)."""
     import dtypeplan
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    return {
+    record: dict[str, Any] = {
         "date": now.date().isoformat(),
         "time_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "hardware": hardware(),
@@ -122,6 +153,10 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
+    cuda = gpu()
+    if cuda is not None:
+        record["gpu"] = cuda
+    return record
 
 
 def _cell(value: Any) -> str:
@@ -198,6 +233,15 @@ def write_result(
         f"- hardware: {hw['cpu']} ({', '.join(hw['cpu_flags']) or 'no listed SIMD flags'}), "
         f"{hw['cpus_usable']} usable of {hw['cpu_count']} CPUs, {hw['memory_gib']} GiB, "
         f"{hw['os']}" + (f", GPU {hw['cuda']}" if hw["cuda"] else ""),
+        *(
+            [
+                f"- GPU stack: {g['count']} x {g['name']} (sm {g['capability']}, "
+                f"{g['memory_gib']} GiB), CUDA {g['cuda']}, NCCL {g['nccl']}, "
+                f"Triton {g['triton']}"
+            ]
+            if (g := env.get("gpu"))
+            else []
+        ),
         f"- versions: python {env['python']}, torch {env['torch']}, dtypeplan {env['dtypeplan']} "
         f"(commit {env['git_commit']})",
         f"- run at {env['time_utc']}; 1-minute load average at the start "

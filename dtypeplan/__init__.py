@@ -8,10 +8,17 @@ optimizer = plan.build(model.parameters())
 import importlib
 from typing import Any
 
+from dtypeplan._api import load_rules, resolve
 from dtypeplan.comm import CollectiveError
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RankMismatchError, RulesError
+from dtypeplan.errors import (
+    NotSupportedError,
+    PrecisionConfigError,
+    RankMismatchError,
+    RegistryError,
+    RulesError,
+)
 from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
-from dtypeplan.resolver import PrecisionPlan, Status, load_rules, resolve
+from dtypeplan.resolver import PrecisionPlan, Status
 
 __version__ = "0.1.0"
 
@@ -22,6 +29,7 @@ __all__ = [
     "PrecisionConfigError",
     "PrecisionPlan",
     "RankMismatchError",
+    "RegistryError",
     "RulesError",
     "Status",
     "checkpoint",

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 
 from dtypeplan.errors import PrecisionConfigError, RulesError
-from dtypeplan.resolver._memory import MEMORY_KEYS
+from dtypeplan.report import memory_report
 
-__all__ = ["format_bytes", "main", "memory_report", "parse_count"]
+__all__ = ["main", "parse_count"]
 
 EXIT_OK = 0
 EXIT_NOT_SUPPORTED = 1
@@ -52,48 +52,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def format_bytes(count: int | float) -> str:
-    """``1536`` -> ``"1.50 KiB"``; binary units up to TiB."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
-
-
-def memory_report(
-    predicted: dict[str, int],
-    num_params: int,
-    world_size: int,
-    measured: Sequence[dict[str, int] | None] = (),
-) -> str:
-    """The per-rank byte table; ``measured`` adds one column per rank next to the prediction."""
-    header = ["component", "predicted bytes", "human", "bytes/param"]
-    header += [f"rank {r} measured" for r in range(len(measured))]
-    rows = [header]
-    for key in MEMORY_KEYS:
-        row = [
-            key,
-            f"{predicted[key]:,}",
-            format_bytes(predicted[key]),
-            f"{predicted[key] / num_params:.2f}" if num_params else "-",
-        ]
-        row += [f"{m[key]:,}" if m is not None else "n/a" for m in measured]
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        f"memory per rank at the accumulation boundary: {num_params:,} parameters, "
-        f"{world_size} rank{'s' if world_size != 1 else ''}"
-    ]
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  " + "  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
 def _import_modules(names: Sequence[str]) -> None:
     """Import the modules that register a custom rules file's implementations."""
     for name in names:
@@ -105,7 +63,7 @@ def _import_modules(names: Sequence[str]) -> None:
 
 # --- commands ----------------------------------------------------------------------------------
 def _cmd_check(args: argparse.Namespace) -> int:
-    from dtypeplan.resolver import Status, resolve
+    from dtypeplan import Status, resolve
 
     plan = resolve(args.config, pipeline_parallel=args.pipeline, rules=args.rules)
     memory = None if plan.status == Status.ERROR else plan.memory(args.params, args.world_size)
@@ -139,7 +97,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
-    from dtypeplan.resolver import load_rules
+    from dtypeplan import load_rules
     from dtypeplan.table import render_markdown, render_readme_block
 
     table = load_rules(args.rules)
@@ -148,10 +106,11 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
-    from dtypeplan.resolver import load_rules
+    from dtypeplan import load_rules
+    from dtypeplan.resolver import COMBINATIONS
 
     table = load_rules(args.rules)
-    combinations = sum(1 for _ in table.points())
+    combinations = COMBINATIONS
     print(
         f"ok: {len(table.rules)} rules, {combinations} combinations, "
         "each matched by exactly one rule"

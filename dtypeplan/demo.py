@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtypeplan import PrecisionPlan, Status, resolve
 from dtypeplan.launch import RankFailure, spawn
-from dtypeplan.resolver import PrecisionPlan, Status, resolve
+from dtypeplan.report import memory_report
 
 __all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "run_demo"]
 
@@ -175,8 +176,6 @@ def run_demo(
         f"skipped steps {results[0]['skipped_steps']}; {elapsed:.1f} s including rank start-up"
     )
     print()
-    from dtypeplan.cli import memory_report
-
     print(
         memory_report(
             plan.memory(num_params, world_size),

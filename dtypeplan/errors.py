@@ -1,15 +1,19 @@
 """The exceptions that dtypeplan raises on purpose.
 
-Each one is a ``ValueError`` so that callers who only know the standard library still catch it.
+A bad config, rules file or registration is a ``ValueError``, so that callers who only know the
+standard library still catch it; a failure while training (ranks that disagree, an fp16 scale
+that cannot go lower) is a ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "MinimumLossScaleError",
     "NotSupportedError",
     "OptimizerUsageError",
     "PrecisionConfigError",
     "RankMismatchError",
+    "RegistryError",
     "RulesError",
 ]
 
@@ -37,6 +41,15 @@ class RulesError(ValueError):
         super().__init__(f"{location}: {message}")
         self.file = file
         self.line = line
+
+
+class RegistryError(ValueError):
+    """An implementation name registered twice, or asked for but never registered, or a
+    registered class that is not a :class:`dtypeplan.MixedPrecisionOptimizer`."""
+
+
+class MinimumLossScaleError(RuntimeError):
+    """fp16 gradients overflowed again with the loss scale already at its minimum."""
 
 
 class RankMismatchError(RuntimeError):

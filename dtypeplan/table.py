@@ -1,26 +1,36 @@
 """The rules table as markdown: ``dtypeplan table`` and the generated section of README.md.
 
 Two tables are rendered. The first lists every rule of the file in file order. The second is
-the status grid a reader looks for: parameter dtype x accumulation dtype (rows) against ZeRO
-stage x pipeline parallelism (columns), with ``sharded`` and ``comm`` left to the defaults of
-the rules file. Each cell is computed by resolving a real config for it, so the grid shows
-what ``dtypeplan.resolve`` answers, defaults included, and cannot drift from the resolver.
+the status grid a reader looks for: the :data:`GRID_ROWS` dimensions (parameter dtype x
+accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism),
+with the other dimensions left to the defaults of the rules file. Titles, values and the config
+keys that select them come from the dimension records (``resolver/_dimensions.py``). Each cell
+is computed by resolving a real config for it, so the grid shows what ``dtypeplan.resolve``
+answers, defaults included, and cannot drift from the resolver.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 from dtypeplan.resolver._config import load_config
+from dtypeplan.resolver._dimensions import (
+    ACCUM,
+    PARAMS,
+    PIPELINE,
+    STAGE,
+    Dimension,
+    config_for,
+    value_text,
+)
 from dtypeplan.resolver._resolve import resolve_config
-from dtypeplan.resolver._rules import DIMENSIONS, RuleTable
+from dtypeplan.resolver._rules import Rule, RuleTable
 
 __all__ = [
-    "GRID_ACCUM",
-    "GRID_MODELS",
-    "GRID_PIPELINE",
-    "GRID_STAGES",
+    "GRID_COLUMNS",
+    "GRID_ROWS",
     "README_BEGIN",
     "README_END",
     "grid_config",
@@ -35,15 +45,32 @@ __all__ = [
 README_BEGIN = "<!-- table:begin -->"
 README_END = "<!-- table:end -->"
 
-GRID_MODELS = ("fp32", "fp16", "bf16")
-GRID_ACCUM = ("fp32", "fp16", "bf16")
-GRID_STAGES = (0, 1, 2, 3)
-GRID_PIPELINE = (False, True)
+GRID_ROWS: tuple[Dimension, ...] = (PARAMS, ACCUM)
+"""One grid row per combination of their advisable values."""
+GRID_COLUMNS: tuple[Dimension, ...] = (STAGE, PIPELINE)
+"""One grid column per combination of their values."""
+
+Cell = tuple[Any, ...]
+
+
+def _cells(dimensions: tuple[Dimension, ...], advisable: bool) -> list[Cell]:
+    return list(
+        itertools.product(*(dim.choices if advisable else dim.values for dim in dimensions))
+    )
 
 
 def _cell(text: str) -> str:
     """Text safe inside a markdown table cell."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def _implementation_cell(rule: Rule) -> str:
+    if rule.implementation is None:
+        return "-"
+    single = rule.single_process_implementation
+    if single is None or single == rule.implementation:
+        return _cell(rule.implementation)
+    return _cell(f"{rule.implementation} ({single} without torch.distributed)")
 
 
 def render_rules(table: RuleTable) -> str:
@@ -55,66 +82,59 @@ def render_rules(table: RuleTable) -> str:
     for rule in table.rules:
         lines.append(
             f"| `{rule.id}` | {_cell(rule.when_text())} | {rule.status} | "
-            f"{_cell(rule.implementation) if rule.implementation else '-'} | {_cell(rule.reason)} |"
+            f"{_implementation_cell(rule)} | {_cell(rule.reason)} |"
         )
     return "\n".join(lines)
 
 
-def grid_config(model: str, accum: str, stage: int) -> dict[str, Any]:
-    """The config a user writes for one cell of the grid; everything else stays default."""
-    config: dict[str, Any] = {
-        "gradient_accumulation_dtype": accum,
-        "zero_optimization": {"stage": stage},
-    }
-    if model == "bf16":
-        config["bf16"] = {"enabled": True}
-    elif model == "fp16":
-        config["fp16"] = {"enabled": True}
-    return config
+def grid_config(row: Cell, column: Cell) -> tuple[dict[str, Any], bool]:
+    """The config a user writes for one grid cell, and its ``pipeline_parallel`` argument."""
+    values = dict(zip((d.name for d in GRID_ROWS + GRID_COLUMNS), row + column, strict=True))
+    return config_for(values), bool(values.get(PIPELINE.name, PIPELINE.default_value))
 
 
-def status_grid(table: RuleTable) -> dict[tuple[str, str], dict[tuple[int, bool], str]]:
-    """``{(model, accum): {(stage, pipeline): status}}`` from the resolver, defaults applied."""
-    grid: dict[tuple[str, str], dict[tuple[int, bool], str]] = {}
-    for model in GRID_MODELS:
-        for accum in GRID_ACCUM:
-            row: dict[tuple[int, bool], str] = {}
-            for stage in GRID_STAGES:
-                config = load_config(grid_config(model, accum, stage))
-                for pipeline in GRID_PIPELINE:
-                    plan = resolve_config(config, pipeline_parallel=pipeline, table=table)
-                    row[(stage, pipeline)] = str(plan.status)
-            grid[(model, accum)] = row
+def status_grid(table: RuleTable) -> dict[Cell, dict[Cell, str]]:
+    """``{row: {column: status}}`` from the resolver, defaults applied."""
+    grid: dict[Cell, dict[Cell, str]] = {}
+    for row in _cells(GRID_ROWS, advisable=True):
+        grid[row] = {}
+        for column in _cells(GRID_COLUMNS, advisable=False):
+            config, pipeline = grid_config(row, column)
+            plan = resolve_config(load_config(config), pipeline_parallel=pipeline, table=table)
+            grid[row][column] = str(plan.status)
     return grid
 
 
+def _heading(column: Cell) -> str:
+    return " ".join(
+        text for dim, v in zip(GRID_COLUMNS, column, strict=True) if (text := dim.show(v))
+    )
+
+
 def render_grid(table: RuleTable) -> str:
-    """The 9 x 8 status grid as a markdown table."""
-    header = ["params", "accum"]
-    for stage in GRID_STAGES:
-        for pipeline in GRID_PIPELINE:
-            header.append(f"ZeRO {stage}{' + PP' if pipeline else ''}")
+    """The status grid as a markdown table."""
+    columns = _cells(GRID_COLUMNS, advisable=False)
+    header = [dim.title for dim in GRID_ROWS] + [_heading(column) for column in columns]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    for (model, accum), row in status_grid(table).items():
-        cells = [model, accum]
-        for stage in GRID_STAGES:
-            for pipeline in GRID_PIPELINE:
-                status = row[(stage, pipeline)]
-                cells.append(f"**{status}**" if status == "OK" else status)
+    for row, statuses in status_grid(table).items():
+        cells = [value_text(v) for v in row]
+        for column in columns:
+            status = statuses[column]
+            cells.append(f"**{status}**" if status == "OK" else status)
         lines.append("| " + " | ".join(cells) + " |")
     defaults = table.defaults
     sharded = ", ".join(
         f"{stage}: {'sharded' if defaults.accumulator_sharded[stage] else 'whole'}"
-        for stage in DIMENSIONS["stage"]
+        for stage in STAGE.values
     )
     comm = defaults.communication_data_type
-    comm_text = {"accum": "the accumulation dtype", "model": "the parameter dtype"}.get(comm, comm)
+    comm_text = {"accum": "the accumulation dtype", "params": "the parameter dtype"}.get(comm, comm)
+    keys = ", ".join(f"`{dim.config_key}` ({dim.title})" for dim in GRID_ROWS + GRID_COLUMNS)
     note = (
-        "Each cell is what `resolve` answers for a config that sets only `bf16.enabled` or "
-        "`fp16.enabled` (params), `gradient_accumulation_dtype` and `zero_optimization.stage`, "
-        f"leaving the rest to the defaults of "
-        f"`{os.path.basename(table.path)}`: accumulator by ZeRO stage ({sharded}), gradients on "
-        f"the wire in {comm_text}. PP = `resolve(..., pipeline_parallel=True)`."
+        f"Each cell is what `resolve` answers for a config that sets only {keys}, leaving the "
+        f"rest to the defaults of `{os.path.basename(table.path)}`: accumulator by ZeRO stage "
+        f"({sharded}), gradients on the wire in {comm_text}. "
+        f"PP = `resolve(..., {PIPELINE.config_key}=True)`."
     )
     return "\n".join(lines) + "\n\n" + note
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dtypeplan.resolver import load_rules
+from dtypeplan.resolver import PARAMS, load_rules
 
 IN, HIDDEN, OUT = 12, 24, 6
 
@@ -43,7 +43,8 @@ def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
-MODEL_KEYS = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
+PARAMS_KEYS = {dtype: PARAMS.config_for(dtype) for dtype in PARAMS.choices}
+"""The config keys that select each parameter dtype (from the table's dimension record)."""
 
 
 def ok_cells(
@@ -54,7 +55,7 @@ def ok_cells(
     cells: dict[tuple, dict[str, Any]] = {}
     for point in table.points():
         if (
-            point["model"] == "fp16+bf16"
+            point["params"] not in PARAMS.choices
             or point["stage"] not in stages
             or point["pipeline"] != pipeline
         ):

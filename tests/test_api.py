@@ -159,3 +159,52 @@ def test_registered_names_list_the_builtin_implementations() -> None:
     for rule in dtypeplan.load_rules().rules:
         if rule.implementation is not None:
             assert rule.implementation in names
+
+
+# --- the plan holds what runs --------------------------------------------------------------------
+HASHABLE_CONFIGS = [
+    {},
+    {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization": {"stage": 3}},
+    {
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "betas": [0.8, 0.9]}},
+        "gradient_accumulation_dtype": {"dtype": "bf16", "sharded": True},
+        "zero_optimization": {"stage": 0},
+    },
+    {"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+]
+
+
+@pytest.mark.parametrize("config", HASHABLE_CONFIGS)
+def test_plans_are_hashable_and_equal_configs_give_equal_plans(config: dict) -> None:
+    first, second = dtypeplan.resolve(config), dtypeplan.resolve(json.loads(json.dumps(config)))
+    assert first == second and hash(first) == hash(second)
+    assert len({first, second}) == 1
+    with pytest.raises(TypeError):
+        first.origins["param_dtype"] = "mutated"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        first.optimizer.params["lr"] = 1.0  # type: ignore[index]
+
+
+def test_effective_values_under_fp16_and_bf16() -> None:
+    fp16 = dtypeplan.resolve({"fp16": {"enabled": True}})
+    assert fp16.check_nonfinite is True and fp16.loss_scaling is not None
+    assert "non-finite check       on" in fp16.explain()
+    bf16 = dtypeplan.resolve({"bf16": {"enabled": True}})
+    assert bf16.check_nonfinite is False and bf16.loss_scaling is None
+    assert fp16.reduce_dtype == fp16.comm_dtype  # FSDP2's MixedPrecisionPolicy name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_build_returns_the_class_the_plan_names(stage: int) -> None:
+    """Without torch.distributed the builder makes ``single_process_implementation``."""
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}})
+    model = plan.prepare_model(torch.nn.Linear(4, 2))
+    optimizer = plan.build(model.parameters())
+    name = plan.implementation_for(distributed=False)
+    assert name == plan.single_process_implementation
+    assert type(optimizer) is dtypeplan.optimizers.get_implementation(name)
+    if stage == 3:
+        assert (plan.implementation, name) == ("fsdp2", "sharded")
+    else:
+        assert name == plan.implementation

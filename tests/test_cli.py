@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import dtypeplan
-from dtypeplan.cli import format_bytes, main, parse_count
+from dtypeplan.cli import main, parse_count
 from dtypeplan.optimizers import _registry
-from dtypeplan.resolver import DIMENSIONS, load_rules
+from dtypeplan.report import format_bytes
+from dtypeplan.resolver import DIMENSIONS, PARAMS, Rule
 from dtypeplan.resolver._rules import default_rules_path
 from dtypeplan.table import README_BEGIN, README_END, readme_block, render_readme_block
 
@@ -36,19 +37,19 @@ TEST_RULES = SHIPPED_RULES[: SHIPPED_RULES.index("\nrules:\n")] + textwrap.deden
     """
     rules:
       - id: t-both
-        when: {model: fp16+bf16}
+        when: {params: fp16+bf16}
         status: Error
         reason: Both 16-bit modes.
       - id: t-pipeline
-        when: {model: [fp32, fp16, bf16], pipeline: true}
+        when: {params: [fp32, fp16, bf16], pipeline: true}
         status: NotSupported
         reason: No pipeline here.
       - id: t-zero3
-        when: {model: [fp32, fp16, bf16], pipeline: false, stage: 3}
+        when: {params: [fp32, fp16, bf16], pipeline: false, stage: 3}
         status: NotSupported
         reason: No ZeRO-3 here.
       - id: t-ok
-        when: {model: [fp32, fp16, bf16], pipeline: false, stage: [0, 1, 2]}
+        when: {params: [fp32, fp16, bf16], pipeline: false, stage: [0, 1, 2]}
         status: OK
         implementation: replicated
         reason: Fine.
@@ -213,10 +214,17 @@ def _table_rows(out: str, header_start: str) -> list[list[str]]:
     return rows
 
 
+def _implementation_cell(rule: Rule) -> str:
+    single = rule.single_process_implementation
+    if single is None or single == rule.implementation:
+        return rule.implementation or "-"
+    return f"{rule.implementation} ({single} without torch.distributed)"
+
+
 def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["table"]) == 0
     out = capsys.readouterr().out
-    table = load_rules()
+    table = dtypeplan.load_rules()
     rows = _table_rows(out, "| id |")
     assert len(rows) == len(table.rules)
     for row, rule in zip(rows, table.rules, strict=True):
@@ -224,7 +232,7 @@ def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[
             f"`{rule.id}`",
             rule.when_text(),
             rule.status,
-            rule.implementation or "-",
+            _implementation_cell(rule),
             rule.reason,
         ]
 
@@ -233,18 +241,17 @@ def test_table_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["table"]) == 0
     rows = _table_rows(capsys.readouterr().out, "| params |")
     assert len(rows) == 9 and all(len(row) == 2 + 8 for row in rows)
-    flags = {"fp32": {}, "fp16": {"fp16": {"enabled": True}}, "bf16": {"bf16": {"enabled": True}}}
     cells = list(itertools.product(range(4), (False, True)))
     for row in rows:
-        model, accum = row[0], row[1]
+        params, accum = row[0], row[1]
         for column, (stage, pipeline) in enumerate(cells, 2):
             config = {
-                **flags[model],
+                **PARAMS.config_for(params),
                 "gradient_accumulation_dtype": accum,
                 "zero_optimization": {"stage": stage},
             }
             expected = str(dtypeplan.resolve(config, pipeline_parallel=pipeline).status)
-            assert row[column].strip("*") == expected, (model, accum, stage, pipeline)
+            assert row[column].strip("*") == expected, (params, accum, stage, pipeline)
     assert [(r[0], r[1]) for r in rows] == list(
         itertools.product(("fp32", "fp16", "bf16"), repeat=2)
     )
@@ -269,7 +276,7 @@ def test_table_grid_applies_the_rules_file_defaults(
 def test_table_readme_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["table", "--readme"]) == 0
     out = capsys.readouterr().out
-    assert out == render_readme_block(load_rules())
+    assert out == render_readme_block(dtypeplan.load_rules())
     assert "| id |" in out and "| params |" in out
     assert README_BEGIN not in out and README_END not in out
 
@@ -279,7 +286,7 @@ def test_readme_table_is_current() -> None:
     block = readme_block(readme.read_text()) if readme.exists() else None
     if block is None:
         pytest.skip("README.md has no table markers")
-    assert block.strip() == render_readme_block(load_rules()).strip(), (
+    assert block.strip() == render_readme_block(dtypeplan.load_rules()).strip(), (
         "the table in README.md is stale: paste the output of `dtypeplan table --readme` "
         f"between {README_BEGIN} and {README_END}"
     )
@@ -288,9 +295,9 @@ def test_readme_table_is_current() -> None:
 # --- lint ------------------------------------------------------------------------------------
 def test_lint_shipped_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lint"]) == 0
-    combinations = math.prod(len(values) for values in DIMENSIONS.values())
+    combinations = math.prod(len(dim.values) for dim in DIMENSIONS.values())
     assert capsys.readouterr().out == (
-        f"ok: {len(load_rules().rules)} rules, {combinations} combinations, "
+        f"ok: {len(dtypeplan.load_rules().rules)} rules, {combinations} combinations, "
         "each matched by exactly one rule\n"
     )
 

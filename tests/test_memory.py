@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from dtypeplan.launch import spawn
-from tests._helpers import MODEL_KEYS
+from tests._helpers import PARAMS_KEYS
 from tests.workers.optimizer import memory_cases
 
 WIDTH = 256  # ~130k parameters: bucket padding is well under 1%
@@ -24,7 +24,7 @@ def _configs() -> list[dict]:
     ):
         configs.append(
             {
-                **MODEL_KEYS[model],
+                **PARAMS_KEYS[model],
                 "gradient_accumulation_dtype": {"dtype": accum, "sharded": sharded},
                 "zero_optimization": {"stage": stage},
                 "optimizer": optimizer,
@@ -74,7 +74,7 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
 
     configs = [
         {
-            **MODEL_KEYS[model],
+            **PARAMS_KEYS[model],
             "gradient_accumulation_dtype": accum,
             "zero_optimization": {"stage": 3},
         }

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import dtypeplan
 from dtypeplan.launch import spawn
-from tests._helpers import MODEL_KEYS, assert_parity, ok_cells
+from tests._helpers import PARAMS_KEYS, assert_parity, ok_cells
 from tests.workers.parity import run_case, run_cases
 
 FP32_RTOL = 1e-5
@@ -29,7 +29,7 @@ LOW_PRECISION_MASTER_RTOL = 2e-2
 
 def config_for(point: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
-        **MODEL_KEYS[point["model"]],
+        **PARAMS_KEYS[point["params"]],
         "gradient_accumulation_dtype": {"dtype": point["accum"], "sharded": point["sharded"]},
         "communication_data_type": point["comm"],
         # Small buckets so that every model spans several of them.
@@ -40,7 +40,7 @@ def config_for(point: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
         config["gradient_clipping"] = extras["clip"]
     if extras["reduction"] != "collective":
         config["communication_reduction"] = extras["reduction"]
-    if extras.get("loss_scale_power") is not None and point["model"] == "fp16":
+    if extras.get("loss_scale_power") is not None and point["params"] == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": extras["loss_scale_power"]}
     return config
 
@@ -74,7 +74,7 @@ def draw_case(data: st.DataObject, point: dict[str, Any]) -> dict[str, Any]:
         "micro_batches": data.draw(st.integers(1, 3)),
         "param_groups": data.draw(st.sampled_from([1, 2])),
         # fp16 needs opt.backward(loss) to scale the loss.
-        "loss_backward": point["model"] != "fp16" and data.draw(st.booleans()),
+        "loss_backward": point["params"] != "fp16" and data.draw(st.booleans()),
         # opt.backward(loss, last_micro_batch=True) starts the reduction inside backward.
         "boundary": data.draw(st.booleans()),
         "seed": data.draw(st.integers(0, 1000)),
@@ -84,7 +84,7 @@ def draw_case(data: st.DataObject, point: dict[str, Any]) -> dict[str, Any]:
 def check(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> None:
     for result, case in zip(results, cases, strict=True):
         point = case["point"]
-        exact = point["model"] == point["accum"] == point["comm"] == "fp32"
+        exact = point["params"] == point["accum"] == point["comm"] == "fp32"
         if exact:
             assert_parity(result, FP32_RTOL, FP32_RTOL)
         else:
@@ -117,7 +117,7 @@ def test_parity_four_ranks(data: st.DataObject) -> None:
     cells = ok_cells(stages=(1, 2, 3))
     chosen = data.draw(st.lists(st.sampled_from(cells), min_size=8, max_size=8))
     # Always include the exact fp32 cells, where any missing divide shows at 1e-5.
-    exact = [c for c in cells if c["model"] == c["accum"] == c["comm"] == "fp32"]
+    exact = [c for c in cells if c["params"] == c["accum"] == c["comm"] == "fp32"]
     cases = [draw_case(data, point) for point in [*exact, *chosen]]
     results = spawn(run_cases, 4, cases, timeout_s=400)[0]
     check(results, cases)
@@ -126,7 +126,7 @@ def test_parity_four_ranks(data: st.DataObject) -> None:
 @pytest.mark.parametrize("model", ["fp32", "bf16", "fp16"])
 def test_single_process_reduces_to_plain_update(model: str) -> None:
     point = {
-        "model": model,
+        "params": model,
         "accum": "fp32",
         "sharded": False,
         "stage": 0,

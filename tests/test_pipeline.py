@@ -27,7 +27,7 @@ def _cases() -> list[dict]:
     for stage in sorted({c["stage"] for c in cells}):
         for index, (model, accum) in enumerate((m, a) for m in dtypes for a in dtypes):
             if not any(
-                c["stage"] == stage and c["model"] == model and c["accum"] == accum for c in cells
+                c["stage"] == stage and c["params"] == model and c["accum"] == accum for c in cells
             ):
                 continue
             # Alternate the schedules so that every combination meets both across stages.

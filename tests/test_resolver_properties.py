@@ -1,6 +1,6 @@
 """Property tests of ``resolve`` over the whole configuration space.
 
-Configs are drawn on every dimension of the table (model dtype including both 16-bit modes,
+Configs are drawn on every dimension of the table (parameter dtype including both 16-bit modes,
 accumulation dtype and its three spellings or unset, sharded or unset, stage or unset, pipeline,
 wire dtype or unset, reduction method) and on the settings that do not pick a rule (optimizer,
 clipping, loss scaling, bucket size). Example counts come from the hypothesis profile that
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 import dtypeplan
 from dtypeplan import NotSupportedError, PrecisionConfigError, PrecisionPlan
-from dtypeplan.resolver import DIMENSIONS, DTYPES
+from dtypeplan.resolver import DIMENSIONS, DTYPES, PARAMS, STAGE
 
-DTYPE_NAMES = ["fp32", "fp16", "bf16"]
+DTYPE_NAMES = list(DTYPES)
 REDUCTIONS = ["collective", "fp32_sum"]
 # The dimensions that configs() and point_of() know how to write and read.
-KNOWN_DIMENSIONS = {"model", "accum", "sharded", "stage", "pipeline", "comm", "reduction"}
+KNOWN_DIMENSIONS = {"params", "accum", "sharded", "stage", "pipeline", "comm", "reduction"}
 MEMORY_KEYS = {"params", "grads", "accumulator", "master", "optimizer_states", "total"}
 TABLE = dtypeplan.load_rules()
 EXAMPLES = settings.default.max_examples
@@ -60,7 +60,7 @@ def configs(draw: st.DrawFn, point: dict[str, Any] | None = None) -> dict[str, A
     """
     defaults = TABLE.defaults
     config: dict[str, Any] = {}
-    model = point["model"] if point else draw(st.sampled_from(DIMENSIONS["model"]))
+    model = point["params"] if point else draw(st.sampled_from(PARAMS.values))
     bf16, fp16 = "bf16" in model, "fp16" in model
     # fp32 is spelled both by leaving the sections out and by enabled: false.
     if bf16 or draw(st.booleans()):
@@ -76,7 +76,7 @@ def configs(draw: st.DrawFn, point: dict[str, Any] | None = None) -> dict[str, A
         config["fp16"] = section
 
     if point is None:
-        stage = draw(st.none() | st.sampled_from(DIMENSIONS["stage"]))
+        stage = draw(st.none() | st.sampled_from(STAGE.values))
         accum = draw(st.none() | st.sampled_from(DTYPE_NAMES))
         # sharded can only be written in the mapping form, which requires a dtype.
         sharded = draw(st.none() | st.booleans()) if accum is not None else None
@@ -153,7 +153,7 @@ unsupported = st.sampled_from(NOT_OK_POINTS).flatmap(at_point)
 # process; test_zero3_builds_in_a_single_process states that gap on its own.
 supported = st.sampled_from([p for p in OK_POINTS if p["stage"] < 3]).flatmap(at_point)
 unsupported_one_mode = st.sampled_from(
-    [p for p in NOT_OK_POINTS if p["model"] != "fp16+bf16"]
+    [p for p in NOT_OK_POINTS if p["params"] != "fp16+bf16"]
 ).flatmap(at_point)
 
 
@@ -174,7 +174,7 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
     assert defaults.communication_data_type == "accum"
     comm = config.get("communication_data_type") or accum
     point = {
-        "model": model,
+        "params": model,
         "accum": accum,
         "sharded": sharded,
         "stage": stage,
@@ -218,8 +218,8 @@ def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline:
     assert plan.accumulator_sharded is point["sharded"]
     assert plan.zero_stage == point["stage"] and plan.pipeline_parallel is pipeline
     assert plan.master_dtype == torch.float32
-    if point["model"] != "fp16+bf16":
-        assert plan.param_dtype == DTYPES[point["model"]]
+    if point["params"] != "fp16+bf16":
+        assert plan.param_dtype == DTYPES[point["params"]]
     assert (plan.alternatives == ()) == (plan.status == "OK")
 
 
@@ -354,7 +354,7 @@ def _check_alternatives(config: dict[str, Any], pipeline: bool) -> None:
     nearest = min(
         sum(candidate[dim] != point[dim] for dim in DIMENSIONS)
         for candidate in OK_POINTS
-        if candidate["model"] != "fp16+bf16"
+        if candidate["params"] != "fp16+bf16"
     )
     for alternative in plan.alternatives:
         assert len(alternative.changes) == nearest, (alternative, nearest)

@@ -8,7 +8,9 @@ shipped file as it changes while still asserting the exact line that the error m
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,18 @@ import pytest
 import torch
 
 import dtypeplan
-from dtypeplan import RulesError
+from dtypeplan import RegistryError, RulesError
 from dtypeplan.optimizers import ReplicatedOptimizer, get_implementation
-from dtypeplan.resolver import DIMENSIONS, Rule, RuleTable
+from dtypeplan.resolver import (
+    COMBINATIONS,
+    DIMENSIONS,
+    MAX_RULES,
+    Rule,
+    RuleTable,
+    Status,
+    load_rules,
+)
+from dtypeplan.resolver._dimensions import points, value_text
 from dtypeplan.resolver._rules import default_rules_path
 
 SHIPPED = Path(default_rules_path()).read_text()
@@ -110,7 +121,7 @@ def assert_at(error: RulesError, path: str, line: int) -> None:
 def test_shipped_table_loads_and_covers_every_point_once() -> None:
     table = dtypeplan.load_rules()
     assert isinstance(table, RuleTable)
-    points = list(itertools.product(*DIMENSIONS.values()))
+    points = list(itertools.product(*(dim.values for dim in DIMENSIONS.values())))
     assert len(points) == len(list(table.points()))
     registered = set(dtypeplan.registered_names())
     for values in points:
@@ -237,7 +248,7 @@ def test_unknown_key_in_a_rule(tmp_path: Path) -> None:
 
 def test_unknown_dimension_name(tmp_path: Path) -> None:
     line = field_line(LAST, "when")
-    path = write(tmp_path, replace_line(line, "    when: {model: fp32, stages: 3}"))
+    path = write(tmp_path, replace_line(line, "    when: {params: fp32, stages: 3}"))
     error = rules_error(path)
     assert_at(error, path, line)
     assert "'stages'" in str(error)
@@ -252,8 +263,8 @@ def test_unknown_top_level_key(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("when", "dimension"),
     [
-        ("{model: fp8}", "model"),
-        ("{model: [fp32, fp8]}", "model"),
+        ("{params: fp8}", "params"),
+        ("{params: [fp32, fp8]}", "params"),
         ("{accum: fp64}", "accum"),
         ("{stage: 7}", "stage"),
         ("{stage: true}", "stage"),
@@ -273,7 +284,7 @@ def test_unknown_dimension_value(tmp_path: Path, when: str, dimension: str) -> N
 
 def test_dimension_value_on_a_later_line_of_a_block_mapping(tmp_path: Path) -> None:
     line = field_line(FIRST, "when")
-    path = write(tmp_path, replace_line(line, "    when:\n      model: fp32\n      stage: 9"))
+    path = write(tmp_path, replace_line(line, "    when:\n      params: fp32\n      stage: 9"))
     assert_at(rules_error(path), path, line + 2)
 
 
@@ -331,7 +342,7 @@ def test_ok_rule_with_unknown_implementation(tmp_path: Path) -> None:
 def test_unknown_implementation_passes_without_the_registry_check(tmp_path: Path) -> None:
     line = field_line(FIRST_OK, "implementation")
     path = write(tmp_path, replace_line(line, "    implementation: warp_drive"))
-    table = dtypeplan.load_rules(path, check_registry=False)
+    table = load_rules(path)  # the resolver's loader checks only the names it is given
     assert any(rule.implementation == "warp_drive" for rule in table.rules)
 
 
@@ -414,20 +425,20 @@ def test_registering_a_name_twice_fails() -> None:
         pass
 
     for name in ("my_impl", "replicated", "sharded"):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(RegistryError, match=name):
             dtypeplan.register(name)(Another)
     assert get_implementation("my_impl") is MyOptimizer
     assert get_implementation("replicated") is not Another
 
 
 def test_registering_a_non_optimizer_fails() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(RegistryError):
         dtypeplan.register("not_an_optimizer")(torch.optim.SGD)  # type: ignore[arg-type]
     assert "not_an_optimizer" not in dtypeplan.registered_names()
 
 
 def test_unknown_implementation_name_lists_the_registered_ones() -> None:
-    with pytest.raises(KeyError) as info:
+    with pytest.raises(RegistryError) as info:
         get_implementation("warp_drive")
     message = str(info.value)
     assert "warp_drive" in message
@@ -440,3 +451,81 @@ def test_rules_file_may_be_a_pathlike(tmp_path: Path) -> None:
     assert isinstance(dtypeplan.load_rules(path), RuleTable)
     assert dtypeplan.resolve({}, rules=path).status == "OK"
     assert os.fspath(path) == dtypeplan.load_rules(path).path
+
+
+# --- the dimension records, statuses, size ---------------------------------------------------
+def test_rule_status_is_the_status_enum() -> None:
+    assert all(isinstance(rule.status, Status) for rule in TABLE.rules)
+
+
+def test_the_old_model_dimension_name_is_refused(tmp_path: Path) -> None:
+    line = field_line(FIRST, "when")
+    path = write(tmp_path, replace_line(line, "    when: {model: fp16+bf16}"))
+    error = rules_error(path)
+    assert_at(error, path, line)
+    assert "'model'" in str(error) and "params" in str(error)
+
+
+def test_schema_names_exactly_the_dimensions() -> None:
+    schema = json.loads(
+        (Path(default_rules_path()).parent / "schemas" / "rules.schema.json").read_text()
+    )
+    when = schema["properties"]["rules"]["items"]["properties"]["when"]["properties"]
+    assert list(when) == list(DIMENSIONS)
+
+
+def test_single_process_implementation_must_be_registered(tmp_path: Path) -> None:
+    line = field_line(FIRST_OK, "implementation")
+    path = write(tmp_path, insert_after(line, "    single_process_implementation: warp_drive"))
+    error = rules_error(path)
+    assert_at(error, path, line + 1)
+    assert "'warp_drive'" in str(error)
+
+
+def test_single_process_implementation_only_on_ok_rules(tmp_path: Path) -> None:
+    line = field_line(NOT_OK[0], "status")
+    path = write(tmp_path, insert_after(line, "    single_process_implementation: sharded"))
+    assert_at(rules_error(path), path, line + 1)
+
+
+def _rule_text(number: int, point: dict[str, Any]) -> str:
+    when = ", ".join(f"{name}: {value_text(value)}" for name, value in point.items())
+    return f"  - id: r{number}\n    when: {{{when}}}\n    status: NotSupported\n    reason: r\n"
+
+
+def _generated(rules: list[str]) -> str:
+    head = SHIPPED[: SHIPPED.index("\nrules:")]
+    return head + "\nrules:\n" + "".join(rules)
+
+
+def test_one_rule_per_combination_lints_fast(tmp_path: Path) -> None:
+    """The largest valid table: coverage costs points + rules, not points x rules."""
+    all_points = list(points())
+    path = write(tmp_path, _generated([_rule_text(i, p) for i, p in enumerate(all_points)]))
+    start = time.perf_counter()
+    table = dtypeplan.load_rules(path)
+    elapsed = time.perf_counter() - start
+    assert len(table.rules) == COMBINATIONS == MAX_RULES
+    assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(all_points))
+    assert elapsed < 5.0, f"{COMBINATIONS} rules took {elapsed:.1f} s"
+
+
+def test_ten_thousand_rules_fail_fast_with_the_limit(tmp_path: Path) -> None:
+    point = next(points())
+    path = write(tmp_path, _generated([_rule_text(i, point) for i in range(10_000)]))
+    start = time.perf_counter()
+    error = rules_error(path)
+    elapsed = time.perf_counter() - start
+    assert f"more than {MAX_RULES} rules" in str(error)
+    assert_at(error, path, line_of(_generated([]), "rules:"))
+    assert elapsed < 5.0, f"10000 rules took {elapsed:.1f} s to refuse"
+
+
+def test_overlap_in_a_long_table_fails_at_the_second_rule(tmp_path: Path) -> None:
+    all_points = list(points())
+    rules = [_rule_text(i, p) for i, p in enumerate(all_points[:-1])] + [
+        _rule_text(len(all_points), all_points[0])
+    ]
+    path = write(tmp_path, _generated(rules))
+    error = rules_error(path)
+    assert "'r0'" in str(error) and f"'r{len(all_points)}'" in str(error)

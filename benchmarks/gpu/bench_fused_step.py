@@ -1,11 +1,8 @@
-#!/usr/bin/env python
-"""Benchmark of the one-pass mixed-precision AdamW step (Triton) on one GPU.
+"""The one-pass mixed-precision AdamW step (Triton) on one GPU, against torch and the floor.
 
-Run from anywhere (the repo root is put on sys.path)::
+    python3 -m benchmarks.gpu.bench_fused_step [--numel 1073741824] [--dry-run]
 
-    python benchmarks/gpu/bench_fused_step.py [--numel 1073741824] [--out DIR]
-
-1. check: K steps of the kernel against the CPU path (torch.optim.AdamW(fused=True) on CPU
+1. check: 3 steps of the kernel against the CPU path (torch.optim.AdamW(fused=True) on CPU
    copies) for an fp32 accumulator + bf16 params and a bf16 grad + bf16 params; max relative
    error (max |a - b| / max |b|) of master, exp_avg, exp_avg_sq and the bf16 params.
 2. copy bandwidth: device-to-device copy of a large fp32 buffer, (bytes read + written) / time.
@@ -13,48 +10,38 @@ Run from anywhere (the repo root is put on sys.path)::
    fp32 master with .grad = accumulator, copy master -> bf16 params, zero the accumulator (46 B
    per parameter); and the same preceded by accumulating a bf16 grad into the fp32 accumulator
    (56 B).
-4. the kernel at --numel: fp32 accumulator + bf16 params + zeroing (34 B) and bf16 grad + bf16
-   params (28 B), after a short sweep of launch configurations.
+4. the kernel at --numel, after a short sweep of launch configurations: bf16 grad + bf16 params
+   (28 B), fp32 accumulator + bf16 params (30 B, what the engine's step needs) and the same with
+   zeroing the accumulator (34 B).
 5. the floor = bytes moved / copy bandwidth, ratios, a table, and a last line of JSON.
 
 Peak memory at the default numel 2**30 (1.07e9) is about 20 GB. Every section is guarded: a
-failure is printed and recorded, and the JSON line is printed regardless. Without CUDA the
-script runs on CPU (with TRITON_INTERPRET=1 the kernel runs in Triton's interpreter; use a small
---numel): this is a dry run of the logic, its timings mean nothing.
+failure is printed and recorded, and the rest still runs. ``--dry-run`` runs on CPU at a tiny
+size with ``TRITON_INTERPRET=1`` (the kernel in Triton's interpreter, where Triton is installed):
+the logic is exercised, the timings mean nothing, and the result is named
+``gpu_fused_step_dryrun``. Writes ``results/gpu_fused_step-<date>.json/.md``.
+
+The kernel is an internal of dtypeplan (``dtypeplan.optimizers._fused_adamw_triton``); this is
+the one benchmark that calls it directly, as its subject is the kernel itself.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from dtypeplan.optimizers._fused_adamw_triton import (  # noqa: E402
-    DEFAULT_BLOCK,
-    DEFAULT_NUM_WARPS,
-    bytes_per_param,
-    fused_mixed_adamw_,
-    triton_available,
-)
+from benchmarks._common import base_parser, environment, finish, format_table, write_result
 
 HP: dict[str, float] = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 GRAD_FACTOR = 0.37  # stands for clip_coef / (loss_scale * world_size)
-GOAL_RATIO = 1.10
+GOAL_RATIO = 1.10  # the kernel's goal against the copy floor (bf16 grad + bf16 params)
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)]
 BYTES_COMPOSED = 8 + 28 + 6 + 4  # scale acc, fused AdamW, master -> bf16 copy, zero acc
 BYTES_COMPOSED_ACC = BYTES_COMPOSED + 10  # + acc.add_(bf16 grad): read 2 + read 4 + write 4
@@ -64,12 +51,21 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def kernel_module() -> ModuleType:
+    """The kernel's module, imported after ``TRITON_INTERPRET`` is settled (Triton reads it when
+    the kernel is defined)."""
+    from dtypeplan.optimizers import _fused_adamw_triton
+
+    return _fused_adamw_triton
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: Any) -> None:
         self.args = args
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(args.device)
         self.errors: list[dict[str, str]] = []
         self.res: dict[str, Any] = {}
+        self.k = kernel_module()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -119,31 +115,6 @@ class Bench:
 
     # -- sections -------------------------------------------------------------------------------
 
-    def info(self) -> None:
-        triton_version = None
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except Exception as exc:
-            triton_version = f"unavailable: {exc!r}"
-        self.res.update(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=(
-                torch.cuda.get_device_name() if self.device.type == "cuda" else platform.processor()
-            ),
-            device_type=self.device.type,
-            torch=torch.__version__,
-            triton=triton_version,
-            cuda=torch.version.cuda,
-            python=platform.python_version(),
-            numel=self.args.numel,
-            hyperparameters=dict(HP, grad_factor=GRAD_FACTOR),
-            triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
-        )
-        for k in ("date", "device", "torch", "triton", "cuda", "numel"):
-            log(f"   {k}: {self.res[k]}")
-
     def check(self) -> None:
         """Kernel on the device vs the CPU path (torch.optim.AdamW(fused=True)) on CPU copies."""
         n = min(self.args.check_numel, self.args.numel)
@@ -187,7 +158,7 @@ class Bench:
             grad = torch.randn(n, device=dev).to(gdtype)
             p_cpu.grad = grad.cpu().float() * GRAD_FACTOR
             opt.step()
-            fused_mixed_adamw_(
+            self.k.fused_mixed_adamw_(
                 master,
                 m,
                 v,
@@ -303,18 +274,21 @@ class Bench:
         }
 
         def run_bf16(block: int, warps: int) -> None:
-            fused_mixed_adamw_(
+            self.k.fused_mixed_adamw_(
                 master, m, v, self.g16, self.param, grad_factor=GRAD_FACTOR,
                 block_size=block, num_warps=warps, **common,
             )  # fmt: skip
 
-        def run_acc(block: int, warps: int) -> None:
-            fused_mixed_adamw_(
-                master, m, v, self.acc, self.param, grad_factor=self.factor, zero_grad=True,
+        def run_acc(block: int, warps: int, zero_grad: bool = False) -> None:
+            self.k.fused_mixed_adamw_(
+                master, m, v, self.acc, self.param, grad_factor=self.factor, zero_grad=zero_grad,
                 block_size=block, num_warps=warps, **common,
             )  # fmt: skip
 
-        best = (DEFAULT_BLOCK, DEFAULT_NUM_WARPS)
+        def run_acc_zero(block: int, warps: int) -> None:
+            run_acc(block, warps, zero_grad=True)
+
+        best = (self.k.DEFAULT_BLOCK, self.k.DEFAULT_NUM_WARPS)
         if not self.args.no_sweep:
             sweep: dict[str, float] = {}
             for block, warps in SWEEP:
@@ -332,14 +306,16 @@ class Bench:
         self.res["launch_config"] = {"block": best[0], "num_warps": best[1]}
         for name, fn, gdtype, zero in (
             ("kernel_bf16grad_bf16", run_bf16, torch.bfloat16, False),
-            ("kernel_fp32acc_bf16_zero", run_acc, torch.float32, True),
+            ("kernel_fp32acc_bf16", run_acc, torch.float32, False),
+            ("kernel_fp32acc_bf16_zero", run_acc_zero, torch.float32, True),
         ):
             for cfg_name, cfg in (("", best), ("_default_config", None)):
-                if cfg_name and best == (DEFAULT_BLOCK, DEFAULT_NUM_WARPS):
+                if cfg_name and best == (self.k.DEFAULT_BLOCK, self.k.DEFAULT_NUM_WARPS):
                     continue
-                b, w = cfg if cfg is not None else (DEFAULT_BLOCK, DEFAULT_NUM_WARPS)
+                default = (self.k.DEFAULT_BLOCK, self.k.DEFAULT_NUM_WARPS)
+                b, w = cfg if cfg is not None else default
                 t = self.time_ms(lambda fn=fn, b=b, w=w: fn(b, w))
-                nbytes = bytes_per_param(gdtype, torch.bfloat16, zero)
+                nbytes = self.k.bytes_per_param(gdtype, torch.bfloat16, zero)
                 self.res[name + cfg_name] = {
                     **t,
                     "bytes_per_param": nbytes,
@@ -349,15 +325,15 @@ class Bench:
                 }
                 log(f"   {name}{cfg_name} (BLOCK={b}, warps={w}): {t['median_ms']:.3f} ms")
 
-    def summarize(self) -> None:
+    def summarize(self) -> list[dict[str, Any]]:
         res, n = self.res, self.args.numel
         bw = res.get("copy", {}).get("bandwidth_TBps")
         rows = []
-        floors: dict[str, float] = {}
         for key in (
             "composed",
             "composed_with_accumulate",
             "kernel_bf16grad_bf16",
+            "kernel_fp32acc_bf16",
             "kernel_fp32acc_bf16_zero",
         ):
             if key not in res:
@@ -365,12 +341,20 @@ class Bench:
             nbytes = res[key]["bytes_per_param"]
             floor = nbytes * n / (bw * 1e12) * 1e3 if bw else None
             if floor is not None:
-                floors[key] = floor
                 res[key]["floor_ms"] = floor
                 res[key]["ratio_to_floor"] = res[key]["median_ms"] / floor
-            rows.append((key, nbytes, res[key]["median_ms"], floor))
+            rows.append(
+                {
+                    "path": key,
+                    "B/param": nbytes,
+                    "median ms": res[key]["median_ms"],
+                    "floor ms": floor,
+                    "x floor": res[key].get("ratio_to_floor"),
+                    "TB/s": nbytes * n / (res[key]["median_ms"] * 1e-3) / 1e12,
+                }
+            )
         ratios: dict[str, float] = {}
-        for kern in ("kernel_bf16grad_bf16", "kernel_fp32acc_bf16_zero"):
+        for kern in ("kernel_bf16grad_bf16", "kernel_fp32acc_bf16", "kernel_fp32acc_bf16_zero"):
             if kern in res and "ratio_to_floor" in res[kern]:
                 ratios[f"{kern}/floor"] = res[kern]["ratio_to_floor"]
         pairs = (
@@ -384,67 +368,117 @@ class Bench:
         if "kernel_bf16grad_bf16/floor" in ratios:
             res["goal_ratio"] = GOAL_RATIO
             res["goal_met"] = ratios["kernel_bf16grad_bf16/floor"] <= GOAL_RATIO
-        if bw:
-            log(f"\ncopy bandwidth: {bw:.3f} TB/s   numel: {n:,}")
-        log(f"{'path':<28}{'B/param':>8}{'median ms':>12}{'floor ms':>10}{'x floor':>9}")
-        for key, nbytes, ms, floor in rows:
-            fl = f"{floor:10.3f}{ms / floor:9.3f}" if floor else f"{'-':>10}{'-':>9}"
-            log(f"{key:<28}{nbytes:>8}{ms:>12.3f}{fl}")
-        for k, r in ratios.items():
-            log(f"{k}: {r:.3f}")
+        return rows
 
-    def run(self) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        self.section("info", self.info)
+    def run(self) -> list[dict[str, Any]]:
         if self.device.type != "cuda":
             log("   no CUDA: dry run on CPU, timings are meaningless")
-        if not triton_available():
-            self.errors.append({"section": "info", "error": "triton is not importable"})
+        if not self.k.triton_available():
+            self.errors.append({"section": "setup", "error": "triton is not importable"})
         if not self.args.skip_check:
             self.section("check vs CPU fused AdamW", self.check)
         self.section("copy bandwidth", self.copy_bandwidth)
         self.section("allocate", self.allocate)
         if hasattr(self, "master"):
             self.section("composed torch path", self.composed)
-            self.section("triton kernel", self.kernel)
+            if self.k.fused_kernel_available(self.device):
+                self.section("triton kernel", self.kernel)
+            else:
+                self.errors.append(
+                    {"section": "triton kernel", "error": f"no kernel on {self.device}"}
+                )
         for name in ("master", "acc", "g16", "param", "m", "v"):
             if hasattr(self, name):
                 delattr(self, name)
-        self.section("summary", self.summarize)
+        rows = self.summarize()
         if self.device.type == "cuda":
             self.res["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
         self.res["errors"] = self.errors
-        self.res["wall_s"] = time.perf_counter() - t0
-        return self.res
+        return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", type=int, default=1 << 30, help="parameters (default 2**30)")
-    ap.add_argument("--out", type=Path, default=None, help="write DIR/fused_step.json")
-    ap.add_argument("--check-numel", type=int, default=(1 << 22) + 37)
-    ap.add_argument("--copy-numel", type=int, default=None, help="fp32 elements (default numel)")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
-    ap.add_argument("--skip-check", action="store_true")
-    args = ap.parse_args(argv)
-    res: dict[str, Any] = {}
-    try:
-        res = Bench(args).run()
-    except BaseException as exc:  # still print the JSON line
-        log(f"!! fatal: {exc!r}\n{traceback.format_exc()}")
-        res.setdefault("errors", []).append({"section": "fatal", "error": repr(exc)})
-    line = json.dumps(res, default=str, sort_keys=True)
-    if args.out is not None:
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "fused_step.json").write_text(line + "\n")
-        except Exception as exc:
-            log(f"!! could not write {args.out}: {exc!r}")
-    print(line, flush=True)
-    return 0
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (logic only)")
+    parser.add_argument("--device", default=None, help="cuda (default where present) or cpu")
+    parser.add_argument("--numel", type=int, default=1 << 30, help="parameters (default 2**30)")
+    parser.add_argument("--check-numel", type=int, default=(1 << 22) + 37)
+    parser.add_argument("--copy-numel", type=int, default=None, help="fp32 values (default numel)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args(argv)
+    if args.dry_run or args.quick:
+        args.numel, args.check_numel, args.iters, args.warmup = 4099, 1031, 2, 1
+        args.no_sweep = True
+    if args.dry_run:
+        args.device = "cpu"
+        # Triton reads this when the kernel is defined: before dtypeplan's kernel module loads.
+        os.environ["TRITON_INTERPRET"] = "1"
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = "gpu_fused_step" + ("_dryrun" if args.dry_run else "")
+    env = environment()
+    started = time.perf_counter()
+    bench = Bench(args)
+    rows = bench.run()
+    res = bench.res
+    table = format_table(rows)
+    log(f"\n{table}")
+    summary = {
+        "benchmark": name,
+        "device": args.device,
+        "numel": args.numel,
+        "copy_TBps": res.get("copy", {}).get("bandwidth_TBps"),
+        "ratios": res.get("ratios", {}),
+        "goal_met": res.get("goal_met"),
+        "check_ok": {k: v.get("ok") for k, v in res.get("check", {}).items()},
+        "errors": [e["section"] for e in res["errors"]],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    if not args.no_write:
+        sections = [("Median time per step", table)]
+        if "check" in res:
+            checks = [{"case": k, **v} for k, v in res["check"].items()]
+            sections.append(("Check against CPU fused AdamW", format_table(checks)))
+        sweep = res.get("sweep_bf16grad_bf16_ms", {})
+        if sweep:
+            sweep_rows = [{"BLOCK x warps": k, "ms": v} for k, v in sweep.items()]
+            sections.append(("Launch-config sweep (bf16 grad)", format_table(sweep_rows)))
+        if res["errors"]:
+            errors = [f"- {e['section']}: `{e['error'][:300]}`" for e in res["errors"]]
+            sections.append(("Errors", "\n".join(errors)))
+        write_result(
+            name,
+            out=args.out,
+            env=env,
+            config={
+                "device": args.device,
+                "numel": args.numel,
+                "check_numel": args.check_numel,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "hyperparameters": dict(HP, grad_factor=GRAD_FACTOR),
+                "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+                "dry_run": args.dry_run,
+            },
+            sections=sections,
+            data={k: v for k, v in res.items() if k != "errors"}
+            | {"errors": res["errors"], "summary": summary},
+            notes=[
+                "floor ms = numel x B/param / copy bandwidth (bytes read + written per second "
+                f"of a device-to-device fp32 copy); the kernel's goal: <= {GOAL_RATIO}x the "
+                "floor for a bf16 gradient and bf16 params.",
+                "composed = accumulator *= factor, AdamW(fused=True).step(), master -> bf16 "
+                "copy, zero the accumulator (46 B/param); with_accumulate adds acc += bf16 grad.",
+            ]
+            + (
+                ["DRY RUN on CPU at a tiny size: its timings mean nothing."] if args.dry_run else []
+            ),
+        )
+    finish(summary)
+    return summary
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import RankMismatchError
-from dtypeplan.resolver import DTYPES
 
 __all__ = ["CollectiveError", "CommStats", "Communicator"]
 
@@ -100,8 +100,7 @@ class Communicator:
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's RuntimeError
             what = op
             if numel is not None:
-                name = next((n for n, d in DTYPES.items() if d == dtype), str(dtype))
-                what += f" of {numel} {name} elements"
+                what += f" of {numel} {dtype_name(dtype)} elements"
             raise CollectiveError(
                 f"{what} failed on {self.description}: {type(exc).__name__}: {exc}. "
                 "A peer rank probably died or stalled longer than the group's timeout "

@@ -1,6 +1,7 @@
 """Optimizer implementations and the registry the rules table names them in."""
 
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
+from dtypeplan.optimizers._build import build_optimizer, implementation_class, prepare_model
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers._loss_scaler import LossScaler, MinimumLossScaleError
@@ -14,7 +15,10 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "ReplicatedOptimizer",
     "ShardedOptimizer",
+    "build_optimizer",
     "get_implementation",
+    "implementation_class",
+    "prepare_model",
     "register",
     "registered_names",
 ]

@@ -137,8 +137,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.grad_norm: float | None = None
         self.clip = plan.gradient_clipping
         self._clip_request: float | None = None
-        self.check_nonfinite = plan.check_nonfinite or plan.param_dtype == torch.float16
-        self.scaler = LossScaler(plan.loss_scaling if plan.param_dtype == torch.float16 else None)
+        self.check_nonfinite = plan.check_nonfinite
+        self.scaler = LossScaler(plan.loss_scaling)
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
         self.hooks.finalize_with(self)

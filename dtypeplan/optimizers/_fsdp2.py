@@ -72,7 +72,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not (dist.is_available() and dist.is_initialized()):
-            return model  # one process: nothing to shard (see __new__)
+            return model  # one process: nothing to shard (the builder runs another class)
         group = process_group or dist.group.WORLD
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(group, device_type=device.type)
@@ -100,22 +100,6 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
         return model
-
-    def __new__(
-        cls,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        *,
-        plan: PrecisionPlan,
-        process_group: dist.ProcessGroup | None = None,
-    ) -> MixedPrecisionOptimizer:
-        if not (dist.is_available() and dist.is_initialized()):
-            # Without torch.distributed there is one process and nothing to shard: the flat
-            # sharded optimizer with a world of one keeps the same plan (fp32 master weights,
-            # sharded fp32 accumulator) without FSDP2, which needs a process group.
-            from dtypeplan.optimizers._implementations import ShardedOptimizer
-
-            return ShardedOptimizer(params, plan=plan, process_group=process_group)
-        return super().__new__(cls)
 
     def __init__(
         self,

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtypeplan.resolver._config import LossScaleConfig
+from dtypeplan.errors import MinimumLossScaleError
+from dtypeplan.resolver import LossScaleConfig
 
 __all__ = ["LossScaler", "MinimumLossScaleError"]
-
-
-class MinimumLossScaleError(RuntimeError):
-    """fp16 gradients overflowed again with the loss scale already at its minimum."""
 
 
 class LossScaler:

@@ -16,6 +16,7 @@ alive. So:
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -51,12 +52,20 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
             f"a new optimizer was built on {moved} parameter(s) that {type(old).__name__} "
             f"at 0x{id(old):x} owned: the old optimizer is closed (its gradient hooks removed, "
             "any later step() raises) so that the new one receives the gradients",
-            stacklevel=5,
+            stacklevel=_caller_level(),
         )
         old.close()
     ref = weakref.ref(owner)
     for param in params:
         _OWNERS[param] = ref
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside dtypeplan (the user's ``plan.build``)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("dtypeplan"):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def release(owner: _Closable, params: Iterable[torch.Tensor]) -> None:

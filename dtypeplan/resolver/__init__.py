@@ -1,25 +1,55 @@
-"""Config validation, the rules table and the resolved plan."""
+"""Config, rules table and resolved plan: inert data that imports nothing of the optimizers."""
 
+from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.resolver._config import (
     LossScaleConfig,
     OptimizerConfig,
     PrecisionConfig,
     load_config,
 )
-from dtypeplan.resolver._plan import DTYPES, PrecisionPlan, Status
+from dtypeplan.resolver._dimensions import (
+    ACCUM,
+    COMBINATIONS,
+    COMM,
+    DIMENSIONS,
+    PARAMS,
+    PIPELINE,
+    REDUCTION,
+    SHARDED,
+    STAGE,
+    Dimension,
+    config_for,
+)
+from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
-from dtypeplan.resolver._rules import DIMENSIONS, Rule, RuleTable, load_rules
+from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules
 
 __all__ = [
+    "ACCUM",
+    "COMBINATIONS",
+    "COMM",
     "DIMENSIONS",
     "DTYPES",
+    "DTYPE_NAMES",
+    "Alternative",
+    "Dimension",
+    "FrozenDict",
     "LossScaleConfig",
+    "MAX_RULES",
     "OptimizerConfig",
+    "PARAMS",
+    "PIPELINE",
     "PrecisionConfig",
     "PrecisionPlan",
+    "REDUCTION",
     "Rule",
     "RuleTable",
+    "SHARDED",
+    "STAGE",
     "Status",
+    "config_for",
+    "install_builder",
     "load_config",
     "load_rules",
     "resolve",

@@ -24,10 +24,15 @@ import torch
 import yaml
 
 from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.resolver._dimensions import REDUCTION
+from dtypeplan.resolver._frozen import FrozenDict, freeze
 
 __all__ = ["LossScaleConfig", "OptimizerConfig", "PrecisionConfig", "config_schema", "load_config"]
 
-_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+OptimizerClass = type[torch.optim.Optimizer]
+"""A ``torch.optim`` class (an alias: ``OptimizerConfig.type`` shadows the builtin there)."""
+
+_OPTIMIZER_CLASSES: dict[str, OptimizerClass] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
@@ -60,11 +65,15 @@ class OptimizerConfig:
 
     type: str = "AdamW"
     """``"AdamW"``, ``"Adam"`` or ``"SGD"``."""
-    params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
-    """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...)."""
+    params: FrozenDict[str, Any] = field(default_factory=lambda: FrozenDict({"lr": 1e-3}))
+    """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...);
+    lists given in the config are tuples here, so the config is hashable."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", freeze(self.params))
 
     @property
-    def torch_class(self) -> type[torch.optim.Optimizer]:
+    def torch_class(self) -> OptimizerClass:
         return _OPTIMIZER_CLASSES[self.type.lower()]
 
     @property
@@ -88,7 +97,7 @@ class PrecisionConfig:
     """Where ``grad_accum_dtype`` was given (a JSON path), for ``explain()``."""
     accumulator_sharded: bool | None = None
     comm_dtype: str | None = None
-    comm_reduction: str = "collective"
+    comm_reduction: str = REDUCTION.default_value
     zero_stage: int | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     optimizer_given: bool = False
@@ -118,7 +127,8 @@ def _json_path(parts: Any) -> str:
 def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        known = sorted(error.schema.get("properties", {}))
+        schema = error.schema if isinstance(error.schema, dict) else {}
+        known = sorted(schema.get("properties", {}))
         unknown = sorted((k for k in error.instance if k not in known), key=str)
         key = unknown[0] if unknown else "?"
         close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -256,7 +266,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
             params["betas"] = tuple(params["betas"])
         _check_optimizer_params(optimizer_doc["type"], params)
         canonical = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[optimizer_doc["type"].lower()]
-        optimizer = OptimizerConfig(type=canonical, params=params)
+        optimizer = OptimizerConfig(type=canonical, params=freeze(params))
     zero = document.get("zero_optimization", {})
     bucket = zero.get("reduce_bucket_size")
     for path, value in (
@@ -275,7 +285,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         grad_accum_dtype_key=accum_key,
         accumulator_sharded=sharded,
         comm_dtype=document.get("communication_data_type"),
-        comm_reduction=document.get("communication_reduction", "collective"),
+        comm_reduction=document.get("communication_reduction", REDUCTION.default_value),
         zero_stage=int(zero["stage"]) if "stage" in zero else None,
         optimizer=optimizer,
         optimizer_given=optimizer_doc is not None,

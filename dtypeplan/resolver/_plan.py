@@ -1,43 +1,74 @@
-"""The resolved precision plan: every effective dtype, the deciding rule, and ``build``."""
+"""The resolved precision plan: inert, hashable data saying exactly what will run.
+
+The plan holds effective values only (``check_nonfinite`` is True under fp16, which always
+checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
+derivation. It imports nothing of ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and
+:meth:`PrecisionPlan.prepare_model` call the builder that ``dtypeplan/__init__.py`` installs
+with :func:`install_builder` (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as
+torchtitan's ``build_optimizers``). Imports so run one way, optimizers -> resolver, and the
+package root, which imports both, is the one place the two layers are joined.
+"""
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
+from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
+from dtypeplan.resolver._rules import Status
 
-if TYPE_CHECKING:
-    from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-
-__all__ = ["DTYPES", "DTYPE_NAMES", "PrecisionPlan", "Status"]
-
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+__all__ = ["Alternative", "PrecisionPlan", "install_builder"]
 
 
-class Status(str, enum.Enum):
-    """What the table says of a combination. Compares equal to its string."""
+class _BuildOptimizer(Protocol):
+    def __call__(
+        self,
+        plan: PrecisionPlan,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        process_group: dist.ProcessGroup | None = None,
+    ) -> torch.optim.Optimizer: ...
 
-    OK = "OK"
-    NOT_SUPPORTED = "NotSupported"
-    ERROR = "Error"
 
-    def __str__(self) -> str:
-        return self.value
+class _PrepareModel(Protocol):
+    def __call__(
+        self,
+        plan: PrecisionPlan,
+        model: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> torch.nn.Module: ...
+
+
+@dataclass(frozen=True)
+class _Builder:
+    build_optimizer: _BuildOptimizer
+    prepare_model: _PrepareModel
+
+
+_builder: _Builder | None = None
+
+
+def install_builder(*, build_optimizer: _BuildOptimizer, prepare_model: _PrepareModel) -> None:
+    """Set what :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model` call.
+
+    ``dtypeplan/__init__.py`` installs ``dtypeplan.optimizers``'s builder; importing any part
+    of the package runs it first, so a plan can always build.
+    """
+    global _builder
+    _builder = _Builder(build_optimizer=build_optimizer, prepare_model=prepare_model)
+
+
+def _installed() -> _Builder:
+    assert _builder is not None, "dtypeplan/__init__.py installs the optimizer builder"
+    return _builder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +86,12 @@ class PrecisionPlan:
 
     status: Status
     implementation: str | None
-    """Registry name of the optimizer ``build`` makes; None unless OK."""
+    """Registry name of the optimizer ``build`` makes with a process group (torch.distributed
+    initialized); None unless OK."""
+    single_process_implementation: str | None
+    """Registry name of the optimizer ``build`` makes without torch.distributed (one process,
+    no group): the same as ``implementation`` unless the rule names another (ZeRO-3: FSDP2
+    needs a group; one process runs the flat sharded optimizer). None unless OK."""
     rule_id: str
     rule_location: str
     """``file:line`` of the deciding rule."""
@@ -64,22 +100,35 @@ class PrecisionPlan:
     grad_accum_dtype: torch.dtype
     accumulator_sharded: bool
     comm_dtype: torch.dtype
+    """Gradients on the wire; FSDP2's ``MixedPrecisionPolicy.reduce_dtype`` (see
+    :attr:`reduce_dtype`)."""
     comm_reduction: str
     """``"collective"`` or ``"fp32_sum"`` (see ``dtypeplan.comm``)."""
     master_dtype: torch.dtype = torch.float32
     zero_stage: int
     pipeline_parallel: bool
-    loss_scaling: LossScaleConfig
+    loss_scaling: LossScaleConfig | None
+    """fp16 loss scaling; None without fp16, where nothing is scaled."""
     optimizer: OptimizerConfig
     gradient_clipping: float
     reduce_bucket_size: int | None
     check_nonfinite: bool
-    origins: Mapping[str, str] = field(default_factory=dict)
+    """Whether a step with a non-finite gradient norm is skipped: always under fp16."""
+    origins: FrozenDict[str, str] = field(default_factory=FrozenDict)
     """Where each effective value came from (a config key or a default's location)."""
     warnings: tuple[str, ...] = ()
     ignored_keys: tuple[str, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     """For a plan that is not OK: the nearest OK configs (fewest changed settings)."""
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """FSDP2's name (``MixedPrecisionPolicy.reduce_dtype``) for :attr:`comm_dtype`."""
+        return self.comm_dtype
+
+    def implementation_for(self, distributed: bool) -> str | None:
+        """The registry name ``build`` makes with (``True``) or without a process group."""
+        return self.implementation if distributed else self.single_process_implementation
 
     # --- reporting ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -87,6 +136,7 @@ class PrecisionPlan:
         return {
             "status": str(self.status),
             "implementation": self.implementation,
+            "single_process_implementation": self.single_process_implementation,
             "rule_id": self.rule_id,
             "rule_location": self.rule_location,
             "reason": self.reason,
@@ -98,9 +148,7 @@ class PrecisionPlan:
             "master_dtype": DTYPE_NAMES[self.master_dtype],
             "zero_stage": self.zero_stage,
             "pipeline_parallel": self.pipeline_parallel,
-            "loss_scaling": vars(self.loss_scaling).copy()
-            if self.param_dtype == torch.float16
-            else None,
+            "loss_scaling": None if self.loss_scaling is None else vars(self.loss_scaling).copy(),
             "optimizer": {"type": self.optimizer.type, "params": _jsonable(self.optimizer.params)},
             "gradient_clipping": self.gradient_clipping,
             "reduce_bucket_size": self.reduce_bucket_size,
@@ -146,16 +194,21 @@ class PrecisionPlan:
         head = f"status: {self.status}"
         if self.implementation:
             head += f" (implementation {self.implementation!r})"
-        lines = [
-            head,
+        lines = [head]
+        if self.single_process_implementation != self.implementation:
+            lines.append(
+                f"without torch.distributed (one process): "
+                f"implementation {self.single_process_implementation!r}"
+            )
+        lines += [
             f"rule: {self.rule_id} at {self.rule_location}",
             f"reason: {self.reason}",
             "",
             "effective settings:",
         ]
         scaling = "off"
-        if self.param_dtype == torch.float16:
-            ls = self.loss_scaling
+        ls = self.loss_scaling
+        if ls is not None:
             scaling = (
                 f"static {ls.loss_scale:g}"
                 if ls.loss_scale > 0
@@ -184,7 +237,7 @@ class PrecisionPlan:
             ),
             (
                 "non-finite check",
-                "on" if self.check_nonfinite or self.param_dtype == torch.float16 else "off",
+                "on" if self.check_nonfinite else "off",
                 "check_nonfinite",
             ),
         ]
@@ -208,7 +261,7 @@ class PrecisionPlan:
                 lines.append(f"  - {changes}  -> OK ({alt.implementation}, rule {alt.rule_id})")
         return "\n".join(lines)
 
-    # --- building -----------------------------------------------------------------------------
+    # --- building (delegated: see the module docstring) ---------------------------------------
     def prepare_model(
         self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
     ) -> torch.nn.Module:
@@ -216,34 +269,23 @@ class PrecisionPlan:
 
         Call it before ``build`` and before the model is handed to a pipeline stage.
         """
-        if self.status != Status.OK:
-            return model
-        from dtypeplan.optimizers import get_implementation
-
-        return get_implementation(self.implementation).prepare_model(
-            model, plan=self, process_group=process_group
-        )
+        return _installed().prepare_model(self, model, process_group)
 
     def build(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         process_group: dist.ProcessGroup | None = None,
-    ) -> MixedPrecisionOptimizer:
-        """The optimizer for ``params`` on ``process_group`` (default: the default group)."""
-        if self.status == Status.ERROR:
-            raise PrecisionConfigError(
-                f"{self.reason} (rule {self.rule_id} at {self.rule_location})"
-            )
-        if self.status == Status.NOT_SUPPORTED:
-            raise NotSupportedError(f"{self.reason} (rule {self.rule_id} at {self.rule_location})")
-        from dtypeplan.optimizers import get_implementation
+    ) -> torch.optim.Optimizer:
+        """The optimizer for ``params`` on ``process_group`` (default: the default group).
 
-        cls = get_implementation(self.implementation)
-        return cls(params, plan=self, process_group=process_group)
+        Raises :class:`NotSupportedError` or :class:`PrecisionConfigError` for a plan that is
+        not OK.
+        """
+        return _installed().build_optimizer(self, params, process_group)
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]

@@ -3,45 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from typing import Any
 
+from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
-from dtypeplan.resolver._plan import DTYPES, Alternative, PrecisionPlan, Status
-from dtypeplan.resolver._rules import DIMENSIONS, RuleTable, load_rules
+from dtypeplan.resolver._dimensions import DIMENSIONS, PARAMS, REDUCTION, STAGE
+from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Status
+from dtypeplan.resolver._rules import RuleTable, load_rules
 
 __all__ = ["resolve", "resolve_config"]
 
 MAX_ALTERNATIVES = 5
-
-# How each dimension is changed in a config, for the "nearest supported configs" advice.
-_SETTINGS = {
-    "model": lambda v: {
-        "fp32": "bf16.enabled=false, fp16.enabled=false",
-        "fp16": "fp16.enabled=true, bf16.enabled=false",
-        "bf16": "bf16.enabled=true, fp16.enabled=false",
-    }[v],
-    "accum": lambda v: f"gradient_accumulation_dtype.dtype={v}",
-    "sharded": lambda v: f"gradient_accumulation_dtype.sharded={'true' if v else 'false'}",
-    "stage": lambda v: f"zero_optimization.stage={v}",
-    "pipeline": lambda v: f"pipeline_parallel={v}",
-    "comm": lambda v: f"communication_data_type={v}",
-    "reduction": lambda v: f"communication_reduction={v}",
-}
 
 
 def resolve(
     config: dict[str, Any] | str | os.PathLike[str],
     pipeline_parallel: bool = False,
     rules: str | os.PathLike[str] | None = None,
+    *,
+    implementations: Collection[str] | None = None,
 ) -> PrecisionPlan:
     """Validate ``config``, look its combination up in the rules table and return the plan.
 
     Total for schema-valid configs: an unsupported or contradictory combination gives a plan
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
-    rules file (:class:`RulesError`) raises.
+    rules file (:class:`RulesError`) raises. ``implementations``: the registered names a rule
+    may send combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
     """
     return resolve_config(
-        load_config(config), pipeline_parallel=pipeline_parallel, table=load_rules(rules)
+        load_config(config),
+        pipeline_parallel=pipeline_parallel,
+        table=load_rules(rules, implementations=implementations),
     )
 
 
@@ -53,33 +47,36 @@ def resolve_config(
     origins: dict[str, str] = {}
 
     if config.bf16 and config.fp16:
-        model = "fp16+bf16"
+        params = "fp16+bf16"
     else:
-        model = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
+        params = "bf16" if config.bf16 else "fp16" if config.fp16 else PARAMS.default_value
     origins["param_dtype"] = (
         "$.bf16.enabled and $.fp16.enabled"
-        if model == "fp16+bf16"
+        if params == "fp16+bf16"
         else "$.bf16.enabled"
         if config.bf16
         else "$.fp16.enabled"
         if config.fp16
-        else "default (neither bf16 nor fp16 enabled)"
+        else f"default: {PARAMS.default}"
     )
     # Both 16-bit modes on is an Error plan; its other defaults follow fp16 (DeepSpeed's order).
-    model_for_defaults = "fp16" if model == "fp16+bf16" else model
+    param_name = "fp16" if params == "fp16+bf16" else params
+    fp16 = param_name == "fp16"
 
-    stage = config.zero_stage if config.zero_stage is not None else 0
+    stage = config.zero_stage if config.zero_stage is not None else STAGE.default_value
     origins["zero_stage"] = (
-        "$.zero_optimization.stage" if config.zero_stage is not None else "default (DeepSpeed's 0)"
+        "$.zero_optimization.stage"
+        if config.zero_stage is not None
+        else f"default: {STAGE.default}"
     )
 
     if config.grad_accum_dtype is not None:
         accum = config.grad_accum_dtype
         origins["grad_accum_dtype"] = config.grad_accum_dtype_key or "config"
     else:
-        accum = defaults.grad_accum_dtype[model_for_defaults]
+        accum = defaults.grad_accum_dtype[param_name]
         where = f"{name}:{defaults.lines['grad_accum_dtype']}"
-        origins["grad_accum_dtype"] = f"default for {model_for_defaults} parameters ({where})"
+        origins["grad_accum_dtype"] = f"default for {param_name} parameters ({where})"
 
     if config.accumulator_sharded is not None:
         sharded = config.accumulator_sharded
@@ -94,31 +91,35 @@ def resolve_config(
         comm = config.comm_dtype
         origins["comm_dtype"] = "$.communication_data_type"
     else:
-        rule = defaults.communication_data_type
-        comm = accum if rule == "accum" else model_for_defaults if rule == "model" else rule
-        what = {"accum": "the accumulation dtype", "model": "the parameter dtype"}.get(rule, rule)
+        comm_default = defaults.communication_data_type
+        comm = {"accum": accum, "params": param_name}.get(comm_default, comm_default)
+        what = {"accum": "the accumulation dtype", "params": "the parameter dtype"}.get(
+            comm_default, comm_default
+        )
         origins["comm_dtype"] = (
             f"default: {what} ({name}:{defaults.lines['communication_data_type']})"
         )
 
     origins["comm_reduction"] = (
-        "$.communication_reduction" if config.comm_reduction != "collective" else "default"
+        "$.communication_reduction"
+        if config.comm_reduction != REDUCTION.default_value
+        else f"default: {REDUCTION.default}"
     )
     origins["master_dtype"] = "fixed: master weights are always fp32"
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
-    origins["loss_scaling"] = "$.fp16" if model == "fp16" else "off without fp16"
+    origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
     origins["optimizer"] = "$.optimizer" if config.optimizer_given else "default (AdamW, lr 1e-3)"
     origins["gradient_clipping"] = (
         "$.gradient_clipping" if config.gradient_clipping else "default (off)"
     )
     origins["check_nonfinite"] = (
         "always on for fp16"
-        if model == "fp16"
+        if fp16
         else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
 
     point = {
-        "model": model,
+        "params": params,
         "accum": accum,
         "sharded": sharded,
         "stage": stage,
@@ -127,49 +128,52 @@ def resolve_config(
         "reduction": config.comm_reduction,
     }
     rule = table.lookup(point)
-    status = Status(rule.status)
-    param_dtype = DTYPES[model_for_defaults]
+    status = rule.status
+    ok = status == Status.OK
     return PrecisionPlan(
         status=status,
-        implementation=rule.implementation if status == Status.OK else None,
+        implementation=rule.implementation if ok else None,
+        single_process_implementation=(rule.single_process_implementation or rule.implementation)
+        if ok
+        else None,
         rule_id=rule.id,
         rule_location=table.location(rule),
         reason=rule.reason,
-        param_dtype=param_dtype,
+        param_dtype=DTYPES[param_name],
         grad_accum_dtype=DTYPES[accum],
         accumulator_sharded=sharded,
         comm_dtype=DTYPES[comm],
         comm_reduction=config.comm_reduction,
         zero_stage=stage,
         pipeline_parallel=bool(pipeline_parallel),
-        loss_scaling=config.loss_scaling,
+        loss_scaling=config.loss_scaling if fp16 else None,
         optimizer=config.optimizer,
         gradient_clipping=config.gradient_clipping,
         reduce_bucket_size=config.reduce_bucket_size,
-        check_nonfinite=config.check_nonfinite,
-        origins=origins,
+        check_nonfinite=config.check_nonfinite or fp16,
+        origins=FrozenDict(origins),
         warnings=tuple(_warnings(point, config)),
         ignored_keys=config.ignored_keys,
-        alternatives=() if status == Status.OK else _alternatives(point, table),
+        alternatives=() if ok else _alternatives(point, table),
     )
 
 
 def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
-    model, accum, comm = point["model"], point["accum"], point["comm"]
+    params, accum, comm = point["params"], point["accum"], point["comm"]
     found = []
-    if model in DTYPES and accum != "fp32" and accum != model:
+    if params in DTYPES and accum != "fp32" and accum != params:
         found.append(
-            f"gradients of {model} parameters are summed in {accum}, which keeps fewer "
-            f"{'mantissa' if accum == 'bf16' else 'exponent'} bits than {model}: expect a less "
+            f"gradients of {params} parameters are summed in {accum}, which keeps fewer "
+            f"{'mantissa' if accum == 'bf16' else 'exponent'} bits than {params}: expect a less "
             "precise (or overflowing) sum; fp32 accumulation avoids it"
         )
-    elif model == "fp32" and accum != "fp32":
+    elif params == "fp32" and accum != "fp32":
         found.append(
             f"fp32 gradients are summed in {accum}: precision is lost at every micro-batch"
         )
     if DTYPES[comm].itemsize < DTYPES[accum].itemsize:
         found.append(f"gradients are rounded from {accum} to {comm} on the wire")
-    if comm == "fp16" and model == "bf16":
+    if comm == "fp16" and params == "bf16":
         found.append(
             "bf16 gradients sent as fp16 may overflow (fp16 tops out at 65504) or flush to zero"
         )
@@ -184,13 +188,14 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
 def _alternatives(point: dict[str, Any], table: RuleTable) -> tuple[Alternative, ...]:
     best: list[tuple[int, list[str], Any]] = []
     for candidate in table.points():
-        if candidate["model"] == "fp16+bf16":
+        if any(candidate[name] not in dim.choices for name, dim in DIMENSIONS.items()):
             continue
         rule = table.lookup(candidate)
-        if rule.status != "OK":
+        if rule.status != Status.OK:
             continue
-        changed = [dim for dim in DIMENSIONS if candidate[dim] != point[dim]]
-        best.append((len(changed), [_SETTINGS[d](candidate[d]) for d in changed], rule))
+        changed = [name for name in DIMENSIONS if candidate[name] != point[name]]
+        settings = [DIMENSIONS[name].setting(candidate[name]) for name in changed]
+        best.append((len(changed), settings, rule))
     if not best:
         return ()
     fewest = min(distance for distance, _, _ in best)

@@ -1,22 +1,27 @@
 """The precision truth table: loading ``precision_rules.yaml`` and looking combinations up.
 
-A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS`. A rule's
-``when`` maps dimensions to a value, a list of values or ``"*"`` (a missing dimension means
-``"*"``). The table is valid only when every point of the space is matched by exactly one rule,
-so rule order never matters and no combination falls through to an accident.
+A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS` (see
+``_dimensions.py``). A rule's ``when`` maps dimensions to a value, a list of values or ``"*"``
+(a missing dimension means ``"*"``). The table is valid only when every point of the space is
+matched by exactly one rule, so rule order never matters and no combination falls through to
+an accident. That check enumerates the points each rule matches into one slot per point, so it
+costs the number of points plus the number of rules; it stops at the first slot filled twice.
+A valid table has at most one rule per point, so a longer file is refused before it is checked.
 
 Loading follows torchgen's habits: ``yaml.safe_load`` semantics with line numbers kept, every
 key checked against ``schemas/rules.schema.json``, cross-rule checks in a second pass, and every
 error a :class:`RulesError` naming ``file:line``. Nothing in a rules file is executed: explicit
-tags, anchors and aliases are refused before anything is constructed.
+tags, anchors and aliases are refused before anything is constructed. Implementation names are
+checked against the names the caller passes (``implementations=``); this package imports no
+optimizer code (``dtypeplan.load_rules`` passes the registered names).
 """
 
 from __future__ import annotations
 
-import itertools
+import enum
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -26,38 +31,34 @@ import jsonschema
 import yaml
 
 from dtypeplan.errors import RulesError
+from dtypeplan.resolver._dimensions import COMBINATIONS, DIMENSIONS, Point, points, value_text
+from dtypeplan.resolver._frozen import FrozenDict
 
 __all__ = [
     "DIMENSIONS",
+    "MAX_RULES",
     "Defaults",
     "Point",
     "Rule",
     "RuleTable",
-    "load_rules",
+    "Status",
     "default_rules_path",
+    "load_rules",
 ]
 
-DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "model": ("fp32", "fp16", "bf16", "fp16+bf16"),
-    "accum": ("fp32", "fp16", "bf16"),
-    "sharded": (False, True),
-    "stage": (0, 1, 2, 3),
-    "pipeline": (False, True),
-    "comm": ("fp32", "fp16", "bf16"),
-    "reduction": ("collective", "fp32_sum"),
-}
-"""Every dimension of the configuration space and its values, in display order.
+MAX_RULES = COMBINATIONS
+"""A valid table has at most one rule per point: every rule matches at least one."""
 
-``model`` is the parameter dtype chosen by ``bf16.enabled`` / ``fp16.enabled`` (``fp16+bf16``
-when both are on), ``accum`` the gradient-accumulation dtype, ``sharded`` whether the
-accumulator is sharded, ``stage`` the ZeRO stage, ``pipeline`` whether the caller runs pipeline
-parallelism, ``comm`` the dtype of gradients on the wire, ``reduction`` how 16-bit gradients are
-summed (the backend's collective, or an all-to-all summed in fp32 by the receiver).
-"""
 
-Point = Mapping[str, Any]
+class Status(str, enum.Enum):
+    """What the table says of a combination. Compares equal to its string."""
 
-STATUSES = ("OK", "NotSupported", "Error")
+    OK = "OK"
+    NOT_SUPPORTED = "NotSupported"
+    ERROR = "Error"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,10 +66,14 @@ class Rule:
     """One row of the table."""
 
     id: str
-    when: Mapping[str, frozenset[Any]]
+    when: FrozenDict[str, frozenset[Any]]
     """Allowed values per dimension; a dimension absent here matches any value."""
-    status: str
+    status: Status
     implementation: str | None
+    """Registry name of the optimizer an OK rule builds."""
+    single_process_implementation: str | None
+    """What an OK rule builds without a process group, when that differs (ZeRO-3: FSDP2
+    needs a group; one process runs the flat sharded optimizer instead)."""
     reason: str
     line: int
 
@@ -80,10 +85,10 @@ class Rule:
         if not self.when:
             return "any"
         parts = []
-        for dim in DIMENSIONS:
-            if dim in self.when:
-                values = [v for v in DIMENSIONS[dim] if v in self.when[dim]]
-                parts.append(f"{dim}={'|'.join(_text(v) for v in values)}")
+        for name, dim in DIMENSIONS.items():
+            if name in self.when:
+                values = [v for v in dim.values if _member(v, self.when[name])]
+                parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
         return ", ".join(parts)
 
 
@@ -91,13 +96,13 @@ class Rule:
 class Defaults:
     """What applies where the config is silent."""
 
-    grad_accum_dtype: Mapping[str, str]
-    """Accumulation dtype by model dtype."""
-    accumulator_sharded: Mapping[int, bool]
+    grad_accum_dtype: FrozenDict[str, str]
+    """Accumulation dtype by parameter dtype."""
+    accumulator_sharded: FrozenDict[int, bool]
     """Accumulator sharding by ZeRO stage."""
     communication_data_type: str
-    """``"accum"``, ``"model"`` or a dtype name."""
-    lines: Mapping[str, int]
+    """``"accum"``, ``"params"`` or a dtype name."""
+    lines: FrozenDict[str, int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,27 +112,42 @@ class RuleTable:
     path: str
     defaults: Defaults
     rules: tuple[Rule, ...]
+    decisions: tuple[int, ...]
+    """For each point (in :func:`points` order), the index of the rule that decides it."""
 
     def lookup(self, point: Point) -> Rule:
         """The single rule that decides ``point``."""
-        for rule in self.rules:
-            if rule.matches(point):
-                return rule
-        raise AssertionError(f"checked table has no rule for {dict(point)}")
+        return self.rules[self.decisions[_point_index(point)]]
 
     def points(self) -> Iterator[dict[str, Any]]:
         """Every point of the configuration space."""
-        for values in itertools.product(*DIMENSIONS.values()):
-            yield dict(zip(DIMENSIONS, values, strict=True))
+        return points()
 
     def location(self, rule: Rule) -> str:
         return f"{os.path.basename(self.path)}:{rule.line}"
 
 
-def _text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+def _member(value: Any, allowed: Collection[Any]) -> bool:
+    # bool is an int in Python: keep stage=true from matching stage 1.
+    return any(value == a and type(value) is type(a) for a in allowed)
+
+
+_VALUE_INDEX: FrozenDict[str, FrozenDict[tuple[type, Any], int]] = FrozenDict(
+    {
+        name: FrozenDict({(type(v), v): i for i, v in enumerate(dim.values)})
+        for name, dim in DIMENSIONS.items()
+    }
+)
+"""Per dimension, the position of each value (keyed with its type: ``True`` is not ``1``)."""
+
+
+def _point_index(point: Point) -> int:
+    """The position of ``point`` in :func:`points` order (mixed radix, last dimension fastest)."""
+    index = 0
+    for name, dim in DIMENSIONS.items():
+        value = point[name]
+        index = index * len(dim.values) + _VALUE_INDEX[name][(type(value), value)]
+    return index
 
 
 def default_rules_path() -> str:
@@ -141,7 +161,11 @@ class _LineMap(dict):
     key_lines: dict[Any, int]
 
 
-class _LineLoader(yaml.SafeLoader):
+# libyaml's parser when PyYAML has it: the pure-Python one takes seconds for a long file.
+_SafeLoader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _LineLoader(_SafeLoader):  # type: ignore[misc,valid-type]
     """SafeLoader that keeps line numbers and refuses duplicate keys."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> _LineMap:
@@ -174,17 +198,67 @@ def _rules_schema() -> dict[str, Any]:
     )
 
 
+def _refuse(what: str, value: Any, name: str, event: yaml.Event) -> RulesError:
+    return RulesError(
+        f"YAML {what} {value!r} is not allowed in a rules file: rules are plain data, nothing "
+        "in them is constructed or executed",
+        name,
+        _line(event),
+    )
+
+
+def _line(event: yaml.Event) -> int:
+    """The 1-based line where ``event`` starts (1 when the parser gave no position)."""
+    return event.start_mark.line + 1 if event.start_mark is not None else 1
+
+
+def _screen(text: str, name: str) -> None:
+    """Refuse tags, anchors and aliases, and a table longer than :data:`MAX_RULES`, from the
+    parser's events: before anything is constructed, and in time linear in the file."""
+    depth = 0
+    expect_key = False  # inside the top-level mapping: whether the next node is a key
+    key: Any = None
+    key_line = 1
+    in_rules = False
+    count = 0
+    for event in yaml.parse(text, Loader=_SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _refuse("alias", event.anchor, name, event)
+        if not isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            if isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+                in_rules = in_rules and depth > 1
+            continue
+        if event.anchor is not None:
+            raise _refuse("anchor", event.anchor, name, event)
+        if event.tag is not None:
+            raise _refuse("tag", event.tag, name, event)
+        if in_rules and depth == 2:
+            count += 1
+            if count > MAX_RULES:
+                raise RulesError(
+                    f"more than {MAX_RULES} rules: a valid table has at most one rule per "
+                    f"combination ({MAX_RULES}), since every rule matches at least one and none "
+                    "may match twice",
+                    name,
+                    key_line,
+                )
+        if depth == 1:
+            if expect_key:
+                key = event.value if isinstance(event, yaml.ScalarEvent) else None
+                key_line = _line(event)
+            else:
+                in_rules = key == "rules" and isinstance(event, yaml.SequenceStartEvent)
+            expect_key = not expect_key
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth == 1:
+                expect_key = isinstance(event, yaml.MappingStartEvent)
+
+
 def _parse(text: str, name: str) -> Any:
     try:
-        for token in yaml.scan(text, Loader=yaml.SafeLoader):
-            if isinstance(token, (yaml.TagToken, yaml.AnchorToken, yaml.AliasToken)):
-                kind = {yaml.TagToken: "tag", yaml.AnchorToken: "anchor", yaml.AliasToken: "alias"}
-                raise RulesError(
-                    f"YAML {kind[type(token)]} {token.value!r} is not allowed in a rules file: "
-                    "rules are plain data, nothing in them is constructed or executed",
-                    name,
-                    token.start_mark.line + 1,
-                )
+        _screen(text, name)
         loader = _LineLoader(text)
         loader.name = name
         try:
@@ -202,7 +276,8 @@ def _plain(value: Any) -> Any:
     """The document as JSON data (mapping keys as strings) for schema validation."""
     if isinstance(value, dict):
         return {
-            str(k) if not isinstance(k, bool) else _text(k): _plain(v) for k, v in value.items()
+            str(k) if not isinstance(k, bool) else value_text(k): _plain(v)
+            for k, v in value.items()
         }
     if isinstance(value, list):
         return [_plain(v) for v in value]
@@ -215,7 +290,7 @@ def _line_of(document: Any, path: list[Any]) -> int:
     node = document
     for part in path:
         if isinstance(node, _LineMap):
-            key = next((k for k in node if str(k) == str(part) or _text(k) == str(part)), None)
+            key = next((k for k in node if str(k) == str(part) or value_text(k) == str(part)), None)
             if key is None:
                 break
             line = node.key_lines.get(key, line)
@@ -249,22 +324,36 @@ def _validate_schema(document: Any, name: str) -> None:
 
 
 def _matcher(dim: str, spec: Any, name: str, line: int) -> frozenset[Any]:
+    known = DIMENSIONS[dim].values
     if spec == "*":
-        return frozenset(DIMENSIONS[dim])
+        return frozenset(known)
     values = spec if isinstance(spec, list) else [spec]
-    allowed = DIMENSIONS[dim]
     for value in values:
-        # bool is an int in Python: keep stage=true from matching stage 1.
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            choices = ", ".join(_text(a) for a in allowed)
+        if not _member(value, known):
+            choices = ", ".join(value_text(a) for a in known)
             raise RulesError(
-                f"{dim}: unknown value {_text(value)!r} (one of: {choices}, *)", name, line
+                f"{dim}: unknown value {value_text(value)!r} (one of: {choices}, *)", name, line
             )
     return frozenset(values)
 
 
+def _check_implementation(
+    raw: _LineMap, key: str, name: str, implementations: frozenset[str] | None
+) -> str | None:
+    implementation = raw.get(key)
+    if implementation is None or implementations is None or implementation in implementations:
+        return implementation
+    known = ", ".join(sorted(implementations)) or "none"
+    raise RulesError(
+        f"rule {raw['id']!r} names implementation {implementation!r}, which is not registered "
+        f"(registered: {known})",
+        name,
+        raw.key_lines.get(key, raw.line),
+    )
+
+
 def _build_rules(
-    document: _LineMap, name: str, registered: frozenset[str] | None
+    document: _LineMap, name: str, implementations: frozenset[str] | None
 ) -> tuple[Rule, ...]:
     rules: list[Rule] = []
     seen: dict[str, int] = {}
@@ -275,38 +364,36 @@ def _build_rules(
                 f"rule id {raw['id']!r} already used at line {seen[raw['id']]}", name, line
             )
         seen[raw["id"]] = line
-        when = {
-            dim: _matcher(dim, spec, name, raw["when"].key_lines.get(dim, line))
-            for dim, spec in raw["when"].items()
-        }
-        status = raw["status"]
-        implementation = raw.get("implementation")
-        if status == "OK":
+        when = FrozenDict(
+            {
+                dim: _matcher(dim, spec, name, raw["when"].key_lines.get(dim, line))
+                for dim, spec in raw["when"].items()
+            }
+        )
+        status = Status(raw["status"])
+        implementation = _check_implementation(raw, "implementation", name, implementations)
+        single = _check_implementation(raw, "single_process_implementation", name, implementations)
+        if status == Status.OK:
             if implementation is None:
                 raise RulesError(
                     f"rule {raw['id']!r} is OK but names no implementation", name, line
                 )
-            if registered is not None and implementation not in registered:
-                known = ", ".join(sorted(registered)) or "none"
-                raise RulesError(
-                    f"rule {raw['id']!r} names implementation {implementation!r}, which is not "
-                    f"registered (registered: {known})",
-                    name,
-                    raw.key_lines.get("implementation", line),
-                )
-        elif implementation is not None:
-            raise RulesError(
-                f"rule {raw['id']!r} has status {status} but names an implementation; "
-                "only OK rules build an optimizer",
-                name,
-                raw.key_lines.get("implementation", line),
-            )
+        else:
+            for key in ("implementation", "single_process_implementation"):
+                if key in raw:
+                    raise RulesError(
+                        f"rule {raw['id']!r} has status {status} but names an {key}; "
+                        "only OK rules build an optimizer",
+                        name,
+                        raw.key_lines[key],
+                    )
         rules.append(
             Rule(
                 id=raw["id"],
                 when=when,
                 status=status,
                 implementation=implementation,
+                single_process_implementation=single,
                 reason=" ".join(raw["reason"].split()),
                 line=line,
             )
@@ -314,54 +401,82 @@ def _build_rules(
     return tuple(rules)
 
 
-def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> None:
-    gaps: list[dict[str, Any]] = []
-    for values in itertools.product(*DIMENSIONS.values()):
-        point = dict(zip(DIMENSIONS, values, strict=True))
-        matching = [rule for rule in rules if rule.matches(point)]
-        if len(matching) > 1:
-            first, second = matching[0], matching[1]
-            raise RulesError(
-                f"rules {first.id!r} (line {first.line}) and {second.id!r} overlap: both match "
-                f"{_point_text(point)}; every combination must be matched by exactly one rule",
-                name,
-                second.line,
-            )
-        if not matching:
-            gaps.append(point)
+def _rule_points(rule: Rule) -> Iterator[int]:
+    """The indices of the points ``rule`` matches, without visiting the others."""
+    indices = [0]
+    for dim_name, dim in DIMENSIONS.items():
+        allowed = rule.when.get(dim_name)
+        positions = [i for i, v in enumerate(dim.values) if allowed is None or _member(v, allowed)]
+        indices = [index * len(dim.values) + i for index in indices for i in positions]
+    return iter(indices)
+
+
+def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> tuple[int, ...]:
+    """One rule index per point; a gap or an overlap raises. Costs points + rules."""
+    decisions = [-1] * COMBINATIONS
+    for number, rule in enumerate(rules):
+        for index in _rule_points(rule):
+            if decisions[index] >= 0:
+                first = rules[decisions[index]]
+                point = _point_at(index)
+                raise RulesError(
+                    f"rules {first.id!r} (line {first.line}) and {rule.id!r} overlap: both "
+                    f"match {_point_text(point)}; every combination must be matched by exactly "
+                    "one rule",
+                    name,
+                    rule.line,
+                )
+            decisions[index] = number
+    gaps = [_point_at(index) for index, rule in enumerate(decisions) if rule < 0]
     if gaps:
         shown = "; ".join(_point_text(p) for p in gaps[:3])
         more = f" and {len(gaps) - 3} more" if len(gaps) > 3 else ""
         raise RulesError(
             f"{len(gaps)} combination(s) are matched by no rule: {shown}{more}", name, rules_line
         )
+    return tuple(decisions)
+
+
+def _point_at(index: int) -> dict[str, Any]:
+    """Inverse of :func:`_point_index`."""
+    values: list[Any] = []
+    for dim in reversed(tuple(DIMENSIONS.values())):
+        index, position = divmod(index, len(dim.values))
+        values.append(dim.values[position])
+    return dict(zip(DIMENSIONS, reversed(values), strict=True))
 
 
 def _point_text(point: Point) -> str:
-    return ", ".join(f"{dim}={_text(point[dim])}" for dim in DIMENSIONS)
+    return ", ".join(f"{dim}={value_text(point[dim])}" for dim in DIMENSIONS)
 
 
 def load_rules(
-    path: str | os.PathLike[str] | None = None, *, check_registry: bool = True
+    path: str | os.PathLike[str] | None = None,
+    *,
+    implementations: Collection[str] | None = None,
 ) -> RuleTable:
     """Load and check a rules file (the shipped ``precision_rules.yaml`` by default).
 
-    Raises :class:`RulesError` naming ``file:line`` for any problem: YAML syntax, a tag, the
-    schema, an unknown dimension value, a gap or overlap between rules, an unknown
+    ``implementations``: the registered implementation names an OK rule may name; ``None``
+    skips that check (``dtypeplan.load_rules`` passes the registry's names). Raises
+    :class:`RulesError` naming ``file:line`` for any problem: YAML syntax, a tag, the schema,
+    too many rules, an unknown dimension value, a gap or overlap between rules, an unknown
     implementation.
     """
     resolved = os.fspath(path) if path is not None else default_rules_path()
-    if path is None and check_registry:
-        return _load_default()
-    return _load(resolved, check_registry)
+    names = frozenset(implementations) if implementations is not None else None
+    if resolved == default_rules_path():
+        return _load_shipped(names)
+    return _load(resolved, names)
 
 
 @cache
-def _load_default() -> RuleTable:
-    return _load(default_rules_path(), True)
+def _load_shipped(implementations: frozenset[str] | None) -> RuleTable:
+    # Only the shipped file is cached: it cannot change under a running program.
+    return _load(default_rules_path(), implementations)
 
 
-def _load(path: str, check_registry: bool) -> RuleTable:
+def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
     name = os.path.basename(path) if path == default_rules_path() else path
     try:
         with open(path, encoding="utf-8") as handle:
@@ -372,18 +487,13 @@ def _load(path: str, check_registry: bool) -> RuleTable:
     if not isinstance(document, _LineMap):
         raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)
     _validate_schema(document, name)
-    registered = None
-    if check_registry:
-        from dtypeplan.optimizers import registered_names
-
-        registered = frozenset(registered_names())
-    rules = _build_rules(document, name, registered)
-    _check_coverage(rules, name, document.key_lines["rules"])
+    rules = _build_rules(document, name, implementations)
+    decisions = _check_coverage(rules, name, document.key_lines["rules"])
     raw = document["defaults"]
     defaults = Defaults(
-        grad_accum_dtype=dict(raw["grad_accum_dtype"]),
-        accumulator_sharded={int(k): v for k, v in raw["accumulator_sharded"].items()},
+        grad_accum_dtype=FrozenDict(raw["grad_accum_dtype"]),
+        accumulator_sharded=FrozenDict({int(k): v for k, v in raw["accumulator_sharded"].items()}),
         communication_data_type=raw["communication_data_type"],
-        lines={key: raw.key_lines[key] for key in raw},
+        lines=FrozenDict({key: raw.key_lines[key] for key in raw}),
     )
-    return RuleTable(path=path, defaults=defaults, rules=rules)
+    return RuleTable(path=path, defaults=defaults, rules=rules, decisions=decisions)

@@ -1,0 +1,39 @@
+"""Where the two layers meet: the resolver's entry points with the optimizer registry filled in.
+
+``dtypeplan.resolver`` is inert data and imports nothing of ``dtypeplan.optimizers``; the
+optimizers read the resolver's data. This module, imported by the package root, joins them:
+it installs the optimizers' builder behind ``PrecisionPlan.build`` / ``prepare_model``, and
+gives ``resolve`` / ``load_rules`` the registered implementation names, so a rules file naming
+an unregistered implementation is refused without the resolver importing the registry.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dtypeplan import resolver
+from dtypeplan.optimizers import build_optimizer, prepare_model, registered_names
+from dtypeplan.resolver import PrecisionPlan, RuleTable
+
+__all__ = ["load_rules", "resolve"]
+
+resolver.install_builder(build_optimizer=build_optimizer, prepare_model=prepare_model)
+
+
+def load_rules(path: str | os.PathLike[str] | None = None) -> RuleTable:
+    """Load and check a rules file (default: the shipped one) against the registered names.
+
+    Raises :class:`dtypeplan.RulesError` naming ``file:line`` (see
+    :func:`dtypeplan.resolver.load_rules`).
+    """
+    return resolver.load_rules(path, implementations=registered_names())
+
+
+def resolve(
+    config: dict[str, Any] | str | os.PathLike[str],
+    pipeline_parallel: bool = False,
+    rules: str | os.PathLike[str] | None = None,
+) -> PrecisionPlan:
+    """Validate ``config`` and return its :class:`PrecisionPlan` (see API.md)."""
+    return resolver.resolve(config, pipeline_parallel, rules, implementations=registered_names())

@@ -1,0 +1,72 @@
+"""The builder: a resolved plan plus the runtime objects -> the optimizer (and a ready model).
+
+As torchtitan's ``build_optimizers(model_parts, config, ...)``, the builder lives with the
+optimizers and takes what never lives in a plan: the parameters, the model, the process group.
+It picks the class from the registry by the name the plan records for the case at hand: with a
+process group (torch.distributed initialized) ``plan.implementation``, without one
+``plan.single_process_implementation`` (ZeRO-3's FSDP2 needs a group; the rules table sends one
+process to the flat sharded optimizer, which runs the same plan). So ``build`` returns exactly
+the class the plan names, and no constructor swaps itself for another.
+
+``dtypeplan/__init__.py`` installs these two functions behind :meth:`PrecisionPlan.build` and
+:meth:`PrecisionPlan.prepare_model`, so the resolver imports nothing of this package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._registry import get_implementation
+from dtypeplan.resolver import PrecisionPlan, Status
+
+__all__ = ["build_optimizer", "implementation_class", "prepare_model"]
+
+
+def _distributed(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether the optimizer runs on a process group (else: one process, no communication)."""
+    return process_group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def implementation_class(
+    plan: PrecisionPlan, process_group: dist.ProcessGroup | None = None
+) -> type[MixedPrecisionOptimizer]:
+    """The registered class :func:`build_optimizer` makes for ``plan`` on ``process_group``.
+
+    Raises :class:`PrecisionConfigError` (status Error) or :class:`NotSupportedError` (status
+    NotSupported) with the plan's reason.
+    """
+    where = f"{plan.reason} (rule {plan.rule_id} at {plan.rule_location})"
+    if plan.status == Status.ERROR:
+        raise PrecisionConfigError(where)
+    if plan.status == Status.NOT_SUPPORTED:
+        raise NotSupportedError(where)
+    name = plan.implementation_for(_distributed(process_group))
+    assert name is not None, "an OK plan names its implementations"
+    return get_implementation(name)
+
+
+def prepare_model(
+    plan: PrecisionPlan, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+) -> torch.nn.Module:
+    """Ready ``model`` for :func:`build_optimizer` (ZeRO-3 shards it); a plan not OK keeps it."""
+    if plan.status != Status.OK:
+        return model
+    cls = implementation_class(plan, process_group)
+    return cls.prepare_model(model, plan=plan, process_group=process_group)
+
+
+def build_optimizer(
+    plan: PrecisionPlan,
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    process_group: dist.ProcessGroup | None = None,
+) -> MixedPrecisionOptimizer:
+    """The optimizer of ``plan`` for ``params`` on ``process_group`` (default: the default
+    group when torch.distributed is initialized, else one process)."""
+    cls = implementation_class(plan, process_group)
+    return cls(params, plan=plan, process_group=process_group)
