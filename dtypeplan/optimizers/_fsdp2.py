@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, make_replicas_equal
 from dtypeplan.optimizers._group_state import ShardPiece
@@ -435,15 +435,6 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def _layout_facts(self) -> dict[str, Any]:
         return {"world_size": self.comm.world_size, "rank": self.comm.rank}
 
-    def state_names(self) -> list[str]:
-        names = [keys.MASTER]
-        for local in self._locals():
-            for name, value in self.inner.state.get(local, {}).items():
-                if name != keys.STEP and torch.is_tensor(value) and value.shape == local.shape:
-                    if name not in names:
-                        names.append(name)
-        return names
-
     def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         """This rank's shard of each parameter: ``master`` and each state, and ``step``."""
         state: dict[int, dict[str, Any]] = {}
@@ -475,7 +466,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         pieces = []
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             if any(not pl.is_shard(dim=0) for pl in param.placements):
-                raise NotImplementedError(
+                raise NotSupportedError(
                     f"ZeRO-3 parameter {index} is not sharded on dim 0 ({param.placements}); "
                     "dtypeplan's sharded checkpoint reads FSDP2's default dim-0 sharding only"
                 )
