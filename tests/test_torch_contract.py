@@ -183,9 +183,9 @@ def test_contract_one_process(name: str, stage: int, dtype: str) -> None:
     check(name, stage, dtype)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 contract suite: complex/int params are accepted")
-def test_contract_complex_and_integer_params_refused() -> None:
-    check("contract_complex_and_integer_refused", 0, "fp32")
+@one_process("contract", None)
+def test_contract_complex_and_integer_params_refused(stage: int, dtype: str) -> None:
+    check("contract_complex_and_integer_refused", stage, dtype)
 
 
 # --- two ranks: one spawned group for every case -----------------------------------------------

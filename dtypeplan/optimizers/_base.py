@@ -130,6 +130,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     ) -> None:
         groups = _param_group_dicts(params)
         _refuse_duplicates(groups)
+        _refuse_non_real(groups)
         super().__init__(groups, dict(plan.optimizer.params))
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
@@ -503,6 +504,20 @@ def _param_group_dicts(
         listed = [listed] if isinstance(listed, torch.Tensor) else list(listed)
         groups.append({**group, "params": listed})
     return groups
+
+
+def _refuse_non_real(groups: list[dict[str, Any]]) -> None:
+    """Complex or integer parameters: the flat buffers hold one real floating dtype."""
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            tensor = param[1] if isinstance(param, tuple) else param
+            if tensor.is_complex() or not tensor.is_floating_point():
+                raise OptimizerUsageError(
+                    f"param group {group_index} position {position} is a {tensor.dtype} tensor "
+                    f"of shape {tuple(tensor.shape)}: dtypeplan trains real floating-point "
+                    "parameters only (the plan casts them to one dtype); keep complex or integer "
+                    "tensors out of build(), e.g. as buffers or with torch.view_as_real"
+                )
 
 
 def _refuse_duplicates(groups: list[dict[str, Any]]) -> None:

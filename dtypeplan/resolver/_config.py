@@ -219,9 +219,16 @@ def _is_finite_number(checker: Any, instance: Any) -> bool:
     return not isinstance(instance, float) or math.isfinite(instance)
 
 
+def _is_array(checker: Any, instance: Any) -> bool:
+    """JSON's array: a dict config written in Python may hold tuples (``"betas": (0.9, 0.99)``)."""
+    return isinstance(instance, (list, tuple))
+
+
 _Validator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _is_finite_number),
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"number": _is_finite_number, "array": _is_array}
+    ),
 )
 
 
