@@ -108,6 +108,17 @@ class PrecisionConfig:
     """JSON paths of DeepSpeed keys that were accepted but do not bear on precision."""
     source: str | None = None
     """The file the config came from, if any."""
+    # Issue 11's feature settings (ISSUE11_SHARED.md), read by the resolver; defaults = not used.
+    master_weights_dtype: str = "fp32"
+    optimizer_states_dtype: str = "fp32"
+    autocast: str = "none"
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    quantized_communication: str = "none"
+    hierarchical_partitioning: bool = False
+    gradient_prescaling: str = "none"
+    fp8: bool = False
+    scheduler: FrozenDict[str, Any] | None = None
 
 
 @cache
