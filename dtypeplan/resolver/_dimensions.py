@@ -213,7 +213,8 @@ REDUCTION = Dimension(
 # --- feature dimensions ------------------------------------------------------------------------
 # DeepSpeed settings that change numbers or memory and that dtypeplan does not implement (yet).
 # Each has a "not used" value (``default_value``), which every config that does not mention it
-# gets; the table decides every other value (NotSupported or Error, each with its reason).
+# gets; the table decides every other value (NotSupported or Error, each with its reason). The
+# "not used" value is the only one advised (``choices``), with the config that selects it.
 MASTER = Dimension(
     name="master",
     values=("fp32", "bf16", "fp16"),
@@ -221,9 +222,13 @@ MASTER = Dimension(
     config_key="bf16.bf16_master_weights_and_grads / fp16.fp16_master_weights_and_grads",
     default="fp32",
     default_value="fp32",
+    choices=("fp32",),
     title="master weights",
     value_configs={
-        "fp32": {},
+        "fp32": {
+            "bf16": {"bf16_master_weights_and_grads": False},
+            "fp16": {"fp16_master_weights_and_grads": False},
+        },
         "bf16": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
         "fp16": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
     },
@@ -235,9 +240,10 @@ STATES = Dimension(
     config_key="bf16.bf16_optimizer_states",
     default="fp32",
     default_value="fp32",
+    choices=("fp32",),
     title="optimizer states",
     value_configs={
-        "fp32": {},
+        "fp32": {"bf16": {"bf16_optimizer_states": False}},
         "bf16": {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
     },
 )
@@ -248,9 +254,10 @@ AUTOCAST = Dimension(
     config_key="torch_autocast.enabled / torch_autocast.dtype",
     default="none",
     default_value="none",
+    choices=("none",),
     title="autocast",
     value_configs={
-        "none": {},
+        "none": {"torch_autocast": {"enabled": False}},
         "bf16": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
         "fp16": {"torch_autocast": {"enabled": True, "dtype": "float16"}},
     },
@@ -262,6 +269,7 @@ OFFLOAD_OPTIMIZER = Dimension(
     config_key="zero_optimization.offload_optimizer.device",
     default="none",
     default_value="none",
+    choices=("none",),
     title="offload optimizer",
     config_path=("zero_optimization", "offload_optimizer", "device"),
 )
@@ -272,6 +280,7 @@ OFFLOAD_PARAM = Dimension(
     config_key="zero_optimization.offload_param.device",
     default="none",
     default_value="none",
+    choices=("none",),
     title="offload params",
     config_path=("zero_optimization", "offload_param", "device"),
 )
@@ -282,9 +291,12 @@ QUANTIZED_COMMUNICATION = Dimension(
     config_key="zero_optimization.zero_quantized_weights / zero_quantized_gradients",
     default="none",
     default_value="none",
+    choices=("none",),
     title="quantized communication",
     value_configs={
-        "none": {},
+        "none": {
+            "zero_optimization": {"zero_quantized_weights": False, "zero_quantized_gradients": False}
+        },
         "weights": {"zero_optimization": {"zero_quantized_weights": True}},
         "gradients": {"zero_optimization": {"zero_quantized_gradients": True}},
         "both": {
@@ -299,8 +311,12 @@ HIERARCHICAL_PARTITIONING = Dimension(
     config_key="zero_optimization.zero_hpz_partition_size",
     default="false (zero_hpz_partition_size 1)",
     default_value=False,
+    choices=(False,),
     title="hierarchical partitioning",
-    value_configs={False: {}, True: {"zero_optimization": {"zero_hpz_partition_size": 8}}},
+    value_configs={
+        False: {"zero_optimization": {"zero_hpz_partition_size": 1}},
+        True: {"zero_optimization": {"zero_hpz_partition_size": 8}},
+    },
 )
 GRADIENT_PRESCALING = Dimension(
     name="gradient_prescaling",
@@ -309,9 +325,10 @@ GRADIENT_PRESCALING = Dimension(
     config_key="prescale_gradients / gradient_predivide_factor",
     default="none",
     default_value="none",
+    choices=("none",),
     title="gradient prescaling",
     value_configs={
-        "none": {},
+        "none": {"prescale_gradients": False, "gradient_predivide_factor": 1.0},
         "prescale": {"prescale_gradients": True},
         "predivide": {"gradient_predivide_factor": 2.0},
     },
@@ -323,6 +340,7 @@ FP8 = Dimension(
     config_key="fp8.enabled",
     default="false",
     default_value=False,
+    choices=(False,),
     title="fp8",
     config_path=("fp8", "enabled"),
 )
@@ -335,7 +353,9 @@ OPTIMIZER_KIND = Dimension(
     config_key="optimizer.type / build(optimizer=...) / wrap(...)",
     default="elementwise (AdamW)",
     default_value="elementwise",
+    choices=("elementwise",),
     title="optimizer",
+    value_configs={"elementwise": {"optimizer": {"type": "AdamW"}}, "shaped": {}},
 )
 
 CORE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(

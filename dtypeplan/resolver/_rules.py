@@ -449,30 +449,48 @@ class _Coverage:
         if not live:
             self._gap(box, parents, split_by)
             return None
-        split = next(
-            (
-                d
-                for d, size in enumerate(self.sizes)
-                if box[d] == self.full[d] and any(self.masks[r][d] != self.full[d] for r in live)
-            ),
-            None,
-        )
-        if split is None:
+        best: tuple[int, int, list[tuple[int, list[int]]]] | None = None
+        for d, size in enumerate(self.sizes):
+            if box[d] != self.full[d]:
+                continue  # split already: every live rule contains the box's values here
+            by_mask: dict[int, list[int]] = {}
+            for r in live:
+                by_mask.setdefault(self.masks[r][d], []).append(r)
+            if len(by_mask) == 1 and self.full[d] in by_mask:
+                continue  # every live rule takes every value: nothing to split
+            classes = self._classes(by_mask, size)
+            # Split where the fewest rules land in several classes: a rule that takes every
+            # value of the dimension is copied into each class, so a dimension most rules name
+            # ends the copying soonest (features before the core, in the shipped table).
+            copies = sum(len(rules) for _, rules in classes)
+            if best is None or copies < best[1]:
+                best = (d, copies, classes)
+        if best is None:
             if len(live) > 1:
                 self._overlap(live[0], live[1], box)
             return live[0]
-        classes: dict[tuple[int, ...], int] = {}
-        for value in range(self.sizes[split]):
-            key = tuple(r for r in live if self.masks[r][split] >> value & 1)
-            classes[key] = classes.get(key, 0) | 1 << value
+        split, _, classes = best
         children: list[_Index] = [None] * self.sizes[split]
-        for key, mask in classes.items():
+        for mask, rules in classes:
             inner = list(box)
             inner[split] = mask
-            child = self.visit(list(key), inner, live, split)
+            child = self.visit(rules, inner, live, split)
             for value in _positions(mask):
                 children[value] = child
         return (split, tuple(children))
+
+    @staticmethod
+    def _classes(by_mask: dict[int, list[int]], size: int) -> list[tuple[int, list[int]]]:
+        """The values of a dimension grouped by the rules containing them: ``(value mask,
+        rules in file order)`` per class, in the order of the classes' first values."""
+        keyed: dict[tuple[int, ...], int] = {}
+        for value in range(size):
+            key = tuple(mask for mask in by_mask if mask >> value & 1)
+            keyed[key] = keyed.get(key, 0) | 1 << value
+        return [
+            (values, sorted(r for mask in key for r in by_mask[mask]))
+            for key, values in keyed.items()
+        ]
 
     def _first_point(self, box: list[int]) -> dict[str, Any]:
         return {
