@@ -54,7 +54,12 @@ import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, is_adam
+from dtypeplan.optimizers._base import (
+    HeldTensors,
+    MixedPrecisionOptimizer,
+    inner_optimizer,
+    is_adam,
+)
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -126,7 +131,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": state.masters, **hyper})
         fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
-        return torch_class(groups, fused=fused)
+        return inner_optimizer(torch_class, groups, fused=fused)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -259,7 +264,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             device = self.device
             # Per-group settings count too: a param group may turn amsgrad on for itself.
             unsupported = any(
-                g.get("amsgrad", False) or g.get("maximize", False) for g in self.param_groups
+                g.get("amsgrad", False)
+                or g.get("maximize", False)
+                or g.get("decoupled_weight_decay", False)  # Adam's AdamW mode: not the kernel's
+                for g in self.param_groups
             )
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
+from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, inner_optimizer
 from dtypeplan.optimizers._registry import register
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
-        self._inner = plan.optimizer.torch_class(groups, fused=True)
+        self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
         # 16-bit accumulation: FSDP2 hands each micro-batch's fp32 shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None
         self._fresh: list[bool] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -421,7 +422,7 @@ class PrecisionPlan:
         """
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap() takes a torch.optim.Optimizer, not {type(torch_optimizer)}")
-        if any(torch_optimizer.state.values()):
+        if any(_stepped(slot) for slot in torch_optimizer.state.values()):
             raise NotSupportedError(
                 f"wrap(): the {type(torch_optimizer).__name__} has already stepped; its state "
                 "(moments, step counts) is kept per parameter, not in dtypeplan's layout, and "
@@ -431,9 +432,12 @@ class PrecisionPlan:
             {k: v for k, v in group.items() if k not in FAST_PATH_ARGS}
             for group in torch_optimizer.param_groups
         ]
-        return self.build(
-            groups, process_group, type(torch_optimizer), **dict(torch_optimizer.defaults)
-        )
+        torch_class = type(torch_optimizer)
+        # Only what the constructor takes: a class may keep more in its defaults (AdamW
+        # records decoupled_weight_decay=True, which its constructor sets itself).
+        accepted = inspect.signature(torch_class.__init__).parameters
+        defaults = {k: v for k, v in torch_optimizer.defaults.items() if k in accepted}
+        return self.build(groups, process_group, torch_class, **defaults)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         """The config's DeepSpeed ``scheduler`` block on ``optimizer`` (see
@@ -442,6 +446,15 @@ class PrecisionPlan:
         if self.scheduler is None:
             return None
         return schedulers.build_scheduler(_thaw(self.scheduler), optimizer)
+
+
+def _stepped(slot: Mapping[str, Any]) -> bool:
+    """Whether a parameter's optimizer state shows a step (Adagrad fills its state at
+    construction, with step 0)."""
+    if not slot:
+        return False
+    step = slot.get("step")
+    return step is None or float(step) != 0.0
 
 
 def _thaw(value: Any) -> Any:
