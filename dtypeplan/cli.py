@@ -14,7 +14,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from dtypeplan.errors import PrecisionConfigError, RulesError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RulesError
 from dtypeplan.report import memory_report
 
 __all__ = ["main", "parse_count"]
@@ -66,7 +66,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from dtypeplan import Status, resolve
 
     plan = resolve(args.config, pipeline_parallel=args.pipeline, rules=args.rules)
-    memory = None if plan.status == Status.ERROR else plan.memory(args.params, args.world_size)
+    memory, no_memory = None, "the combination is an Error"
+    if plan.status != Status.ERROR:
+        try:
+            memory = plan.memory(args.params, args.world_size)
+        except NotSupportedError as exc:  # offload: no device figure would be true
+            no_memory = str(exc)
     if args.json:
         data = plan.to_dict()
         data["memory"] = (
@@ -86,7 +91,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(plan.explain())
         print()
         if memory is None:
-            print("memory: not estimated, the combination is an Error")
+            print(f"memory: not estimated, {no_memory}")
         else:
             if plan.status == Status.NOT_SUPPORTED:
                 print("(not supported: the figures are what the plan would take)")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import dtypeplan
 from dtypeplan import NotSupportedError, PrecisionConfigError, PrecisionPlan
 from dtypeplan.resolver import DIMENSIONS, DTYPES, PARAMS, STAGE
+from dtypeplan.resolver._dimensions import FEATURES_UNUSED
 
 DTYPE_NAMES = list(DTYPES)
 REDUCTIONS = ["collective", "fp32_sum"]
@@ -181,6 +182,7 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "pipeline": pipeline,
         "comm": comm,
         "reduction": config.get("communication_reduction", "collective"),
+        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature
     }
     return {dim: point[dim] for dim in DIMENSIONS}
 
