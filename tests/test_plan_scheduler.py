@@ -17,8 +17,12 @@ from dtypeplan.resolver._resolve import resolve_config
 
 WARMUP = {
     "type": "WarmupLR",
-    "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
-               "warmup_type": "linear"},
+    "params": {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 1e-3,
+        "warmup_num_steps": 4,
+        "warmup_type": "linear",
+    },
 }
 
 

@@ -26,12 +26,13 @@ from dtypeplan.resolver import (
     COMBINATIONS,
     DIMENSIONS,
     MAX_RULES,
+    FrozenDict,
     Rule,
     RuleTable,
     Status,
+    _rules,
     load_rules,
 )
-from dtypeplan.resolver import FrozenDict, _rules
 from dtypeplan.resolver._dimensions import (
     CORE_COMBINATIONS,
     FEATURE_DIMENSIONS,
@@ -589,9 +590,7 @@ def _rule(number: int, when: dict[str, Any]) -> Rule:
     """A rule built in memory, for timing the coverage check without YAML and the schema."""
     return Rule(
         id=f"r{number}",
-        when=FrozenDict(
-            {k: frozenset(v if isinstance(v, list) else [v]) for k, v in when.items()}
-        ),
+        when=FrozenDict({k: frozenset(v if isinstance(v, list) else [v]) for k, v in when.items()}),
         status=Status.NOT_SUPPORTED,
         implementation=None,
         single_process_implementation=None,
@@ -659,9 +658,7 @@ def test_more_rules_than_points_fail_before_parsing(
 
 def test_overlap_in_a_long_table_fails_at_the_second_rule(tmp_path: Path) -> None:
     core = list(points())
-    rules = [_rule_text(i, p) for i, p in enumerate(core[:-1])] + [
-        _rule_text(len(core), core[0])
-    ]
+    rules = [_rule_text(i, p) for i, p in enumerate(core[:-1])] + [_rule_text(len(core), core[0])]
     path = write(tmp_path, _generated(rules + _staircase(0, len(core) + 1)))
     error = rules_error(path)
     assert "'r0'" in str(error) and f"'r{len(core)}'" in str(error)

@@ -295,7 +295,10 @@ QUANTIZED_COMMUNICATION = Dimension(
     title="quantized communication",
     value_configs={
         "none": {
-            "zero_optimization": {"zero_quantized_weights": False, "zero_quantized_gradients": False}
+            "zero_optimization": {
+                "zero_quantized_weights": False,
+                "zero_quantized_gradients": False,
+            }
         },
         "weights": {"zero_optimization": {"zero_quantized_weights": True}},
         "gradients": {"zero_optimization": {"zero_quantized_gradients": True}},

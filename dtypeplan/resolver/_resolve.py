@@ -263,7 +263,9 @@ def _alternatives(point: dict[str, Any], table: RuleTable) -> tuple[Alternative,
                 if rule.status != Status.OK:
                     continue
                 assert rule.implementation is not None
-                changes = tuple(DIMENSIONS[n].setting(v) for n, v in zip(names, values))
+                changes = tuple(
+                    DIMENSIONS[n].setting(v) for n, v in zip(names, values, strict=True)
+                )
                 found.append(
                     Alternative(
                         changes=changes, rule_id=rule.id, implementation=rule.implementation
