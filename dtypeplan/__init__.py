@@ -18,7 +18,7 @@ from dtypeplan.errors import (
     RulesError,
 )
 from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
-from dtypeplan.resolver import PrecisionPlan, Status
+from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "RegistryError",
     "RulesError",
     "Status",
+    "auto_values_from",
     "checkpoint",
     "load_rules",
     "register",

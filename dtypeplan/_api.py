@@ -10,6 +10,7 @@ an unregistered implementation is refused without the resolver importing the reg
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from dtypeplan import resolver
@@ -34,6 +35,15 @@ def resolve(
     config: dict[str, Any] | str | os.PathLike[str],
     pipeline_parallel: bool = False,
     rules: str | os.PathLike[str] | None = None,
+    auto: Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> PrecisionPlan:
-    """Validate ``config`` and return its :class:`PrecisionPlan` (see API.md)."""
-    return resolver.resolve(config, pipeline_parallel, rules, implementations=registered_names())
+    """Validate ``config`` and return its :class:`PrecisionPlan` (see API.md).
+
+    ``auto`` fills the config's ``"auto"`` values (dotted path -> value, e.g. from
+    :func:`dtypeplan.auto_values_from`); unfilled ones take the HF Trainer's defaults.
+    ``strict`` makes every unknown key an error (else an unknown top-level key is a warning).
+    """
+    return resolver.resolve(
+        config, pipeline_parallel, rules, auto, strict, implementations=registered_names()
+    )

@@ -13,9 +13,13 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RulesError
 from dtypeplan.report import memory_report
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver import PrecisionPlan
 
 __all__ = ["main", "parse_count"]
 
@@ -62,32 +66,56 @@ def _import_modules(names: Sequence[str]) -> None:
 
 
 # --- commands ----------------------------------------------------------------------------------
-def _cmd_check(args: argparse.Namespace) -> int:
-    from dtypeplan import Status, resolve
+_PRECISION_AUTO = ("bf16.enabled", "fp16.enabled")
+_CHOICES = ("fp32", "fp16", "bf16")
 
-    plan = resolve(args.config, pipeline_parallel=args.pipeline, rules=args.rules)
+
+def _auto_fill(text: str) -> tuple[str, Any]:
+    """``--auto PATH=VALUE``: VALUE is read as JSON (true, 1.0, [0.9, 0.95]), else as a string."""
+    path, sep, value = text.partition("=")
+    if not sep or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PATH=VALUE (example: --auto bf16.enabled=true)"
+        )
+    try:
+        return path.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return path.strip(), value
+
+
+def _precision_choices(plan: PrecisionPlan) -> list[tuple[str, dict[str, bool]]]:
+    """For "auto" precision keys nothing filled: the fills that give fp32, fp16 and bf16."""
+    unfilled = [
+        a.path for a in plan.auto_values if a.path in _PRECISION_AUTO and a.source != "auto="
+    ]
+    if not unfilled:
+        return []
+    return [(choice, {path: path.startswith(choice) for path in unfilled}) for choice in _CHOICES]
+
+
+def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]:
+    from dtypeplan import Status
+
     memory, no_memory = None, "the combination is an Error"
     if plan.status != Status.ERROR:
         try:
             memory = plan.memory(args.params, args.world_size)
         except NotSupportedError as exc:  # offload: no device figure would be true
             no_memory = str(exc)
-    if args.json:
-        data = plan.to_dict()
-        data["memory"] = (
-            None
-            if memory is None
-            else {
-                "num_params": args.params,
-                "world_size": args.world_size,
-                "bytes_per_rank": memory,
-                "bytes_per_param": {
-                    k: (v / args.params if args.params else None) for k, v in memory.items()
-                },
-            }
-        )
-        print(json.dumps(data, indent=2))
-    else:
+    data = plan.to_dict()
+    data["memory"] = (
+        None
+        if memory is None
+        else {
+            "num_params": args.params,
+            "world_size": args.world_size,
+            "bytes_per_rank": memory,
+            "bytes_per_param": {
+                k: (v / args.params if args.params else None) for k, v in memory.items()
+            },
+        }
+    )
+    if not args.json:
         print(plan.explain())
         print()
         if memory is None:
@@ -96,9 +124,59 @@ def _cmd_check(args: argparse.Namespace) -> int:
             if plan.status == Status.NOT_SUPPORTED:
                 print("(not supported: the figures are what the plan would take)")
             print(memory_report(memory, args.params, args.world_size))
+    return data
+
+
+def _exit_code(plan: PrecisionPlan) -> int:
+    from dtypeplan import Status
+
     if plan.status == Status.OK:
         return EXIT_OK
     return EXIT_NOT_SUPPORTED if plan.status == Status.NOT_SUPPORTED else EXIT_ERROR
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from dtypeplan import resolve
+
+    fills = dict(args.auto)
+    plan = resolve(
+        args.config,
+        pipeline_parallel=args.pipeline,
+        rules=args.rules,
+        auto=fills,
+        strict=args.strict,
+    )
+    choices = _precision_choices(plan)
+    if not choices:
+        data = _print_plan(plan, args)
+        if args.json:
+            print(json.dumps(data, indent=2))
+        return _exit_code(plan)
+    # The precision keys are "auto" and nothing fills them: the run's dtypes are the
+    # launcher's choice, so show the plan of each (the exit code is the HF default's, fp32).
+    results = []
+    for choice, extra in choices:
+        choice_plan = resolve(
+            args.config,
+            pipeline_parallel=args.pipeline,
+            rules=args.rules,
+            auto={**fills, **extra},
+            strict=args.strict,
+        )
+        setting = ", ".join(f"{k}={str(v).lower()}" for k, v in extra.items())
+        if not args.json:
+            print(f"=== {choice}: --auto {' --auto '.join(setting.split(', '))} ===")
+        results.append({"choice": choice, "auto": extra, "plan": _print_plan(choice_plan, args)})
+        if not args.json:
+            print()
+    if args.json:
+        print(json.dumps({"auto_choices": results}, indent=2))
+    else:
+        print(
+            'the precision keys are "auto": each choice is shown above; without --auto, '
+            "resolve() takes the HF Trainer default (fp32)"
+        )
+    return _exit_code(plan)
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
@@ -158,7 +236,9 @@ def _parser() -> argparse.ArgumentParser:
         "check",
         help="resolve a config: explain the plan and predict memory",
         description="Resolve CONFIG, print plan.explain() and the predicted bytes per rank. "
-        "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config.",
+        "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config. When bf16/fp16 "
+        '"enabled" are "auto" and no --auto fills them, the plan of each choice is printed and '
+        "the exit code is that of the HF default (fp32).",
     )
     check.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style .json or .yaml config")
     check.add_argument("--pipeline", action="store_true", help="the run uses pipeline parallelism")
@@ -179,6 +259,22 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
     check.add_argument(
         "--json", action="store_true", help="print plan.to_dict() and memory as JSON"
+    )
+    check.add_argument(
+        "--auto",
+        type=_auto_fill,
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help='fill an "auto" value of the config, e.g. --auto bf16.enabled=true --auto '
+        "gradient_clipping=1.0 (VALUE is JSON; repeatable). Unfilled ones take the HF "
+        'Trainer defaults; if bf16/fp16 "enabled" stay "auto", the plan of each choice '
+        "(fp32, fp16, bf16) is shown",
+    )
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="unknown keys anywhere are errors (default: an unknown top-level key is a warning)",
     )
     add_import(check)
     check.set_defaults(handler=_cmd_check)

@@ -36,7 +36,7 @@ def test_api_md_names_exist(name: str) -> None:
     assert callable(getattr(dtypeplan, name))
 
 
-@pytest.mark.parametrize("name", ["save", "load"])
+@pytest.mark.parametrize("name", ["save", "load", "export_model_state"])
 def test_checkpoint_functions(name: str) -> None:
     checkpoint = getattr(dtypeplan, "checkpoint", None)
     if checkpoint is None or not hasattr(checkpoint, name):

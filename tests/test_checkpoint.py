@@ -407,6 +407,8 @@ def test_report_timings(spawned: Any, one: Any) -> None:
 
 def test_zero3_checkpoint_resumes_at_zero3_and_at_zero1(tmp_path: Any) -> None:
     results = spawn(cases.zero3_round_trip, 2, str(tmp_path / "ckpt"))[0]
+    # issue 14 C4: a ZeRO-3 save and load gather nothing (each rank writes its local shards)
+    assert results["gathered"] == [0.0], results["gathered"]
     expected = results["uninterrupted"][3:]
     for name in ("resumed_zero3", "resumed_zero1"):
         for got, want in zip(results[name], expected, strict=True):

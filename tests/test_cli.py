@@ -178,6 +178,74 @@ def test_check_json_not_supported_and_error(
     assert data["status"] == "Error" and data["memory"] is None
 
 
+# --- DeepSpeed configs: --auto, --strict, a plan per precision choice ------------------------
+HF_AUTO = {
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2},
+    "gradient_clipping": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_check_unfilled_precision_auto_shows_each_choice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "hf.json", HF_AUTO)
+    assert main(["check", str(config)]) == 0
+    out = capsys.readouterr().out
+    for choice, dtype in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16")):
+        header = next(line for line in out.splitlines() if line.startswith(f"=== {choice}:"))
+        block = out.split(header, 1)[1].split("===", 1)[0]
+        assert f"parameters             {dtype}" in block
+    assert "--auto bf16.enabled=true --auto fp16.enabled=false" in out
+    assert main(["check", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    choices = [c["plan"]["param_dtype"] for c in data["auto_choices"]]
+    assert choices == ["fp32", "fp16", "bf16"]
+
+
+def test_check_auto_fills_and_lists_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "hf.json", HF_AUTO)
+    argv = ["check", str(config), "--auto", "bf16.enabled=true", "--auto", "fp16.enabled=false"]
+    assert main([*argv, "--auto", "gradient_clipping=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "===" not in out and "parameters             bf16" in out
+    assert "gradient_clipping = 0.5  <- auto=" in out
+    assert "train_micro_batch_size_per_gpu = 8  <- HF TrainingArguments" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--auto", "gradient_clipping"], "PATH=VALUE"),
+        (["--auto", "bf16.enabld=true"], "did you mean 'bf16.enabled'"),
+    ],
+)
+def test_check_bad_auto_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    config = _write(tmp_path / "hf.json", HF_AUTO)
+    assert main(["check", str(config), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_states_the_deepspeed_differences_and_strict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "ds.json", {"bf16": {"enabled": True}, "log": {"x": 1}})
+    assert main(["check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "differences from DeepSpeed" in out
+    for point in ("gradient accumulation:", "wire dtype:", "gradient clipping:", "no optimizer"):
+        assert point in out
+    assert "unknown top-level key 'log'" in out
+    assert main(["check", str(config), "--strict"]) == 2
+    assert "$.log" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

@@ -61,14 +61,6 @@ MEGATRON_GPT_TEMPLATE: dict[str, Any] = {
         "initial_scale_power": 11,
     },
     "bf16": {"enabled": False},
-    "curriculum_learning": {
-        "enabled": False,
-        "curriculum_type": "seqlen",
-        "min_difficulty": 80,
-        "max_difficulty": 2048,
-        "schedule_type": "fixed_linear",
-        "schedule_config": {"total_curriculum_step": 15000, "difficulty_step": 8},
-    },
     "wall_clock_breakdown": False,
 }
 
@@ -278,8 +270,9 @@ def test_communication_data_type(value: str | None, expected: torch.dtype) -> No
     [
         ("AdamW", "AdamW"),
         ("adamw", "AdamW"),
-        ("Adam", "Adam"),
-        ("adam", "Adam"),
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+        ("Adam", "AdamW"),
+        ("adam", "AdamW"),
         ("SGD", "SGD"),
         ("sgd", "SGD"),
     ],
@@ -288,6 +281,21 @@ def test_optimizer_types(spelling: str, canonical: str) -> None:
     plan = dtypeplan.resolve({"optimizer": {"type": spelling, "params": {"lr": 0.01}}})
     assert plan.optimizer.type == canonical
     assert plan.optimizer.torch_class.__name__ == canonical
+    if spelling.lower() == "adam":
+        assert any("adam_w_mode" in w for w in plan.config_warnings)
+
+
+def test_adam_with_adam_w_mode_false_is_torch_adam() -> None:
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}}}
+    plan = dtypeplan.resolve(config)
+    assert plan.optimizer.type == "Adam" and dict(plan.optimizer.params) == {"lr": 0.01}
+
+
+def test_adam_bias_correction_false_is_refused_with_the_reason() -> None:
+    config = {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}
+    error = _error(config)
+    assert error.path == "$.optimizer.params.bias_correction"
+    assert "bias correction" in str(error)
 
 
 def test_optimizer_betas_list_becomes_a_tuple() -> None:
@@ -313,7 +321,6 @@ def test_defaults_when_silent() -> None:
 @pytest.mark.parametrize(
     ("config", "path", "suggestion"),
     [
-        ({"zero_optimizaton": {"stage": 1}}, "$.zero_optimizaton", "zero_optimization"),
         ({"bf16": {"enabeld": True}}, "$.bf16.enabeld", "enabled"),
         (
             {"fp16": {"enabled": True, "loss_scale_windw": 10}},
@@ -321,13 +328,6 @@ def test_defaults_when_silent() -> None:
             "loss_scale_window",
         ),
         ({"zero_optimization": {"stgae": 2}}, "$.zero_optimization.stgae", "stage"),
-        (
-            {"gradient_acumulation_dtype": "fp32"},
-            "$.gradient_acumulation_dtype",
-            "gradient_accumulation_dtype",
-        ),
-        ({"communication_data_typ": "fp32"}, "$.communication_data_typ", "communication_data_type"),
-        ({"gradient_clip": 1.0}, "$.gradient_clip", "gradient_clipping"),
         (
             {"data_types": {"grad_acum_dtype": "fp32"}},
             "$.data_types.grad_acum_dtype",
@@ -348,7 +348,6 @@ def test_defaults_when_silent() -> None:
             "$.optimizer.params.momentun",
             "momentum",
         ),
-        ({"trian_batch_size": 8}, "$.trian_batch_size", "train_batch_size"),
     ],
 )
 def test_misspelt_key_names_the_path_and_the_closest_key(
@@ -358,6 +357,43 @@ def test_misspelt_key_names_the_path_and_the_closest_key(
     assert error.path == path
     assert path in str(error)
     assert f"did you mean {suggestion!r}" in str(error)
+
+
+TOP_LEVEL_TYPOS = [
+    ({"zero_optimizaton": {"stage": 1}}, "zero_optimizaton", "zero_optimization"),
+    (
+        {"gradient_acumulation_dtype": "fp32"},
+        "gradient_acumulation_dtype",
+        "gradient_accumulation_dtype",
+    ),
+    ({"communication_data_typ": "fp32"}, "communication_data_typ", "communication_data_type"),
+    ({"gradient_clip": 1.0}, "gradient_clip", "gradient_clipping"),
+    ({"trian_batch_size": 8}, "trian_batch_size", "train_batch_size"),
+]
+
+
+@pytest.mark.parametrize(("config", "key", "suggestion"), TOP_LEVEL_TYPOS)
+def test_misspelt_top_level_key_warns_like_deepspeed_and_fails_under_strict(
+    config: dict[str, Any], key: str, suggestion: str
+) -> None:
+    # DeepSpeed ignores unknown top-level keys; dtypeplan resolves, and explain() says so.
+    plan, bare = dtypeplan.resolve(config).to_dict(), dtypeplan.resolve({}).to_dict()
+    assert len(plan.pop("config_warnings")) == 1 and bare.pop("config_warnings") == []
+    plan.pop("ignored_keys"), bare.pop("ignored_keys")
+    assert plan == bare
+    text = dtypeplan.resolve(config).explain()
+    assert repr(key) in text and f"did you mean {suggestion!r}" in text
+    with pytest.raises(PrecisionConfigError, match=f"did you mean {suggestion!r}") as info:
+        dtypeplan.resolve(config, strict=True)
+    assert info.value.path == f"$.{key}"
+
+
+def test_unknown_top_level_key_without_a_close_match_says_where_keys_are_listed() -> None:
+    with pytest.raises(PrecisionConfigError, match="config.schema.json"):
+        dtypeplan.resolve({"qqqqqqqqqqqqqqqqqqqqqq": 1}, strict=True)
+    error = _error({"zero_optimization": {"qqqqqqqqqqqqqqqqqqqq": 1}})
+    assert error.path == "$.zero_optimization.qqqqqqqqqqqqqqqqqqqq"
+    assert "_deepspeed_keys.py" in str(error) and "overlap_comm" not in str(error)
 
 
 def test_misspelt_key_in_accumulation_mapping_without_dtype() -> None:
@@ -409,6 +445,17 @@ def test_unknown_key_without_a_close_match_lists_the_known_keys() -> None:
         ({"optimizer": {"type": "AdamW", "params": {"lr": -1.0}}}, "$.optimizer.params"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, "$.optimizer.params"),
         ({"optimizer": {"type": "AdamW", "params": {"betas": [1.5, 0.9]}}}, "$.optimizer.params"),
+        ({"gradient_accumulation_steps": 0}, "$.gradient_accumulation_steps"),
+        ({"gradient_allreduce_op": "sum"}, "$.gradient_allreduce_op"),
+        ({"scheduler": {"type": "WarmupLRR"}}, "$.scheduler.type"),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+            "$.scheduler.params.warmup_num_step",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+            "$.zero_optimization.offload_optimizer.device",
+        ),
         (
             {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "foreach": True}}},
             "$.optimizer.params.foreach",
@@ -449,10 +496,8 @@ def test_yaml_config_with_integer_key_is_a_config_error(tmp_path: Path) -> None:
 IGNORED = {
     "train_batch_size": 32,
     "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 8,
     "steps_per_print": 10,
     "wall_clock_breakdown": False,
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
     "zero_optimization": {
         "stage": 2,
         "overlap_comm": True,
@@ -464,10 +509,8 @@ IGNORED = {
 IGNORED_PATHS = [
     "$.train_batch_size",
     "$.train_micro_batch_size_per_gpu",
-    "$.gradient_accumulation_steps",
     "$.steps_per_print",
     "$.wall_clock_breakdown",
-    "$.scheduler",
     "$.zero_optimization.overlap_comm",
     "$.zero_optimization.contiguous_gradients",
     "$.zero_optimization.allgather_bucket_size",
@@ -490,12 +533,17 @@ def test_ignored_keys_are_accepted_listed_and_change_nothing() -> None:
     assert with_keys == without
 
 
-def test_ignored_offload_key_warns() -> None:
+def test_offload_is_parsed_never_ignored() -> None:
     plan = dtypeplan.resolve(
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     )
-    assert "$.zero_optimization.offload_optimizer" in plan.ignored_keys
-    assert any("offload" in w for w in plan.warnings)
+    assert plan.ignored_keys == ()
+    config = dtypeplan.resolver.load_config(
+        {"zero_optimization": {"stage": 2, "cpu_offload": True}}
+    )
+    assert config.offload_optimizer == "cpu"
+    if plan.status == "OK":  # until the table decides offload, the plan says it runs without
+        assert any("offload_optimizer" in d for d in plan.deepspeed_differences)
 
 
 @pytest.mark.parametrize("name", ["ds_config.json", "ds_config.yaml"])
@@ -520,7 +568,10 @@ def test_megatron_gpt_template_resolves(tmp_path: Path) -> None:
     assert plan.gradient_clipping == 1.0
     assert plan.loss_scaling.initial_scale_power == 11
     assert plan.loss_scaling.loss_scale_window == 500
-    assert {"$.prescale_gradients", "$.curriculum_learning"} <= set(plan.ignored_keys)
+    assert "$.wall_clock_breakdown" in plan.ignored_keys
+    # DeepSpeed 0.19.8 removed curriculum_learning (DeepSpeedConfigError); so does dtypeplan.
+    with pytest.raises(PrecisionConfigError, match="removed 'curriculum_learning' too"):
+        dtypeplan.resolve({**MEGATRON_GPT_TEMPLATE, "curriculum_learning": {"enabled": False}})
 
 
 @pytest.mark.parametrize("path", ["\x00", "no/such/file.json"])
@@ -535,3 +586,119 @@ def test_binary_config_file_is_a_config_error(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(dtypeplan.PrecisionConfigError, match="cannot read config file"):
         dtypeplan.resolve(path)
+
+
+# --- settings that change numbers or memory: parsed, never ignored ---------------------------
+@pytest.mark.parametrize(
+    ("config", "field", "value"),
+    [
+        (
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+            "master_weights_dtype",
+            "bf16",
+        ),
+        (
+            {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+            "master_weights_dtype",
+            "fp16",
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+        (
+            {"bfloat16": {"enabled": True, "bf16_optimizer_states": True}},
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}, "autocast", "bf16"),
+        ({"fp16": {"enabled": True}, "torch_autocast": {"enabled": True}}, "autocast", "fp16"),
+        ({"torch_autocast": {"enabled": False, "dtype": "fp16"}}, "autocast", "none"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "offload_optimizer",
+            "nvme",
+        ),
+        ({"zero_optimization": {"cpu_offload": True}}, "offload_optimizer", "cpu"),
+        ({"zero_optimization": {"cpu_offload_param": True}}, "offload_param", "cpu"),
+        (
+            {"zero_optimization": {"zero_quantized_weights": True}},
+            "quantized_communication",
+            "weights",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "zero_quantized_weights": True,
+                    "zero_quantized_gradients": True,
+                }
+            },
+            "quantized_communication",
+            "both",
+        ),
+        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "hierarchical_partitioning", True),
+        ({"prescale_gradients": True}, "gradient_prescaling", "prescale"),
+        ({"gradient_predivide_factor": 8.0}, "gradient_prescaling", "predivide"),
+        ({"fp8": {"enabled": True}}, "fp8", True),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps", 4),
+        (
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                "optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}},
+            },
+            "optimizer_states_dtype",
+            "bf16",
+        ),
+    ],
+)
+def test_number_changing_settings_are_parsed(
+    config: dict[str, Any], field: str, value: Any
+) -> None:
+    parsed = dtypeplan.resolver.load_config(config)
+    assert getattr(parsed, field) == value
+    assert parsed.ignored_keys == ()
+
+
+def test_stage3_alias_and_plain_name_are_one_setting() -> None:
+    plain = {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 10}}
+    alias = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}}
+    plain_plan, alias_plan = dtypeplan.resolve(plain).to_dict(), dtypeplan.resolve(alias).to_dict()
+    assert plain_plan.pop("ignored_keys") == ["$.zero_optimization.prefetch_bucket_size"]
+    assert alias_plan.pop("ignored_keys") == ["$.zero_optimization.stage3_prefetch_bucket_size"]
+    assert plain_plan == alias_plan
+    both = {"zero_optimization": {"prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 20}}
+    error = _error(both)
+    assert error.path == "$.zero_optimization.stage3_prefetch_bucket_size"
+
+
+def test_legacy_bfloat16_block_is_bf16_unless_bf16_is_given() -> None:
+    assert dtypeplan.resolve({"bfloat16": {"enabled": True}}).param_dtype == torch.bfloat16
+    plan = dtypeplan.resolve({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+    assert plan.param_dtype == torch.float32
+    assert any("$.bfloat16 is not read" in w for w in plan.config_warnings)
+
+
+@pytest.mark.parametrize(
+    "key", ["quantize_training", "compression_training", "sparse_attention", "amp", "elasticity"]
+)
+def test_blocks_deepspeed_removed_are_refused(key: str) -> None:
+    error = _error({key: {"enabled": False}})
+    assert error.path == f"$.{key}" and "DeepSpeed 0.19.8 removed" in str(error)
+    error = _error({"zero_optimization": {"mics_shard_size": 4}})
+    assert error.path == "$.zero_optimization.mics_shard_size"
+
+
+def test_data_types_param_dtype_must_match_the_enabled_mode() -> None:
+    assert dtypeplan.resolve({"bf16": {"enabled": True}, "data_types": {"param_dtype": "bfloat16"}})
+    error = _error({"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}})
+    assert error.path == "$.data_types.param_dtype"
+
+
+def test_model_side_settings_warn_and_are_not_ignored() -> None:
+    plan = dtypeplan.resolve({"activation_checkpointing": {"partition_activations": True}})
+    assert plan.ignored_keys == ()
+    assert any("$.activation_checkpointing" in w for w in plan.config_warnings)
+    off = dtypeplan.resolve({"compile": {"enabled": False}})
+    assert off.config_warnings == ()

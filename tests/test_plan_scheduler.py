@@ -5,15 +5,12 @@ optimizer ``plan.build`` made, stepping with it and standing still on a skipped 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 import dtypeplan
-from dtypeplan.resolver import FrozenDict, load_config, load_rules
-from dtypeplan.resolver._frozen import freeze
-from dtypeplan.resolver._resolve import resolve_config
+from dtypeplan.resolver import FrozenDict
 
 WARMUP = {
     "type": "WarmupLR",
@@ -26,13 +23,8 @@ WARMUP = {
 }
 
 
-def _plan(config: dict[str, Any], scheduler: dict[str, Any] | None) -> dtypeplan.PrecisionPlan:
-    # The scheduler block as load_config reads it (FrozenDict), set here so that this test
-    # does not depend on how the config side parses the block.
-    loaded = dataclasses.replace(
-        load_config(config), scheduler=None if scheduler is None else freeze(scheduler)
-    )
-    return resolve_config(loaded, pipeline_parallel=False, table=load_rules())
+def _plan(config: dict[str, Any], scheduler: dict[str, Any]) -> dtypeplan.PrecisionPlan:
+    return dtypeplan.resolve({**config, "scheduler": scheduler})
 
 
 def test_without_a_scheduler_block_there_is_none() -> None:

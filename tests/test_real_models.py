@@ -24,9 +24,6 @@ from tests.workers.real_models import run_cases  # noqa: E402
 LOSS_RTOL = {"fp32": 1e-5, "bf16": 1e-2}
 WEIGHT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 CASES = [(a, s, d) for a in ("gpt2", "llama") for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
-ZERO3_TIED = pytest.mark.xfail(
-    strict=True, reason="issue 10 item 9: ZeRO-3 unties the embeddings; FSDP refuses"
-)
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +33,22 @@ def results() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(
-            f"{a}-stage{s}-{d}", id=f"{a}-stage{s}-{d}", marks=[ZERO3_TIED] if s == 3 else []
-        )
-        for a, s, d in CASES
-    ],
+    [pytest.param(f"{a}-stage{s}-{d}", id=f"{a}-stage{s}-{d}") for a, s, d in CASES],
 )
 def test_transformers_model_trains_like_torch(results: list[dict[str, Any]], case: str) -> None:
-    # issue 10 item 9 (ZeRO-3, tied weights) and "models written by others"
+    # issue 10 items 9, 10 (ZeRO-3: tied weights, a unit per block), 14 (export by name) and
+    # "models written by others"
     dtype = case.rsplit("-", 1)[1]
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
         assert isinstance(got, dict), f"rank {rank}: {got}"
         assert got["tied"], "the tied embeddings were untied"
+        assert len(got["tied_names"]) == 2, f"tied names {got['tied_names']}"
+        assert got["export_ok"], "export_model_state lacks a name or unties the tied names"
+        if "stage3" in case:
+            assert all(got["units"]), f"not every decoder block (then root) is a unit: {got}"
+        else:
+            assert not any(got["units"]), "stages 0-2 must not shard the model"
         for step, (mine, ref) in enumerate(zip(got["losses"], got["ref"], strict=True)):
             assert abs(mine - ref) <= LOSS_RTOL[dtype] * abs(ref), f"step {step}: {mine} vs {ref}"
         assert got["rel"] <= WEIGHT_RTOL[dtype], f"weights differ by {got['rel']:.3g}"

@@ -126,11 +126,7 @@ def test_item6_param_listed_twice(stage: int, dtype: str) -> None:
 
 
 # fp32: nothing to cast, so only 16-bit plans show it
-@one_process(
-    "item11",
-    xfail(11, "frozen layers and BatchNorm buffers stay fp32"),
-    combos=[c for c in ONE_PROCESS if c[1] != "fp32"],
-)
+@one_process("item11", None, combos=[c for c in ONE_PROCESS if c[1] != "fp32"])
 def test_item11_prepare_model_casts_whole_model(stage: int, dtype: str) -> None:
     # issue 10 item 11
     check("item11_prepare_model_casts_whole_model", stage, dtype)
@@ -154,7 +150,7 @@ def test_item13_state_dict_has_torch_layout(stage: int, dtype: str) -> None:
     check("item13_state_dict_layout", stage, dtype)
 
 
-@one_process("item14", xfail(14, "no dtypeplan.checkpoint.export_model_state"))
+@one_process("item14", None)
 def test_item14_export_model_state_by_name(stage: int, dtype: str) -> None:
     # issue 10 item 14
     check("item14_export_model_state", stage, dtype)
@@ -296,19 +292,19 @@ def test_item8_rank_freezing_a_param_is_refused(two_ranks: list[dict[str, str]],
     check_two(two_ranks, case)
 
 
-@two_rank_params("item9_", xfail(9, "ZeRO-3 unties lm_head from wte; FSDP refuses"), stages=(3,))
+@two_rank_params("item9_")
 def test_item9_tied_weights_every_stage(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 9
     check_two(two_ranks, case)
 
 
-@two_rank_params("item10_", xfail(10, "ZeRO-3 cannot shard a ModuleList child per block"))
+@two_rank_params("item10_")
 def test_item10_module_list_blocks_zero3(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 10
     check_two(two_ranks, case)
 
 
-@two_rank_params("item11_", xfail(11, "frozen layers and BatchNorm buffers stay fp32"))
+@two_rank_params("item11_")
 def test_item11_two_ranks(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 11
     check_two(two_ranks, case)
@@ -326,7 +322,7 @@ def test_item13_two_ranks(two_ranks: list[dict[str, str]], case: str) -> None:
     check_two(two_ranks, case)
 
 
-@two_rank_params("item14_", xfail(14, "no dtypeplan.checkpoint.export_model_state"))
+@two_rank_params("item14_")
 def test_item14_two_ranks(two_ranks: list[dict[str, str]], case: str) -> None:
     # issue 10 item 14
     check_two(two_ranks, case)

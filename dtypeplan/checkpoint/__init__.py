@@ -19,15 +19,17 @@ Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor of the pa
 ``numel`` (``i`` numbers the trainable parameters over all param groups in order, as
 ``MixedPrecisionOptimizer.full_state`` does); shapes live in the manifest.
 
-Sharded I/O. For the built-in flat-buffer optimizers each rank writes only the pieces of each
-parameter that its own shard holds, as DCP chunks with their offsets, and on load reads only
-the pieces that its new shard needs; DCP's resharding matches old chunks to new ones. No rank
-ever materializes the full state. (At ZeRO stage 0 every rank holds everything; DCP then
-writes each piece once.) Any other ``MixedPrecisionOptimizer`` goes through its layout-free
-``full_state()`` / ``load_full_state()``: full tensors, replicated on every rank and written
-once. Both ways write the same format, so either reads what the other wrote. (The sharded
-way uses the flat optimizer's public ``shard_pieces()``, ``state_names()``,
-``reset_update_state()`` and ``refresh_params()`` in ``_adapters.FlatAdapter``.)
+Sharded I/O. For the built-in optimizers (the flat-buffer ones of ZeRO 0-2 and ZeRO-3's FSDP2
+one) each rank writes only the pieces of each parameter that its own shard holds, as DCP chunks
+with their offsets, and on load reads only the pieces that its new shard needs; DCP's
+resharding matches old chunks to new ones. No rank ever materializes the full state. (At ZeRO
+stage 0 every rank holds everything; DCP then writes each piece once.) Any other
+``MixedPrecisionOptimizer`` goes through its layout-free ``full_state()`` /
+``load_full_state()``: full tensors, replicated on every rank and written once. Both ways write
+the same format, so either reads what the other wrote. (The sharded way uses the optimizer's
+public ``shard_pieces()``, ``state_names()``, ``reset_update_state()`` and ``refresh_params()``
+in ``_adapters.FlatAdapter``; a ZeRO-3 rank's pieces are its local FSDP2 shards, so a ZeRO-3
+save or load gathers nothing.)
 
 Atomic replacement. A save writes ``snapshot-<hex>.tmp`` inside ``path``; when every rank has
 written (DCP's final collective) rank 0 adds the manifest, renames the directory to
@@ -55,16 +57,27 @@ none, a single process when ``torch.distributed`` is not initialized). Every ran
 same ``path`` (a shared filesystem). Errors are agreed on: when one rank fails, every rank
 raises, so no rank is left waiting in a collective.
 
+The trained weights by parameter name, for ``save_pretrained`` and the like::
+
+    state = dtypeplan.checkpoint.export_model_state(optimizer, model)  # on every rank
+
+gives the fp32 master weights keyed by ``model.named_parameters()`` names (tied names all
+present, sharing one tensor) at every stage. It is collective at stages 1-3 (it gathers one
+parameter at a time), so every rank must call it; ``rank0_only=True`` keeps the result on
+rank 0 only, and each tensor goes to CPU as it is gathered unless ``cpu=False``.
+
 Modules: ``_io`` (the steps of ``save`` and ``load``), ``_collective`` (the group, and errors
 agreed on by every rank), ``_adapters`` (an optimizer's state as pieces), ``_planners`` (DCP
-planners for those pieces), ``_manifest`` and ``_directory`` (the files on disk), ``_errors``.
+planners for those pieces), ``_manifest`` and ``_directory`` (the files on disk),
+``_export`` (the weights by name), ``_errors``.
 """
 
 from dtypeplan.checkpoint._directory import LATEST as LATEST
 from dtypeplan.checkpoint._directory import MANIFEST as MANIFEST
 from dtypeplan.checkpoint._errors import CheckpointError, CheckpointMismatchError
+from dtypeplan.checkpoint._export import export_model_state
 from dtypeplan.checkpoint._io import load, save
 from dtypeplan.checkpoint._manifest import FORMAT as FORMAT
 from dtypeplan.checkpoint._manifest import FORMAT_VERSION as FORMAT_VERSION
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "load", "save"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "export_model_state", "load", "save"]

@@ -1,5 +1,11 @@
 """What an optimizer gives to a checkpoint and takes from it, as :class:`Flat` pieces.
 
+Two adapters. :class:`FlatAdapter` reads and writes, in place, the pieces of each parameter
+that this rank's shard holds: the flat-buffer optimizers' master chunks (ZeRO 0-2), and
+ZeRO-3's local FSDP2 shards (one contiguous piece per parameter, as FSDP2 shards on dim 0), so
+no rank ever gathers a parameter. :class:`FullStateAdapter` goes through any other
+optimizer's layout-free ``full_state()``.
+
 An adapter lists the trainable parameters' shapes and state names, hands out the pieces to
 save, allocates staging pieces to load into, and commits them into the optimizer at the end
 (so a load that fails before then leaves the optimizer as it was). Both adapters key every
@@ -17,6 +23,12 @@ from dtypeplan.checkpoint._planners import Flat
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers._group_state import ShardPiece
+
+ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
+"""The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
+``state_names()``, ``reset_update_state()`` and ``refresh_params()``."""
 
 __all__ = ["Adapter", "FlatAdapter", "FullStateAdapter", "adapter_for"]
 
@@ -37,12 +49,20 @@ def _empty_flats(names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
     }
 
 
+def _piece_of(piece: ShardPiece, tensor: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of ``tensor`` (the piece's master or a state laid out like it) it covers.
+
+    A flat master chunk is 1-D already; a ZeRO-3 local shard has the parameter's shape.
+    """
+    return tensor.view(-1)[piece.offset : piece.offset + piece.end - piece.begin]
+
+
 class FlatAdapter:
-    """Per-rank pieces of a :class:`FlatMixedPrecisionOptimizer`'s shard (sharded I/O)."""
+    """Per-rank pieces of a sharded optimizer's shard (sharded I/O): ZeRO 0-2 and ZeRO-3."""
 
     layout = "sharded"
 
-    def __init__(self, opt: FlatMixedPrecisionOptimizer) -> None:
+    def __init__(self, opt: ShardedOptimizer) -> None:
         self.opt = opt
 
     def shapes(self) -> list[list[int]]:
@@ -64,7 +84,7 @@ class FlatAdapter:
                     # A state this rank has not created yet is still zero (as in full_state).
                     source = torch.zeros_like(piece.master)
                 flats[keys.param_key(piece.index, name)].pieces.append(
-                    (piece.begin, piece.of(source))
+                    (piece.begin, _piece_of(piece, source))
                 )
         return flats
 
@@ -97,7 +117,9 @@ class FlatAdapter:
                 target = (
                     piece.master if name == keys.MASTER else opt.inner.state[piece.master][name]
                 )
-                piece.of(target).copy_(pieces[keys.param_key(piece.index, name)][piece.begin])
+                _piece_of(piece, target).copy_(
+                    pieces[keys.param_key(piece.index, name)][piece.begin]
+                )
         opt.skipped_steps = int(scalars["skipped_steps"])
         if opt.scaler.enabled and scalars.get("scaler_enabled"):
             opt.scaler.load_state_dict(scalars["scaler"])
@@ -174,6 +196,6 @@ Adapter = FlatAdapter | FullStateAdapter
 
 
 def adapter_for(opt: MixedPrecisionOptimizer) -> Adapter:
-    if isinstance(opt, FlatMixedPrecisionOptimizer):
+    if isinstance(opt, (FlatMixedPrecisionOptimizer, FSDP2Optimizer)):
         return FlatAdapter(opt)
     return FullStateAdapter(opt)

@@ -21,8 +21,10 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._loss_scaler import LossScaler
+from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
 
 if TYPE_CHECKING:
+    from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["HeldTensors", "MixedPrecisionOptimizer", "inner_optimizer", "is_adam"]
@@ -107,6 +109,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(params, dict(plan.optimizer.params))
+        # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
+        restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
         self.process_group = process_group
         self.skipped_steps = 0
@@ -122,9 +126,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         *,
         plan: PrecisionPlan,
         process_group: dist.ProcessGroup | None = None,
+        wrap: WrapPolicy | None = None,
     ) -> torch.nn.Module:
-        """Make ``model`` ready for this implementation (ZeRO-3 shards it); default: as is."""
-        return model
+        """Make ``model`` ready for this implementation, in place; returns it.
+
+        Default: cast it whole to ``plan.param_dtype`` (parameters, frozen ones too, and
+        floating-point buffers), keeping the trainable parameters' wider values for the master
+        weights (see ``_prepare.py``). ZeRO-3 also shards it; ``wrap`` chooses its FSDP2 units
+        and means nothing to an implementation that does not shard the model.
+        """
+        return cast_model(model, plan.param_dtype)
 
     # --- what a subclass provides ------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._registry import get_implementation
+from dtypeplan.optimizers._shard_units import WrapPolicy
 from dtypeplan.resolver import PrecisionPlan, Status
 
 __all__ = ["build_optimizer", "implementation_class", "prepare_model"]
@@ -52,13 +53,26 @@ def implementation_class(
 
 
 def prepare_model(
-    plan: PrecisionPlan, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+    plan: PrecisionPlan,
+    model: torch.nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    wrap: WrapPolicy | None = None,
 ) -> torch.nn.Module:
-    """Ready ``model`` for :func:`build_optimizer` (ZeRO-3 shards it); a plan not OK keeps it."""
+    """Ready ``model`` for :func:`build_optimizer`, in place; returns it (a plan not OK: as is).
+
+    Every stage casts the model whole to ``plan.param_dtype``: parameters, frozen ones too,
+    and floating-point buffers (integer buffers stay). At stages 0-2 the trainable parameters'
+    fp32 values are kept until ``build`` takes them as the master weights, so casting first
+    loses no precision (``_prepare.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
+    sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
+    ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
+    there and is ignored at the other stages (``_shard_units.py``).
+    """
     if plan.status != Status.OK:
         return model
     cls = implementation_class(plan, process_group)
-    return cls.prepare_model(model, plan=plan, process_group=process_group)
+    return cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
 
 
 def build_optimizer(

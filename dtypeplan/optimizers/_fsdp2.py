@@ -41,16 +41,87 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, inner_optimizer
+from dtypeplan.optimizers._group_state import ShardPiece
+from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["FSDP2Optimizer"]
+__all__ = ["FSDP2Optimizer", "mesh_device", "mesh_device_type"]
+
+
+def _current_accelerator() -> str | None:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else None
+
+
+def mesh_device_type(backend: str, accelerator: str | None = None) -> str | None:
+    """The device type a process group with ``backend`` communicates on; None if ambiguous.
+
+    ``backend`` is what ``dist.get_backend(group)`` says: one name (``"nccl"``, ``"gloo"``)
+    or a device map (``"cpu:gloo,cuda:nccl"``); ``accelerator`` is this machine's
+    (``torch.accelerator``'s device type, None without one). A group serving this machine's
+    accelerator runs on it (NCCL hands CPU tensors nothing but errors); else one serving the
+    CPU (gloo) on the CPU; else the one device it serves (``nccl`` -> ``cuda``).
+    """
+    backend = backend.lower()
+    if ":" in backend:
+        devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",")]
+    else:
+        devices = [d for d, b in dist.Backend.default_device_backend_map.items() if b == backend]
+    if accelerator is not None and accelerator in devices:
+        return accelerator
+    if "cpu" in devices:
+        return "cpu"
+    return devices[0] if len(devices) == 1 else None
+
+
+def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
+    """Where ZeRO-3's mesh, and so the sharded model, lives for a group with ``backend``.
+
+    An accelerator means its current device (``torch.cuda.current_device()``: set it before
+    ``prepare_model``, as FSDP2 expects). A backend of unknown kind keeps the model's device.
+    """
+    kind = mesh_device_type(backend, _current_accelerator())
+    if kind is None:
+        return next(model.parameters(), torch.empty(0)).device
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _row_numel(shape: torch.Size) -> int:
+    """Elements in one index of dim 0 of a tensor of ``shape``."""
+    numel = 1
+    for size in shape[1:]:
+        numel *= size
+    return numel
+
+
+def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    cast_floating_buffers(model, dtype)
+
+
+def _masters_to_fp32(unit: torch.nn.Module) -> None:
+    """The trainable parameters of ``unit`` not sharded yet to fp32, just before sharding."""
+    with torch.no_grad():
+        for param in unit.parameters():
+            if param.requires_grad and not isinstance(param, DTensor):
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    param.data = param.data.to(torch.float32)
 
 
 @register("fsdp2")
@@ -64,34 +135,58 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         *,
         plan: PrecisionPlan,
         process_group: dist.ProcessGroup | None = None,
+        wrap: WrapPolicy | None = None,
     ) -> torch.nn.Module:
-        """Shard ``model`` with ``fully_shard``: every child with parameters, then the root."""
+        """Shard ``model`` with ``fully_shard``, one unit per block, then the root; in place.
+
+        Units: see ``_shard_units.py`` (by default each module of a ``ModuleList`` /
+        ``ModuleDict`` and each top-level child; ``wrap`` chooses others; tied parameters
+        share a unit). The mesh lives on the process group's device (NCCL: the current CUDA
+        device; gloo: CPU), and FSDP2 moves each unit there as it shards it, so a model built
+        on CPU reaches the GPU one unit at a time. Each unit's trainable parameters become
+        fp32 just before it is sharded (they are the master weights), so no rank ever holds
+        the whole model in fp32 unsharded; frozen parameters and floating-point buffers are
+        cast to ``plan.param_dtype`` first, as at every other stage.
+        """
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if not (dist.is_available() and dist.is_initialized()):
             return model  # one process: nothing to shard (the builder runs another class)
+        if isinstance(model, FSDPModule):
+            raise PrecisionConfigError(
+                "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
+                "call it once, on the unsharded model"
+            )
         group = process_group or dist.group.WORLD
-        device = next(model.parameters()).device
+        device = mesh_device(dist.get_backend(group), model)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
-        model.to(torch.float32)
-        for child in model.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh, mp_policy=policy)
         own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
         if plan.pipeline_parallel and own:
-            raise ValueError(
+            raise PrecisionConfigError(
                 f"under pipeline parallelism ZeRO-3 shards the stage module's children, but the "
                 f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
                 "torch.nn.Sequential(stage_module), before plan.prepare_model"
             )
-        if not plan.pipeline_parallel:
+        units = choose_units(model, wrap)
+        if plan.pipeline_parallel:
             # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
             # schedule turns gradient sync off for all but the last micro-batch of a module
-            # that is an FSDPModule, which would accumulate whole gradients; the children,
-            # each its own FSDP root, reduce-scatter every micro-batch as the plan says.
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+            # that is an FSDPModule, which would accumulate whole gradients; the units, the
+            # outermost of each its own FSDP root, reduce-scatter every micro-batch.
+            left = uncovered_parameters(model, units)
+            if left:
+                raise PrecisionConfigError(
+                    "under pipeline parallelism ZeRO-3 shards units below the stage module, and "
+                    f"no unit holds these trainable parameters: {', '.join(left)} (tied across "
+                    "units, or chosen by no wrap policy). Wrap the modules that share them in "
+                    "one module, or pass wrap= so that one unit holds each"
+                )
+        _cast_frozen_and_buffers(model, plan.param_dtype)
+        for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+            _masters_to_fp32(unit)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
@@ -277,11 +372,59 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             local.copy_(saved)
         self._load_update_state(state_dict)
 
+    # --- sharded state, for checkpoints that never gather ---------------------------------------
+    def shard_pieces(self) -> list[ShardPiece]:
+        """Where this rank's local shards hold each parameter, in ``param.{i}`` numbering.
+
+        FSDP2 shards every parameter on dim 0, so a local shard is one contiguous range of the
+        flattened parameter: one piece per parameter, ``master`` the local shard (the inner
+        optimizer's key for its states; use ``master.view(-1)`` for flat indexing). A rank
+        may hold an empty piece of a small parameter. This is what a ZeRO-3 checkpoint saves
+        and loads without gathering (``dtypeplan.checkpoint``).
+        """
+        pieces = []
+        for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
+            if any(not pl.is_shard(dim=0) for pl in param.placements):
+                raise NotImplementedError(
+                    f"ZeRO-3 parameter {index} is not sharded on dim 0 ({param.placements}); "
+                    "dtypeplan's sharded checkpoint reads FSDP2's default dim-0 sharding only"
+                )
+            local_shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            assert tuple(local_shape) == tuple(local.shape) and local.is_contiguous()
+            begin = offset[0] * _row_numel(param.shape) if param.dim() else 0
+            pieces.append(ShardPiece(index, begin, begin + local.numel(), local, 0))
+        return pieces
+
+    def state_names(self) -> list[str]:
+        """``master`` and the optimizer states laid out like the local shards (``exp_avg``...)."""
+        names = [keys.MASTER]
+        for local in self._locals():
+            for name, value in self.inner.state.get(local, {}).items():
+                if (
+                    name != keys.STEP
+                    and torch.is_tensor(value)
+                    and value.shape == local.shape
+                    and name not in names
+                ):
+                    names.append(name)
+        return names
+
+    def refresh_params(self) -> None:
+        """Nothing to write: the sharded parameters are the master weights (FSDP2 gathers them)."""
+
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
+        """The full state on every rank (collective), gathered one tensor at a time to CPU.
+
+        Each tensor is gathered on the device and moved to host memory before the next one,
+        so a GPU holds the local shards plus one full tensor. ``dtypeplan.checkpoint`` does
+        not call this at ZeRO-3: it saves the local shards (:meth:`shard_pieces`).
+        """
         result: dict[str, torch.Tensor | float | int] = {}
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float()
+            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float().cpu()
             for name, value in self.inner.state.get(local, {}).items():
                 if name != keys.STEP and torch.is_tensor(value) and value.shape == local.shape:
                     whole = DTensor.from_local(
@@ -291,7 +434,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                         shape=param.shape,
                         stride=param.stride(),
                     )
-                    result[keys.param_key(index, name)] = whole.full_tensor().float()
+                    result[keys.param_key(index, name)] = whole.full_tensor().float().cpu()
         result.update(self._scalar_state())
         return result
 

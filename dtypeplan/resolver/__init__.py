@@ -1,6 +1,7 @@
 """Config, rules table and resolved plan: inert data that imports nothing of the optimizers."""
 
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
+from dtypeplan.resolver._auto import AutoValue, auto_values_from
 from dtypeplan.resolver._config import (
     LossScaleConfig,
     OptimizerConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "Alternative",
+    "AutoValue",
     "Dimension",
     "FrozenDict",
     "LossScaleConfig",
@@ -48,6 +50,7 @@ __all__ = [
     "SHARDED",
     "STAGE",
     "Status",
+    "auto_values_from",
     "config_for",
     "install_builder",
     "load_config",

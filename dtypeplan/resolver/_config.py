@@ -2,18 +2,22 @@
 
 The JSON Schema in ``schemas/config.schema.json`` is the single source of truth for what a
 config may hold; it ships with the package so editors can validate configs too. Keys marked
-``x-dtypeplan-ignored`` there are DeepSpeed settings that do not bear on precision: they are
-accepted and reported by ``explain()``. This module only turns a schema-valid document into
-typed values; it applies no defaults (those live in ``precision_rules.yaml``).
+``x-dtypeplan-ignored`` there change neither numbers nor memory: they are accepted and reported
+by ``explain()``; keys marked ``x-dtypeplan-caller`` are model-side DeepSpeed features dtypeplan
+does not run: accepted with a warning. Before validation, ``"auto"`` values are filled
+(``_auto.py``), removed DeepSpeed blocks refused and unknown top-level keys set aside with a
+warning (``_deepspeed.py``); after it, DeepSpeed's aliases are folded into canonical names. This
+module then turns the document into typed values; it applies no table defaults (those live in
+``precision_rules.yaml``).
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -24,10 +28,30 @@ import torch
 import yaml
 
 from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.resolver import _deepspeed_keys as ds_keys
+from dtypeplan.resolver._auto import FROM_CALLER, AutoValue, fill_auto
+from dtypeplan.resolver._deepspeed import (
+    canonical_spellings,
+    check_removed,
+    closest_hint,
+    split_unknown_top_level,
+)
 from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 
-__all__ = ["LossScaleConfig", "OptimizerConfig", "PrecisionConfig", "config_schema", "load_config"]
+__all__ = [
+    "AutoValue",
+    "LossScaleConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "config_schema",
+    "load_config",
+]
+
+# Schema markers: accepted keys that change neither numbers nor memory, and model-side
+# DeepSpeed features that dtypeplan does not run (accepted with a warning).
+_IGNORED = "x-dtypeplan-ignored"
+_CALLER = "x-dtypeplan-caller"
 
 OptimizerClass = type[torch.optim.Optimizer]
 """A ``torch.optim`` class (an alias: ``OptimizerConfig.type`` shadows the builtin there)."""
@@ -102,23 +126,60 @@ class PrecisionConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     optimizer_given: bool = False
     gradient_clipping: float = 0.0
+    gradient_clipping_given: bool = False
+    """Whether the config has the key (DeepSpeed clips at 1.0 without it; dtypeplan does not)."""
     reduce_bucket_size: int | None = None
     check_nonfinite: bool = False
     ignored_keys: tuple[str, ...] = ()
-    """JSON paths of DeepSpeed keys that were accepted but do not bear on precision."""
+    """JSON paths of DeepSpeed keys that were accepted and change neither numbers nor memory."""
     source: str | None = None
     """The file the config came from, if any."""
-    # Issue 11's feature settings (ISSUE11_SHARED.md), read by the resolver; defaults = not used.
     master_weights_dtype: str = "fp32"
+    """``"bf16"`` (``bf16.bf16_master_weights_and_grads``), ``"fp16"``
+    (``fp16.fp16_master_weights_and_grads``) or ``"fp32"``."""
     optimizer_states_dtype: str = "fp32"
+    """``"bf16"`` (``bf16.bf16_optimizer_states``; or ``fp32_optimizer_states: false`` under
+    optimizer offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
     autocast: str = "none"
+    """``"bf16"`` / ``"fp16"``: ``torch_autocast`` enabled with that dtype; ``"none"``."""
     offload_optimizer: str = "none"
+    """``"cpu"`` / ``"nvme"``: ``zero_optimization.offload_optimizer.device`` (or
+    ``cpu_offload``); ``"none"``."""
     offload_param: str = "none"
+    """``"cpu"`` / ``"nvme"``: ``zero_optimization.offload_param.device``; ``"none"``."""
     quantized_communication: str = "none"
+    """``"weights"``, ``"gradients"`` or ``"both"`` (ZeRO++ ``zero_quantized_*``); ``"none"``."""
     hierarchical_partitioning: bool = False
+    """ZeRO++ ``zero_hpz_partition_size`` above 1."""
     gradient_prescaling: str = "none"
+    """``"prescale"`` (``prescale_gradients``), ``"predivide"`` (``gradient_predivide_factor``
+    other than 1) or ``"none"``."""
     fp8: bool = False
+    """The ``fp8`` block enabled."""
     scheduler: FrozenDict[str, Any] | None = None
+    """DeepSpeed's ``scheduler`` block (``{"type", "params"}``), validated; None without one."""
+    gradient_accumulation_steps: int | None = None
+    """DeepSpeed's ``gradient_accumulation_steps`` (the caller runs the micro-batches)."""
+    auto_values: tuple[AutoValue, ...] = ()
+    """Every ``"auto"`` of the config, the value used and where it came from."""
+    config_warnings: tuple[str, ...] = ()
+    """Unknown top-level keys (with the closest known key), model-side DeepSpeed settings that
+    dtypeplan does not run, and other readings of the config worth a look."""
+
+
+# (PrecisionConfig field, its "not used" default, the DeepSpeed key that sets it): the
+# settings that change numbers or memory beyond the original dimensions of the table.
+DEEPSPEED_PRECISION_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("master_weights_dtype", "fp32", "bf16.bf16_master_weights_and_grads"),
+    ("optimizer_states_dtype", "fp32", "bf16.bf16_optimizer_states"),
+    ("autocast", "none", "torch_autocast"),
+    ("offload_optimizer", "none", "zero_optimization.offload_optimizer"),
+    ("offload_param", "none", "zero_optimization.offload_param"),
+    ("quantized_communication", "none", "zero_optimization.zero_quantized_*"),
+    ("hierarchical_partitioning", False, "zero_optimization.zero_hpz_partition_size"),
+    ("gradient_prescaling", "none", "prescale_gradients / gradient_predivide_factor"),
+    ("fp8", False, "fp8"),
+)
 
 
 @cache
@@ -142,8 +203,7 @@ def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
         known = sorted(schema.get("properties", {}))
         unknown = sorted((k for k in error.instance if k not in known), key=str)
         key = unknown[0] if unknown else "?"
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        hint = closest_hint(str(key), known)
         return PrecisionConfigError(
             f"unknown key {key!r} at {_json_path([*error.absolute_path, key])}: {hint}",
             _json_path([*error.absolute_path, key]),
@@ -181,22 +241,6 @@ def _read_file(path: str) -> Any:
         ) from exc
 
 
-def _ignored_paths(document: Any, schema: dict[str, Any], prefix: list[Any]) -> list[str]:
-    found: list[str] = []
-    if not isinstance(document, dict):
-        return found
-    properties = schema.get("properties", {})
-    for key, value in document.items():
-        sub = properties.get(key)
-        if sub is None:
-            continue
-        if sub.get("x-dtypeplan-ignored"):
-            found.append(_json_path([*prefix, key]))
-        else:
-            found.extend(_ignored_paths(value, sub, [*prefix, key]))
-    return found
-
-
 def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
     torch_class = _OPTIMIZER_CLASSES[kind.lower()]
     accepted = [
@@ -206,8 +250,7 @@ def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
     ]
     for key in params:
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(accepted)}"
+            hint = closest_hint(key, accepted)
             path = f"$.optimizer.params.{key}"
             raise PrecisionConfigError(
                 f"unknown {torch_class.__name__} argument {key!r} at {path}: {hint}", path
@@ -220,10 +263,169 @@ def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
         ) from exc
 
 
-def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionConfig:
+def _resolve_ref(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return schema["$defs"][ref.removeprefix("#/$defs/")]
+    return node
+
+
+def _object_properties(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """The ``properties`` of ``node``, through a ``$ref`` and the object branch of an anyOf."""
+    node = _resolve_ref(schema, node)
+    if "properties" in node:
+        return node["properties"]
+    for branch in node.get("anyOf", ()):
+        branch = _resolve_ref(schema, branch)
+        if "properties" in branch:
+            return branch["properties"]
+    return {}
+
+
+def _marked_paths(
+    document: Any, schema: dict[str, Any], node: dict[str, Any], prefix: list[Any], mark: str
+) -> list[tuple[str, Any, Any]]:
+    """(JSON path, schema marker, value) of every key in ``document`` whose schema has ``mark``."""
+    found: list[tuple[str, Any, Any]] = []
+    if not isinstance(document, dict):
+        return found
+    properties = _object_properties(schema, node)
+    for key, value in document.items():
+        sub = properties.get(key)
+        if sub is None:
+            continue
+        if sub.get(mark):
+            found.append((_json_path([*prefix, key]), sub[mark], value))
+        else:
+            found.extend(_marked_paths(value, schema, sub, [*prefix, key], mark))
+    return found
+
+
+def _is_off(value: Any) -> bool:
+    """A model-side block that is absent in effect: false, null, empty, or enabled false."""
+    if value is None or value is False or value == {} or value == []:
+        return True
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+_DS_DTYPES = {
+    "fp32": ("fp32", "torch.float32", "float32", "float"),
+    "fp16": ("fp16", "torch.float16", "float16", "half"),
+    "bf16": ("bf16", "torch.bfloat16", "bfloat16"),
+}
+
+
+def _dtype_name(spelling: str) -> str:
+    """dtypeplan's name for one of DeepSpeed's DtypeEnum spellings (the schema checked it)."""
+    return next(name for name, spellings in _DS_DTYPES.items() if spelling in spellings)
+
+
+def _offload_device(block: Any) -> str:
+    return str(block.get("device", "none")) if isinstance(block, dict) else "none"
+
+
+@dataclass(frozen=True)
+class _OptimizerReading:
+    config: OptimizerConfig
+    notes: tuple[str, ...]
+    ignored: tuple[str, ...]
+    low_precision_states: bool
+    """``fp32_optimizer_states: false``: DeepSpeed's CPU Adam keeps moments in the param dtype."""
+
+
+# DeepSpeed's Adam/AdamW params that torch.optim does not take (ADAM_PARAMS in
+# _deepspeed_keys.py); what each becomes is decided in _read_optimizer.
+_DEEPSPEED_ADAM_ONLY = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
+# Engine bookkeeping with no effect on the update.
+_DEEPSPEED_ADAM_IGNORED = ("torch_adam", "set_grad_none")
+
+
+def _read_optimizer(document: dict[str, Any]) -> _OptimizerReading:
+    """The optimizer block with DeepSpeed's meaning (see ``_deepspeed_keys.ADAM_PARAMS``)."""
+    params = dict(document.get("params", {}))
+    if "betas" in params and isinstance(params["betas"], list):
+        params["betas"] = tuple(params["betas"])
+    kind = document["type"].lower()
+    notes: list[str] = []
+    ignored: list[str] = []
+    low_precision_states = False
+    if kind in ("adam", "adamw"):
+        for key in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states"):
+            if key in params and not isinstance(params[key], bool):
+                path = f"$.optimizer.params.{key}"
+                raise PrecisionConfigError(
+                    f"invalid value {params[key]!r} at {path}: must be true or false", path
+                )
+        adam_w_mode = params.pop("adam_w_mode", True)
+        if params.pop("bias_correction", True) is False:
+            path = "$.optimizer.params.bias_correction"
+            raise PrecisionConfigError(
+                f"{path} false: DeepSpeed's FusedAdam skips Adam's bias correction, which "
+                "torch.optim's Adam/AdamW (dtypeplan's update) always applies; the first steps "
+                "would take different sizes. Remove the key (bias correction on) to run here",
+                path,
+            )
+        if params.pop("fp32_optimizer_states", None) is False:
+            low_precision_states = True
+        for key in _DEEPSPEED_ADAM_IGNORED:
+            if key in params:
+                params.pop(key)
+                ignored.append(f"$.optimizer.params.{key}")
+        if kind == "adam" and adam_w_mode:
+            kind = "adamw"
+            notes.append(
+                'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
+                "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
+                "torch.optim.Adam (L2 weight decay)"
+            )
+        elif kind == "adamw" and not adam_w_mode:
+            notes.append(
+                'optimizer.params.adam_w_mode false does not apply to type "AdamW", which '
+                'DeepSpeed always runs as AdamW; use type "Adam" for L2 weight decay'
+            )
+    _check_optimizer_params(kind, params)
+    canonical = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[kind]
+    return _OptimizerReading(
+        config=OptimizerConfig(type=canonical, params=freeze(params)),
+        notes=tuple(notes),
+        ignored=tuple(ignored),
+        low_precision_states=low_precision_states,
+    )
+
+
+def _check_scheduler(block: dict[str, Any], optimizer: OptimizerConfig) -> None:
+    """Build the block once on a throwaway optimizer: DeepSpeed's checks, at resolve time."""
+    from dtypeplan.schedulers import build_scheduler  # one-way: schedulers imports no resolver
+
+    probe = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.params)
+    try:
+        build_scheduler(block, probe)
+    except PrecisionConfigError as error:
+        path = error.path or "$.scheduler"
+        if path in str(error):
+            raise
+        raise PrecisionConfigError(f"{path}: {error}", path) from error
+
+
+def _auto_filled(auto_values: tuple[AutoValue, ...], prefix: str) -> list[AutoValue]:
+    return [a for a in auto_values if a.path.startswith(prefix) and a.source != FROM_CALLER]
+
+
+def _known_top_level(schema: dict[str, Any]) -> list[str]:
+    return sorted({*schema["properties"], *ds_keys.TOP_LEVEL_KEYS})
+
+
+def load_config(
+    config: dict[str, Any] | str | os.PathLike[str],
+    *,
+    auto: Mapping[str, Any] | None = None,
+    strict: bool = False,
+) -> PrecisionConfig:
     """Validate ``config`` (a dict, or a path to a .json / .yaml file) and return its settings.
 
-    Raises :class:`PrecisionConfigError` naming the JSON path of the first bad value.
+    ``auto`` fills the config's ``"auto"`` values (see ``_auto.py``); ``strict`` makes an
+    unknown top-level key an error instead of a warning. Raises :class:`PrecisionConfigError`
+    naming the JSON path of the first bad value.
     """
     source = None
     if isinstance(config, (str, os.PathLike)):
@@ -235,13 +437,27 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         raise PrecisionConfigError(
             f"a config must be a mapping of keys to values, not {type(document).__name__}"
         )
+    if auto is not None and not isinstance(auto, Mapping):
+        raise PrecisionConfigError(
+            f"auto must be a mapping of dotted config paths to values, not {type(auto).__name__}"
+        )
+    document, auto_values = fill_auto(document, auto)
+    check_removed(document)
     schema = config_schema()
+    document, warnings = split_unknown_top_level(document, _known_top_level(schema), strict=strict)
+    config_warnings = list(warnings)
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(
         validator.iter_errors(document), key=lambda e: (list(map(str, e.path)), e.message)
     )
     if errors:
         raise _schema_error(jsonschema.exceptions.best_match(errors))
+    ignored = [path for path, _, _ in _marked_paths(document, schema, schema, [], _IGNORED)]
+    for path, message, value in _marked_paths(document, schema, schema, [], _CALLER):
+        if not _is_off(value):
+            config_warnings.append(f"{path}: {message}")
+    document, notes = canonical_spellings(document)
+    config_warnings += notes
 
     accum_given = document.get("gradient_accumulation_dtype")
     accum_dtype: str | None = None
@@ -253,8 +469,10 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         accum_dtype = accum_given["dtype"]
         sharded = accum_given.get("sharded")
         accum_key = "$.gradient_accumulation_dtype.dtype"
-    alias = document.get("data_types", {}).get("grad_accum_dtype")
+    data_types = document.get("data_types", {})
+    alias = data_types.get("grad_accum_dtype")
     if alias is not None:
+        alias = _dtype_name(alias)
         if accum_dtype is not None and alias != accum_dtype:
             raise PrecisionConfigError(
                 f"$.data_types.grad_accum_dtype is {alias!r} but {accum_key} is {accum_dtype!r}: "
@@ -266,31 +484,113 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
 
     fp16 = document.get("fp16", {})
     bf16 = document.get("bf16", {})
+    bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+    model_dtype = "bf16" if bf16_on else "fp16" if fp16_on else "fp32"
+    if data_types.get("param_dtype") is not None:
+        asked = _dtype_name(data_types["param_dtype"])
+        if asked != model_dtype and not (bf16_on and fp16_on):
+            raise PrecisionConfigError(
+                f"$.data_types.param_dtype is {asked!r} but bf16/fp16 enabled make the "
+                f"parameters {model_dtype}: DeepSpeed refuses the mismatch too; make them agree "
+                "or drop data_types.param_dtype",
+                "$.data_types.param_dtype",
+            )
+    if fp16.get("auto_cast"):
+        config_warnings.append(
+            "$.fp16.auto_cast: DeepSpeed casts the forward's floating inputs to fp16; dtypeplan "
+            "does not wrap forward: cast the inputs yourself"
+        )
     scaling = LossScaleConfig(
         **{k: fp16[k] for k in LossScaleConfig.__dataclass_fields__ if k in fp16}
     )
     optimizer_doc = document.get("optimizer")
     optimizer = OptimizerConfig()
+    low_precision_states = False
     if optimizer_doc is not None:
-        params = dict(optimizer_doc.get("params", {}))
-        if "betas" in params and isinstance(params["betas"], list):
-            params["betas"] = tuple(params["betas"])
-        _check_optimizer_params(optimizer_doc["type"], params)
-        canonical = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[optimizer_doc["type"].lower()]
-        optimizer = OptimizerConfig(type=canonical, params=freeze(params))
+        reading = _read_optimizer(optimizer_doc)
+        optimizer = reading.config
+        config_warnings += reading.notes
+        ignored += reading.ignored
+        low_precision_states = reading.low_precision_states
+
     zero = document.get("zero_optimization", {})
     bucket = zero.get("reduce_bucket_size")
     for path, value in (
         ("$.zero_optimization.reduce_bucket_size", bucket),
         ("$.gradient_clipping", document.get("gradient_clipping")),
+        ("$.gradient_predivide_factor", document.get("gradient_predivide_factor")),
     ):
         if value is not None and not math.isfinite(value):
             raise PrecisionConfigError(
                 f"invalid value {value} at {path}: must be a finite number", path
             )
+    if zero.get("zenflow") is not None:
+        path = "$.zero_optimization.zenflow"
+        raise PrecisionConfigError(
+            f"{path}: ZenFlow updates only the top-k gradient columns each step and the rest "
+            "stale, every update_interval steps; dtypeplan updates every parameter every step, "
+            "so the numbers would differ: remove the block (or set it to null) to run here",
+            path,
+        )
+    offload_optimizer = _offload_device(zero.get("offload_optimizer"))
+    offload_param = _offload_device(zero.get("offload_param"))
+    ratio = (zero.get("offload_optimizer") or {}).get("ratio", 1.0)
+    if offload_optimizer != "none" and ratio != 1.0:
+        path = "$.zero_optimization.offload_optimizer.ratio"
+        raise PrecisionConfigError(
+            f"{path} {ratio}: a partial optimizer offload (ZeRO-Offload++ ratio below 1) is not "
+            "supported; remove the key (whole offload) or the offload block",
+            path,
+        )
+    quantized = [
+        kind
+        for kind, keys in (
+            ("weights", ("zero_quantized_weights", "zero_quantized_nontrainable_weights")),
+            ("gradients", ("zero_quantized_gradients",)),
+        )
+        if any(zero.get(key) for key in keys)
+    ]
+    master = "fp32"
+    if bf16.get("bf16_master_weights_and_grads"):
+        master = "bf16"
+    elif fp16.get("fp16_master_weights_and_grads"):
+        master = "fp16"
+    states = "bf16" if bf16.get("bf16_optimizer_states") else "fp32"
+    if low_precision_states and offload_optimizer != "none" and model_dtype != "fp32":
+        states = model_dtype
+    autocast_doc = document.get("torch_autocast", {})
+    autocast = "none"
+    if autocast_doc.get("enabled"):
+        # DeepSpeed's default autocast dtype is the model's 16-bit dtype, else bf16.
+        given = autocast_doc.get("dtype")
+        autocast = _dtype_name(given) if given else "fp16" if fp16_on else "bf16"
+    predivide = float(document.get("gradient_predivide_factor", 1.0))
+    prescaling = (
+        "prescale"
+        if document.get("prescale_gradients")
+        else "predivide"
+        if predivide != 1.0
+        else "none"
+    )
+    scheduler = document.get("scheduler")
+    if scheduler is not None:
+        try:
+            _check_scheduler(scheduler, optimizer)
+        except PrecisionConfigError as error:
+            filled = _auto_filled(auto_values, "scheduler.")
+            if not filled:
+                raise
+            # The HF defaults (warmup_num_steps 0, total_num_steps unknown) leave DeepSpeed's
+            # schedulers unbuildable too; the plan still resolves and says what to fill.
+            config_warnings.append(
+                f'$.scheduler cannot be built with the HF defaults of its "auto" values '
+                f"({', '.join(a.path for a in filled)}): {error}; DeepSpeed 0.19.8 refuses it "
+                "the same way: give them with resolve(..., auto={...}) before build_scheduler"
+            )
+    steps = document.get("gradient_accumulation_steps")
     return PrecisionConfig(
-        bf16=bool(bf16.get("enabled", False)),
-        fp16=bool(fp16.get("enabled", False)),
+        bf16=bf16_on,
+        fp16=fp16_on,
         loss_scaling=scaling,
         grad_accum_dtype=accum_dtype,
         grad_accum_dtype_key=accum_key,
@@ -301,10 +601,26 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> PrecisionCon
         optimizer=optimizer,
         optimizer_given=optimizer_doc is not None,
         gradient_clipping=float(document.get("gradient_clipping", 0.0)),
+        gradient_clipping_given="gradient_clipping" in document,
         reduce_bucket_size=int(bucket) if bucket is not None else None,
         check_nonfinite=bool(
             document.get("check_nonfinite", bf16.get("check_grad_overflow", False))
         ),
-        ignored_keys=tuple(_ignored_paths(document, schema, [])),
+        ignored_keys=tuple(ignored),
         source=source,
+        master_weights_dtype=master,
+        optimizer_states_dtype=states,
+        autocast=autocast,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        quantized_communication=(
+            "both" if len(quantized) == 2 else quantized[0] if quantized else "none"
+        ),
+        hierarchical_partitioning=int(zero.get("zero_hpz_partition_size", 1)) > 1,
+        gradient_prescaling=prescaling,
+        fp8=bool(document.get("fp8", {}).get("enabled", False)),
+        scheduler=freeze(scheduler) if scheduler is not None else None,
+        gradient_accumulation_steps=int(steps) if steps is not None else None,
+        auto_values=auto_values,
+        config_warnings=tuple(config_warnings),
     )

@@ -1,4 +1,6 @@
-"""What the HF Trainer / Accelerate DeepSpeed integration writes into each "auto" key when TrainingArguments has its defaults.
+"""What the HF Trainer / Accelerate DeepSpeed integration writes into each "auto" key.
+
+The values are those of default ``TrainingArguments``.
 
 Hand-derived (pure data) from:
 - huggingface/transformers src/transformers/integrations/deepspeed.py at
@@ -12,10 +14,10 @@ Hand-derived (pure data) from:
 See tests/data/deepspeed_configs/HF_AUTO_DEFAULTS.md for the reasoning.
 """
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 # TrainingArguments defaults that feed "auto" keys.
-TRAINING_ARGUMENTS_DEFAULTS: Dict[str, Any] = {
+TRAINING_ARGUMENTS_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
     "learning_rate": 5e-05,
@@ -33,7 +35,7 @@ TRAINING_ARGUMENTS_DEFAULTS: Dict[str, Any] = {
 
 # Dotted config path -> (value filled with default TrainingArguments, where it comes from).
 # The source is a TrainingArguments field (or an expression of fields), or "constant".
-HF_AUTO_FILLS: Dict[str, Tuple[Any, str]] = {
+HF_AUTO_FILLS: dict[str, tuple[Any, str]] = {
     "gradient_clipping": (1.0, "max_grad_norm"),
     "fp16.enabled": (False, "fp16 or fp16_full_eval (with fp16_backend amp)"),
     "bf16.enabled": (False, "bf16 or bf16_full_eval"),
@@ -49,30 +51,45 @@ HF_AUTO_FILLS: Dict[str, Tuple[Any, str]] = {
 }
 
 # Dotted path -> formula, for "auto" keys filled from the runtime (world size, data, step count).
-HF_AUTO_RUNTIME: Dict[str, str] = {
-    "train_batch_size": "world_size * per_device_train_batch_size * gradient_accumulation_steps "
-                        "(world_size = data-parallel size; divided by the sequence-parallel size under Ulysses SP)",
-    "scheduler.params.total_num_steps": "num_training_steps computed by the Trainer (max_steps, or epochs * steps per epoch)",
+HF_AUTO_RUNTIME: dict[str, str] = {
+    "train_batch_size": (
+        "world_size * per_device_train_batch_size * gradient_accumulation_steps (world_size = "
+        "data-parallel size; divided by the sequence-parallel size under Ulysses SP)"
+    ),
+    "scheduler.params.total_num_steps": (
+        "num_training_steps computed by the Trainer (max_steps, or epochs * steps per epoch)"
+    ),
 }
 
 # Dotted path -> formula, for "auto" keys filled from the model config (hidden_size, or
 # max(hidden_sizes), or text_config.hidden_size); the stage3_* ones only at ZeRO stage 3.
-HF_AUTO_FROM_MODEL: Dict[str, str] = {
+HF_AUTO_FROM_MODEL: dict[str, str] = {
     "zero_optimization.reduce_bucket_size": "hidden_size * hidden_size",
     "zero_optimization.stage3_prefetch_bucket_size": "int(0.9 * hidden_size * hidden_size)",
     "zero_optimization.stage3_param_persistence_threshold": "10 * hidden_size",
 }
 
-# Dotted path -> (value, source) filled by Accelerate (not by the Trainer) when it prepares the model.
-ACCELERATE_AUTO_FILLS: Dict[str, Tuple[Any, str]] = {
+# Dotted path -> (value, source) filled by Accelerate (not by the Trainer) when it prepares
+# the model.
+ACCELERATE_AUTO_FILLS: dict[str, tuple[Any, str]] = {
     "gradient_clipping": (1.0, "constant (Accelerator._prepare_deepspeed)"),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (False, "constant (Accelerator._prepare_deepspeed)"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        False,
+        "constant (Accelerator._prepare_deepspeed)",
+    ),
     "fp16.enabled": (False, "mixed_precision == 'fp16' (default 'no')"),
     "bf16.enabled": (False, "mixed_precision in ('bf16', 'fp8') (default 'no')"),
 }
 
 # Top-level keys the Trainer / Accelerate set whatever the file says.
-HF_SET_ALWAYS: Dict[str, Tuple[Any, str]] = {
-    "zero_allow_untested_optimizer": (True, "set when the config has no optimizer block (Trainer) or a torch optimizer is passed (Accelerate)"),
-    "steps_per_print": (float("inf"), "DeepSpeedPlugin.__post_init__ (silences DeepSpeed's step log)"),
+HF_SET_ALWAYS: dict[str, tuple[Any, str]] = {
+    "zero_allow_untested_optimizer": (
+        True,
+        "set when the config has no optimizer block (Trainer) or a torch optimizer is passed "
+        "(Accelerate)",
+    ),
+    "steps_per_print": (
+        float("inf"),
+        "DeepSpeedPlugin.__post_init__ (silences DeepSpeed's step log)",
+    ),
 }

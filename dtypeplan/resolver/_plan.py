@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from dtypeplan import schedulers
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
+from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
@@ -50,6 +51,8 @@ class _PrepareModel(Protocol):
         plan: PrecisionPlan,
         model: torch.nn.Module,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        wrap: Any = None,
     ) -> torch.nn.Module: ...
 
 
@@ -157,7 +160,17 @@ class PrecisionPlan:
     alternatives: tuple[Alternative, ...] = ()
     """For a plan that is not OK: the nearest OK configs (fewest changed settings)."""
     scheduler: FrozenDict[str, Any] | None = None
-    """DeepSpeed's ``scheduler`` block, for :meth:`build_scheduler`; None without one."""
+    """DeepSpeed's ``scheduler`` block (validated), for :meth:`build_scheduler`; None without
+    one."""
+    gradient_accumulation_steps: int | None = None
+    """DeepSpeed's ``gradient_accumulation_steps``: micro-batches per step, run by the caller."""
+    auto_values: tuple[AutoValue, ...] = ()
+    """Every ``"auto"`` of the config, the value used and where it came from."""
+    config_warnings: tuple[str, ...] = ()
+    """About the config as read: unknown top-level keys, model-side settings, DeepSpeed's
+    optimizer spellings."""
+    deepspeed_differences: tuple[str, ...] = ()
+    """Where this plan does not do what DeepSpeed 0.19.8 would, and how to get DeepSpeed's."""
     resolution: Resolution | None = field(default=None, compare=False, repr=False)
     """What the plan was resolved from (None for a plan built by hand)."""
 
@@ -204,6 +217,14 @@ class PrecisionPlan:
             "gradient_clipping": self.gradient_clipping,
             "reduce_bucket_size": self.reduce_bucket_size,
             "check_nonfinite": self.check_nonfinite,
+            "scheduler": None if self.scheduler is None else _jsonable(self.scheduler),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "auto_values": [
+                {"path": a.path, "value": _jsonable(a.value), "source": a.source}
+                for a in self.auto_values
+            ],
+            "config_warnings": list(self.config_warnings),
+            "deepspeed_differences": list(self.deepspeed_differences),
             "origins": dict(self.origins),
             "warnings": list(self.warnings),
             "ignored_keys": list(self.ignored_keys),
@@ -220,7 +241,16 @@ class PrecisionPlan:
     def rank_facts(self) -> dict[str, Any]:
         """What must agree across the ranks of one group (not where each value came from)."""
         data = self.to_dict()
-        for key in ("origins", "warnings", "ignored_keys", "alternatives", "rule_location"):
+        for key in (
+            "origins",
+            "warnings",
+            "ignored_keys",
+            "alternatives",
+            "rule_location",
+            "auto_values",
+            "config_warnings",
+            "deepspeed_differences",
+        ):
             data.pop(key)
         return data
 
@@ -346,10 +376,27 @@ class PrecisionPlan:
             lines.append(
                 f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
             )
-        if self.warnings:
-            lines += ["", "warnings:"] + [f"  - {w}" for w in self.warnings]
+        if self.scheduler is not None:
+            kind, params = self.scheduler.get("type"), self.scheduler.get("params", {})
+            lines.append(
+                f"  scheduler: {kind} {_kwargs(params)}  <- $.scheduler (plan.build_scheduler)"
+            )
+        if self.gradient_accumulation_steps is not None:
+            lines.append(
+                f"  gradient accumulation steps: {self.gradient_accumulation_steps}"
+                "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
+            )
+        if self.auto_values:
+            lines += ["", '"auto" values (path = value used <- where it came from):']
+            lines += [f"  {a.describe()}" for a in self.auto_values]
+        if self.warnings or self.config_warnings:
+            lines += ["", "warnings:"]
+            lines += [f"  - {w}" for w in (*self.warnings, *self.config_warnings)]
+        if self.deepspeed_differences:
+            lines += ["", "differences from DeepSpeed (and how to get DeepSpeed's behaviour):"]
+            lines += [f"  - {d}" for d in self.deepspeed_differences]
         if self.ignored_keys:
-            lines += ["", "ignored (DeepSpeed keys that do not bear on precision):"]
+            lines += ["", "ignored (DeepSpeed keys that change neither numbers nor memory):"]
             lines += [f"  {', '.join(self.ignored_keys)}"]
         if self.status != Status.OK:
             lines += ["", "nearest supported configs:"]
@@ -362,13 +409,22 @@ class PrecisionPlan:
 
     # --- building (delegated: see the module docstring) ---------------------------------------
     def prepare_model(
-        self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+        self,
+        model: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        wrap: Any = None,
     ) -> torch.nn.Module:
-        """Ready ``model`` for :meth:`build`: ZeRO-3 shards it (FSDP2); other stages keep it.
+        """Ready ``model`` for :meth:`build`, in place, and return it.
 
-        Call it before ``build`` and before the model is handed to a pipeline stage.
+        Every stage casts it whole to :attr:`param_dtype` (parameters, frozen ones too, and
+        floating-point buffers; the trainable parameters' fp32 values are kept for the master
+        weights that ``build`` takes). ZeRO-3 also shards it with FSDP2, one unit per block;
+        ``wrap`` (a set of module classes, or a callable ``module -> bool``) chooses the units
+        and is ignored at other stages. Call it before ``build`` and before the model is
+        handed to a pipeline stage.
         """
-        return _installed().prepare_model(self, model, process_group)
+        return _installed().prepare_model(self, model, process_group, wrap=wrap)
 
     def with_optimizer(
         self,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
+from dtypeplan.resolver._differences import deepspeed_differences
 from dtypeplan.resolver._dimensions import DIMENSIONS, FEATURE_DIMENSIONS, PARAMS, REDUCTION, STAGE
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._optimizer_kind import ClientOptimizerConfig, optimizer_kind
@@ -19,12 +20,22 @@ from dtypeplan.resolver._rules import RuleTable, load_rules
 __all__ = ["resolve", "resolve_config"]
 
 MAX_ALTERNATIVES = 5
+# "auto" config paths -> the origins entry of the effective value they decide.
+_AUTO_ORIGINS = {
+    "bf16.enabled": "param_dtype",
+    "fp16.enabled": "param_dtype",
+    "gradient_clipping": "gradient_clipping",
+    "data_types.grad_accum_dtype": "grad_accum_dtype",
+    "communication_data_type": "comm_dtype",
+}
 
 
 def resolve(
     config: dict[str, Any] | str | os.PathLike[str],
     pipeline_parallel: bool = False,
     rules: str | os.PathLike[str] | None = None,
+    auto: Mapping[str, Any] | None = None,
+    strict: bool = False,
     *,
     implementations: Collection[str] | None = None,
 ) -> PrecisionPlan:
@@ -32,11 +43,13 @@ def resolve(
 
     Total for schema-valid configs: an unsupported or contradictory combination gives a plan
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
-    rules file (:class:`RulesError`) raises. ``implementations``: the registered names a rule
-    may send combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
+    rules file (:class:`RulesError`) raises. ``auto`` fills the config's ``"auto"`` values
+    (dotted path -> value; the rest take the HF Trainer's defaults); ``strict`` makes every
+    unknown key an error. ``implementations``: the registered names a rule may send
+    combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
     """
     return resolve_config(
-        load_config(config),
+        load_config(config, auto=auto, strict=strict),
         pipeline_parallel=pipeline_parallel,
         table=load_rules(rules, implementations=implementations),
     )
@@ -109,18 +122,16 @@ def resolve_config(
         else f"default: {REDUCTION.default}"
     )
     features = _features(config)
-    for name, value in features.items():
-        dim = FEATURE_DIMENSIONS[name]
-        origins[name] = (
+    for feature, value in features.items():
+        dim = FEATURE_DIMENSIONS[feature]
+        origins[_FEATURE_ORIGINS.get(feature, feature)] = (
             f"default: {dim.default}" if value == dim.default_value else f"config: {dim.config_key}"
         )
+    # The optimizer's kind comes from its class, wherever the class came from.
     origins["optimizer_kind"] = (
         f"{config.optimizer.torch_class.__name__} is {features['optimizer']} "
         "(resolver/_optimizer_kind.py)"
     )
-    del origins["optimizer"]
-    origins["master_dtype"] = origins.pop("master")
-    origins["optimizer_states_dtype"] = origins.pop("states")
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
     origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
     origins["optimizer"] = (
@@ -131,13 +142,21 @@ def resolve_config(
         else "default (AdamW, lr 1e-3)"
     )
     origins["gradient_clipping"] = (
-        "$.gradient_clipping" if config.gradient_clipping else "default (off)"
+        "$.gradient_clipping" if config.gradient_clipping_given else "default (off)"
     )
     origins["check_nonfinite"] = (
         "always on for fp16"
         if fp16
         else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
+
+    # An effective value that came from an "auto" says so where it is listed.
+    for auto in config.auto_values:
+        key = _AUTO_ORIGINS.get(auto.path) or (
+            "optimizer" if auto.path.startswith("optimizer.") else None
+        )
+        if key is not None and key in origins:
+            origins[key] += f'; {auto.path} "auto" <- {auto.source}'
 
     point = {
         "params": params,
@@ -188,6 +207,10 @@ def resolve_config(
         ignored_keys=config.ignored_keys,
         alternatives=() if ok else _alternatives(point, table),
         scheduler=config.scheduler,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        auto_values=config.auto_values,
+        config_warnings=config.config_warnings,
+        deepspeed_differences=tuple(deepspeed_differences(config, point, origins)),
         resolution=Resolution(
             config=config,
             resolve=functools.partial(
@@ -195,6 +218,14 @@ def resolve_config(
             ),
         ),
     )
+
+
+_FEATURE_ORIGINS = {
+    "master": "master_dtype",
+    "states": "optimizer_states_dtype",
+    "optimizer": "optimizer_kind",
+}
+"""The plan's ``origins`` key of a feature dimension, where it differs from its name."""
 
 
 def _features(config: PrecisionConfig) -> dict[str, Any]:
@@ -234,9 +265,6 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
         )
     if config.comm_reduction == "fp32_sum" and comm == "fp32":
         found.append("communication_reduction fp32_sum has no effect with fp32 on the wire")
-    offload = [k for k in config.ignored_keys if "offload" in k]
-    if offload:
-        found.append(f"{', '.join(offload)}: dtypeplan does not offload; the setting is ignored")
     return found
 
 

@@ -309,8 +309,23 @@ def four_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[float]]:
-    """Save a ZeRO-3 (FSDP2) run; resume it at ZeRO-3 and at ZeRO-1; run it uninterrupted."""
+    """Save a ZeRO-3 (FSDP2) run; resume it at ZeRO-3 and at ZeRO-1; run it uninterrupted.
+
+    ``gathered`` counts the elements ``DTensor.full_tensor`` gathered inside ``save`` and
+    ``load`` at ZeRO-3 (issue 14 C4: none; the local shards are written and read as they are).
+    """
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
     from tests._helpers import make_batch, make_model, mse
+
+    gathered: list[float] = [0.0]
+    real_full_tensor = DTensor.full_tensor
+
+    def counting(self: DTensor, **kw: Any) -> torch.Tensor:
+        gathered[0] += self.numel()
+        return real_full_tensor(self, **kw)
 
     def run(stage: int, steps: range, load: bool, save: bool) -> list[float]:
         config = {
@@ -322,7 +337,8 @@ def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[fl
         model = plan.prepare_model(make_model(0))
         optimizer = plan.build(model.parameters())
         if load:
-            dtypeplan.checkpoint.load(optimizer, path)
+            with mock.patch.object(DTensor, "full_tensor", counting):
+                dtypeplan.checkpoint.load(optimizer, path)
         norms = []
         for step in steps:
             x, y = make_batch(step, 8 * world_size)
@@ -331,12 +347,14 @@ def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[fl
             optimizer.step()
             norms.append(float(optimizer.grad_norm))
         if save:
-            dtypeplan.checkpoint.save(optimizer, path)
+            with mock.patch.object(DTensor, "full_tensor", counting):
+                dtypeplan.checkpoint.save(optimizer, path)
         return norms
 
     return {
         "saved": run(3, range(0, 3), load=False, save=True),
         "resumed_zero3": run(3, range(3, 6), load=True, save=False),
+        "gathered": list(gathered),
         "resumed_zero1": run(1, range(3, 6), load=True, save=False),
         "uninterrupted": run(3, range(0, 6), load=False, save=False),
     }

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import dtypeplan
 from tests.workers.torch_contract import full
@@ -72,11 +73,29 @@ def run_case(rank: int, world: int, arch: str, stage: int, dtype: str) -> dict[s
         losses.append(float(total) / world)
         ref_losses.append(float(ref_loss))
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    blocks = model.transformer.h if arch == "gpt2" else model.model.layers
+    # ZeRO-3: each decoder block is an FSDP unit of its own (issue 10 item 10), the root too.
+    units = [isinstance(m, FSDPModule) for m in (*blocks, model)]
+    exported = dtypeplan.checkpoint.export_model_state(opt, model)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    in_ = model.get_input_embeddings().weight
+    tied_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is in_]
+    export_ok = set(exported) == set(names) and all(
+        exported[n] is exported[tied_names[0]] for n in tied_names
+    )
     mine_w = [full(p) for p in model.parameters()]
     ref_w = [p.detach() for p in reference.parameters()]
     diff = sum(float((a - b).square().sum()) for a, b in zip(mine_w, ref_w, strict=True))
     size = sum(float(b.square().sum()) for b in ref_w)
-    return {"losses": losses, "ref": ref_losses, "tied": tied, "rel": (diff / size) ** 0.5}
+    return {
+        "losses": losses,
+        "ref": ref_losses,
+        "tied": tied,
+        "rel": (diff / size) ** 0.5,
+        "units": units,
+        "tied_names": tied_names,
+        "export_ok": export_ok,
+    }
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, int, str]]) -> dict[str, Any]:

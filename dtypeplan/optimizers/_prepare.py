@@ -1,0 +1,91 @@
+"""One dtype for the whole model, without losing the fp32 values the master weights start from.
+
+``plan.prepare_model(model)`` casts the model whole to ``plan.param_dtype``, as DeepSpeed's
+engine does (``module.bfloat16()``): every floating-point parameter, frozen ones included, and
+every floating-point buffer (BatchNorm's running statistics, rotary tables); integer buffers
+are left alone. Without that, ``build(p for p in model.parameters() if p.requires_grad)``
+would leave frozen layers and buffers in fp32 and the forward would mix dtypes.
+
+The README's order is ``prepare_model`` then ``build``, and ``build`` takes the fp32 master
+weights from the parameters' values. A cast to bf16 before that would leave masters with 8
+mantissa bits. So the cast keeps each trainable parameter's value from before the cast (the
+tensor itself, not a copy: the memory the model held anyway) in a weak map, and ``build``
+takes it back (:func:`restore_cast_values`) before it reads the masters: the masters are the
+original fp32 weights, bit for bit, and the map entry is dropped. Frozen parameters keep
+nothing (they are not the optimizer's, and keeping fp32 copies of a frozen backbone would
+undo the memory the cast saves).
+
+Changes between ``prepare_model`` and ``build`` win over the kept values, element by element:
+where a parameter no longer equals its kept value cast down (``model.load_state_dict``, an
+in-place write), its current value is taken; where it still does, the kept value is (the same
+number, with its lower bits). A parameter moved to another device takes its kept value along;
+one turned back to fp32 (or wider) by the user keeps its own value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["cast_floating_buffers", "cast_model", "restore_cast_values"]
+
+_VALUES_BEFORE_CAST: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Trainable parameter -> its tensor before :func:`cast_model` cast it to a narrower dtype."""
+
+
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` may round (so the value is worth keeping)."""
+    return source != target and torch.finfo(source).bits >= torch.finfo(target).bits
+
+
+@torch.no_grad()
+def cast_floating_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point buffer of ``model`` to ``dtype`` in place (shared ones stay shared)."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or not buffer.is_floating_point() or buffer.dtype == dtype:
+                continue
+            if id(buffer) not in done:
+                done[id(buffer)] = buffer.to(dtype)
+            module._buffers[name] = done[id(buffer)]
+
+
+@torch.no_grad()
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast ``model`` whole to ``dtype`` in place, keeping trainable parameters' wider values.
+
+    Parameters keep their identity (``param.data`` is replaced), so tied parameters stay tied
+    and references held elsewhere stay valid. Returns ``model``.
+    """
+    for param in model.parameters():
+        if not param.is_floating_point() or param.dtype == dtype:
+            continue
+        before = param.data
+        param.data = before.to(dtype)
+        if param.requires_grad and _narrows(before.dtype, dtype):
+            _VALUES_BEFORE_CAST[param] = before
+    cast_floating_buffers(model, dtype)
+    return model
+
+
+@torch.no_grad()
+def restore_cast_values(params: Iterable[torch.Tensor]) -> None:
+    """Give each of ``params`` that :func:`cast_model` cast down its value from before the cast.
+
+    Called by the optimizer's constructor before it reads the master weights, so they start
+    from the original values. Elements changed since the cast keep their current value (see
+    the module docstring). Each kept value is used once and dropped.
+    """
+    for param in params:
+        before = _VALUES_BEFORE_CAST.pop(param, None)
+        if before is None:
+            continue
+        now = param.data
+        if now.shape != before.shape or not _narrows(before.dtype, now.dtype):
+            continue  # reshaped, or made wide again by the user: its own value wins
+        before = before.to(now.device)
+        unchanged = now == before.to(now.dtype)
+        param.data = torch.where(unchanged, before, now.to(before.dtype))

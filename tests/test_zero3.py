@@ -1,0 +1,157 @@
+"""ZeRO-3 and prepare_model (issue 10 items 9-11, 14; issue 14 C2-C4).
+
+One process: the choice of FSDP2 units (ties, containers, ``wrap``), the mesh device per
+backend (mocked backend names), and the cast of ``prepare_model`` at stages 0-2 that keeps
+the fp32 values for the masters. Two ranks (one spawned group): a bf16-built model is never
+whole in fp32, ``wrap`` chooses the units, and ``export_model_state(rank0_only=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import dtypeplan
+from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.launch import spawn
+from dtypeplan.optimizers._fsdp2 import mesh_device, mesh_device_type
+from dtypeplan.optimizers._shard_units import choose_units
+from tests._models import Block, norm_and_frozen, tied_lm
+from tests.workers.zero3 import run_cases
+
+
+# --- C2: the mesh lives where the process group communicates ------------------------------------
+@pytest.mark.parametrize(
+    ("backend", "accelerator", "device"),
+    [
+        ("nccl", "cuda", "cuda"),
+        ("NCCL", None, "cuda"),
+        ("gloo", "cuda", "cpu"),
+        ("cpu:gloo,cuda:nccl", "cuda", "cuda"),
+        ("cpu:gloo,cuda:nccl", None, "cpu"),
+        ("xccl", "xpu", "xpu"),
+        ("no-such-backend", "cuda", None),
+    ],
+)
+def test_mesh_device_type_follows_the_backend(
+    backend: str, accelerator: str | None, device: str | None
+) -> None:
+    # issue 14 C2
+    assert mesh_device_type(backend, accelerator) == device
+
+
+def test_nccl_mesh_is_the_current_cuda_device_even_for_a_cpu_model() -> None:
+    # issue 14 C2: a model still on CPU with an NCCL group gets a CUDA mesh, not a CPU one
+    model = nn.Linear(2, 2)
+    with mock.patch("torch.cuda.current_device", return_value=3):
+        assert mesh_device("nccl", model) == torch.device("cuda", 3)
+    assert mesh_device("gloo", model) == torch.device("cpu")
+    unknown = mesh_device("no-such-backend", model.to(torch.float64))
+    assert unknown == torch.device("cpu")  # a backend of unknown kind: the model's device
+
+
+# --- items 9/10: units ------------------------------------------------------------------------
+def _names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    by_id = {id(m): n for n, m in model.named_modules()}
+    return [by_id[id(u)] for u in units]
+
+
+def test_default_units_are_the_blocks_and_ties_share_the_root() -> None:
+    # issue 10 items 9, 10: each block of the ModuleList; the tied embedding and head in the root
+    model = tied_lm(0)
+    assert _names(model, choose_units(model)) == ["final_norm", "layers.1", "layers.0"]
+    untied = tied_lm(0)
+    untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
+    assert sorted(_names(untied, choose_units(untied))) == [
+        "embed", "final_norm", "head", "layers.0", "layers.1",
+    ]  # fmt: skip
+
+
+def test_sequential_blocks_are_units_the_container_is_not() -> None:
+    # a model that iterates its Sequential never runs the container's forward (FSDP2's hook)
+    model = tied_lm(0, container=nn.Sequential)
+    assert "layers" not in _names(model, choose_units(model))
+    assert {"layers.0", "layers.1"} <= set(_names(model, choose_units(model)))
+
+
+def test_wrap_chooses_units() -> None:
+    model = tied_lm(0)
+    assert sorted(_names(model, choose_units(model, {Block}))) == ["layers.0", "layers.1"]
+    chosen = choose_units(model, lambda m: isinstance(m, nn.LayerNorm))
+    assert sorted(_names(model, chosen)) == ["final_norm", "layers.0.norm", "layers.1.norm"]
+    with pytest.raises(PrecisionConfigError, match="no forward"):
+        choose_units(model, {nn.ModuleList})
+    with pytest.raises(PrecisionConfigError, match="callable"):
+        choose_units(model, [3])  # type: ignore[list-item]
+    with pytest.warns(UserWarning, match="tied"):
+        assert _names(model, choose_units(model, {nn.Embedding})) == []
+
+
+# --- item 11: one dtype for the whole model, fp32 masters kept ----------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_prepare_model_then_build_keeps_exact_fp32_masters(stage: int) -> None:
+    # issue 10 item 11: casting before build loses nothing; a change after the cast wins
+    plan = dtypeplan.resolve(
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    )  # fmt: skip
+    original = norm_and_frozen(0)
+    model = plan.prepare_model(norm_and_frozen(0))
+    floating = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    assert all(t.dtype == torch.bfloat16 for t in floating)
+    assert model.bn.num_batches_tracked.dtype == torch.int64
+    new_bias = torch.full_like(model.head.bias, 0.3)
+    model.head.bias.data.copy_(new_bias)  # written between prepare_model and build
+    opt = plan.build(p for p in model.parameters() if p.requires_grad)
+    exported = dtypeplan.checkpoint.export_model_state(opt, model)
+    for name, param in original.named_parameters():
+        want = new_bias.float() if name == "head.bias" else param.detach()
+        if name.startswith("frozen"):
+            want = want.to(torch.bfloat16).float()  # frozen: the current (cast) value
+        assert torch.equal(exported[name], want), name
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+# --- two ranks ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return spawn(run_cases, 2, timeout_s=300, group_timeout_s=60)
+
+
+def _ok(results: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
+    out = [per_rank[case] for per_rank in results]
+    for rank, got in enumerate(out):
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+    return out
+
+
+def test_fp32_is_made_one_unit_at_a_time(two_ranks: list[dict[str, Any]]) -> None:
+    # issue 14 C3: at no fully_shard call is more than one unit unsharded in fp32
+    for got in _ok(two_ranks, "fp32_unsharded_never_whole"):
+        assert len(got["seen"]) == 4, got  # final_norm, two blocks, the root
+        assert max(got["seen"]) <= max(got["largest_unit"], got["total"] - 2 * got["largest_unit"])
+        assert max(got["seen"]) < got["total"], got
+
+
+def test_wrap_classes_at_zero3(two_ranks: list[dict[str, Any]]) -> None:
+    for got in _ok(two_ranks, "wrap_classes_choose_units"):
+        assert got["units"] == ["<root>", "layers.0", "layers.1"], got
+        assert got["tied"] and all(torch.isfinite(torch.tensor(got["losses"])))
+
+
+def test_export_rank0_only_gathers_one_parameter_at_a_time(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    # issue 10 item 14: collective on every rank, kept on rank 0, on CPU, fp32
+    rank0, rank1 = _ok(two_ranks, "export_rank0_only")
+    names = sorted(n for n, _ in tied_lm(0).named_parameters(remove_duplicate=False))
+    assert rank0["names"] == names and rank0["tied_shared"]
+    assert rank0["devices"] == ["cpu"] and rank0["dtypes"] == ["torch.float32"]
+    assert rank1["names"] == []
+    for got in (rank0, rank1):
+        # one gather per unique parameter (the tie gathered once), each of one parameter
+        assert len(got["gathers"]) == got["unique_params"]

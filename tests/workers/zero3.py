@@ -1,0 +1,105 @@
+"""ZeRO-3 on spawned ranks: how the model is sharded (units, device, dtypes) and read back."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed.fsdp as fsdp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import dtypeplan
+from tests._models import Block, lm_loss, tied_lm, token_batch
+
+CONFIG: dict[str, Any] = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+}
+
+
+def fp32_unsharded_never_whole(rank: int, world: int) -> dict[str, Any]:
+    """C3: a bf16-built model is turned fp32 one unit at a time, just before it is sharded."""
+    model = tied_lm(0).to(torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    seen: list[int] = []
+    real = fsdp.fully_shard
+
+    def counting(module: Any, **kw: Any) -> Any:
+        seen.append(
+            sum(
+                p.numel()
+                for p in model.parameters()
+                if not isinstance(p, DTensor) and p.dtype == torch.float32
+            )
+        )
+        return real(module, **kw)
+
+    with mock.patch.object(fsdp, "fully_shard", counting):
+        dtypeplan.resolve(CONFIG).prepare_model(model)
+    largest_unit = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    return {"seen": seen, "total": total, "largest_unit": largest_unit}
+
+
+def wrap_classes_choose_units(rank: int, world: int) -> dict[str, Any]:
+    """wrap={Block}: only the blocks (and the root) are units; the model still trains."""
+    model = dtypeplan.resolve(CONFIG).prepare_model(tied_lm(0), wrap={Block})
+    units = sorted(n or "<root>" for n, m in model.named_modules() if isinstance(m, FSDPModule))
+    opt = dtypeplan.resolve(CONFIG).build(model.parameters())
+    losses = []
+    for step in range(2):
+        opt.zero_grad()
+        loss = lm_loss(model, token_batch(step, 4 * world).chunk(world)[rank])
+        opt.backward(loss)
+        opt.step()
+        losses.append(float(loss))
+    return {"units": units, "losses": losses, "tied": model.head.weight is model.embed.weight}
+
+
+def export_rank0_only(rank: int, world: int) -> dict[str, Any]:
+    """rank0_only: rank 0 gets every name (tied ones sharing a tensor), the others nothing."""
+    plan = dtypeplan.resolve(CONFIG)
+    model = plan.prepare_model(tied_lm(0))
+    opt = plan.build(model.parameters())
+    calls = []
+    real = DTensor.full_tensor
+
+    def counting(self: DTensor, **kw: Any) -> torch.Tensor:
+        calls.append(self.numel())
+        return real(self, **kw)
+
+    with mock.patch.object(DTensor, "full_tensor", counting):
+        exported = dtypeplan.checkpoint.export_model_state(opt, model, rank0_only=True)
+    return {
+        "names": sorted(exported),
+        "tied_shared": exported.get("head.weight") is exported.get("embed.weight"),
+        "devices": sorted({str(t.device) for t in exported.values()}),
+        "dtypes": sorted({str(t.dtype) for t in exported.values()}),
+        "gathers": calls,
+        "unique_params": len(list(model.parameters())),
+    }
+
+
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "fp32_unsharded_never_whole": fp32_unsharded_never_whole,
+    "wrap_classes_choose_units": wrap_classes_choose_units,
+    "export_rank0_only": export_rank0_only,
+}
+
+
+def run_cases(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, fn in CASES.items():
+        try:
+            results[name] = fn(rank, world)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[name] = f"{exc!r}\n{traceback.format_exc(limit=-4)}"
+        torch.distributed.barrier()
+    return results
+
+
+__all__ = ["CASES", "run_cases"]
