@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "MinimumLossScaleError",
     "NotSupportedError",
+    "OptimizerUsageError",
     "PrecisionConfigError",
     "RankMismatchError",
     "RegistryError",
@@ -53,3 +54,12 @@ class MinimumLossScaleError(RuntimeError):
 
 class RankMismatchError(RuntimeError):
     """Ranks of one process group were given different plans or parameter shapes."""
+
+
+class OptimizerUsageError(ValueError):
+    """A call the optimizer cannot follow as made; the message says what to do instead.
+
+    Raised at the call that causes it: a closed (replaced) optimizer stepped, a parameter
+    listed twice, a param group added after build, a model changed in a way the flat buffers
+    cannot follow (another dtype or device, a parameter unfrozen after build).
+    """

@@ -5,6 +5,17 @@ Public: the demo, the examples, the tests and the benchmarks start their ranks w
 the ``spawn`` start method (forked ranks can deadlock in matmul), one intra-op thread per rank,
 a FileStore in a private temporary directory, and a barrier before
 ``destroy_process_group`` (without it gloo aborted a rank at teardown in half the runs).
+
+Timeouts. A collective waits for a stalled or dead peer as long as its group's timeout
+(torch's default: 30 minutes). The config key ``collective_timeout_s`` (default 600 s, carried
+as ``plan.collective_timeout_s``) is that timeout: pass it as ``spawn(...,
+group_timeout_s=plan.collective_timeout_s)``, or for a group you create yourself as
+``dist.init_process_group(..., timeout=datetime.timedelta(seconds=plan.collective_timeout_s))``
+(``dist.new_group`` takes the same ``timeout``). On gloo the timed-out collective raises, and
+dtypeplan reports it as a ``CollectiveError``. On NCCL torch's default
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down at the timeout instead; set
+``TORCH_NCCL_BLOCKING_WAIT=1`` (or ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) before the group is
+created to have it raise in the waiting rank.
 """
 
 from __future__ import annotations
@@ -73,7 +84,9 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
-    ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`RankFailure`
+    ``group_timeout_s`` is the group's collective timeout (see the module docstring; a plan's
+    ``collective_timeout_s`` is meant for it). ``fn`` and ``args`` must be picklable (a
+    module-level function). Raises :class:`RankFailure`
     with the failing rank's traceback if any rank raises, dies or outlives ``timeout_s``.
     """
     context = mp.get_context("spawn")

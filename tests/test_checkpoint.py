@@ -9,6 +9,7 @@ rank. A resumed run must continue with the losses of the uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -163,7 +164,13 @@ def test_interrupted_save_keeps_the_previous_checkpoint(spawned: list[dict[str, 
         failed = outcome["failed"]
         assert not failed["ok"] and failed["type"] == "CheckpointError", failed
         assert "disk died" in failed["message"]
-        assert len(outcome["leftovers"]) == 1
+        # A failed save removes its temporary directory (issue 12, item 7).
+        assert outcome["leftovers"] == []
+        for who in ("one", "all"):  # ENOSPC on one rank, on both
+            full = outcome["disk_full"][who]
+            assert not full["ok"] and full["type"] == "CheckpointError", full
+            assert "no space left on device" in full["message"], full["message"]
+            assert len(full["entries"]) == 2 and "LATEST" in full["entries"], full["entries"]
         for mine, ref in zip(outcome["reloaded_masters"], outcome["first_masters"], strict=True):
             assert torch.equal(mine, ref)
         assert len(outcome["after_next_save"]) == 2 and "LATEST" in outcome["after_next_save"]
@@ -184,10 +191,8 @@ def test_refusals_on_every_rank(spawned: list[dict[str, Any]]) -> None:
         assert "damaged-truncated" in truncated["message"] and "truncated" in truncated["message"]
         zeroed = out["zeroed"]
         assert zeroed["type"] == "CheckpointError", zeroed
-        assert (
-            "damaged-zeroed" in zeroed["message"]
-            and "reading the checkpoint failed" in zeroed["message"]
-        )
+        # Bytes overwritten with sizes kept: caught by the sha256 check before DCP reads.
+        assert "damaged-zeroed" in zeroed["message"] and "sha256 differs" in zeroed["message"]
         assert out["unchanged_after_failed_loads"]
 
 
@@ -414,3 +419,127 @@ def test_zero3_checkpoint_resumes_at_zero3_and_at_zero1(tmp_path: Any) -> None:
         for got, want in zip(results[name], expected, strict=True):
             # bf16 forward passes: the gradient norms agree to bf16-model noise.
             assert abs(got - want) <= 1e-3 * want, (name, results[name], expected)
+
+
+# --- issue 12, item 4: a load validates everything before it changes anything ----------------
+def _edit_manifest(edit: Any) -> Any:
+    def damage(path: str, snapshot: str) -> None:
+        where = os.path.join(snapshot, "manifest.json")
+        with open(where) as handle:
+            manifest = json.load(handle)
+        edit(manifest)
+        with open(where, "w") as handle:
+            json.dump(manifest, handle)
+
+    return damage
+
+
+def _flip_byte(path: str, snapshot: str) -> None:
+    data = os.path.join(snapshot, "__0_0.distcp")
+    with open(data, "r+b") as handle:
+        handle.seek(os.path.getsize(data) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+
+
+CORRUPT_MANIFESTS = {
+    "lr-boom": (_edit_manifest(lambda m: m["param_groups"][0].update(lr="boom")), "lr"),
+    "weight-decay-list": (
+        _edit_manifest(lambda m: m["param_groups"][0].update(weight_decay=[0.1])),
+        "weight_decay",
+    ),
+    "lr-nan": (
+        _edit_manifest(lambda m: m["param_groups"][0].update(lr=float("nan"))),
+        "param_groups",
+    ),
+    "scaler-no-scale": (_edit_manifest(lambda m: m["scalars"]["scaler"].pop("scale")), "scale"),
+    "scaler-nan": (
+        _edit_manifest(lambda m: m["scalars"]["scaler"].update(scale=float("nan"))),
+        "scale",
+    ),
+    "loss-scale-inf": (
+        _edit_manifest(lambda m: m["scalars"].update(loss_scale=float("inf"))),
+        "loss_scale",
+    ),
+    "negative-step": (_edit_manifest(lambda m: m["scalars"].update(step=-1)), "step"),
+    "bool-step": (_edit_manifest(lambda m: m["scalars"].update(step=True)), "step"),
+    "world-size-0": (_edit_manifest(lambda m: m.update(world_size=0)), "world_size"),
+    "negative-dim": (_edit_manifest(lambda m: m["shapes"][0].__setitem__(0, -3)), "shapes"),
+    "duplicate-state": (
+        _edit_manifest(lambda m: m["states"].append("exp_avg")),
+        "states",
+    ),
+    "file-escapes": (
+        _edit_manifest(lambda m: m["files"].update({"../x": 1})),
+        "file entry",
+    ),
+    "digest-missing-file": (
+        _edit_manifest(lambda m: m["digests"]["files"].pop(".metadata")),
+        "digests",
+    ),
+    "flipped-byte": (_flip_byte, "sha256 differs"),
+}
+
+
+def _state_copy(opt: dtypeplan.MixedPrecisionOptimizer) -> Any:
+    return copy.deepcopy(
+        (opt.state_dict(), [p.detach().clone() for g in opt.param_groups for p in g["params"]])
+    )
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_bytes(a), _bytes(b))
+        )
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_bitwise_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_MANIFESTS))
+def test_failed_load_leaves_the_optimizer_bitwise_unchanged(
+    trained: tuple[str, Any, Any], case: str
+) -> None:
+    path, model, opt = trained
+    damage, expected = CORRUPT_MANIFESTS[case]
+    damage(path, _snapshot_dir(path))
+    cases.train(model, opt, range(2, 3))  # the live state now differs from the checkpoint
+    before = _state_copy(opt)
+    with pytest.raises(CheckpointError, match=expected):
+        checkpoint.load(opt, path)
+    assert _bitwise_equal(_state_copy(opt), before)
+    cases.train(model, opt, range(3, 4))  # and it still trains
+
+
+def test_flipped_byte_passes_size_checks_without_verify(trained: tuple[str, Any, Any]) -> None:
+    # The opt-out skips the digest; the size check alone cannot see a flipped byte.
+    path, _model, _opt = trained
+    snapshot = _snapshot_dir(path)
+    with open(os.path.join(snapshot, "manifest.json")) as handle:
+        manifest = json.load(handle)
+    assert manifest["digests"]["algorithm"] == "sha256"
+    assert set(manifest["digests"]["files"]) == set(manifest["files"])
+    _model2, fresh = cases.build("fp32", stage=0, seed=4)
+    checkpoint.load(fresh, path, verify=False)
+
+
+def test_checkpoint_without_digests_still_loads(trained: tuple[str, Any, Any]) -> None:
+    # Checkpoints written before digests were recorded: sizes are checked, nothing else.
+    path, _model, _opt = trained
+    _edit_manifest(lambda m: m.pop("digests"))(path, _snapshot_dir(path))
+    _load_fresh(path)

@@ -330,7 +330,8 @@ FAULT_CASES = [
         {
             "name": f"bf16-unchecked/stage{stage}",
             "kind": "fault",
-            "faults": [None, "nan"],
+            # After the NaN step the masters are NaN, so step 3's norm is NaN too: no 2nd warning.
+            "faults": [None, "nan", None],
             "config": _config("bf16", stage),
         },
     )
@@ -481,10 +482,15 @@ def test_bf16_without_check_nonfinite_takes_the_step(
     NaN from one rank is averaged into every rank's gradient and the step writes it into the
     master weights everywhere; nothing is counted as skipped."""
     for rank, records in enumerate(_ok(group_results[f"bf16-unchecked/stage{stage}"])):
-        _, poisoned = records
+        clean, poisoned, after = records
         assert poisoned["skipped_steps"] == 0, f"rank {rank}"
         assert not poisoned["state_unchanged"], f"rank {rank}"
         assert not poisoned["masters_finite"], f"rank {rank}"
+        # Issue 12, item 8: every rank says so once, naming the key that would skip the step.
+        assert clean["warnings"] == [] and after["warnings"] == [], f"rank {rank}"
+        assert len(poisoned["warnings"]) == 1, (rank, poisoned["warnings"])
+        assert '"check_nonfinite": true' in poisoned["warnings"][0], poisoned["warnings"]
+        assert "step 2" in poisoned["warnings"][0], poisoned["warnings"]
 
 
 # Item 7: determinism and resume ----------------------------------------------------------------
@@ -556,18 +562,31 @@ def _gave_up_after(message: str) -> float:
         (1, "before_step"),
         # Stage 2: rank 0 is inside backward, in a bucket's reduce-scatter run by a hook.
         (2, "before_backward"),
+        # Stage 3: rank 0 is in forward, in FSDP2's own all-gather of the parameters.
+        (3, "before_backward"),
     ],
 )
 def test_dead_rank_fails_the_collective_not_hangs(stage: int, where: str) -> None:
     config = _config("bf16", stage, communication_data_type="bf16")
     message = _failure(reliability_cases.die_mid_step, config, where, group_timeout_s=10)
     assert "rank 1 died with exit code 3" in message, message
-    assert re.search(r"CollectiveError: reduce_scatter of \d+ bf16 elements failed", message), (
-        message
-    )
+    op = "FSDP2 all_gather" if stage == 3 else "reduce_scatter"
+    assert re.search(rf"CollectiveError: {op} of \d+ bf16 elements failed", message), message
     assert "process group '0' (gloo, rank 0 of 2)" in message, message
     assert "Connection" in message or "Timed out" in message, message
     # gloo notices the closed connection at once; the group timeout (10 s) is the bound.
+    assert _gave_up_after(message) < 10.0 + 5.0
+
+
+def test_dead_rank_fails_a_checkpoint_save_as_checkpoint_error() -> None:
+    config = _config("fp32", 1)
+    message = _failure(reliability_cases.die_mid_step, config, "before_save", group_timeout_s=10)
+    assert "rank 1 died with exit code 3" in message, message
+    assert re.search(
+        r"CheckpointError: .*: all_gather_object over the default group \(2 ranks\) failed on "
+        r"rank 0: a peer rank died or stalled",
+        message,
+    ), message
     assert _gave_up_after(message) < 10.0 + 5.0
 
 

@@ -1,10 +1,12 @@
-"""The checkpoint directory: snapshots, the ``LATEST`` pointer, atomic commit, size checks.
+"""The checkpoint directory: snapshots, the ``LATEST`` pointer, atomic commit, size and digest
+checks (sha256 of every data file, computed and checked by the ranks in parallel, each a share).
 
-Rank 0 alone touches the directory here; the callers agree on the outcome across ranks.
+Rank 0 alone changes the directory here; the callers agree on the outcome across ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -13,13 +15,23 @@ import shutil
 from typing import Any
 
 from dtypeplan.checkpoint._errors import CheckpointError
-from dtypeplan.checkpoint._manifest import check_manifest
+from dtypeplan.checkpoint._manifest import DIGEST, check_manifest
 
-__all__ = ["LATEST", "MANIFEST", "commit_directory", "open_snapshot", "prepare_directory"]
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "commit_directory",
+    "digest_share",
+    "discard_snapshot",
+    "open_snapshot",
+    "prepare_directory",
+    "verify_share",
+]
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _SNAPSHOT = re.compile(r"^snapshot-[0-9a-f]{16}$")
+_CHUNK = 4 * 2**20
 _LEFTOVER = re.compile(r"^(snapshot-[0-9a-f]{16}\.tmp|LATEST\.tmp-[0-9a-f]{16})$")
 
 
@@ -67,14 +79,66 @@ def prepare_directory(path: str) -> str:
     return name
 
 
-def commit_directory(path: str, name: str, manifest: dict[str, Any]) -> None:
+def _data_files(directory: str) -> list[str]:
+    return sorted(e for e in os.listdir(directory) if os.path.isfile(os.path.join(directory, e)))
+
+
+def _digest(file: str) -> str:
+    digest = hashlib.new(DIGEST)
+    with open(file, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digest_share(path: str, name: str, rank: int, size: int) -> dict[str, str]:
+    """Every rank, after all have written: the digests of its share of the snapshot's files."""
+    tmp = os.path.join(path, name + ".tmp")
+    files = _data_files(tmp)
+    return {entry: _digest(os.path.join(tmp, entry)) for entry in files[rank::size]}
+
+
+def verify_share(snapshot: str, manifest: dict[str, Any], rank: int, size: int) -> None:
+    """Every rank at load: check its share of the files against the manifest's digests."""
+    digests = manifest.get("digests")
+    if digests is None:
+        return
+    for entry in sorted(manifest["files"])[rank::size]:
+        file = os.path.join(snapshot, entry)
+        if _digest(file) != digests["files"][entry]:
+            raise CheckpointError(
+                f"{file}: its {DIGEST} differs from the one recorded at save: the file was "
+                "damaged or overwritten (bytes changed, size kept); restore it or load an "
+                "earlier checkpoint"
+            )
+
+
+def discard_snapshot(path: str, name: str) -> None:
+    """Rank 0, after a failed save: remove what it wrote, unless LATEST already names it."""
+    shutil.rmtree(os.path.join(path, name + ".tmp"), ignore_errors=True)
+    try:
+        with open(os.path.join(path, LATEST), encoding="utf-8") as handle:
+            current = handle.read().strip()
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current != name:
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+
+
+def commit_directory(
+    path: str, name: str, manifest: dict[str, Any], digests: dict[str, str] | None = None
+) -> None:
     """Rank 0, after every rank has written: manifest, rename, switch LATEST, clean up."""
     tmp = os.path.join(path, name + ".tmp")
-    manifest["files"] = {
-        entry: os.path.getsize(os.path.join(tmp, entry))
-        for entry in sorted(os.listdir(tmp))
-        if os.path.isfile(os.path.join(tmp, entry))
-    }
+    files = _data_files(tmp)
+    manifest["files"] = {entry: os.path.getsize(os.path.join(tmp, entry)) for entry in files}
+    if digests is not None:
+        if sorted(digests) != files:
+            raise CheckpointError(
+                f"{path}: the files the ranks hashed ({sorted(digests)}) are not the files "
+                f"written ({files}); is another save running into this directory?"
+            )
+        manifest["digests"] = {"algorithm": DIGEST, "files": dict(sorted(digests.items()))}
     _write_file(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, default=str) + "\n")
     _fsync_dir(tmp)
     os.rename(tmp, os.path.join(path, name))

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtypeplan.checkpoint._collective import Group
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
@@ -54,7 +53,8 @@ def export_model_state(
         raise TypeError(
             f"export_model_state() takes a dtypeplan optimizer, not {type(optimizer).__name__}"
         )
-    keep = not rank0_only or Group(optimizer.process_group).rank == 0
+    distributed = dist.is_available() and dist.is_initialized()
+    keep = not rank0_only or not distributed or dist.get_rank(optimizer.process_group) == 0
     value_of = _values(optimizer)
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor | None] = {}
@@ -118,9 +118,10 @@ def _flat_values(
         for piece in mine:
             flat[piece.begin : piece.end].copy_(piece.of(piece.master))
         if gather:
-            dist.all_reduce(
-                flat.view(torch.int32), op=dist.ReduceOp.SUM, group=optimizer.comm.group
-            )
+            with optimizer.comm._guard("all_reduce of master weight bits", flat.numel()):
+                dist.all_reduce(
+                    flat.view(torch.int32), op=dist.ReduceOp.SUM, group=optimizer.comm.group
+                )
         return flat.view(param.shape)
 
     return value

@@ -8,9 +8,21 @@ import torch.distributed.checkpoint as dcp
 
 from dtypeplan.checkpoint._adapters import adapter_for
 from dtypeplan.checkpoint._collective import Group
-from dtypeplan.checkpoint._directory import commit_directory, open_snapshot, prepare_directory
-from dtypeplan.checkpoint._errors import CheckpointMismatchError
-from dtypeplan.checkpoint._manifest import build_manifest, differences, restore_hyperparameters
+from dtypeplan.checkpoint._directory import (
+    commit_directory,
+    digest_share,
+    discard_snapshot,
+    open_snapshot,
+    prepare_directory,
+    verify_share,
+)
+from dtypeplan.checkpoint._errors import CheckpointError, CheckpointMismatchError
+from dtypeplan.checkpoint._manifest import (
+    build_manifest,
+    differences,
+    hyperparameter_problems,
+    restore_hyperparameters,
+)
 from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 
@@ -26,11 +38,22 @@ def save(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
     path = os.fspath(path)
     if not isinstance(opt, MixedPrecisionOptimizer):
         raise TypeError(f"save() takes a dtypeplan optimizer, not {type(opt).__name__}")
-    group = Group(opt.process_group)
+    group = Group(opt.process_group, path)
     name = group.agree(
         lambda: prepare_directory(path) if group.rank == 0 else None, "preparing", path
     )
     name = group.broadcast(name)
+    try:
+        _save_into(opt, group, path, name)
+    except Exception:
+        # A failed save removes what it wrote (on a full disk every retry would otherwise leave
+        # another snapshot behind). A process that dies leaves it to the next save's clean-up.
+        if group.rank == 0:
+            discard_snapshot(path, name)
+        raise
+
+
+def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str) -> None:
     tmp = os.path.join(path, name + ".tmp")
     adapter = adapter_for(opt)
 
@@ -54,26 +77,41 @@ def save(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
         "writing",
     )
 
+    share = group.agree(
+        lambda: digest_share(path, name, group.rank, group.size), "hashing the files", path
+    )
+    digests = {entry: value for part in group.all_gather(share) for entry, value in part.items()}
+
     def commit() -> None:
         if group.rank == 0:
-            commit_directory(path, name, build_manifest(opt, adapter, names, scalars, group.size))
+            manifest = build_manifest(opt, adapter, names, scalars, group.size)
+            commit_directory(path, name, manifest, digests)
 
     group.agree(commit, "committing", path)
 
 
-def load(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
+def load(
+    opt: MixedPrecisionOptimizer, path: str | os.PathLike[str], *, verify: bool = True
+) -> None:
     """Load the checkpoint at ``path`` into ``opt`` and its model; collective over its group.
 
     The checkpoint may come from another world size, ZeRO stage or parameter dtype. Raises
     :class:`CheckpointMismatchError` if its parameters or optimizer type differ from ``opt``'s,
-    :class:`CheckpointError` if it is missing, incomplete or corrupt; ``opt`` is then unchanged.
+    :class:`CheckpointError` if it is missing, incomplete or corrupt; ``opt`` is then unchanged:
+    the manifest (types, ranges, shapes, hyperparameters) and every file are checked before
+    anything is changed. ``verify`` checks each data file's sha256 against the manifest (the
+    ranks share the files; about 0.5 s per GB per rank with SHA-NI); ``False`` checks sizes only.
     """
     path = os.fspath(path)
     if not isinstance(opt, MixedPrecisionOptimizer):
         raise TypeError(f"load() takes a dtypeplan optimizer, not {type(opt).__name__}")
-    group = Group(opt.process_group)
+    group = Group(opt.process_group, path)
     opened = group.agree(lambda: open_snapshot(path) if group.rank == 0 else None, "opening", path)
     snapshot, manifest = group.broadcast(opened)
+    if verify:
+        group.agree(
+            lambda: verify_share(snapshot, manifest, group.rank, group.size), "verifying", path
+        )
     adapter = adapter_for(opt)
     shapes = group.agree(adapter.shapes, "reading the parameter shapes", path)
 
@@ -86,6 +124,17 @@ def load(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
             )
 
     group.agree(check, "checking", path)
+
+    def check_hyperparameters() -> None:
+        found = hyperparameter_problems(manifest, opt)
+        if found:
+            raise CheckpointError(
+                f"{path}: the manifest's hyperparameters are not valid:\n  - "
+                + "\n  - ".join(found),
+                path,
+            )
+
+    group.agree(check_hyperparameters, "checking the hyperparameters", path)
     names = list(manifest["states"])
     flats = group.agree(lambda: adapter.load_targets(names, shapes), "allocating", path)
     group.dcp(

@@ -6,6 +6,8 @@ every data file), validated key by key at load, and compared with the loading op
 
 from __future__ import annotations
 
+import math
+import os
 import time
 import warnings
 from typing import Any
@@ -19,14 +21,18 @@ from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "DIGEST",
     "build_manifest",
     "check_manifest",
     "differences",
+    "hyperparameter_problems",
     "restore_hyperparameters",
 ]
 
 FORMAT = "dtypeplan.checkpoint"
 FORMAT_VERSION = 1
+DIGEST = "sha256"
+"""The hash of every data file, recorded at save and checked at load (``load(verify=True)``)."""
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format": str,
@@ -110,26 +116,144 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     for key, kind in _REQUIRED.items():
         if not isinstance(manifest.get(key), kind):
             raise CheckpointError(f"{where}: the manifest's {key!r} is missing or not a {kind}")
+    if not _is_int(manifest["world_size"], 1):
+        raise CheckpointError(f"{where}: the manifest's world_size is not a positive integer")
     shapes = manifest["shapes"]
-    if not all(
-        isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
-    ):
+    if not all(isinstance(s, list) and all(_is_int(d, 0) for d in s) for s in shapes):
         raise CheckpointError(f"{where}: the manifest's 'shapes' is not a list of shapes")
     states = manifest["states"]
-    if "master" not in states or not all(isinstance(s, str) and "." not in s for s in states):
-        raise CheckpointError(f"{where}: the manifest's 'states' {states!r} is not valid")
-    scalars = manifest["scalars"]
-    for key, kind in (
-        ("step", int),
-        ("skipped_steps", int),
-        ("loss_scale", (int, float)),
-        ("scaler", dict),
+    if (
+        "master" not in states
+        or not all(isinstance(s, str) and s and "." not in s for s in states)
+        or len(set(states)) != len(states)
     ):
-        if not isinstance(scalars.get(key), kind):
-            raise CheckpointError(f"{where}: the manifest's scalars.{key} is missing or not valid")
+        raise CheckpointError(f"{where}: the manifest's 'states' {states!r} is not valid")
+    _check_scalars(manifest["scalars"], where)
     if not isinstance(manifest["optimizer"].get("type"), str):
         raise CheckpointError(f"{where}: the manifest's optimizer.type is missing")
+    for index, group in enumerate(manifest["param_groups"]):
+        if not isinstance(group, dict) or not all(_is_plain(v) for v in group.values()):
+            raise CheckpointError(
+                f"{where}: the manifest's param_groups[{index}] is not a mapping of finite "
+                "hyperparameters"
+            )
+    _check_files(manifest, where)
     return manifest
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_plain(value: Any) -> bool:
+    """A JSON scalar (numbers finite) or a list of them, as hyperparameters are saved."""
+    if isinstance(value, list):
+        return all(_is_plain(v) and not isinstance(v, list) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (bool, int, str))
+
+
+# The loss scaler's state, as LossScaler.state_dict() writes it: key -> (check, what it must be).
+_SCALER: dict[str, tuple[Any, str]] = {
+    "scale": (lambda v: _is_finite(v) and v > 0, "a finite number above 0"),
+    "hysteresis_left": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "iteration": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "last_overflow_iteration": (lambda v: _is_int(v, -1), "an integer >= -1"),
+}
+
+
+def _check_scalars(scalars: dict[str, Any], where: str) -> None:
+    checks: list[tuple[str, bool, str]] = [
+        ("step", _is_int(scalars.get("step"), 0), "an integer >= 0"),
+        ("skipped_steps", _is_int(scalars.get("skipped_steps"), 0), "an integer >= 0"),
+        (
+            "loss_scale",
+            _is_finite(scalars.get("loss_scale")) and scalars["loss_scale"] > 0,
+            "a finite number above 0",
+        ),
+        ("scaler", isinstance(scalars.get("scaler"), dict), "a mapping"),
+        (
+            "scaler_enabled",
+            isinstance(scalars.get("scaler_enabled", False), bool),
+            "true or false",
+        ),
+    ]
+    for key, ok, must in checks:
+        if not ok:
+            raise CheckpointError(
+                f"{where}: the manifest's scalars.{key} is {scalars.get(key)!r}; it must be {must}"
+            )
+    scaler = scalars["scaler"]
+    required = bool(scalars.get("scaler_enabled")) or bool(scaler)
+    for key, (check, must) in _SCALER.items():
+        if (key in scaler or required) and not check(scaler.get(key)):
+            raise CheckpointError(
+                f"{where}: the manifest's scalars.scaler.{key} is {scaler.get(key)!r}; "
+                f"it must be {must}"
+            )
+
+
+def _check_files(manifest: dict[str, Any], where: str) -> None:
+    files = manifest["files"]
+    for entry, size in files.items():
+        if os.path.basename(entry) != entry or entry in ("", ".", "..") or not _is_int(size, 0):
+            raise CheckpointError(f"{where}: the manifest's file entry {entry!r} is not valid")
+    digests = manifest.get("digests")
+    if digests is None:  # written before digests were recorded: sizes are checked only
+        return
+    if (
+        not isinstance(digests, dict)
+        or digests.get("algorithm") != DIGEST
+        or not isinstance(digests.get("files"), dict)
+        or set(digests["files"]) != set(files)
+        or not all(
+            isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+            for v in digests["files"].values()
+        )
+    ):
+        raise CheckpointError(
+            f"{where}: the manifest's 'digests' is not a {DIGEST} digest of every listed file"
+        )
+
+
+def hyperparameter_problems(manifest: dict[str, Any], opt: MixedPrecisionOptimizer) -> list[str]:
+    """Saved hyperparameters whose kind differs from the optimizer's (``lr: "boom"``)."""
+    saved = manifest["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        return []  # not restored (restore_hyperparameters warns)
+    out = []
+    for index, (group, values) in enumerate(zip(opt.param_groups, saved, strict=True)):
+        for key, value in values.items():
+            if key not in group or group[key] is None:
+                continue
+            mine = group[key]
+            if isinstance(mine, bool):
+                fits = isinstance(value, bool)
+            elif isinstance(mine, (int, float)):
+                fits = _is_finite(value)
+            elif isinstance(mine, torch.Tensor):
+                fits = _is_finite(value) and mine.numel() == 1
+            elif isinstance(mine, (tuple, list)):
+                fits = (
+                    isinstance(value, list)
+                    and len(value) == len(mine)
+                    and all(_is_finite(v) for v in value)
+                )
+            elif isinstance(mine, str):
+                fits = isinstance(value, str)
+            else:
+                fits = True
+            if not fits:
+                out.append(
+                    f"param_groups[{index}].{key}: the checkpoint has {value!r}, which cannot "
+                    f"replace this optimizer's {mine!r}"
+                )
+    return out
 
 
 def differences(

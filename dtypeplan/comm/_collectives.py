@@ -220,6 +220,15 @@ class Communicator:
         if out is not full:
             full.copy_(out)
 
+    def broadcast_from_first_(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` on every rank with the group's first rank's, in place."""
+        if not self.active:
+            return
+        source = dist.get_global_rank(self.group, 0)
+        for tensor in tensors:
+            with self._guard("broadcast", tensor.numel(), tensor.dtype):
+                dist.broadcast(tensor, src=source, group=self.group)
+
     def all_reduce_scalars(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small fp32 vector (norms, overflow flags) over the group; returns it."""
         if self.active:

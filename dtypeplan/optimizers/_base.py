@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -19,15 +20,23 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._loss_scaler import LossScaler
+from dtypeplan.optimizers._ownership import HookSet, claim, release
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
 
 if TYPE_CHECKING:
     from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["HeldTensors", "MixedPrecisionOptimizer", "inner_optimizer", "is_adam"]
+__all__ = [
+    "HeldTensors",
+    "MixedPrecisionOptimizer",
+    "inner_optimizer",
+    "is_adam",
+    "make_replicas_equal",
+]
 
 
 def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
@@ -42,6 +51,19 @@ def inner_optimizer(
     (Adam, AdamW, SGD, Adagrad); the other elementwise classes run their default path."""
     accepted = inspect.signature(torch_class.__init__).parameters
     return torch_class(groups, **({"fused": True} if fused and "fused" in accepted else {}))
+
+
+@torch.no_grad()
+def make_replicas_equal(comm: Communicator, params: Iterable[torch.Tensor]) -> None:
+    """Overwrite ``params`` on every rank with the group's first rank's (as DDP does)."""
+    for param in params:
+        data = param.data
+        if data.is_contiguous():
+            comm.broadcast_from_first_([data])
+        else:
+            staged = data.contiguous()
+            comm.broadcast_from_first_([staged])
+            data.copy_(staged)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +116,26 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
 
     Subclasses are built as ``cls(params, plan=plan, process_group=group)`` and must provide
     the abstract members: :attr:`inner`, the training-loop calls (:meth:`step`,
-    :meth:`zero_grad`, :meth:`clear_lp_grads`), the state calls (:meth:`state_dict`,
-    :meth:`load_state_dict`, :meth:`full_state`, :meth:`load_full_state`) and
-    :meth:`held_tensors`. ``param_groups`` holds the model's parameters and the
-    hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers work unchanged;
-    implementations read them at every step.
+    :meth:`zero_grad`, :meth:`clear_lp_grads`, and :meth:`_prepare_grad_norm` behind
+    :meth:`clip_grad_norm_`), the per-parameter state behind :meth:`state_dict`
+    (:meth:`_param_state`, :meth:`_load_param_state`, :meth:`_layout_facts`,
+    :meth:`state_names`), the layout-free state (:meth:`full_state`,
+    :meth:`load_full_state`) and :meth:`held_tensors`. ``param_groups`` holds the model's
+    parameters and the hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers
+    work unchanged; implementations read them at every step.
+
+    What the base class owns for every implementation, as ``torch.optim`` users expect:
+    refusing a parameter listed twice and ``add_param_group`` after build; the hooks' lifetime
+    (:attr:`hooks`, :meth:`close`, replacing the previous owner of the parameters:
+    ``_ownership.py``); the rank check and the first rank's weights on every rank;
+    :attr:`last_step_skipped`; :meth:`clip_grad_norm_`; and ``torch.optim``'s state dict
+    layout. A subclass registers its gradient hooks in :attr:`hooks` (holding itself weakly),
+    calls :meth:`_take_ownership` at the end of its ``__init__`` and
+    ``_check_open("step()")`` first in :meth:`step`.
     """
+
+    STATE_FORMAT: str = "dtypeplan/1"
+    """The ``format`` recorded in :meth:`state_dict`'s ``dtypeplan`` entry."""
 
     def __init__(
         self,
@@ -108,16 +144,65 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         plan: PrecisionPlan,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(params, dict(plan.optimizer.params))
+        groups = _param_group_dicts(params)
+        _refuse_duplicates(groups)
+        super().__init__(groups, dict(plan.optimizer.params))
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
         self.process_group = process_group
         self.skipped_steps = 0
+        self.last_step_skipped = False
+        """Whether the last ``step()`` skipped the update (fp16 overflow, or a non-finite
+        gradient with ``check_nonfinite``). A scheduler should not step then."""
         self.grad_norm: float | None = None
+        self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
+        self._clip_request: float | None = None
         self.check_nonfinite = plan.check_nonfinite
         self.scaler = LossScaler(plan.loss_scaling)
+        self.hooks = HookSet()
+        """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
+        self.hooks.finalize_with(self)
+        self.closed = False
+        self._built = True
+
+    def _take_ownership(self) -> None:
+        """Become the owner of the trainable parameters; call at the end of a subclass's init.
+
+        A live optimizer that owned any of them is closed (replaced), with a warning.
+        """
+        claim(self, self.trainable_parameters())
+
+    def close(self) -> None:
+        """Remove the optimizer's hooks from the parameters; later steps raise. Idempotent.
+
+        Also done when the optimizer is collected, and when a new optimizer is built on the
+        same parameters (which replaces this one).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.hooks.remove()
+        release(self, self.trainable_parameters())
+
+    def _check_open(self, call: str) -> None:
+        if self.closed:
+            raise OptimizerUsageError(
+                f"{call} on a closed optimizer: close() was called, or a newer optimizer was "
+                "built on the same parameters and replaced it (it now receives the gradients); "
+                "use that optimizer, or build a new one"
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the flat buffers and shards are laid out once, at build."""
+        if getattr(self, "_built", False):
+            raise OptimizerUsageError(
+                "add_param_group after build is not supported: the parameters' flat buffers, "
+                "shards and hooks are laid out when the optimizer is built; build a new "
+                "optimizer with every param group (plan.build([group_1, group_2, ...]))"
+            )
+        super().add_param_group(param_group)
 
     @classmethod
     def prepare_model(
@@ -168,6 +253,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         ``last_micro_batch=True`` says that ``step()`` comes next: an implementation may then
         start the step's gradient reduction inside this backward, overlapping it with compute.
         """
+        self._check_open("backward()")
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
     @abc.abstractmethod
@@ -182,16 +268,62 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def clear_lp_grads(self) -> None:
         """Clear the parameters' own low-precision ``.grad`` (pipeline engines call this)."""
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step's gradients to ``max_norm``; returns their global norm before clipping.
+
+        As ``FullyShardedDataParallel.clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_``
+        cannot see gradients the optimizer has already taken from ``.grad`` into its
+        accumulator, so call this one between the last backward and ``step()``. It reduces the
+        gradients now (collective: call it on every rank), returns the norm of the mean
+        gradient over ranks (unscaled), and the clipping applies in the coming ``step()``
+        (together with ``gradient_clipping``: the smaller limit wins). Only the 2-norm.
+        """
+        self._check_open("clip_grad_norm_()")
+        if float(norm_type) != 2.0:
+            raise OptimizerUsageError(
+                f"clip_grad_norm_(norm_type={norm_type}): only the 2-norm is supported (the "
+                "optimizer folds it into the step's one all-reduce); use norm_type=2.0"
+            )
+        if max_norm <= 0:
+            raise OptimizerUsageError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
+        norm = self._prepare_grad_norm()
+        self._clip_request = float(max_norm)
+        return torch.tensor(norm, dtype=torch.float32)
+
+    @abc.abstractmethod
+    def _prepare_grad_norm(self) -> float:
+        """Reduce this step's gradients now and return their global (unscaled) norm."""
+
     # --- shared by the implementations ------------------------------------------------------
     def _check_ranks_agree(self, comm: Communicator) -> None:
-        """Fail on every rank, naming what differs, if ranks got other plans or shapes."""
+        """Fail on every rank, naming what differs, if ranks got other plans or parameters.
+
+        Compared: what the flat buffers and collectives will hold. Per param group, every
+        parameter's shape, dtype and whether it trains (one rank freezing a parameter the
+        others train would pair collectives of other sizes), and the hyperparameters (a
+        per-rank ``lr`` would train the replicas apart).
+        """
         comm.check_consistent(
             {
                 "plan": self.plan.rank_facts(),
                 "implementation": type(self).__name__,
-                "param_shapes": [[list(p.shape) for p in g["params"]] for g in self.param_groups],
+                "param_shapes": [
+                    [[list(p.shape), str(p.dtype), p.requires_grad] for p in g["params"]]
+                    for g in self.param_groups
+                ],
+                "hyperparameters": [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+                ],
             }
         )
+
+    def _make_replicas_equal(self, comm: Communicator) -> None:
+        """As DDP at construction: every rank takes the group's first rank's parameters.
+
+        Every parameter of the param groups, frozen ones too, before the master weights are
+        taken from them; so the replicas are equal by construction whatever each rank's init.
+        """
+        make_replicas_equal(comm, [p for g in self.param_groups for p in g["params"]])
 
     def _gradient_factor(self, sq_norm: float, divisor: float) -> float | None:
         """Record the step's global norm and return what to multiply the gradients by.
@@ -205,13 +337,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         finite = math.isfinite(sq_norm)
         norm = math.sqrt(sq_norm) / divisor if finite else math.inf
         self.grad_norm = norm if finite else float("nan")
+        clip = min(c for c in (self.clip, self._clip_request or 0.0, math.inf) if c > 0)
+        self._clip_request = None
         if not finite and self.check_nonfinite:
             self.skipped_steps += 1
+            self.last_step_skipped = True
             self.scaler.update(overflow=True)
             return None
+        if not finite and not self._warned_nonfinite:
+            # The norm is already reduced over the group, so every rank warns alike, once.
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"the global gradient norm is not finite (step {self.step_count() + 1}): inf or "
+                "NaN gradients on some rank are being applied, and the master weights will turn "
+                'inf/NaN on every rank. Set "check_nonfinite": true in the config to skip '
+                "(and count) such steps instead; this warning is given once",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.last_step_skipped = False
         factor = 1.0 / divisor
-        if self.clip > 0 and norm > self.clip:
-            factor *= self.clip / (norm + 1e-6)
+        if norm > clip:
+            factor *= clip / (norm + 1e-6)
         return factor
 
     def _scalar_state(self) -> dict[str, float | int]:
@@ -257,24 +404,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                     device = master.device if on_device else torch.device("cpu")
                     slot["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
-    def _update_state(self) -> dict[str, Any]:
-        """The part of :meth:`state_dict` every implementation shares (the inner optimizer's)."""
-        return {
-            "inner": self.inner.state_dict(),
-            "hyperparameters": [
-                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-            ],
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def _load_update_state(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["hyperparameters"], strict=True):
-            group.update(saved)
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
-
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0))
         scaler = keys.scaler_state(state)
@@ -282,13 +411,81 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             self.scaler.load_state_dict(scaler)
 
     # --- state --------------------------------------------------------------------------------
-    @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, loadable by the same plan on the same world size."""
+        """This rank's state, in ``torch.optim``'s layout, loadable on the same world size.
+
+        ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}`` as
+        ``torch.optim`` numbers parameters (every parameter of the param groups, in order), plus
+        ``"dtypeplan"``: the layout it was saved in (format, world size, shards), the step
+        count, the loss scaler and the skipped-step count. ``state[index]`` holds what this
+        rank keeps of that parameter (see the implementation's :meth:`_param_state`): at ZeRO
+        stages >= 1 a piece of it, so load it into the same world size and stage, or use
+        ``dtypeplan.checkpoint`` to reshard.
+        """
+        index_of = self._torch_indices()
+        param_groups = []
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
+            hyper = {k: v for k, v in inner_group.items() if k != "params"}
+            hyper.update({k: v for k, v in group.items() if k != "params"})
+            param_groups.append({**hyper, "params": [index_of[id(p)] for p in group["params"]]})
+        return {
+            "state": self._param_state(index_of),
+            "param_groups": param_groups,
+            "dtypeplan": {
+                "format": self.STATE_FORMAT,
+                "layout": self._layout_facts(),
+                "state_names": [n for n in self.state_names() if n != keys.MASTER],
+                "step": self.step_count(),
+                "scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps,
+            },
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (same implementation, world size and layout)."""
+        extra = state_dict.get("dtypeplan") if isinstance(state_dict, dict) else None
+        if extra is None:
+            raise OptimizerUsageError(
+                "load_state_dict: not a dtypeplan optimizer's state dict (a plain torch.optim "
+                "state dict has neither master weights nor the flat/sharded layout); to load "
+                "weights and optimizer states from another optimizer, world size or ZeRO "
+                "stage, use dtypeplan.checkpoint (save / load)"
+            )
+        if extra.get("format") != self.STATE_FORMAT or extra["layout"] != self._layout_facts():
+            raise OptimizerUsageError(
+                f"load_state_dict: saved as {extra.get('format')} with layout {extra['layout']}"
+                f", but this optimizer is {self.STATE_FORMAT} with {self._layout_facts()}; use "
+                "dtypeplan.checkpoint to load across world sizes or ZeRO stages"
+            )
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.reset_update_state(extra["state_names"], int(extra["step"]))
+        self._load_param_state(state_dict["state"], self._torch_indices())
+        self.scaler.load_state_dict(extra["scaler"])
+        self.skipped_steps = int(extra["skipped_steps"])
+
+    def _torch_indices(self) -> dict[int, int]:
+        """``id(param)`` -> its number in ``torch.optim``'s state dict (every param, in order)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {id(p): i for i, p in enumerate(params)}
 
     @abc.abstractmethod
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`."""
+    def _layout_facts(self) -> dict[str, Any]:
+        """What a state dict of this rank can only be loaded into (world size, shards...)."""
+
+    @abc.abstractmethod
+    def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+        """Per trainable parameter held here (by torch index): ``master`` and its states."""
+
+    @abc.abstractmethod
+    def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
+        """Inverse of :meth:`_param_state`, into states :meth:`reset_update_state` made;
+        then write the weights into the parameters."""
+
+    @abc.abstractmethod
+    def state_names(self) -> list[str]:
+        """``master`` and the names of the optimizer states laid out like the masters."""
 
     @abc.abstractmethod
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
@@ -307,3 +504,35 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def full_state_template(self) -> dict[str, torch.Tensor | float | int]:
         """Shapes and dtypes of :meth:`full_state`, without communication or copies."""
         return self.full_state()
+
+
+def _param_group_dicts(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``params`` as torch.optim takes it, as a list of group dicts with listed params."""
+    items = list(params)
+    if not items or not isinstance(items[0], dict):
+        items = [{"params": items}]
+    groups = []
+    for group in items:
+        listed = group["params"]
+        listed = [listed] if isinstance(listed, torch.Tensor) else list(listed)
+        groups.append({**group, "params": listed})
+    return groups
+
+
+def _refuse_duplicates(groups: list[dict[str, Any]]) -> None:
+    """A parameter listed twice would be stepped twice (torch only warns): refuse it."""
+    seen: dict[int, tuple[int, int]] = {}
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            tensor = param[1] if isinstance(param, tuple) else param
+            if id(tensor) in seen:
+                first_group, first_position = seen[id(tensor)]
+                raise OptimizerUsageError(
+                    f"a parameter of shape {tuple(tensor.shape)} is listed twice: param group "
+                    f"{first_group} position {first_position} and param group {group_index} "
+                    f"position {position}; list every parameter once (torch.optim would step "
+                    "it twice)"
+                )
+            seen[id(tensor)] = (group_index, position)

@@ -27,7 +27,14 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    the same path as ``opt.backward(loss)``. One difference: a micro-batch whose loss reaches
    no parameter fires no hook; ``opt.backward`` notices and still takes part in the sharded
    reductions (with zeros), a bare ``loss.backward()`` cannot.
-2. ``step()`` at the accumulation boundary: reduce -> check/clip -> update -> write back.
+2. ``step()`` at the accumulation boundary: pick up model changes -> reduce -> check/clip ->
+   update -> write back.
+   Model changes made after build (``model.load_state_dict``, ``param.data = ...``) are
+   picked up first (``_model_sync.py``), and a ``.grad`` set by hand is taken in with the
+   accumulator. One small all-reduce carries the step's facts: the squared norm, which
+   parameters got a gradient on any rank (the others are not updated, as in ``torch.optim``;
+   ``_missing_grads.py``) and, for a sharded accumulator, which buckets hold hand-set
+   gradients (those get one extra reduce-scatter, a rare path).
    The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
@@ -45,9 +52,10 @@ On one process every collective is skipped and the update is the plain ``torch.o
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +70,8 @@ from dtypeplan.optimizers._base import (
 )
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
+from dtypeplan.optimizers._missing_grads import keep_untouched
+from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 
 if TYPE_CHECKING:
@@ -72,6 +82,19 @@ __all__ = ["DEFAULT_BUCKET_NUMEL", "FlatMixedPrecisionOptimizer"]
 DEFAULT_BUCKET_NUMEL = 1 << 22
 """Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
 of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
+
+
+class PreparedStep(NamedTuple):
+    """A step's gradients, reduced and summarized over the group, ready for the update."""
+
+    grads: list[list[torch.Tensor]]
+    """Per group, per bucket: this rank's chunk of the summed gradient."""
+    sq_norm: float
+    """The global squared norm of the summed (still scaled) gradient."""
+    untouched: list[list[int]]
+    """Per group: the parameters no rank gave a gradient in this window (not updated)."""
+    any_touched: bool
+    """Some rank gave some parameter a gradient (else the update is skipped altogether)."""
 
 
 class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
@@ -95,6 +118,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         sharded_accumulator = plan.accumulator_sharded and self.shards > 1
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
         self._check_ranks_agree(self.comm)
+        self._make_replicas_equal(self.comm)
         self.groups: list[GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -122,7 +146,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             comm_dtype=plan.comm_dtype,
             comm_method=plan.comm_reduction,
             sharded_accumulator=sharded_accumulator,
+            hooks=self.hooks,
         )
+        self.model_sync = ModelSync(self.groups, self.param_groups)
+        self._prepared: PreparedStep | None = None
+        self._take_ownership()
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
@@ -187,60 +215,158 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     # --- backward -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
+        self._check_open("backward()")
         with self.reductions.micro_batch(last_micro_batch=last_micro_batch):
             super().backward(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the accumulator; ``set_to_none=False`` leaves zero ``.grad`` as torch does.
+
+        A zero ``.grad`` is added into by the next backward (the hooks then take the sum) and,
+        on a parameter that gets no gradient in the window, counts as a gradient (of zero), so
+        that parameter is updated, as ``torch.optim`` would.
+        """
         self.clear_lp_grads()
+        self._prepared = None
         self.reductions.abandon()
+        if not set_to_none:
+            with torch.no_grad():
+                for param in self.trainable_parameters():
+                    param.grad = torch.zeros_like(param)
 
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
                 param.grad = None
 
-    # --- step: reduce -> check/clip -> update -> write back -----------------------------------
+    # --- step: pick up changes -> reduce -> check/clip -> update -> write back -----------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._check_open("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads_by_group = self.reductions.reduced_grads()
-        factor = self._check_and_clip(grads_by_group)
-        if factor is None:
-            return loss
-        fused = self._update(grads_by_group, factor)
-        self._write_back(cast=not fused)
-        self.scaler.update(overflow=False)
+        prepared, self._prepared = self._prepared or self._prepare(), None
+        try:
+            factor = self._gradient_factor(
+                prepared.sq_norm, self.scaler.scale * self.comm.world_size
+            )
+            if factor is None:
+                return loss
+            if prepared.any_touched:
+                fused, kept = self._update(prepared.grads, factor, prepared.untouched)
+                self._write_back(cast=not fused or kept)
+            # else no parameter got a gradient: torch.optim would not touch any, nor its states
+            self.scaler.update(overflow=False)
+        finally:
+            self.reductions.end_step()
         return loss
 
-    def _check_and_clip(self, grads_by_group: list[list[torch.Tensor]]) -> float | None:
-        """The factor that unscales, averages and clips the gradients; None skips the step."""
-        grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        return self._gradient_factor(
-            self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size
-        )
+    def _prepare_grad_norm(self) -> float:
+        if self._prepared is None:
+            self._prepared = self._prepare()
+        sq_norm = self._prepared.sq_norm
+        divisor = self.scaler.scale * self.comm.world_size
+        return math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
 
-    def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            local = torch.stack(norms).double().square().sum().float()
-        else:
-            local = torch.zeros((), device=self.device)
+    def _prepare(self) -> PreparedStep:
+        """Everything before the update: model changes, hand-set grads, reduction, summary."""
+        self.model_sync.pick_up()
+        hand_set = self._take_hand_set_grads()
+        if not self.reductions.sharded_accumulator:
+            for (gi, pi), grad in hand_set.items():
+                self.reductions.add_hand_set(gi, pi, grad)
+        grads = self.reductions.reduced_grads()
+        sq_norm, touched, hand_set_buckets = self._step_summary(grads, hand_set)
+        if hand_set_buckets:
+            self.reductions.reduce_hand_set(hand_set, hand_set_buckets)
+            sq_norm = self._global_sq_norm(grads)
+        untouched = [[pi for pi, t in enumerate(per_group) if not t] for per_group in touched]
+        any_touched = any(any(per_group) for per_group in touched)
+        return PreparedStep(grads, sq_norm, untouched, any_touched)
+
+    def _take_hand_set_grads(self) -> dict[tuple[int, int], torch.Tensor]:
+        """The ``.grad`` found on parameters at step (set by hand: the hooks take the rest).
+
+        Scaled by the loss scale, as the accumulator holds scaled gradients; ``.grad`` is
+        freed as the hooks free it.
+        """
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        scale = self.scaler.scale
+        for gi, state in enumerate(self.groups):
+            for pi, param in enumerate(state.flat.params):
+                if param.grad is not None:
+                    grad = param.grad
+                    found[(gi, pi)] = grad * scale if scale != 1.0 else grad
+                    param.grad = None
+        return found
+
+    def _step_summary(
+        self, grads_by_group: list[list[torch.Tensor]], hand_set: dict[tuple[int, int], Any]
+    ) -> tuple[float, list[list[bool]], set[tuple[int, int]]]:
+        """The step's one all-reduce: squared norm, who got gradients, hand-set buckets.
+
+        ``[squared norm, touched flag per parameter..., hand-set flag per bucket...]``; the
+        norm slot is summed only where ranks hold different chunks (sharded states), and the
+        bucket flags exist only for a sharded accumulator. Returns the global squared norm,
+        per group and parameter whether any rank gave it a gradient, and the buckets where
+        some rank has a hand-set gradient.
+        """
+        touched = [list(per_group) for per_group in self.reductions.window_touched]
+        for gi, pi in hand_set:
+            touched[gi][pi] = True
+        flags = [float(t) for per_group in touched for t in per_group]
+        buckets = [(gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets]
+        if self.reductions.sharded_accumulator:
+            held = {(gi, self.groups[gi].flat.bucket_of[pi]) for gi, pi in hand_set}
+            flags += [float(bucket in held) for bucket in buckets]
+        summary = torch.cat(
+            [self._local_sq_norm(grads_by_group).reshape(1), torch.tensor(flags).to(self.device)]
+        )
+        if self.shards > 1:
+            self.comm.all_reduce_scalars(summary)
+        elif len(summary) > 1:
+            # Stage 0: every rank reduced the whole gradient; only the flags need summing.
+            self.comm.all_reduce_scalars(summary[1:])
+        values = summary.tolist()
+        sq_norm, rest = values[0], values[1:]
+        global_touched = []
+        for per_group in touched:
+            global_touched.append([flag > 0 for flag in rest[: len(per_group)]])
+            rest = rest[len(per_group) :]
+        hand_set_buckets = {b for b, flag in zip(buckets, rest, strict=False) if flag > 0}
+        return sq_norm, global_touched, hand_set_buckets
+
+    def _local_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> torch.Tensor:
+        grads = [g for per_bucket in grads_by_group for g in per_bucket]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        return torch.stack(norms).double().square().sum().float()
+
+    def _global_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> float:
+        local = self._local_sq_norm(grads_by_group)
         if self.shards > 1:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
         return float(local)
 
-    def _update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> bool:
-        """Update the master weights; True where the fused kernel also wrote the parameters."""
+    def _update(
+        self, grads_by_group: list[list[torch.Tensor]], factor: float, untouched: list[list[int]]
+    ) -> tuple[bool, bool]:
+        """Update the master weights, leaving ``untouched`` parameters as they were.
+
+        Returns whether the fused kernel also wrote the parameters, and whether some were
+        kept (restored after the update: the parameters must be written from the masters).
+        """
         self._sync_hyperparameters()
         fused = self._use_fused_kernel()
-        if fused:
-            self._fused_kernel_update(grads_by_group, factor)
-        else:
-            self._torch_update(grads_by_group, factor)
-        return fused
+        with keep_untouched(self.groups, self.inner, untouched) as kept:
+            if fused:
+                self._fused_kernel_update(grads_by_group, factor)
+            else:
+                self._torch_update(grads_by_group, factor)
+        return fused, kept
 
     def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
         """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
@@ -345,28 +471,39 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             "numels": [[b.numel for b in s.flat.buckets] for s in self.groups],
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": "dtypeplan.flat/1",
-            "layout": self._layout_facts(),
-            "masters": [[m.detach().clone() for m in s.masters] for s in self.groups],
-            **self._update_state(),
-        }
+    STATE_FORMAT = "dtypeplan.flat/2"
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("format") != "dtypeplan.flat/1":
-            raise ValueError("not a dtypeplan flat-optimizer state dict")
-        if state_dict["layout"] != self._layout_facts():
-            raise ValueError(
-                f"state dict was saved with layout {state_dict['layout']} but this optimizer has "
-                f"{self._layout_facts()}; use dtypeplan.checkpoint to load across world sizes "
-                "or ZeRO stages"
-            )
-        for state, masters in zip(self.groups, state_dict["masters"], strict=True):
-            for mine, saved in zip(state.masters, masters, strict=True):
-                mine.copy_(saved)
-        self._load_update_state(state_dict)
+    def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+        """This rank's piece of each parameter: ``elements`` (begin, end of the flattened
+        parameter), ``master`` and each state over those elements, and Adam's ``step``."""
+        state: dict[int, dict[str, Any]] = {}
+        for group_state in self.groups:
+            params = group_state.flat.params
+            for index, begin, end, bucket, offset in group_state._pieces():
+                master = group_state.masters[bucket]
+                where = slice(offset, offset + end - begin)
+                entry: dict[str, Any] = {"elements": (begin, end)}
+                entry[keys.MASTER] = master[where].detach().clone()
+                for name, value in self.inner.state.get(master, {}).items():
+                    if name == keys.STEP:
+                        entry[name] = value.clone() if torch.is_tensor(value) else value
+                    elif torch.is_tensor(value) and value.numel() == master.numel():
+                        entry[name] = value[where].clone()
+                state[index_of[id(params[index])]] = entry
+        return state
+
+    def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
+        for group_state in self.groups:
+            params = group_state.flat.params
+            for index, begin, end, bucket, offset in group_state._pieces():
+                entry = state[index_of[id(params[index])]]
+                assert tuple(entry["elements"]) == (begin, end), "layout checked by the caller"
+                master = group_state.masters[bucket]
+                where = slice(offset, offset + end - begin)
+                master[where].copy_(entry[keys.MASTER])
+                for name, value in self.inner.state.get(master, {}).items():
+                    if name != keys.STEP and name in entry:
+                        value[where].copy_(entry[name])
         self._write_back()
 
     def state_names(self) -> list[str]:

@@ -35,18 +35,29 @@ Use: ``model = plan.prepare_model(model)`` (shards it; a no-op at other stages),
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, inner_optimizer
+from dtypeplan.optimizers._base import (
+    HeldTensors,
+    MixedPrecisionOptimizer,
+    inner_optimizer,
+    make_replicas_equal,
+)
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
@@ -124,6 +135,45 @@ def _masters_to_fp32(unit: torch.nn.Module) -> None:
                     param.data = param.data.to(torch.float32)
 
 
+class _NamedAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, whose failure (a dead or stalled peer) is a CollectiveError.
+
+    FSDP2 all-gathers synchronously unless explicit prefetching asks otherwise; an asynchronous
+    one fails later, in FSDP2's wait, with the backend's own error.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), output_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _NamedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 reduce_scatter", input_tensor.numel(), input_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
 @register("fsdp2")
 class FSDP2Optimizer(MixedPrecisionOptimizer):
     """ZeRO-3: master weights, gradients and optimizer states sharded, on FSDP2."""
@@ -162,6 +212,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         device = mesh_device(dist.get_backend(group), model)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
+        # Replicas equal by construction (as DDP): every rank shards the first rank's weights.
+        make_replicas_equal(Communicator(group), model.parameters())
         own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
         if plan.pipeline_parallel and own:
             raise PrecisionConfigError(
@@ -187,9 +239,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
             _masters_to_fp32(unit)
             fully_shard(unit, mesh=mesh, mp_policy=policy)
+        comm = Communicator(group)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+                # FSDP2's own collectives fail as CollectiveError naming them, like ours.
+                module.set_custom_all_gather(_NamedAllGather(comm))
+                module.set_custom_reduce_scatter(_NamedReduceScatter(comm))
         return model
 
     def __init__(
@@ -210,6 +266,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             raise ValueError("ZeRO-3 expects fp32 sharded parameters (they are the master weights)")
         self.comm = Communicator(process_group)
         self._check_ranks_agree(self.comm)
+        # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
+        self._pending: tuple[float, list[bool]] | None = None
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # The update runs on the local shards as plain tensors: fused kernels have no DTensor
         # sharding rules (SGD's has none at all), and a local update needs no communication.
@@ -227,10 +285,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 torch.zeros_like(t, dtype=plan.grad_accum_dtype) for t in self._locals()
             ]
             self._fresh = [True] * len(self.accumulators)
-            self._hooks = [
-                param.register_post_accumulate_grad_hook(self._make_hook(index))
-                for index, param in enumerate(self._params())
-            ]
+            for index, param in enumerate(self._params()):
+                self.hooks.add(param, _make_fold_hook(weakref.ref(self), index))
+        self._take_ownership()
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -260,19 +317,17 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             ),
         )
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def fold(param: torch.Tensor) -> None:
-            assert self.accumulators is not None
-            with torch.no_grad():
-                shard = param.grad.to_local()
-                if self._fresh[index]:
-                    self.accumulators[index].copy_(shard)
-                else:
-                    self.accumulators[index].add_(shard)
-            self._fresh[index] = False
-            param.grad = None
-
-        return fold
+    def _fold(self, index: int, param: torch.Tensor) -> None:
+        """16-bit accumulation: add this micro-batch's fp32 shard into the accumulator."""
+        assert self.accumulators is not None
+        with torch.no_grad():
+            shard = param.grad.to_local()
+            if self._fresh[index]:
+                self.accumulators[index].copy_(shard)
+            else:
+                self.accumulators[index].add_(shard)
+        self._fresh[index] = False
+        param.grad = None
 
     def _params(self) -> list[DTensor]:
         return [p for group in self.sharded for p in group]
@@ -282,18 +337,18 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._check_open("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        local_grads = self._local_gradients()
-        norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
-        if norms:
-            sq = torch.stack(norms).double().square().sum().float().reshape(1)
-        else:  # on the parameters' device: the all-reduce may be NCCL's
-            device = self._locals()[0].device if self._locals() else torch.device("cpu")
-            sq = torch.zeros(1, device=device)
-        sq_norm = float(self.comm.all_reduce_scalars(sq)[0])
+        if self._pending is not None:
+            (sq_norm, touched), self._pending = self._pending, None
+            local_grads = self._local_gradients()
+        else:
+            touched = self._touched()
+            local_grads = self._local_gradients()
+            sq_norm, touched = self._step_summary(local_grads, touched)
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._gradient_factor(sq_norm, self.scaler.scale)
         if factor is None:
@@ -304,14 +359,43 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             torch._foreach_mul_(local_grads, factor)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        for local, grad in zip(self._locals(), local_grads, strict=True):
-            local.grad = grad
+        # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
+        # its weights and states, as in torch (DeepSpeed would treat the gradient as zero).
+        for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True):
+            local.grad = grad if got_one else None
         self.inner.step()
         for local in self._locals():
             local.grad = None
         self.zero_grad()
         self.scaler.update(overflow=False)
         return loss
+
+    def _touched(self) -> list[bool]:
+        """Per sharded parameter: got a gradient on this rank since ``zero_grad``."""
+        if self.accumulators is None:
+            return [p.grad is not None for p in self._params()]
+        return [not fresh for fresh in self._fresh]
+
+    def _step_summary(
+        self, local_grads: list[torch.Tensor], touched: list[bool]
+    ) -> tuple[float, list[bool]]:
+        """One all-reduce of ``[squared norm, touched flag per parameter...]``."""
+        norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
+        device = self._locals()[0].device if self._locals() else torch.device("cpu")
+        if norms:
+            sq = torch.stack(norms).double().square().sum().float().reshape(1)
+        else:  # on the parameters' device: the all-reduce may be NCCL's
+            sq = torch.zeros(1, device=device)
+        flags = torch.tensor([float(t) for t in touched], device=device)
+        values = self.comm.all_reduce_scalars(torch.cat([sq, flags])).tolist()
+        return values[0], [flag > 0 for flag in values[1:]]
+
+    def _prepare_grad_norm(self) -> float:
+        if self._pending is None:
+            touched = self._touched()  # before _local_gradients fills missing ones with zeros
+            self._pending = self._step_summary(self._local_gradients(), touched)
+        sq_norm = self._pending[0]
+        return math.sqrt(sq_norm) / self.scaler.scale if math.isfinite(sq_norm) else math.inf
 
     def _local_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of each accumulated gradient (fp32 ``.grad`` or 16-bit sums)."""
@@ -337,6 +421,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for param in self._params():
             param.grad = None
         self._fresh = [True] * len(self._fresh)
+        self._pending = None
 
     def clear_lp_grads(self) -> None:
         """Clear the compute (low-precision) gradients: FSDP2 already frees them.
@@ -350,27 +435,28 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                     param.grad = None
 
     # --- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": "dtypeplan.fsdp2/1",
-            "world_size": self.comm.world_size,
-            "masters": [t.clone() for t in self._locals()],
-            **self._update_state(),
-        }
+    STATE_FORMAT = "dtypeplan.fsdp2/2"
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (
-            state_dict.get("format") != "dtypeplan.fsdp2/1"
-            or state_dict["world_size"] != self.comm.world_size
-        ):
-            raise ValueError(
-                "state dict was not saved by a ZeRO-3 optimizer on this world size; use "
-                "dtypeplan.checkpoint to load across world sizes or ZeRO stages"
-            )
-        for local, saved in zip(self._locals(), state_dict["masters"], strict=True):
-            local.copy_(saved)
-        self._load_update_state(state_dict)
+    def _layout_facts(self) -> dict[str, Any]:
+        return {"world_size": self.comm.world_size, "rank": self.comm.rank}
+
+    def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+        """This rank's shard of each parameter: ``master`` and each state, and ``step``."""
+        state: dict[int, dict[str, Any]] = {}
+        for param, local in zip(self._params(), self._locals(), strict=True):
+            entry: dict[str, Any] = {keys.MASTER: local.detach().clone()}
+            for name, value in self.inner.state.get(local, {}).items():
+                entry[name] = value.clone() if torch.is_tensor(value) else value
+            state[index_of[id(param)]] = entry
+        return state
+
+    def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
+        for param, local in zip(self._params(), self._locals(), strict=True):
+            entry = state[index_of[id(param)]]
+            local.copy_(entry[keys.MASTER])
+            for name, value in self.inner.state.get(local, {}).items():
+                if name != keys.STEP and name in entry:
+                    value.copy_(entry[name])
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -385,7 +471,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         pieces = []
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             if any(not pl.is_shard(dim=0) for pl in param.placements):
-                raise NotImplementedError(
+                raise NotSupportedError(
                     f"ZeRO-3 parameter {index} is not sharded on dim 0 ({param.placements}); "
                     "dtypeplan's sharded checkpoint reads FSDP2's default dim-0 sharding only"
                 )
@@ -451,3 +537,16 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 target = local if name == keys.MASTER else self.inner.state[local][name]
                 target.copy_(shard)
         self._load_scalar_state(state)
+
+
+def _make_fold_hook(
+    optimizer: weakref.ReferenceType[FSDP2Optimizer], index: int
+) -> Callable[[torch.Tensor], None]:
+    """The 16-bit accumulation hook; holds the optimizer weakly (never keeps it alive)."""
+
+    def fold(param: torch.Tensor) -> None:
+        owner = optimizer()
+        if owner is not None:
+            owner._fold(index, param)
+
+    return fold

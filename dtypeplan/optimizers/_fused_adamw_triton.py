@@ -93,11 +93,13 @@ try:  # guarded: the module must import on machines without triton
     import triton
     import triton.language as tl
 
-    _TRITON_IMPORT_ERROR: BaseException | None = None
+    _TRITON_IMPORT_ERROR: str | None = None
 except Exception as exc:  # any failure to import means "no triton"
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
+    # Only the message: the exception's traceback links (through f_back) to the frames of
+    # whoever first imported this module lazily, e.g. an optimizer's step(), keeping it alive.
+    _TRITON_IMPORT_ERROR = repr(exc)
 
 
 def triton_available() -> bool:
@@ -315,7 +317,7 @@ def fused_mixed_adamw_(
     if triton is None:
         raise RuntimeError(
             "fused_mixed_adamw_ needs Triton, which failed to import: "
-            f"{_TRITON_IMPORT_ERROR!r}; use the torch optimizer path instead"
+            f"{_TRITON_IMPORT_ERROR}; use the torch optimizer path instead"
         )
     _check_args(master, exp_avg, exp_avg_sq, grad, param_out, step, grad_factor)
     if master.device.type != "cuda" and not _interpret_mode():

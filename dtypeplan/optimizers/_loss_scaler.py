@@ -8,9 +8,10 @@ overflow the scale doubles and the budget is refilled (after every clean step in
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from dtypeplan.errors import MinimumLossScaleError
+from dtypeplan.errors import MinimumLossScaleError, PrecisionConfigError
 from dtypeplan.resolver import LossScaleConfig
 
 __all__ = ["LossScaler", "MinimumLossScaleError"]
@@ -18,6 +19,21 @@ __all__ = ["LossScaler", "MinimumLossScaleError"]
 
 class LossScaler:
     def __init__(self, config: LossScaleConfig | None) -> None:
+        if config is not None:
+            for name in ("loss_scale", "min_loss_scale"):
+                value = getattr(config, name)
+                # The schema refuses these; a hand-built LossScaleConfig must be refused too:
+                # an infinite scale skips every step, a NaN minimum never stops the decay.
+                if (
+                    not math.isfinite(value)
+                    or value < 0
+                    or (name == "min_loss_scale" and not value)
+                ):
+                    raise PrecisionConfigError(
+                        f"fp16.{name} is {value}; it must be a finite number"
+                        + (" above 0" if name == "min_loss_scale" else " >= 0"),
+                        f"$.fp16.{name}",
+                    )
         self.enabled = config is not None
         self.dynamic = self.enabled and config.loss_scale == 0
         if config is None:

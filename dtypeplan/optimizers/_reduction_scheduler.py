@@ -10,10 +10,19 @@ Its life cycle is one :class:`Phase`::
     EMPTY --hook / backward()--> BACKWARD --end of backward--> ACCUMULATED --> BACKWARD ...
       ^                             |   (last_micro_batch, whole accumulator)
       |                             +--end of backward--> REDUCING
-      +-------- step() / zero_grad() from any idle phase ---------+
+      |        reduced_grads() (step, or clip_grad_norm_) from any idle phase: REDUCED
+      +-------- end_step() / zero_grad() -------------------------+
 
 ``backward()`` enters ``ARMED`` before autograd runs, so that a micro-batch whose loss reaches
 no parameter (no hook fires) is still seen and still takes part in the reductions.
+
+Besides the gradients, it records which parameters got one in the accumulation window
+(``window_touched``, across micro-batches), so that ``step()`` can leave the others alone as
+``torch.optim`` does, and it takes in ``.grad`` set by hand before a step (:meth:`add_hand_set`,
+:meth:`reduce_hand_set`).
+
+The hooks hold the scheduler weakly and belong to the optimizer's :class:`HookSet`, so they
+never keep the optimizer or its buffers alive and go away with it.
 
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
@@ -24,13 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 from dtypeplan.comm import Communicator
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._ownership import HookSet
 
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
 
@@ -68,6 +80,8 @@ class Phase(enum.Enum):
     """The accumulator holds the sum of whole micro-batches."""
     REDUCING = "reducing"
     """The last micro-batch has started the step's reductions: only step or zero_grad next."""
+    REDUCED = "reduced"
+    """The step's gradients are reduced (step, or clip_grad_norm_): only step or zero_grad."""
 
 
 class BackwardPass(NamedTuple):
@@ -112,6 +126,7 @@ class ReductionScheduler:
         comm_dtype: torch.dtype,
         comm_method: str,
         sharded_accumulator: bool,
+        hooks: HookSet,
     ) -> None:
         self.groups = groups
         self.comm = comm
@@ -125,14 +140,14 @@ class ReductionScheduler:
         self._next_bucket = 0
         self._pending: list[list[int]] = []
         self._touched: list[list[bool]] = []
+        self.window_touched: list[list[bool]] = [[False] * len(s.flat.params) for s in groups]
+        """Per group and parameter: got a gradient since the accumulation window began."""
         self._staging: list[dict[int, torch.Tensor]] = [{} for _ in groups]
         self._in_flight: list[InFlightReduction] = []
         self._step_reductions: dict[tuple[int, int], StepReduction] = {}
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._make_hook(gi, pi))
-            for gi, state in enumerate(groups)
-            for pi, param in enumerate(state.flat.params)
-        ]
+        for gi, state in enumerate(groups):
+            for pi, param in enumerate(state.flat.params):
+                hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
         self._reset_bookkeeping()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -176,12 +191,11 @@ class ReductionScheduler:
                 "a backward after the micro-batch marked last_micro_batch=True: its gradient "
                 "reduction has started already; call step() (or zero_grad()) first"
             )
-
-    def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(group_index, param_index, param)
-
-        return hook
+        if self.phase is Phase.REDUCED:
+            raise OptimizerUsageError(
+                "a backward after clip_grad_norm_(): the step's gradients are reduced already; "
+                "call step() (or zero_grad()) first"
+            )
 
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -200,6 +214,7 @@ class ReductionScheduler:
                 staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
                 self._pending[gi][bucket] -= 1
                 self._touched[gi][pi] = True
+                self.window_touched[gi][pi] = True
                 self._issue_micro_batch_reductions(complete_only=True)
             else:
                 view = state.acc_param_views[pi]
@@ -208,6 +223,7 @@ class ReductionScheduler:
                 else:
                     accumulate_(view, grad)
                 self._touched[gi][pi] = True
+                self.window_touched[gi][pi] = True
                 if self._pass.last_micro_batch:
                     self._pending[gi][state.flat.bucket_of[pi]] -= 1
                     self._issue_step_reductions(complete_only=True)
@@ -325,16 +341,64 @@ class ReductionScheduler:
         finish = self.comm.start_reduce_scatter_sum(chunk, full, self.comm_dtype, self.comm_method)
         return StepReduction(finish, chunk)
 
+    # --- .grad set by hand --------------------------------------------------------------------
+    def add_hand_set(self, gi: int, pi: int, grad: torch.Tensor) -> None:
+        """Whole accumulator: add a ``.grad`` found at ``step()`` into its view, before the
+        reduction (every rank reduces the whole accumulator anyway)."""
+        assert not self.sharded_accumulator
+        if self.phase is Phase.REDUCING:
+            raise OptimizerUsageError(
+                "a .grad set by hand after backward(..., last_micro_batch=True): that "
+                "backward started the step's reduction already; set .grad before it, or do "
+                "not mark the micro-batch last"
+            )
+        if self.phase is Phase.EMPTY:
+            # No backward since zero_grad: the accumulator holds stale data, not zeros.
+            for state in self.groups:
+                state.accumulator.zero_()
+            self.phase = Phase.ACCUMULATED
+        with torch.no_grad():
+            accumulate_(self.groups[gi].acc_param_views[pi], grad)
+        self.window_touched[gi][pi] = True
+
+    def reduce_hand_set(
+        self, grads: dict[tuple[int, int], torch.Tensor], buckets: set[tuple[int, int]]
+    ) -> None:
+        """Sharded accumulator, after :meth:`reduced_grads`: one reduce-scatter per bucket in
+        ``buckets`` (some rank has a hand-set ``.grad`` there; the same set on every rank),
+        with zeros where this rank has none, added into this rank's chunks."""
+        assert self.sharded_accumulator and self.phase is Phase.REDUCED
+        with torch.no_grad():
+            for gi, bucket in self._bucket_order:
+                if (gi, bucket) not in buckets:
+                    continue
+                state = self.groups[gi]
+                flat = state.flat
+                staging = torch.zeros(
+                    flat.buckets[bucket].numel, dtype=self.comm_dtype, device=flat.buffer.device
+                )
+                for pi in flat.buckets[bucket].params:
+                    grad = grads.get((gi, pi))
+                    if grad is not None:
+                        offset = flat.offsets[pi] - flat.buckets[bucket].start
+                        staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+                chunk = state.acc_chunks[bucket]
+                reduced = torch.empty_like(chunk)
+                self.comm.reduce_scatter_sum(reduced, staging, self.comm_dtype, self.comm_method)
+                accumulate_(chunk, reduced)
+
     # --- the step -----------------------------------------------------------------------------
     def reduced_grads(self) -> list[list[torch.Tensor]]:
         """Per group, per bucket: this rank's chunk of the group-summed gradient.
 
         In the accumulation dtype (fp32 where a whole accumulator is reduce-scattered), not
-        yet divided by the world size or the loss scale. Ends the step's accumulation: the
-        next backward starts from an empty accumulator.
+        yet divided by the world size or the loss scale. The step's accumulation is over
+        (phase REDUCED): only :meth:`end_step` or :meth:`abandon` come next.
         """
         if self.phase in (Phase.ARMED, Phase.BACKWARD):
             raise RuntimeError("step() was called while a backward pass is still running")
+        if self.phase is Phase.REDUCED:
+            raise RuntimeError("reduced_grads() twice in one step")
         if self.phase is Phase.EMPTY:
             # step() with no backward since zero_grad: the gradient is zero, not stale data.
             for state in self.groups:
@@ -351,8 +415,17 @@ class ReductionScheduler:
                 work.finish()
                 per_bucket.append(work.result)
             grads.append(per_bucket)
-        self.phase = Phase.EMPTY
+        self.phase = Phase.REDUCED
         return grads
+
+    def end_step(self) -> None:
+        """The step is done: the next backward starts a new accumulation window."""
+        self.phase = Phase.EMPTY
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        for touched in self.window_touched:
+            touched[:] = [False] * len(touched)
 
     def abandon(self, *, after_error: bool = False) -> None:
         """Forget the step's accumulation: a backward that raised, or ``zero_grad()``.
@@ -376,3 +449,17 @@ class ReductionScheduler:
         self._pass = None
         self.phase = Phase.EMPTY
         self._reset_bookkeeping()
+        self._reset_window()
+
+
+def _make_hook(
+    scheduler: weakref.ReferenceType[ReductionScheduler], gi: int, pi: int
+) -> Callable[[torch.Tensor], None]:
+    """A hook that holds its scheduler weakly: it never keeps the optimizer alive."""
+
+    def hook(param: torch.Tensor) -> None:
+        owner = scheduler()
+        if owner is not None:
+            owner._on_grad(gi, pi, param)
+
+    return hook

@@ -17,6 +17,7 @@ import inspect
 import json
 import math
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -25,7 +26,6 @@ from typing import Any
 
 import jsonschema
 import torch
-import yaml
 
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver import _deepspeed_keys as ds_keys
@@ -38,6 +38,14 @@ from dtypeplan.resolver._deepspeed import (
 )
 from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
+from dtypeplan.resolver._input import (
+    InputError,
+    InputLimits,
+    check_document,
+    parse_json,
+    parse_yaml_config,
+    read_text,
+)
 
 __all__ = [
     "AutoValue",
@@ -61,6 +69,12 @@ _OPTIMIZER_CLASSES: dict[str, OptimizerClass] = {
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
 }
+# A DeepSpeed config has a few hundred values; these bounds leave room and keep error
+# formatting (jsonschema quotes offending values whole) cheap.
+_CONFIG_LIMITS = InputLimits(max_bytes=4 * 2**20, max_nodes=100_000)
+_SHORT_REPR = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxdict, _SHORT_REPR.maxlist = 2, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 30
 # Chosen by dtypeplan, not by the user: the implementation sets them itself.
 _RESERVED_OPTIMIZER_ARGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
@@ -130,6 +144,8 @@ class PrecisionConfig:
     """Whether the config has the key (DeepSpeed clips at 1.0 without it; dtypeplan does not)."""
     reduce_bucket_size: int | None = None
     check_nonfinite: bool = False
+    collective_timeout_s: float = 600.0
+    """How long a collective waits for a stalled or dead peer before it fails."""
     ignored_keys: tuple[str, ...] = ()
     """JSON paths of DeepSpeed keys that were accepted and change neither numbers nor memory."""
     source: str | None = None
@@ -196,8 +212,25 @@ def _json_path(parts: Any) -> str:
     return path
 
 
+def _is_finite_number(checker: Any, instance: Any) -> bool:
+    """JSON's number: NaN and Infinity (which Python's json and dict configs allow) are not."""
+    if not jsonschema.Draft202012Validator.TYPE_CHECKER.is_type(instance, "number"):
+        return False
+    return not isinstance(instance, float) or math.isfinite(instance)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _is_finite_number),
+)
+
+
 def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
+    if isinstance(error.instance, float) and not math.isfinite(error.instance):
+        return PrecisionConfigError(
+            f"invalid value {error.instance} at {path}: must be a finite number", path
+        )
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         schema = error.schema if isinstance(error.schema, dict) else {}
         known = sorted(schema.get("properties", {}))
@@ -217,28 +250,27 @@ def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
             return _schema_error(misspelt[0])
         if fitting:
             return _schema_error(jsonschema.exceptions.best_match(fitting))
-    value = json.dumps(error.instance, default=repr)
+    if isinstance(error.instance, (dict, list)):
+        value = _SHORT_REPR.repr(error.instance)
+    else:
+        value = json.dumps(error.instance, default=repr)
     if len(value) > 60:
         value = value[:57] + "..."
-    return PrecisionConfigError(f"invalid value {value} at {path}: {error.message}", path)
+    # jsonschema's message quotes the whole value; the value is bounded (_input), the text too.
+    message = error.message if len(error.message) <= 200 else error.message[:197] + "..."
+    return PrecisionConfigError(f"invalid value {value} at {path}: {message}", path)
 
 
 def _read_file(path: str) -> Any:
+    is_yaml = path.endswith((".yaml", ".yml"))
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise PrecisionConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
-    except ValueError as exc:  # a NUL in the path, or a file that is not UTF-8 text
-        raise PrecisionConfigError(f"cannot read config file {path!r}: {exc}") from exc
-    try:
-        if path.endswith((".yaml", ".yml")):
-            return yaml.safe_load(text)
-        return json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise PrecisionConfigError(
-            f"{path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}"
-        ) from exc
+        text = read_text(path, _CONFIG_LIMITS)
+        return (
+            parse_yaml_config(text, _CONFIG_LIMITS) if is_yaml else parse_json(text, _CONFIG_LIMITS)
+        )
+    except InputError as exc:
+        line = f":{exc.line}" if exc.line is not None else ""
+        raise PrecisionConfigError(f"cannot read config file {path}{line}: {exc}") from None
 
 
 def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
@@ -433,6 +465,10 @@ def load_config(
         document = _read_file(source)
     else:
         document = config
+        try:
+            check_document(document, _CONFIG_LIMITS, path=_json_path)
+        except InputError as exc:
+            raise PrecisionConfigError(f"config: {exc}") from None
     if not isinstance(document, dict):
         raise PrecisionConfigError(
             f"a config must be a mapping of keys to values, not {type(document).__name__}"
@@ -446,7 +482,7 @@ def load_config(
     schema = config_schema()
     document, warnings = split_unknown_top_level(document, _known_top_level(schema), strict=strict)
     config_warnings = list(warnings)
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _Validator(schema)
     errors = sorted(
         validator.iter_errors(document), key=lambda e: (list(map(str, e.path)), e.message)
     )
@@ -606,6 +642,7 @@ def load_config(
         check_nonfinite=bool(
             document.get("check_nonfinite", bf16.get("check_grad_overflow", False))
         ),
+        collective_timeout_s=float(document.get("collective_timeout_s", 600.0)),
         ignored_keys=tuple(ignored),
         source=source,
         master_weights_dtype=master,

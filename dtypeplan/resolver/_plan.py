@@ -153,6 +153,8 @@ class PrecisionPlan:
     reduce_bucket_size: int | None
     check_nonfinite: bool
     """Whether a step with a non-finite gradient norm is skipped: always under fp16."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective may wait for a peer (``collective_timeout_s``); see dtypeplan.launch."""
     origins: FrozenDict[str, str] = field(default_factory=FrozenDict)
     """Where each effective value came from (a config key or a default's location)."""
     warnings: tuple[str, ...] = ()

@@ -202,6 +202,7 @@ def resolve_config(
         gradient_clipping=config.gradient_clipping,
         reduce_bucket_size=config.reduce_bucket_size,
         check_nonfinite=config.check_nonfinite or fp16,
+        collective_timeout_s=config.collective_timeout_s,
         origins=FrozenDict(origins),
         warnings=tuple(_warnings(point, config)),
         ignored_keys=config.ignored_keys,

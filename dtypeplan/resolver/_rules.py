@@ -39,6 +39,7 @@ import yaml
 from dtypeplan.errors import RulesError
 from dtypeplan.resolver._dimensions import COMBINATIONS, DIMENSIONS, Point, points, value_text
 from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._input import InputError, InputLimits, check_yaml_events, read_text
 
 __all__ = [
     "DIMENSIONS",
@@ -69,6 +70,10 @@ class Status(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# Aliases are refused in rules files, so the value count is the document's own size.
+_RULES_LIMITS = InputLimits(max_nodes=50_000_000)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -574,10 +579,12 @@ def _load_shipped(implementations: frozenset[str] | None) -> RuleTable:
 def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
     name = os.path.basename(path) if path == default_rules_path() else path
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise RulesError(f"cannot read rules file: {exc.strerror}", path) from None
+        text = read_text(path, _RULES_LIMITS)
+        check_yaml_events(text, _RULES_LIMITS)
+    except InputError as exc:
+        raise RulesError(f"cannot read rules file: {exc}", name, exc.line) from None
+    except yaml.YAMLError:
+        pass  # _parse reports the syntax error with its line
     document = _parse(text, name)
     if not isinstance(document, _LineMap):
         raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)

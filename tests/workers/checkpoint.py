@@ -14,6 +14,7 @@ what lets a run resumed on another world size be compared with the uninterrupted
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import traceback
@@ -191,6 +192,22 @@ def full_state_save(root: str, group: dist.ProcessGroup | None) -> dict[str, Any
 
 
 # --- failures --------------------------------------------------------------------------------
+def _entries_after(
+    path: str, group: dist.ProcessGroup | None, keep: Callable[[str], bool]
+) -> list[str]:
+    """The directory's entries once every rank is back from a failed save, before any goes on.
+
+    The first barrier lets rank 0 finish removing the failed save's directory; the second keeps
+    it from creating the next save's directory while another rank still looks.
+    """
+    if dist.is_initialized():
+        dist.barrier(group)
+    entries = sorted(e for e in os.listdir(path) if keep(e))
+    if dist.is_initialized():
+        dist.barrier(group)
+    return entries
+
+
 def interrupted_save(
     root: str, group: dist.ProcessGroup | None, failing_rank: int
 ) -> dict[str, Any]:
@@ -211,7 +228,21 @@ def interrupted_save(
 
     with mock.patch.object(dcp.FileSystemWriter, "write_data", dying_write):
         failed = capture(lambda: checkpoint.save(opt, path))
-    leftovers = sorted(e for e in os.listdir(path) if e.endswith(".tmp"))
+    leftovers = _entries_after(path, group, lambda e: e.endswith(".tmp"))
+
+    full: dict[str, Any] = {}
+    for who in ("one", "all"):
+
+        def disk_full(self: Any, plan: Any, planner: Any, who: str = who) -> Any:
+            # Real bytes first, then the error a full disk gives: the failed save has written.
+            written = original(self, plan, planner)
+            if who == "all" or rank == failing_rank:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return written
+
+        with mock.patch.object(dcp.FileSystemWriter, "write_data", disk_full):
+            full[who] = capture(lambda: checkpoint.save(opt, path))
+        full[who]["entries"] = _entries_after(path, group, lambda e: True)
     _fresh_model, fresh = build("fp32", stage=1, seed=3, group=group)
     checkpoint.load(fresh, path)
     reloaded = snapshot(fresh)
@@ -220,6 +251,7 @@ def interrupted_save(
     return {
         "failed": failed,
         "leftovers": leftovers,
+        "disk_full": full,
         "first_masters": first["masters"],
         "reloaded_masters": reloaded["masters"],
         "after_next_save": sorted(os.listdir(path)),

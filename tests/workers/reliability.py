@@ -14,8 +14,10 @@ import datetime
 import io
 import math
 import os
+import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import dtypeplan
+from dtypeplan import checkpoint
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
 from dtypeplan.optimizers import MinimumLossScaleError
@@ -78,6 +81,8 @@ def _build(
     plan = dtypeplan.resolve(config)
     assert plan.status == "OK", plan.explain()
     model = make_model(seed, hidden)
+    if plan.zero_stage == 3:
+        model = plan.prepare_model(model)
     return model, plan.build(model.parameters())
 
 
@@ -150,7 +155,9 @@ def fault_case(case: dict[str, Any], rank: int, world_size: int) -> list[dict[st
         injected["value"] = _FAULT_VALUES[fault] if fault else None
         before, params_before = _tensor_state(optimizer.full_state()), _params(model)
         try:
-            train_step(optimizer, model, micro_batches(seed, step, rank, world_size))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                train_step(optimizer, model, micro_batches(seed, step, rank, world_size))
         except MinimumLossScaleError as exc:
             records.append(
                 {
@@ -173,6 +180,9 @@ def fault_case(case: dict[str, Any], rank: int, world_size: int) -> list[dict[st
                 "masters_finite": all(
                     bool(torch.isfinite(v).all()) for k, v in after.items() if k.endswith(".master")
                 ),
+                "warnings": [
+                    str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                ],
             }
         )
     if case.get("compare_clean_run"):
@@ -261,6 +271,16 @@ def die_mid_step(rank: int, world_size: int, config: dict[str, Any], where: str)
         for x, y in batches:
             optimizer.backward(torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y))
 
+    if where == "before_save":
+        if rank == 1:
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            checkpoint.save(optimizer, tempfile.mkdtemp(prefix="dtypeplan-dead-peer-"))
+        except checkpoint.CheckpointError as exc:
+            took = time.monotonic() - start
+            raise RuntimeError(f"rank {rank} gave up after {took:.2f} s") from exc
+        return "saved"
     if where == "before_backward" and rank == 1:
         os._exit(3)
     _timed(rank, backward)

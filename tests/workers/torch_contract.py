@@ -184,6 +184,12 @@ def item1_second_optimizer(rank: int, world: int, stage: int, dtype: str) -> Non
     assert pair.opt is not first
     pair.train(2, rank, world)
     pair.assert_close("the second optimizer on the same parameters")
+    try:
+        first.step()
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        assert "closed" in str(exc), f"unclear refusal of the replaced optimizer: {exc}"
+    else:
+        raise AssertionError("the replaced optimizer still steps")
 
 
 def item1_dropped_optimizer_collected(rank: int, world: int, stage: int, dtype: str) -> None:
@@ -207,8 +213,8 @@ def item2_load_state_dict_after_build(rank: int, world: int, stage: int, dtype: 
     pair = Pair(stage, dtype, two_heads(0))
     pair.train(1, rank, world)
     other = two_heads(1)
+    # torch.optim keeps its moments across model.load_state_dict (it copies in place)
     pair.reference.load_state_dict(other.state_dict())
-    pair.ref_opt = torch.optim.AdamW(pair.reference.parameters(), **HYPER)
 
     def load_and_train() -> None:
         pair.model.load_state_dict(other.state_dict())
@@ -257,6 +263,39 @@ def item4_unused_head_not_updated(rank: int, world: int, stage: int, dtype: str)
     pair.assert_close("the used part of the model")
 
 
+def item4_head_used_on_one_rank(rank: int, world: int, stage: int, dtype: str) -> None:
+    # "No gradient" means on no rank: head_b has one on rank 0, so every replica updates it
+    # with the mean over ranks (rank 1 contributes zero), as DDP + torch.optim would.
+    pair = Pair(stage, dtype, two_heads(0))
+    for step in range(2):
+        x, y = batch(step, 8 * world)
+        pair.ref_opt.zero_grad()
+        slices = [(my_slice(x, r, world), my_slice(y, r, world)) for r in range(world)]
+        ref_loss = sum(
+            regression_loss(pair.reference, xs, ys, use_b=r == 0)
+            for r, (xs, ys) in enumerate(slices)
+        )
+        (ref_loss / world).backward()
+        pair.ref_opt.step()
+        pair.opt.zero_grad()
+        xs, ys = slices[rank]
+        pair.opt.backward(regression_loss(pair.model, xs, ys, use_b=rank == 0))
+        pair.opt.step()
+    pair.assert_close("head_b used on rank 0 only")
+
+
+def item3_left_in_another_dtype(rank: int, world: int, stage: int, dtype: str) -> None:
+    pair = Pair(stage, dtype, two_heads(0))
+    pair.model.float()  # and not cast back: the flat buffers cannot hold fp32 parameters
+    try:
+        pair.train(1, rank, world)
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        message = str(exc)
+        assert "torch.float32" in message and "prepare_model" in message, message
+        return
+    raise AssertionError("step() trained a model left in fp32 under a 16-bit plan")
+
+
 def item4_frozen_after_build(rank: int, world: int, stage: int, dtype: str) -> None:
     pair = Pair(stage, dtype, two_heads(0))
     pair.train(1, rank, world)
@@ -298,14 +337,26 @@ def item5_hand_set_grad(rank: int, world: int, stage: int, dtype: str) -> None:
 
 
 def item5_clip_grad_norm(rank: int, world: int, stage: int, dtype: str) -> None:
+    # torch.nn.utils.clip_grad_norm_ cannot see gradients the optimizer took from .grad (as
+    # with DeepSpeed and FSDP1): opt.clip_grad_norm_ mirrors FSDP1's, clipping in the step.
     pair = Pair(stage, dtype, two_heads(0))
     pair.loss(pair.reference, 0, 0, world).backward()
-    want = float(nn.utils.clip_grad_norm_(pair.reference.parameters(), 1e9))
-    pair.loss(pair.model, 0, rank, world).backward()
-    got = float(nn.utils.clip_grad_norm_(pair.model.parameters(), 1e9))
-    assert abs(got - want) <= 5e-2 * want, (
-        f"clip_grad_norm_ after backward returned {got}, the gradient's norm is {want}"
-    )
+    want = float(nn.utils.clip_grad_norm_(pair.reference.parameters(), 0.5))
+    pair.ref_opt.step()
+    pair.opt.backward(pair.loss(pair.model, 0, rank, world))
+    try:
+        pair.opt.clip_grad_norm_(0.5, norm_type=1.0)
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        assert "2-norm" in str(exc), f"unclear refusal of norm_type=1: {exc}"
+    else:
+        raise AssertionError("clip_grad_norm_(norm_type=1) was accepted")
+    got = float(pair.opt.clip_grad_norm_(0.5))
+    # bf16 gradients: each element rounded by 2**-9, the norm by at most as much (2e-3);
+    # fp32: the same sum in another order.
+    assert abs(got - want) <= 5e-3 * want, f"clip_grad_norm_ returned {got}, torch {want}"
+    assert want > 0.5, "the case must clip"
+    pair.opt.step()
+    pair.assert_close("opt.clip_grad_norm_(0.5), then step()")
 
 
 def item6_param_listed_twice(rank: int, world: int, stage: int, dtype: str) -> None:

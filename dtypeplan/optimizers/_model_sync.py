@@ -1,0 +1,100 @@
+"""Picking up changes made to the model after the optimizer was built (flat engine).
+
+The parameters are views of their group's flat buffer, and at 16-bit the fp32 master chunks
+hold the values the next step starts from. Users change models behind the optimizer's back
+in two ways, and ``torch.optim`` follows both, because it reads the parameters at every step:
+
+* **rebinding**: ``param.data = t``, or ``model.float(); model.bfloat16()``, makes the
+  parameter stop viewing the buffer. At ``step()`` a parameter of the same dtype and device is
+  re-adopted: its values are copied into its view and ``param.data`` points back at the view.
+  Another dtype or device cannot join the buffer: a clear error says how to rebuild.
+* **in-place writes**: ``model.load_state_dict(...)``, ``p.copy_(...)`` write the buffer but not
+  the masters, which the next step would write back over them. Each parameter's version
+  counter (its own: ``param.data = view`` does not share the buffer's) moves with every
+  in-place write through the parameter, and never with the optimizer's writes into the
+  buffer. Where it moved (or the parameter was re-adopted), that parameter's masters are
+  refreshed *elementwise*, where the parameter differs from the master rounded to the
+  parameter dtype, so untouched elements keep their fp32 precision. fp32 parameters are
+  their own masters: nothing to do.
+
+Also checked here, at the same host loop: a parameter that was frozen when the optimizer was
+built (so it has no place in any flat buffer) and now trains raises a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.optimizers._group_state import GroupState
+
+__all__ = ["ModelSync"]
+
+
+class ModelSync:
+    """Watches the flat groups' parameters and buffers between steps."""
+
+    def __init__(self, groups: list[GroupState], param_groups: list[dict[str, Any]]) -> None:
+        self.groups = groups
+        self.param_groups = param_groups
+        self._in_buffers = {id(p) for s in groups for p in s.flat.params}
+        self._versions = [[p._version for p in s.flat.params] for s in groups]
+        # Views of the buffers never change: made once, not per step.
+        self._views = [s.flat.param_views(s.flat.buffer) for s in groups]
+
+    @torch.no_grad()
+    def pick_up(self) -> None:
+        """Before a step: re-adopt rebound parameters and refresh masters from written ones."""
+        self._refuse_unfrozen()
+        for gi, state in enumerate(self.groups):
+            flat = state.flat
+            versions = self._versions[gi]
+            changed: set[int] = set()
+            for index, (param, view) in enumerate(zip(flat.params, self._views[gi], strict=True)):
+                if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+                    self._readopt(gi, index, param, view)
+                    changed.add(index)
+                if param._version != versions[index]:
+                    changed.add(index)
+                    versions[index] = param._version
+            if changed:
+                self._refresh_masters(state, changed)
+
+    def _refuse_unfrozen(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                if param.requires_grad and id(param) not in self._in_buffers:
+                    raise OptimizerUsageError(
+                        f"parameter {position} of param group {gi} (shape "
+                        f"{tuple(param.shape)}) was frozen when the optimizer was built, so it "
+                        "has no place in the optimizer's flat buffers; build a new optimizer "
+                        "after changing requires_grad"
+                    )
+
+    def _readopt(self, gi: int, index: int, param: torch.Tensor, view: torch.Tensor) -> None:
+        flat = self.groups[gi].flat
+        if param.dtype != flat.dtype or param.device != view.device or param.shape != view.shape:
+            raise OptimizerUsageError(
+                f"parameter {index} of param group {gi} was replaced after build by a "
+                f"{param.dtype} tensor of shape {tuple(param.shape)} on {param.device}, but "
+                f"the plan runs it as {flat.dtype} of shape {tuple(view.shape)} on "
+                f"{view.device} (model.float(), .to(), param.data = ...); cast the model back, "
+                "call plan.prepare_model(model) again or build a new optimizer"
+            )
+        view.copy_(param.data)
+        param.data = view
+
+    @staticmethod
+    def _refresh_masters(state: GroupState, changed: set[int]) -> None:
+        """Take the parameters' values into this rank's masters where they differ."""
+        flat = state.flat
+        for index, begin, end, bucket, offset in state._pieces():
+            master = state.masters[bucket]
+            if index not in changed or flat.dtype == torch.float32:
+                continue  # fp32: the parameters are the masters
+            piece = master[offset : offset + end - begin]
+            value = flat.params[index].detach().reshape(-1)[begin:end]
+            differs = value != piece.to(value.dtype)
+            piece.copy_(torch.where(differs, value.float(), piece))

@@ -1,0 +1,106 @@
+"""Which live optimizer owns each parameter, and the hooks that belong to its lifetime.
+
+An optimizer of the flat engine (and ZeRO-3 under 16-bit accumulation) consumes ``.grad`` in a
+``post_accumulate_grad`` hook on every parameter. Those hooks must not outlive the optimizer:
+a second optimizer built on the same parameters would get no gradient (the first one's hooks
+fire first and free ``.grad``), and hooks that held the optimizer kept it and its buffers
+alive. So:
+
+* hooks hold their optimizer weakly (see :class:`HookSet`) and are removed by ``close()`` or,
+  through ``weakref.finalize``, when the optimizer is collected;
+* a module-level registry maps each parameter to the optimizer that owns it. Building a new
+  optimizer on a parameter that a live one owns *replaces* the old one: it is closed, with a
+  warning naming how many parameters moved, as ``torch.optim`` users expect a fresh optimizer
+  to take over.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["HookSet", "claim", "release"]
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+# Keyed by identity: a tensor's == is elementwise, so WeakKeyDictionary cannot hold tensors.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
+    """Record ``owner`` as the optimizer of ``params``, closing any live optimizer replaced."""
+    params = list(params)
+    replaced: dict[int, tuple[_Closable, int]] = {}
+    for param in params:
+        previous = _OWNERS.get(param)
+        old = previous() if previous is not None else None
+        if old is not None and old is not owner:
+            _, moved = replaced.get(id(old), (old, 0))
+            replaced[id(old)] = (old, moved + 1)
+    for old, moved in replaced.values():
+        warnings.warn(
+            f"a new optimizer was built on {moved} parameter(s) that {type(old).__name__} "
+            f"at 0x{id(old):x} owned: the old optimizer is closed (its gradient hooks removed, "
+            "any later step() raises) so that the new one receives the gradients",
+            stacklevel=_caller_level(),
+        )
+        old.close()
+    ref = weakref.ref(owner)
+    for param in params:
+        _OWNERS[param] = ref
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside dtypeplan (the user's ``plan.build``)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("dtypeplan"):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def release(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
+    """Forget ``owner`` as the optimizer of ``params`` (those it still owns)."""
+    for param in params:
+        current = _OWNERS.get(param)
+        if current is not None and current() in (owner, None):
+            del _OWNERS[param]
+
+
+class HookSet:
+    """The gradient hooks of one optimizer: removed together, once, by close or collection.
+
+    ``finalize_with(owner)`` ties them to ``owner``'s lifetime; the finalizer holds only the
+    handles, never the owner.
+    """
+
+    def __init__(self) -> None:
+        self.handles: list[RemovableHandle] = []
+        self._finalizer: weakref.finalize | None = None
+
+    def add(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        self.handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def finalize_with(self, owner: object) -> None:
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(owner, _remove_all, self.handles)
+
+    def remove(self) -> None:
+        _remove_all(self.handles)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
