@@ -390,10 +390,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             device = self.device
             # Per-group settings count too: a param group may turn amsgrad on for itself.
             unsupported = any(
-                g.get("amsgrad", False)
-                or g.get("maximize", False)
-                or g.get("decoupled_weight_decay", False)  # Adam's AdamW mode: not the kernel's
-                for g in self.param_groups
+                g.get("amsgrad", False) or g.get("maximize", False) for g in self.param_groups
             )
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
@@ -411,7 +408,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """
         from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
 
-        adam_w = self.plan.optimizer.type == "AdamW"
         for state, group, per_bucket in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
@@ -439,7 +435,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     weight_decay=group["weight_decay"],
                     step=int(slot["step"].item()),
                     grad_factor=factor,
-                    adam_w_mode=adam_w,
+                    # Adam(decoupled_weight_decay=True) is AdamW; torch's AdamW groups say so too.
+                    adam_w_mode=bool(group.get("decoupled_weight_decay", False))
+                    or self.plan.optimizer.type == "AdamW",
                 )
 
     def _sync_hyperparameters(self) -> None:
