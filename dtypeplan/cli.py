@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dtypeplan.errors import PrecisionConfigError, RulesError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RulesError
 from dtypeplan.report import memory_report
 
 if TYPE_CHECKING:
@@ -96,7 +96,12 @@ def _precision_choices(plan: PrecisionPlan) -> list[tuple[str, dict[str, bool]]]
 def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]:
     from dtypeplan import Status
 
-    memory = None if plan.status == Status.ERROR else plan.memory(args.params, args.world_size)
+    memory, no_memory = None, "the combination is an Error"
+    if plan.status != Status.ERROR:
+        try:
+            memory = plan.memory(args.params, args.world_size)
+        except NotSupportedError as exc:  # offload: no device figure would be true
+            no_memory = str(exc)
     data = plan.to_dict()
     data["memory"] = (
         None
@@ -114,7 +119,7 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
         print(plan.explain())
         print()
         if memory is None:
-            print("memory: not estimated, the combination is an Error")
+            print(f"memory: not estimated, {no_memory}")
         else:
             if plan.status == Status.NOT_SUPPORTED:
                 print("(not supported: the figures are what the plan would take)")

@@ -1,9 +1,11 @@
 """The rules table as markdown: ``dtypeplan table`` and the generated section of README.md.
 
-Two tables are rendered. The first lists every rule of the file in file order. The second is
+Three tables are rendered. The first lists every rule of the file in file order. The second is
 the status grid a reader looks for: the :data:`GRID_ROWS` dimensions (parameter dtype x
 accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism),
-with the other dimensions left to the defaults of the rules file. Titles, values and the config
+with the other dimensions left to the defaults of the rules file and every feature unused. The
+third lists each value of the feature dimensions (master weights, offload, ...) with the rules
+that decide it when it is the only feature in use. Titles, values and the config
 keys that select them come from the dimension records (``resolver/_dimensions.py``). Each cell
 is computed by resolving a real config for it, so the grid shows what ``dtypeplan.resolve``
 answers, defaults included, and cannot drift from the resolver.
@@ -18,6 +20,7 @@ from typing import Any
 from dtypeplan.resolver._config import load_config
 from dtypeplan.resolver._dimensions import (
     ACCUM,
+    FEATURE_DIMENSIONS,
     PARAMS,
     PIPELINE,
     STAGE,
@@ -38,6 +41,8 @@ __all__ = [
     "render_grid",
     "render_markdown",
     "render_readme_block",
+    "feature_rows",
+    "render_features",
     "render_rules",
     "status_grid",
 ]
@@ -139,13 +144,59 @@ def render_grid(table: RuleTable) -> str:
     return "\n".join(lines) + "\n\n" + note
 
 
+def feature_rows(table: RuleTable) -> list[tuple[Dimension, list[Any], Rule]]:
+    """For each feature dimension, its values other than "not used" grouped by the rule that
+    decides the grid's cells (any core point, a parameter dtype a user can choose) when that
+    value is the only feature in use: ``(dimension, values, rule)`` in file order of rules."""
+    rows = []
+    for dim in FEATURE_DIMENSIONS.values():
+        by_rule: dict[str, tuple[list[Any], Rule]] = {}
+        for value in dim.values:
+            if value == dim.default_value:
+                continue
+            for point in table.points():
+                if point[PARAMS.name] in PARAMS.choices:
+                    rule = table.lookup({**point, dim.name: value})
+                    values, _ = by_rule.setdefault(rule.id, ([], rule))
+                    if value not in values:
+                        values.append(value)
+        for values, rule in sorted(by_rule.values(), key=lambda entry: entry[1].line):
+            rows.append((dim, values, rule))
+    return rows
+
+
+def render_features(table: RuleTable) -> str:
+    """The feature table: one row per feature and deciding rule."""
+    lines = [
+        "| feature (config key) | value | params | status | rule | reason |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for dim, values, rule in feature_rows(table):
+        params = [
+            v for v in PARAMS.choices if PARAMS.name not in rule.when or v in rule.when[PARAMS.name]
+        ]
+        lines.append(
+            f"| {_cell(f'{dim.title} (`{dim.config_key}`)')} "
+            f"| {_cell(', '.join(value_text(v) for v in values))} "
+            f"| {'any' if params == list(PARAMS.choices) else ', '.join(params)} "
+            f"| {rule.status} | `{rule.id}` | {_cell(rule.reason)} |"
+        )
+    return "\n".join(lines)
+
+
 def render_markdown(table: RuleTable) -> str:
-    """The whole table: every rule, then the status grid."""
+    """The whole table: every rule, the status grid, then the features."""
     return (
         f"### Rules of `{os.path.basename(table.path)}`\n\n"
         + render_rules(table)
         + "\n\n### Status by parameter dtype, accumulation dtype, ZeRO stage and pipeline\n\n"
         + render_grid(table)
+        + "\n\n### DeepSpeed features, each alone\n\n"
+        + 'The grid above is every feature\'s "not used" value. Each other value, as the only '
+        + "feature of a config, is decided by the rule shown; when a config uses several, the "
+        + "last of them in this order decides (the master-weight rules also cover the "
+        + "optimizer states).\n\n"
+        + render_features(table)
         + "\n"
     )
 

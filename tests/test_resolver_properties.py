@@ -21,11 +21,16 @@ from hypothesis import strategies as st
 import dtypeplan
 from dtypeplan import NotSupportedError, PrecisionConfigError, PrecisionPlan
 from dtypeplan.resolver import DIMENSIONS, DTYPES, PARAMS, STAGE
+from dtypeplan.resolver._dimensions import FEATURES_UNUSED
 
 DTYPE_NAMES = list(DTYPES)
 REDUCTIONS = ["collective", "fp32_sum"]
 # The dimensions that configs() and point_of() know how to write and read.
-KNOWN_DIMENSIONS = {"params", "accum", "sharded", "stage", "pipeline", "comm", "reduction"}
+KNOWN_DIMENSIONS = {"params", "accum", "sharded", "stage", "pipeline", "comm", "reduction"} | set(
+    FEATURES_UNUSED
+)
+# configs() draws no DeepSpeed feature (point_of() puts each at its "not used" value); their
+# config keys are read by the config side of issue 11, and drawing them belongs with it.
 MEMORY_KEYS = {"params", "grads", "accumulator", "master", "optimizer_states", "total"}
 TABLE = dtypeplan.load_rules()
 EXAMPLES = settings.default.max_examples
@@ -181,6 +186,7 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "pipeline": pipeline,
         "comm": comm,
         "reduction": config.get("communication_reduction", "collective"),
+        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature
     }
     return {dim: point[dim] for dim in DIMENSIONS}
 

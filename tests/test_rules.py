@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,20 @@ from dtypeplan.resolver import (
     COMBINATIONS,
     DIMENSIONS,
     MAX_RULES,
+    FrozenDict,
     Rule,
     RuleTable,
     Status,
+    _rules,
     load_rules,
 )
-from dtypeplan.resolver._dimensions import points, value_text
+from dtypeplan.resolver._dimensions import (
+    CORE_COMBINATIONS,
+    FEATURE_DIMENSIONS,
+    FEATURES_UNUSED,
+    points,
+    value_text,
+)
 from dtypeplan.resolver._rules import default_rules_path
 
 SHIPPED = Path(default_rules_path()).read_text()
@@ -118,22 +128,68 @@ def assert_at(error: RulesError, path: str, line: int) -> None:
 
 
 # --- the shipped table -----------------------------------------------------------------------
+def _box_size(rule: Rule) -> int:
+    return math.prod(
+        len(rule.when[name]) if name in rule.when else len(dim.values)
+        for name, dim in DIMENSIONS.items()
+    )
+
+
+def _disjoint(first: Rule, second: Rule) -> bool:
+    return any(
+        not (first.when[name] & second.when[name])
+        for name in DIMENSIONS
+        if name in first.when and name in second.when
+    )
+
+
 def test_shipped_table_loads_and_covers_every_point_once() -> None:
+    """Checked apart from the loader's split: rule boxes pairwise disjoint, and their sizes sum
+    to the whole space, is exactly "every point matched once"."""
     table = dtypeplan.load_rules()
     assert isinstance(table, RuleTable)
-    points = list(itertools.product(*(dim.values for dim in DIMENSIONS.values())))
-    assert len(points) == len(list(table.points()))
+    for first, second in itertools.combinations(table.rules, 2):
+        assert _disjoint(first, second), (first.id, second.id)
+    assert sum(_box_size(rule) for rule in table.rules) == COMBINATIONS
+    assert COMBINATIONS == math.prod(len(dim.values) for dim in DIMENSIONS.values())
     registered = set(dtypeplan.registered_names())
-    for values in points:
-        point = dict(zip(DIMENSIONS, values, strict=True))
-        matching = [rule for rule in table.rules if rule.matches(point)]
-        assert len(matching) == 1, (point, [r.id for r in matching])
-        assert table.lookup(point) is matching[0]
     for rule in table.rules:
         assert (rule.status == "OK") == (rule.implementation is not None), rule.id
         if rule.implementation is not None:
             assert rule.implementation in registered
         assert SHIPPED.splitlines()[rule.line - 1] == f"  - id: {rule.id}"
+
+
+def _sample_points(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Every core point (features unused) and ``count`` points drawn from the whole space."""
+    rng = random.Random(seed)
+    drawn = [
+        {name: rng.choice(dim.values) for name, dim in DIMENSIONS.items()} for _ in range(count)
+    ]
+    return list(points()) + drawn
+
+
+def test_lookup_is_the_one_matching_rule() -> None:
+    table = dtypeplan.load_rules()
+    for point in _sample_points(3000):
+        matching = [rule for rule in table.rules if rule.matches(point)]
+        assert len(matching) == 1, (point, [r.id for r in matching])
+        assert table.lookup(point) is matching[0]
+
+
+def test_every_feature_value_but_the_unused_one_is_refused() -> None:
+    """No feature is implemented yet: at every core point, each other value is not OK (and the
+    rule says why by naming the feature; both 16-bit modes on is an Error whatever else)."""
+    table = dtypeplan.load_rules()
+    for point in points():
+        if point["params"] == "fp16+bf16":
+            continue
+        for name, dim in FEATURE_DIMENSIONS.items():
+            for value in dim.values:
+                rule = table.lookup({**point, name: value})
+                if value != dim.default_value:
+                    assert rule.status != "OK", (name, value, rule.id)
+                    assert rule.reason and dim.name in rule.when, (name, rule.id)
 
 
 def test_shipped_table_by_explicit_path_equals_default() -> None:
@@ -470,8 +526,8 @@ def test_schema_names_exactly_the_dimensions() -> None:
     schema = json.loads(
         (Path(default_rules_path()).parent / "schemas" / "rules.schema.json").read_text()
     )
-    when = schema["properties"]["rules"]["items"]["properties"]["when"]["properties"]
-    assert list(when) == list(DIMENSIONS)
+    when = schema["properties"]["rules"]["items"]["properties"]["when"]["propertyNames"]
+    assert when["enum"] == list(DIMENSIONS)
 
 
 def test_single_process_implementation_must_be_registered(tmp_path: Path) -> None:
@@ -488,9 +544,15 @@ def test_single_process_implementation_only_on_ok_rules(tmp_path: Path) -> None:
     assert_at(rules_error(path), path, line + 1)
 
 
-def _rule_text(number: int, point: dict[str, Any]) -> str:
-    when = ", ".join(f"{name}: {value_text(value)}" for name, value in point.items())
-    return f"  - id: r{number}\n    when: {{{when}}}\n    status: NotSupported\n    reason: r\n"
+def _rule_text(number: int, point: dict[str, Any], status: str = "NotSupported") -> str:
+    when = ", ".join(f"{name}: {_matcher(value)}" for name, value in point.items())
+    return f"  - id: r{number}\n    when: {{{when}}}\n    status: {status}\n    reason: r\n"
+
+
+def _matcher(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(value_text(v) for v in value) + "]"
+    return value_text(value)
 
 
 def _generated(rules: list[str]) -> str:
@@ -498,34 +560,129 @@ def _generated(rules: list[str]) -> str:
     return head + "\nrules:\n" + "".join(rules)
 
 
+def _staircase(first: int, start: int) -> list[str]:
+    """Rules for every point where a feature from the ``first``-th on is in use (the last
+    feature in use decides); numbered from ``start``."""
+    names = list(FEATURE_DIMENSIONS)
+    rules = []
+    for position in range(first, len(names)):
+        dim = FEATURE_DIMENSIONS[names[position]]
+        when: dict[str, Any] = {dim.name: [v for v in dim.values if v != dim.default_value]}
+        when.update({later: FEATURES_UNUSED[later] for later in names[position + 1 :]})
+        rules.append(_rule_text(start + len(rules), when))
+    return rules
+
+
 def test_one_rule_per_combination_lints_fast(tmp_path: Path) -> None:
-    """The largest valid table: coverage costs points + rules, not points x rules."""
-    all_points = list(points())
-    path = write(tmp_path, _generated([_rule_text(i, p) for i, p in enumerate(all_points)]))
+    """One rule per core point, and one per feature: the check costs boxes, not points."""
+    core = list(points())
+    rules = [_rule_text(i, p) for i, p in enumerate(core)] + _staircase(0, len(core))
+    path = write(tmp_path, _generated(rules))
     start = time.perf_counter()
     table = dtypeplan.load_rules(path)
     elapsed = time.perf_counter() - start
-    assert len(table.rules) == COMBINATIONS == MAX_RULES
-    assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(all_points))
-    assert elapsed < 5.0, f"{COMBINATIONS} rules took {elapsed:.1f} s"
+    assert len(table.rules) == CORE_COMBINATIONS + len(FEATURE_DIMENSIONS)
+    assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(core))
+    assert elapsed < 5.0, f"{len(table.rules)} rules took {elapsed:.1f} s"
 
 
-def test_ten_thousand_rules_fail_fast_with_the_limit(tmp_path: Path) -> None:
-    point = next(points())
-    path = write(tmp_path, _generated([_rule_text(i, point) for i in range(10_000)]))
+def _rule(number: int, when: dict[str, Any]) -> Rule:
+    """A rule built in memory, for timing the coverage check without YAML and the schema."""
+    return Rule(
+        id=f"r{number}",
+        when=FrozenDict({k: frozenset(v if isinstance(v, list) else [v]) for k, v in when.items()}),
+        status=Status.NOT_SUPPORTED,
+        implementation=None,
+        single_process_implementation=None,
+        reason="r",
+        line=number + 1,
+    )
+
+
+def _staircase_whens(first: int) -> list[dict[str, Any]]:
+    names = list(FEATURE_DIMENSIONS)
+    whens = []
+    for position in range(first, len(names)):
+        dim = FEATURE_DIMENSIONS[names[position]]
+        when: dict[str, Any] = {dim.name: [v for v in dim.values if v != dim.default_value]}
+        when.update({later: FEATURES_UNUSED[later] for later in names[position + 1 :]})
+        whens.append(when)
+    return whens
+
+
+def test_a_rule_per_point_of_the_core_and_three_features_checks_fast() -> None:
+    """20736 one-point rules over the core dimensions and master x states x autocast (the
+    features after them unused), and a staircase for the rest: the 18 million points are
+    checked through about 20 thousand boxes."""
+    names = list(FEATURE_DIMENSIONS)[:3]
+    dims = [FEATURE_DIMENSIONS[name] for name in names]
+    all_points = [
+        {**core, **dict(zip(names, values, strict=True))}
+        for core in points()
+        for values in itertools.product(*(dim.values for dim in dims))
+    ]
+    whens = all_points + _staircase_whens(3)
+    rules = tuple(_rule(i, when) for i, when in enumerate(whens))
     start = time.perf_counter()
-    error = rules_error(path)
+    index = _rules._check_coverage(rules, "generated.yaml", 1)
     elapsed = time.perf_counter() - start
-    assert f"more than {MAX_RULES} rules" in str(error)
-    assert_at(error, path, line_of(_generated([]), "rules:"))
+    table = RuleTable(path="generated.yaml", defaults=TABLE.defaults, rules=rules, index=index)
+    assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(all_points))
+    assert elapsed < 5.0, f"{len(rules)} rules took {elapsed:.1f} s"
+
+
+def test_ten_thousand_copies_of_a_rule_fail_fast_with_an_overlap() -> None:
+    point = next(points())
+    rules = tuple(_rule(i, point) for i in range(10_000))
+    start = time.perf_counter()
+    with pytest.raises(RulesError) as info:
+        _rules._check_coverage(rules, "generated.yaml", 1)
+    elapsed = time.perf_counter() - start
+    assert "'r0' (line 1) and 'r1' overlap" in str(info.value)
+    assert info.value.line == 2
     assert elapsed < 5.0, f"10000 rules took {elapsed:.1f} s to refuse"
 
 
+def test_more_rules_than_points_fail_before_parsing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real bound is one rule per point (18 million); a small one shows the message.
+    monkeypatch.setattr(_rules, "MAX_RULES", 100)
+    point = next(points())
+    path = write(tmp_path, _generated([_rule_text(i, point) for i in range(101)]))
+    error = rules_error(path)
+    assert "more than 100 rules" in str(error)
+    assert_at(error, path, line_of(_generated([]), "rules:"))
+    assert MAX_RULES == COMBINATIONS
+
+
 def test_overlap_in_a_long_table_fails_at_the_second_rule(tmp_path: Path) -> None:
-    all_points = list(points())
-    rules = [_rule_text(i, p) for i, p in enumerate(all_points[:-1])] + [
-        _rule_text(len(all_points), all_points[0])
-    ]
+    core = list(points())
+    rules = [_rule_text(i, p) for i, p in enumerate(core[:-1])] + [_rule_text(len(core), core[0])]
+    path = write(tmp_path, _generated(rules + _staircase(0, len(core) + 1)))
+    error = rules_error(path)
+    assert "'r0'" in str(error) and f"'r{len(core)}'" in str(error)
+    assert_at(error, path, line_of(_generated(rules), f"- id: r{len(core)}"))
+
+
+def test_gap_names_the_first_point_and_the_rules_nearest_to_it(tmp_path: Path) -> None:
+    core = list(points())
+    missing = core[5]
+    rules = [_rule_text(i, p) for i, p in enumerate(core) if p is not missing]
+    text = _generated(rules + _staircase(0, len(core)))
+    path = write(tmp_path, text)
+    error = rules_error(path)
+    assert_at(error, path, line_of(text, "rules:"))
+    shown = ", ".join(f"{name}={value_text(missing[name])}" for name in DIMENSIONS)
+    assert f"1 combination(s) are matched by no rule: {shown}" in str(error)
+    # The rules of the box the missing point was split from: at least its neighbour r4 or r6.
+    assert "the rules nearest to it leave out " in str(error)
+    assert "'r4' (line" in str(error) or "'r6' (line" in str(error)
+
+
+def test_gaps_in_the_features_are_counted_as_boxes(tmp_path: Path) -> None:
+    # Without the staircase every point that uses a feature is a gap: all but the core points.
+    rules = [_rule_text(i, p) for i, p in enumerate(points())]
     path = write(tmp_path, _generated(rules))
     error = rules_error(path)
-    assert "'r0'" in str(error) and f"'r{len(all_points)}'" in str(error)
+    assert f"{COMBINATIONS - CORE_COMBINATIONS} combination(s)" in str(error)

@@ -9,6 +9,7 @@ missing one of them).
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -29,12 +30,27 @@ if TYPE_CHECKING:
     from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["HeldTensors", "MixedPrecisionOptimizer", "is_adam", "make_replicas_equal"]
+__all__ = [
+    "HeldTensors",
+    "MixedPrecisionOptimizer",
+    "inner_optimizer",
+    "is_adam",
+    "make_replicas_equal",
+]
 
 
 def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
     """Whether the update is Adam or AdamW (a step counter beside its moments, the Triton path)."""
     return issubclass(torch_class, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def inner_optimizer(
+    torch_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]], *, fused: bool
+) -> torch.optim.Optimizer:
+    """``torch_class`` over ``groups``, fused where asked and the class has a fused path
+    (Adam, AdamW, SGD, Adagrad); the other elementwise classes run their default path."""
+    accepted = inspect.signature(torch_class.__init__).parameters
+    return torch_class(groups, **({"fused": True} if fused and "fused" in accepted else {}))
 
 
 @torch.no_grad()

@@ -62,7 +62,12 @@ import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, is_adam
+from dtypeplan.optimizers._base import (
+    HeldTensors,
+    MixedPrecisionOptimizer,
+    inner_optimizer,
+    is_adam,
+)
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._missing_grads import keep_untouched
@@ -154,7 +159,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": state.masters, **hyper})
         fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
-        return torch_class(groups, fused=fused)
+        return inner_optimizer(torch_class, groups, fused=fused)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -403,7 +408,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """
         from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
 
-        adam_w = self.plan.optimizer.type == "AdamW"
         for state, group, per_bucket in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
@@ -431,7 +435,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     weight_decay=group["weight_decay"],
                     step=int(slot["step"].item()),
                     grad_factor=factor,
-                    adam_w_mode=adam_w,
+                    # Adam(decoupled_weight_decay=True) is AdamW; torch's AdamW groups say so too.
+                    adam_w_mode=bool(group.get("decoupled_weight_decay", False))
+                    or self.plan.optimizer.type == "AdamW",
                 )
 
     def _sync_hyperparameters(self) -> None:

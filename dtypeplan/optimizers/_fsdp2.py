@@ -52,7 +52,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, make_replicas_equal
+from dtypeplan.optimizers._base import (
+    HeldTensors,
+    MixedPrecisionOptimizer,
+    inner_optimizer,
+    make_replicas_equal,
+)
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
@@ -271,7 +276,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
-        self._inner = plan.optimizer.torch_class(groups, fused=True)
+        self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
         # 16-bit accumulation: FSDP2 hands each micro-batch's fp32 shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None
         self._fresh: list[bool] = []

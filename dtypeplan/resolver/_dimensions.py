@@ -22,17 +22,31 @@ from dtypeplan.resolver._frozen import FrozenDict, freeze
 
 __all__ = [
     "ACCUM",
+    "AUTOCAST",
     "COMBINATIONS",
     "COMM",
+    "CORE_COMBINATIONS",
+    "CORE_DIMENSIONS",
     "DIMENSIONS",
     "Dimension",
+    "FEATURES_UNUSED",
+    "FEATURE_DIMENSIONS",
+    "FP8",
+    "GRADIENT_PRESCALING",
+    "HIERARCHICAL_PARTITIONING",
+    "MASTER",
+    "OFFLOAD_OPTIMIZER",
+    "OFFLOAD_PARAM",
+    "OPTIMIZER_KIND",
     "PARAMS",
     "PIPELINE",
     "Point",
-    "config_for",
+    "QUANTIZED_COMMUNICATION",
     "REDUCTION",
     "SHARDED",
     "STAGE",
+    "STATES",
+    "config_for",
     "points",
     "value_text",
 ]
@@ -196,20 +210,205 @@ REDUCTION = Dimension(
     config_path=("communication_reduction",),
 )
 
-DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
+# --- feature dimensions ------------------------------------------------------------------------
+# DeepSpeed settings that change numbers or memory and that dtypeplan does not implement (yet).
+# Each has a "not used" value (``default_value``), which every config that does not mention it
+# gets; the table decides every other value (NotSupported or Error, each with its reason). The
+# "not used" value is the only one advised (``choices``), with the config that selects it.
+MASTER = Dimension(
+    name="master",
+    values=("fp32", "bf16", "fp16"),
+    doc="the dtype of the master weights (and of the gradients the optimizer reads)",
+    config_key="bf16.bf16_master_weights_and_grads / fp16.fp16_master_weights_and_grads",
+    default="fp32",
+    default_value="fp32",
+    choices=("fp32",),
+    title="master weights",
+    value_configs={
+        "fp32": {
+            "bf16": {"bf16_master_weights_and_grads": False},
+            "fp16": {"fp16_master_weights_and_grads": False},
+        },
+        "bf16": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        "fp16": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+    },
+)
+STATES = Dimension(
+    name="states",
+    values=("fp32", "bf16"),
+    doc="the dtype of the optimizer states (Adam's moments, momentum buffers)",
+    config_key="bf16.bf16_optimizer_states",
+    default="fp32",
+    default_value="fp32",
+    choices=("fp32",),
+    title="optimizer states",
+    value_configs={
+        "fp32": {"bf16": {"bf16_optimizer_states": False}},
+        "bf16": {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+    },
+)
+AUTOCAST = Dimension(
+    name="autocast",
+    values=("none", "bf16", "fp16"),
+    doc="torch.autocast around forward: the compute dtype of autocast-eligible ops",
+    config_key="torch_autocast.enabled / torch_autocast.dtype",
+    default="none",
+    default_value="none",
+    choices=("none",),
+    title="autocast",
+    value_configs={
+        "none": {"torch_autocast": {"enabled": False}},
+        "bf16": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+        "fp16": {"torch_autocast": {"enabled": True, "dtype": "float16"}},
+    },
+)
+OFFLOAD_OPTIMIZER = Dimension(
+    name="offload_optimizer",
+    values=("none", "cpu", "nvme"),
+    doc="where the master weights and optimizer states live (ZeRO-Offload, ZeRO-Infinity)",
+    config_key="zero_optimization.offload_optimizer.device",
+    default="none",
+    default_value="none",
+    choices=("none",),
+    title="offload optimizer",
+    config_path=("zero_optimization", "offload_optimizer", "device"),
+)
+OFFLOAD_PARAM = Dimension(
+    name="offload_param",
+    values=("none", "cpu", "nvme"),
+    doc="where the ZeRO-3 parameter shards live between uses",
+    config_key="zero_optimization.offload_param.device",
+    default="none",
+    default_value="none",
+    choices=("none",),
+    title="offload params",
+    config_path=("zero_optimization", "offload_param", "device"),
+)
+QUANTIZED_COMMUNICATION = Dimension(
+    name="quantized_communication",
+    values=("none", "weights", "gradients", "both"),
+    doc="ZeRO++ int8/int4 quantization of the gathered weights and/or the reduced gradients",
+    config_key="zero_optimization.zero_quantized_weights / zero_quantized_gradients",
+    default="none",
+    default_value="none",
+    choices=("none",),
+    title="quantized communication",
+    value_configs={
+        "none": {
+            "zero_optimization": {
+                "zero_quantized_weights": False,
+                "zero_quantized_gradients": False,
+            }
+        },
+        "weights": {"zero_optimization": {"zero_quantized_weights": True}},
+        "gradients": {"zero_optimization": {"zero_quantized_gradients": True}},
+        "both": {
+            "zero_optimization": {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+        },
+    },
+)
+HIERARCHICAL_PARTITIONING = Dimension(
+    name="hierarchical_partitioning",
+    values=(False, True),
+    doc="ZeRO++ hpZ: a secondary copy of the parameters partitioned within each node",
+    config_key="zero_optimization.zero_hpz_partition_size",
+    default="false (zero_hpz_partition_size 1)",
+    default_value=False,
+    choices=(False,),
+    title="hierarchical partitioning",
+    value_configs={
+        False: {"zero_optimization": {"zero_hpz_partition_size": 1}},
+        True: {"zero_optimization": {"zero_hpz_partition_size": 8}},
+    },
+)
+GRADIENT_PRESCALING = Dimension(
+    name="gradient_prescaling",
+    values=("none", "prescale", "predivide"),
+    doc="dividing gradients by the world size (or a factor) before the reduction, not after",
+    config_key="prescale_gradients / gradient_predivide_factor",
+    default="none",
+    default_value="none",
+    choices=("none",),
+    title="gradient prescaling",
+    value_configs={
+        "none": {"prescale_gradients": False, "gradient_predivide_factor": 1.0},
+        "prescale": {"prescale_gradients": True},
+        "predivide": {"gradient_predivide_factor": 2.0},
+    },
+)
+FP8 = Dimension(
+    name="fp8",
+    values=(False, True),
+    doc="fp8 compute (DeepSpeed's fp8 block, Transformer Engine)",
+    config_key="fp8.enabled",
+    default="false",
+    default_value=False,
+    choices=(False,),
+    title="fp8",
+    config_path=("fp8", "enabled"),
+)
+OPTIMIZER_KIND = Dimension(
+    name="optimizer",
+    values=("elementwise", "shaped"),
+    doc="whether the optimizer's update of an element depends only on that element "
+    "(elementwise: Adam, SGD, ...) or on the parameter's shape (shaped: Adafactor, Muon, "
+    "LBFGS, SparseAdam, any class dtypeplan does not know)",
+    config_key="optimizer.type / build(optimizer=...) / wrap(...)",
+    default="elementwise (AdamW)",
+    default_value="elementwise",
+    choices=("elementwise",),
+    title="optimizer",
+    value_configs={"elementwise": {"optimizer": {"type": "AdamW"}}, "shaped": {}},
+)
+
+CORE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
     {dim.name: dim for dim in (PARAMS, ACCUM, SHARDED, STAGE, PIPELINE, COMM, REDUCTION)}
 )
+"""The dimensions dtypeplan implements: the table's grid, the parity tests' cells."""
+
+FEATURE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
+    {
+        dim.name: dim
+        for dim in (
+            MASTER,
+            STATES,
+            AUTOCAST,
+            OFFLOAD_OPTIMIZER,
+            OFFLOAD_PARAM,
+            QUANTIZED_COMMUNICATION,
+            HIERARCHICAL_PARTITIONING,
+            GRADIENT_PRESCALING,
+            FP8,
+            OPTIMIZER_KIND,
+        )
+    }
+)
+"""DeepSpeed features that change numbers or memory, each with a "not used" default value."""
+
+DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict({**CORE_DIMENSIONS, **FEATURE_DIMENSIONS})
 """Every dimension by name, in display order."""
 
+FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
+    {name: dim.default_value for name, dim in FEATURE_DIMENSIONS.items()}
+)
+"""The feature dimensions at their "not used" values: what a config that sets none gets."""
+
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space; also the most rules a valid table can hold, since every
-rule matches at least one point and no point is matched twice."""
+"""The number of points of the space (about 18 million: too many to list; the rules loader
+checks rule boxes, not points)."""
+
+CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())
+"""The number of points of the core dimensions, the features unused."""
 
 
-def points() -> Iterator[dict[str, Any]]:
-    """Every point of the space; the last dimension varies fastest."""
-    for values in itertools.product(*(dim.values for dim in DIMENSIONS.values())):
-        yield dict(zip(DIMENSIONS, values, strict=True))
+def points(dimensions: Mapping[str, Dimension] = CORE_DIMENSIONS) -> Iterator[dict[str, Any]]:
+    """Every combination of ``dimensions`` (the last varies fastest), the other dimensions at
+    their "not used" values. The default lists the core points; the whole space is too large
+    to list."""
+    fixed = {name: value for name, value in FEATURES_UNUSED.items() if name not in dimensions}
+    for values in itertools.product(*(dim.values for dim in dimensions.values())):
+        point = {**dict(zip(dimensions, values, strict=True)), **fixed}
+        yield {name: point[name] for name in DIMENSIONS}
 
 
 def config_for(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,23 +11,29 @@ package root, which imports both, is the one place the two layers are joined.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
+from dtypeplan import schedulers
 from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
-from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
+from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
+from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS, client_optimizer_config
 from dtypeplan.resolver._rules import Status
 
-__all__ = ["Alternative", "PrecisionPlan", "install_builder"]
+__all__ = ["Alternative", "PrecisionPlan", "Resolution", "install_builder"]
 
 
 class _BuildOptimizer(Protocol):
@@ -84,6 +90,16 @@ class Alternative:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """What a plan was resolved from, kept so that it can be resolved again for the optimizer
+    a program passes (:meth:`PrecisionPlan.with_optimizer`)."""
+
+    config: PrecisionConfig
+    resolve: Callable[[PrecisionConfig], PrecisionPlan]
+    """``resolve_config`` with the plan's rules table and ``pipeline_parallel``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrecisionPlan:
     """What dtypeplan will do for one config. Built by :func:`dtypeplan.resolve`."""
 
@@ -108,6 +124,26 @@ class PrecisionPlan:
     comm_reduction: str
     """``"collective"`` or ``"fp32_sum"`` (see ``dtypeplan.comm``)."""
     master_dtype: torch.dtype = torch.float32
+    """The master weights' dtype (``bf16.bf16_master_weights_and_grads`` and its fp16
+    counterpart ask for 16 bits; only fp32 is OK today)."""
+    optimizer_states_dtype: torch.dtype = torch.float32
+    """The optimizer states' dtype (``bf16.bf16_optimizer_states``; only fp32 is OK today)."""
+    autocast_dtype: torch.dtype | None = None
+    """``torch_autocast``'s dtype; None without it (the only OK value today)."""
+    offload_optimizer: str = "none"
+    """``"none"``, ``"cpu"`` or ``"nvme"`` (only ``"none"`` is OK today)."""
+    offload_param: str = "none"
+    """``"none"``, ``"cpu"`` or ``"nvme"`` (only ``"none"`` is OK today)."""
+    quantized_communication: str = "none"
+    """ZeRO++ quantization: ``"none"``, ``"weights"``, ``"gradients"`` or ``"both"``."""
+    hierarchical_partitioning: bool = False
+    """ZeRO++ hpZ (``zero_hpz_partition_size`` > 1)."""
+    gradient_prescaling: str = "none"
+    """``"none"``, ``"prescale"`` or ``"predivide"``."""
+    fp8: bool = False
+    """The fp8 block enabled."""
+    optimizer_kind: str = "elementwise"
+    """``"elementwise"`` or ``"shaped"`` (see ``resolver/_optimizer_kind.py``)."""
     zero_stage: int
     pipeline_parallel: bool
     loss_scaling: LossScaleConfig | None
@@ -126,7 +162,8 @@ class PrecisionPlan:
     alternatives: tuple[Alternative, ...] = ()
     """For a plan that is not OK: the nearest OK configs (fewest changed settings)."""
     scheduler: FrozenDict[str, Any] | None = None
-    """DeepSpeed's ``scheduler`` block (validated), for ``build_scheduler``; None without one."""
+    """DeepSpeed's ``scheduler`` block (validated), for :meth:`build_scheduler`; None without
+    one."""
     gradient_accumulation_steps: int | None = None
     """DeepSpeed's ``gradient_accumulation_steps``: micro-batches per step, run by the caller."""
     auto_values: tuple[AutoValue, ...] = ()
@@ -136,6 +173,8 @@ class PrecisionPlan:
     optimizer spellings."""
     deepspeed_differences: tuple[str, ...] = ()
     """Where this plan does not do what DeepSpeed 0.19.8 would, and how to get DeepSpeed's."""
+    resolution: Resolution | None = field(default=None, compare=False, repr=False)
+    """What the plan was resolved from (None for a plan built by hand)."""
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -162,6 +201,17 @@ class PrecisionPlan:
             "comm_dtype": DTYPE_NAMES[self.comm_dtype],
             "comm_reduction": self.comm_reduction,
             "master_dtype": DTYPE_NAMES[self.master_dtype],
+            "optimizer_states_dtype": DTYPE_NAMES[self.optimizer_states_dtype],
+            "autocast_dtype": None
+            if self.autocast_dtype is None
+            else DTYPE_NAMES[self.autocast_dtype],
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "quantized_communication": self.quantized_communication,
+            "hierarchical_partitioning": self.hierarchical_partitioning,
+            "gradient_prescaling": self.gradient_prescaling,
+            "fp8": self.fp8,
+            "optimizer_kind": self.optimizer_kind,
             "zero_stage": self.zero_stage,
             "pipeline_parallel": self.pipeline_parallel,
             "loss_scaling": None if self.loss_scaling is None else vars(self.loss_scaling).copy(),
@@ -211,7 +261,26 @@ class PrecisionPlan:
         return hashlib.sha256(json.dumps(self.rank_facts(), sort_keys=True).encode()).hexdigest()
 
     def memory(self, num_params: int, world_size: int) -> dict[str, int]:
-        """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``)."""
+        """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
+
+        Raises :class:`NotSupportedError` for a plan that offloads: the model counts device
+        bytes, and an offloaded optimizer or offloaded parameters are not on the device.
+        """
+        offloaded = [
+            f"{what} to {where}"
+            for what, where in (
+                ("offload_optimizer", self.offload_optimizer),
+                ("offload_param", self.offload_param),
+            )
+            if where != "none"
+        ]
+        if offloaded:
+            raise NotSupportedError(
+                f"memory(): the plan asks for {' and '.join(offloaded)}, which dtypeplan does "
+                "not implement, so no device figure would be true: the device would not hold "
+                "what is offloaded, and dtypeplan cannot offload it. Remove the offload "
+                "settings to see what the device holds with everything on it."
+            )
         return memory_model(
             num_params=num_params,
             world_size=world_size,
@@ -259,10 +328,16 @@ class PrecisionPlan:
             ("communication", DTYPE_NAMES[self.comm_dtype], "comm_dtype"),
             ("reduction", self.comm_reduction, "comm_reduction"),
             ("master weights", DTYPE_NAMES[self.master_dtype], "master_dtype"),
+            (
+                "optimizer states",
+                DTYPE_NAMES[self.optimizer_states_dtype],
+                "optimizer_states_dtype",
+            ),
             ("ZeRO stage", str(self.zero_stage), "zero_stage"),
             ("pipeline parallel", "yes" if self.pipeline_parallel else "no", "pipeline_parallel"),
             ("loss scaling", scaling, "loss_scaling"),
             ("optimizer", f"{self.optimizer.type} {_kwargs(self.optimizer.params)}", "optimizer"),
+            ("optimizer kind", self.optimizer_kind, "optimizer_kind"),
             (
                 "gradient clipping",
                 f"global L2 norm {self.gradient_clipping:g}" if self.gradient_clipping else "off",
@@ -273,6 +348,29 @@ class PrecisionPlan:
                 "on" if self.check_nonfinite else "off",
                 "check_nonfinite",
             ),
+        ]
+        rows += [
+            (label, value, key)
+            for label, value, key, unused in (
+                ("autocast", DTYPE_NAMES.get(self.autocast_dtype, "none"), "autocast", "none"),
+                ("offload optimizer", self.offload_optimizer, "offload_optimizer", "none"),
+                ("offload params", self.offload_param, "offload_param", "none"),
+                (
+                    "quantized communication",
+                    self.quantized_communication,
+                    "quantized_communication",
+                    "none",
+                ),
+                (
+                    "hierarchical partitioning",
+                    "on" if self.hierarchical_partitioning else "off",
+                    "hierarchical_partitioning",
+                    "off",
+                ),
+                ("gradient prescaling", self.gradient_prescaling, "gradient_prescaling", "none"),
+                ("fp8", "on" if self.fp8 else "off", "fp8", "off"),
+            )
+            if value != unused  # features not in use would only lengthen the account
         ]
         width = max(len(r[0]) for r in rows)
         value_width = min(max(len(r[1]) for r in rows), 12)
@@ -330,17 +428,99 @@ class PrecisionPlan:
         """
         return _installed().prepare_model(self, model, process_group, wrap=wrap)
 
+    def with_optimizer(
+        self,
+        optimizer: type[torch.optim.Optimizer],
+        hyperparameters: Mapping[str, Any] | None = None,
+    ) -> PrecisionPlan:
+        """The plan resolved again with ``optimizer`` (a ``torch.optim`` class) and its
+        ``hyperparameters`` in place of the config's ``optimizer`` block.
+
+        The table decides the optimizer's kind: an elementwise class keeps the plan's status; a
+        class that needs each parameter's shape (Adafactor, Muon, LBFGS, SparseAdam) or that
+        dtypeplan does not know gives a NotSupported plan saying why. Raises
+        :class:`PrecisionConfigError` for hyperparameters the class does not take.
+        """
+        if self.resolution is None:
+            raise ValueError("with_optimizer() needs a plan made by dtypeplan.resolve")
+        client = client_optimizer_config(optimizer, hyperparameters or {})
+        config = dataclasses.replace(self.resolution.config, optimizer=client)
+        return self.resolution.resolve(config)
+
     def build(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         process_group: dist.ProcessGroup | None = None,
+        optimizer: type[torch.optim.Optimizer] | None = None,
+        **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer for ``params`` on ``process_group`` (default: the default group).
 
-        Raises :class:`NotSupportedError` or :class:`PrecisionConfigError` for a plan that is
-        not OK.
+        ``optimizer``: a ``torch.optim`` class that replaces the config's ``optimizer`` block,
+        with ``hyperparameters`` (torch's defaults for the rest). Without it, keyword
+        ``hyperparameters`` override the config's. Raises :class:`NotSupportedError` or
+        :class:`PrecisionConfigError` for a plan that is not OK (for ``optimizer``: the plan
+        :meth:`with_optimizer` gives).
         """
-        return _installed().build_optimizer(self, params, process_group)
+        plan = self
+        if optimizer is not None:
+            plan = self.with_optimizer(optimizer, hyperparameters)
+        elif hyperparameters:
+            merged = {**self.optimizer.params, **hyperparameters}
+            plan = self.with_optimizer(self.optimizer.torch_class, merged)
+        return _installed().build_optimizer(plan, params, process_group)
+
+    def wrap(
+        self, torch_optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer of this plan with the class, param groups and hyperparameters of
+        ``torch_optimizer``, one the program made and has not stepped (DeepSpeed's
+        ``initialize(optimizer=...)``). Its own fast-path choices (``foreach``, ``fused``) give
+        way to dtypeplan's. Raises as :meth:`build` does.
+        """
+        if not isinstance(torch_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"wrap() takes a torch.optim.Optimizer, not {type(torch_optimizer)}")
+        if any(_stepped(slot) for slot in torch_optimizer.state.values()):
+            raise NotSupportedError(
+                f"wrap(): the {type(torch_optimizer).__name__} has already stepped; its state "
+                "(moments, step counts) is kept per parameter, not in dtypeplan's layout, and "
+                "would be lost. Wrap the optimizer before its first step."
+            )
+        groups = [
+            {k: v for k, v in group.items() if k not in FAST_PATH_ARGS}
+            for group in torch_optimizer.param_groups
+        ]
+        torch_class = type(torch_optimizer)
+        # Only what the constructor takes: a class may keep more in its defaults (AdamW
+        # records decoupled_weight_decay=True, which its constructor sets itself).
+        accepted = inspect.signature(torch_class.__init__).parameters
+        defaults = {k: v for k, v in torch_optimizer.defaults.items() if k in accepted}
+        return self.build(groups, process_group, torch_class, **defaults)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        """The config's DeepSpeed ``scheduler`` block on ``optimizer`` (see
+        ``dtypeplan.schedulers``), or None when the config has none. A step the optimizer
+        skipped (fp16 overflow) does not advance it, as in DeepSpeed."""
+        if self.scheduler is None:
+            return None
+        return schedulers.build_scheduler(_thaw(self.scheduler), optimizer)
+
+
+def _stepped(slot: Mapping[str, Any]) -> bool:
+    """Whether a parameter's optimizer state shows a step (Adagrad fills its state at
+    construction, with step 0)."""
+    if not slot:
+        return False
+    step = slot.get("step")
+    return step is None or float(step) != 0.0
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:

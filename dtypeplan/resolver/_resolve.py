@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -9,9 +11,10 @@ from typing import Any
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
 from dtypeplan.resolver._differences import deepspeed_differences
-from dtypeplan.resolver._dimensions import DIMENSIONS, PARAMS, REDUCTION, STAGE
+from dtypeplan.resolver._dimensions import DIMENSIONS, FEATURE_DIMENSIONS, PARAMS, REDUCTION, STAGE
 from dtypeplan.resolver._frozen import FrozenDict
-from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Status
+from dtypeplan.resolver._optimizer_kind import ClientOptimizerConfig, optimizer_kind
+from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
 from dtypeplan.resolver._rules import RuleTable, load_rules
 
 __all__ = ["resolve", "resolve_config"]
@@ -118,10 +121,26 @@ def resolve_config(
         if config.comm_reduction != REDUCTION.default_value
         else f"default: {REDUCTION.default}"
     )
-    origins["master_dtype"] = "fixed: master weights are always fp32"
+    features = _features(config)
+    for feature, value in features.items():
+        dim = FEATURE_DIMENSIONS[feature]
+        origins[_FEATURE_ORIGINS.get(feature, feature)] = (
+            f"default: {dim.default}" if value == dim.default_value else f"config: {dim.config_key}"
+        )
+    # The optimizer's kind comes from its class, wherever the class came from.
+    origins["optimizer_kind"] = (
+        f"{config.optimizer.torch_class.__name__} is {features['optimizer']} "
+        "(resolver/_optimizer_kind.py)"
+    )
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
     origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
-    origins["optimizer"] = "$.optimizer" if config.optimizer_given else "default (AdamW, lr 1e-3)"
+    origins["optimizer"] = (
+        "the program's optimizer (build(optimizer=...) or wrap())"
+        if isinstance(config.optimizer, ClientOptimizerConfig)
+        else "$.optimizer"
+        if config.optimizer_given
+        else "default (AdamW, lr 1e-3)"
+    )
     origins["gradient_clipping"] = (
         "$.gradient_clipping" if config.gradient_clipping_given else "default (off)"
     )
@@ -147,6 +166,7 @@ def resolve_config(
         "pipeline": bool(pipeline_parallel),
         "comm": comm,
         "reduction": config.comm_reduction,
+        **features,
     }
     rule = table.lookup(point)
     status = rule.status
@@ -165,6 +185,16 @@ def resolve_config(
         accumulator_sharded=sharded,
         comm_dtype=DTYPES[comm],
         comm_reduction=config.comm_reduction,
+        master_dtype=DTYPES[features["master"]],
+        optimizer_states_dtype=DTYPES[features["states"]],
+        autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
+        offload_optimizer=config.offload_optimizer,
+        offload_param=config.offload_param,
+        quantized_communication=config.quantized_communication,
+        hierarchical_partitioning=config.hierarchical_partitioning,
+        gradient_prescaling=config.gradient_prescaling,
+        fp8=config.fp8,
+        optimizer_kind=features["optimizer"],
         zero_stage=stage,
         pipeline_parallel=bool(pipeline_parallel),
         loss_scaling=config.loss_scaling if fp16 else None,
@@ -182,7 +212,37 @@ def resolve_config(
         auto_values=config.auto_values,
         config_warnings=config.config_warnings,
         deepspeed_differences=tuple(deepspeed_differences(config, point, origins)),
+        resolution=Resolution(
+            config=config,
+            resolve=functools.partial(
+                resolve_config, pipeline_parallel=pipeline_parallel, table=table
+            ),
+        ),
     )
+
+
+_FEATURE_ORIGINS = {
+    "master": "master_dtype",
+    "states": "optimizer_states_dtype",
+    "optimizer": "optimizer_kind",
+}
+"""The plan's ``origins`` key of a feature dimension, where it differs from its name."""
+
+
+def _features(config: PrecisionConfig) -> dict[str, Any]:
+    """The feature dimensions' values of ``config`` (see ``_dimensions.py``)."""
+    return {
+        "master": config.master_weights_dtype,
+        "states": config.optimizer_states_dtype,
+        "autocast": config.autocast,
+        "offload_optimizer": config.offload_optimizer,
+        "offload_param": config.offload_param,
+        "quantized_communication": config.quantized_communication,
+        "hierarchical_partitioning": config.hierarchical_partitioning,
+        "gradient_prescaling": config.gradient_prescaling,
+        "fp8": config.fp8,
+        "optimizer": optimizer_kind(config.optimizer.torch_class),
+    }
 
 
 def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
@@ -210,21 +270,38 @@ def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
 
 
 def _alternatives(point: dict[str, Any], table: RuleTable) -> tuple[Alternative, ...]:
-    best: list[tuple[int, list[str], Any]] = []
-    for candidate in table.points():
-        if any(candidate[name] not in dim.choices for name, dim in DIMENSIONS.items()):
-            continue
-        rule = table.lookup(candidate)
-        if rule.status != Status.OK:
-            continue
-        changed = [name for name in DIMENSIONS if candidate[name] != point[name]]
-        settings = [DIMENSIONS[name].setting(candidate[name]) for name in changed]
-        best.append((len(changed), settings, rule))
-    if not best:
-        return ()
-    fewest = min(distance for distance, _, _ in best)
-    chosen = [entry for entry in best if entry[0] == fewest][:MAX_ALTERNATIVES]
-    return tuple(
-        Alternative(changes=tuple(changes), rule_id=rule.id, implementation=rule.implementation)
-        for _, changes, rule in chosen
-    )
+    """The OK points with the fewest changed settings, nearest first.
+
+    Only advisable values (``Dimension.choices``) are proposed, so a dimension whose value is
+    not one (``params=fp16+bf16``, a feature in use) always changes. The search widens one
+    changed dimension at a time and stops at the first distance with an OK point: a handful of
+    lookups, never the whole space.
+    """
+    options = {
+        name: [v for v in dim.choices if v != point[name]] for name, dim in DIMENSIONS.items()
+    }
+    forced = [name for name, dim in DIMENSIONS.items() if point[name] not in dim.choices]
+    free = [name for name in DIMENSIONS if name not in forced and options[name]]
+    for extra in range(len(free) + 1):
+        found: list[Alternative] = []
+        for chosen in itertools.combinations(free, extra):
+            names = [name for name in DIMENSIONS if name in forced or name in chosen]
+            for values in itertools.product(*(options[name] for name in names)):
+                candidate = {**point, **dict(zip(names, values, strict=True))}
+                rule = table.lookup(candidate)
+                if rule.status != Status.OK:
+                    continue
+                assert rule.implementation is not None
+                changes = tuple(
+                    DIMENSIONS[n].setting(v) for n, v in zip(names, values, strict=True)
+                )
+                found.append(
+                    Alternative(
+                        changes=changes, rule_id=rule.id, implementation=rule.implementation
+                    )
+                )
+                if len(found) == MAX_ALTERNATIVES:
+                    return tuple(found)
+        if found:
+            return tuple(found)
+    return ()

@@ -2,11 +2,17 @@
 
 A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS` (see
 ``_dimensions.py``). A rule's ``when`` maps dimensions to a value, a list of values or ``"*"``
-(a missing dimension means ``"*"``). The table is valid only when every point of the space is
-matched by exactly one rule, so rule order never matters and no combination falls through to
-an accident. That check enumerates the points each rule matches into one slot per point, so it
-costs the number of points plus the number of rules; it stops at the first slot filled twice.
-A valid table has at most one rule per point, so a longer file is refused before it is checked.
+(a missing dimension means ``"*"``), so every rule is a *box*: the product of one value set per
+dimension. The table is valid only when every point of the space is matched by exactly one rule,
+so rule order never matters and no combination falls through to an accident.
+
+The space has about 18 million points, too many to enumerate, so the check works on the boxes
+(:func:`_check_coverage`): it splits the space one dimension at a time, grouping that dimension's
+values into classes that the rules still in play treat alike, and recurses into each class with
+the rules that contain it. A class no rule contains is a gap; a box every remaining rule covers
+whole is decided, by one rule, or it is an overlap of two. The splits form a decision tree,
+which is also the lookup index: a point is looked up in one step per split dimension. The cost
+grows with the number of distinct boxes the rules cut the space into, not with the space.
 
 Loading follows torchgen's habits: ``yaml.safe_load`` semantics with line numbers kept, every
 key checked against ``schemas/rules.schema.json``, cross-rule checks in a second pass, and every
@@ -22,7 +28,7 @@ import enum
 import json
 import os
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -49,6 +55,10 @@ __all__ = [
 
 MAX_RULES = COMBINATIONS
 """A valid table has at most one rule per point: every rule matches at least one."""
+
+_Index = Any
+"""A node of the lookup tree: a rule's position (a leaf), or ``(dimension position, children)``
+with one child per value of that dimension (values of one class share their child)."""
 
 
 class Status(str, enum.Enum):
@@ -117,15 +127,22 @@ class RuleTable:
     path: str
     defaults: Defaults
     rules: tuple[Rule, ...]
-    decisions: tuple[int, ...]
-    """For each point (in :func:`points` order), the index of the rule that decides it."""
+    index: _Index = field(compare=False, repr=False)
+    """The decision tree the coverage check built (see the module docstring)."""
 
     def lookup(self, point: Point) -> Rule:
-        """The single rule that decides ``point``."""
-        return self.rules[self.decisions[_point_index(point)]]
+        """The single rule that decides ``point`` (one step per split dimension)."""
+        node = self.index
+        while isinstance(node, tuple):
+            position, children = node
+            name = _DIMENSION_NAMES[position]
+            value = point[name]
+            node = children[_VALUE_INDEX[name][(type(value), value)]]
+        return self.rules[node]
 
     def points(self) -> Iterator[dict[str, Any]]:
-        """Every point of the configuration space."""
+        """Every combination of the core dimensions, the features at their "not used" values
+        (the whole space, about 18 million points, is too large to list)."""
         return points()
 
     def location(self, rule: Rule) -> str:
@@ -145,14 +162,7 @@ _VALUE_INDEX: FrozenDict[str, FrozenDict[tuple[type, Any], int]] = FrozenDict(
 )
 """Per dimension, the position of each value (keyed with its type: ``True`` is not ``1``)."""
 
-
-def _point_index(point: Point) -> int:
-    """The position of ``point`` in :func:`points` order (mixed radix, last dimension fastest)."""
-    index = 0
-    for name, dim in DIMENSIONS.items():
-        value = point[name]
-        index = index * len(dim.values) + _VALUE_INDEX[name][(type(value), value)]
-    return index
+_DIMENSION_NAMES: tuple[str, ...] = tuple(DIMENSIONS)
 
 
 def default_rules_path() -> str:
@@ -406,49 +416,134 @@ def _build_rules(
     return tuple(rules)
 
 
-def _rule_points(rule: Rule) -> Iterator[int]:
-    """The indices of the points ``rule`` matches, without visiting the others."""
-    indices = [0]
-    for dim_name, dim in DIMENSIONS.items():
-        allowed = rule.when.get(dim_name)
-        positions = [i for i, v in enumerate(dim.values) if allowed is None or _member(v, allowed)]
-        indices = [index * len(dim.values) + i for index in indices for i in positions]
-    return iter(indices)
-
-
-def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> tuple[int, ...]:
-    """One rule index per point; a gap or an overlap raises. Costs points + rules."""
-    decisions = [-1] * COMBINATIONS
-    for number, rule in enumerate(rules):
-        for index in _rule_points(rule):
-            if decisions[index] >= 0:
-                first = rules[decisions[index]]
-                point = _point_at(index)
-                raise RulesError(
-                    f"rules {first.id!r} (line {first.line}) and {rule.id!r} overlap: both "
-                    f"match {_point_text(point)}; every combination must be matched by exactly "
-                    "one rule",
-                    name,
-                    rule.line,
-                )
-            decisions[index] = number
-    gaps = [_point_at(index) for index, rule in enumerate(decisions) if rule < 0]
-    if gaps:
-        shown = "; ".join(_point_text(p) for p in gaps[:3])
-        more = f" and {len(gaps) - 3} more" if len(gaps) > 3 else ""
-        raise RulesError(
-            f"{len(gaps)} combination(s) are matched by no rule: {shown}{more}", name, rules_line
+def _rule_masks(rule: Rule) -> tuple[int, ...]:
+    """Per dimension, the set of value positions ``rule`` allows, as a bit mask."""
+    masks = []
+    for name, dim in DIMENSIONS.items():
+        allowed = rule.when.get(name)
+        masks.append(
+            sum(
+                1 << i
+                for i, value in enumerate(dim.values)
+                if allowed is None or _member(value, allowed)
+            )
         )
-    return tuple(decisions)
+    return tuple(masks)
 
 
-def _point_at(index: int) -> dict[str, Any]:
-    """Inverse of :func:`_point_index`."""
-    values: list[Any] = []
-    for dim in reversed(tuple(DIMENSIONS.values())):
-        index, position = divmod(index, len(dim.values))
-        values.append(dim.values[position])
-    return dict(zip(DIMENSIONS, reversed(values), strict=True))
+def _positions(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+class _Coverage:
+    """The recursive split behind :func:`_check_coverage` (see the module docstring)."""
+
+    def __init__(self, rules: tuple[Rule, ...], name: str) -> None:
+        self.rules = rules
+        self.name = name
+        self.masks = [_rule_masks(rule) for rule in rules]
+        self.sizes = [len(dim.values) for dim in DIMENSIONS.values()]
+        self.full = [(1 << size) - 1 for size in self.sizes]
+        self.gaps = 0
+        self.first_gap: str | None = None
+
+    def visit(self, live: list[int], box: list[int], parents: list[int], split_by: int) -> _Index:
+        """The index for the points of ``box`` (a value mask per dimension), which exactly the
+        rules ``live`` (file order) contain on every dimension split so far; ``parents`` are
+        the rules of the box before its last split, on dimension ``split_by``."""
+        if not live:
+            self._gap(box, parents, split_by)
+            return None
+        best: tuple[int, int, list[tuple[int, list[int]]]] | None = None
+        for d, size in enumerate(self.sizes):
+            if box[d] != self.full[d]:
+                continue  # split already: every live rule contains the box's values here
+            by_mask: dict[int, list[int]] = {}
+            for r in live:
+                by_mask.setdefault(self.masks[r][d], []).append(r)
+            if len(by_mask) == 1 and self.full[d] in by_mask:
+                continue  # every live rule takes every value: nothing to split
+            classes = self._classes(by_mask, size)
+            # Split where the fewest rules land in several classes: a rule that takes every
+            # value of the dimension is copied into each class, so a dimension most rules name
+            # ends the copying soonest (features before the core, in the shipped table).
+            copies = sum(len(rules) for _, rules in classes)
+            if best is None or copies < best[1]:
+                best = (d, copies, classes)
+        if best is None:
+            if len(live) > 1:
+                self._overlap(live[0], live[1], box)
+            return live[0]
+        split, _, classes = best
+        children: list[_Index] = [None] * self.sizes[split]
+        for mask, rules in classes:
+            inner = list(box)
+            inner[split] = mask
+            child = self.visit(rules, inner, live, split)
+            for value in _positions(mask):
+                children[value] = child
+        return (split, tuple(children))
+
+    @staticmethod
+    def _classes(by_mask: dict[int, list[int]], size: int) -> list[tuple[int, list[int]]]:
+        """The values of a dimension grouped by the rules containing them: ``(value mask,
+        rules in file order)`` per class, in the order of the classes' first values."""
+        keyed: dict[tuple[int, ...], int] = {}
+        for value in range(size):
+            key = tuple(mask for mask in by_mask if mask >> value & 1)
+            keyed[key] = keyed.get(key, 0) | 1 << value
+        return [
+            (values, sorted(r for mask in key for r in by_mask[mask]))
+            for key, values in keyed.items()
+        ]
+
+    def _first_point(self, box: list[int]) -> dict[str, Any]:
+        return {
+            name: dim.values[(mask & -mask).bit_length() - 1]
+            for (name, dim), mask in zip(DIMENSIONS.items(), box, strict=True)
+        }
+
+    def _gap(self, box: list[int], parents: list[int], split_by: int) -> None:
+        count = 1
+        for mask in box:
+            count *= mask.bit_count()
+        self.gaps += count
+        if self.first_gap is not None:
+            return
+        point = self._first_point(box)
+        self.first_gap = _point_text(point)
+        if parents:
+            dim = _DIMENSION_NAMES[split_by]
+            near = ", ".join(
+                f"{self.rules[r].id!r} (line {self.rules[r].line})" for r in parents[:3]
+            )
+            self.first_gap += f" (the rules nearest to it leave out {dim}="
+            self.first_gap += f"{value_text(point[dim])}: {near})"
+
+    def _overlap(self, first_index: int, second_index: int, box: list[int]) -> None:
+        first, second = self.rules[first_index], self.rules[second_index]
+        raise RulesError(
+            f"rules {first.id!r} (line {first.line}) and {second.id!r} overlap: both "
+            f"match {_point_text(self._first_point(box))}; every combination must be matched "
+            "by exactly one rule",
+            self.name,
+            second.line,
+        )
+
+
+def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> _Index:
+    """The lookup tree; a gap or an overlap raises (see the module docstring)."""
+    coverage = _Coverage(rules, name)
+    full = list(coverage.full)
+    index = coverage.visit(list(range(len(rules))), full, [], 0)
+    if coverage.gaps:
+        more = f" and {coverage.gaps - 1} more" if coverage.gaps > 1 else ""
+        raise RulesError(
+            f"{coverage.gaps} combination(s) are matched by no rule: {coverage.first_gap}{more}",
+            name,
+            rules_line,
+        )
+    return index
 
 
 def _point_text(point: Point) -> str:
@@ -495,7 +590,7 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
         raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)
     _validate_schema(document, name)
     rules = _build_rules(document, name, implementations)
-    decisions = _check_coverage(rules, name, document.key_lines["rules"])
+    index = _check_coverage(rules, name, document.key_lines["rules"])
     raw = document["defaults"]
     defaults = Defaults(
         grad_accum_dtype=FrozenDict(raw["grad_accum_dtype"]),
@@ -503,4 +598,4 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
         communication_data_type=raw["communication_data_type"],
         lines=FrozenDict({key: raw.key_lines[key] for key in raw}),
     )
-    return RuleTable(path=path, defaults=defaults, rules=rules, decisions=decisions)
+    return RuleTable(path=path, defaults=defaults, rules=rules, index=index)

@@ -32,7 +32,16 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     reference = make_model(seed)
     model = plan.prepare_model(copy.deepcopy(reference))
     groups = _param_groups(model, case.get("param_groups", 1))
-    optimizer = plan.build(groups)
+    client = case.get("client")  # a torch.optim class name, its hyperparameters, build | wrap
+    if client is None:
+        optimizer = plan.build(groups)
+    else:
+        torch_class = getattr(torch.optim, client["optimizer"])
+        if client["how"] == "wrap":
+            optimizer = plan.wrap(torch_class(groups, **client["hyperparameters"]))
+        else:
+            optimizer = plan.build(groups, optimizer=torch_class, **client["hyperparameters"])
+        plan = optimizer.plan
     ref_groups = _param_groups(reference, case.get("param_groups", 1))
     ref_opt = plan.optimizer.torch_class(ref_groups, **plan.optimizer.params)
 

@@ -1,0 +1,108 @@
+"""The feature dimensions (DeepSpeed settings dtypeplan does not run yet) from real configs.
+
+Each value's config fragment (the dimension record's, which the table and the resolver's
+advice print) must resolve to that value, every value but "not used" must give a plan that is
+not OK with the rule's reason, and the advice must lead back to an OK plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import dtypeplan
+from dtypeplan.resolver import DTYPE_NAMES
+from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, OPTIMIZER_KIND, config_for
+
+PLAN_FIELDS = {
+    "master": lambda plan: DTYPE_NAMES[plan.master_dtype],
+    "states": lambda plan: DTYPE_NAMES[plan.optimizer_states_dtype],
+    "autocast": lambda plan: (
+        "none" if plan.autocast_dtype is None else DTYPE_NAMES[plan.autocast_dtype]
+    ),
+    "offload_optimizer": lambda plan: plan.offload_optimizer,
+    "offload_param": lambda plan: plan.offload_param,
+    "quantized_communication": lambda plan: plan.quantized_communication,
+    "hierarchical_partitioning": lambda plan: plan.hierarchical_partitioning,
+    "gradient_prescaling": lambda plan: plan.gradient_prescaling,
+    "fp8": lambda plan: plan.fp8,
+    "optimizer": lambda plan: plan.optimizer_kind,
+}
+
+CASES = [
+    (dim.name, value)
+    for dim in FEATURE_DIMENSIONS.values()
+    if dim is not OPTIMIZER_KIND  # set by the program's class: test_client_optimizers.py
+    for value in dim.values
+]
+
+
+def _config(name: str, value: Any) -> dict[str, Any]:
+    # ZeRO-3, where every feature applies; a feature's fragment may enable bf16 or fp16 itself.
+    return {
+        **config_for({name: value}),
+        "zero_optimization": {"stage": 3, **config_for({name: value}).get("zero_optimization", {})},
+    }
+
+
+def test_the_plan_reports_every_feature() -> None:
+    assert set(PLAN_FIELDS) == set(FEATURE_DIMENSIONS)
+
+
+@pytest.mark.parametrize(("name", "value"), CASES)
+def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
+    dim = FEATURE_DIMENSIONS[name]
+    plan = dtypeplan.resolve(_config(name, value))
+    assert PLAN_FIELDS[name](plan) == value, plan.explain()
+    if value == dim.default_value:
+        assert plan.status == "OK", plan.explain()
+        return
+    assert plan.status != "OK"
+    rule = next(r for r in dtypeplan.load_rules().rules if r.id == plan.rule_id)
+    assert name in rule.when and value in rule.when[name]
+    assert plan.reason in plan.explain()
+    # The advice names the feature's "not used" setting, and following it gives an OK plan.
+    unused = dim.setting(dim.default_value)
+    assert any(unused in "; ".join(alt.changes) for alt in plan.alternatives), plan.explain()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_memory_refuses_an_offloaded_plan(device: str) -> None:
+    for key in ("offload_optimizer", "offload_param"):
+        plan = dtypeplan.resolve({"zero_optimization": {"stage": 3, key: {"device": device}}})
+        assert plan.status == "NotSupported" and getattr(plan, key) == device
+        with pytest.raises(dtypeplan.NotSupportedError, match=f"{key} to {device}"):
+            plan.memory(7_000_000_000, 8)
+    assert dtypeplan.resolve({"zero_optimization": {"stage": 3}}).memory(10, 2)["total"] > 0
+
+
+def test_check_prints_why_an_offloaded_plan_has_no_memory_figure(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dtypeplan.cli import main
+
+    path = tmp_path / "offload.json"
+    path.write_text(
+        '{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, '
+        '"offload_optimizer": {"device": "cpu"}}}'
+    )
+    assert main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "memory: not estimated, memory(): the plan asks for offload_optimizer to cpu" in out
+    assert "offload optimizer      cpu" in out
+
+
+def test_features_in_use_decide_by_the_last_in_dimension_order() -> None:
+    plan = dtypeplan.resolve(
+        {
+            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        }
+    )
+    assert plan.rule_id == "offload-optimizer"
+    changes = ["; ".join(alt.changes) for alt in plan.alternatives]
+    assert changes and all(
+        "offload_optimizer.device=none" in c and "bf16_master_weights_and_grads=false" in c
+        for c in changes
+    ), changes
