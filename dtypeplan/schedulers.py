@@ -181,7 +181,7 @@ class _DeepSpeedSchedule(_SkipAware, LRScheduler):
     def _apply_initial(self) -> None:
         self._last_lr = _set_lrs(self.optimizer, self.get_lr())
 
-    def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+    def step(self, epoch: int | None = None) -> None:
         """Advance one step and set the lrs, unless the optimizer skipped its last step.
 
         ``epoch`` (DeepSpeed's ``batch_iteration``) sets ``t`` directly and is never skipped.
@@ -564,7 +564,8 @@ def _skip_aware(cls: type[LRScheduler]) -> type[LRScheduler]:
 
 
 def _check_params(name: str, cls: type, params: Mapping[str, Any]) -> None:
-    signature = inspect.signature(cls.__init__)
+    # The class's own __init__ is what is read here, not an instance's.
+    signature = inspect.signature(cls.__init__)  # type: ignore[misc]
     accepted = list(signature.parameters)[2:]  # drop self and optimizer
     for key in params:
         if key not in accepted:

@@ -23,7 +23,7 @@ __all__ = ["GroupState", "ShardPiece"]
 class ShardPiece(NamedTuple):
     """Where this rank's master chunks hold part of one parameter."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index; it is the parameter number
     """The parameter's number in ``trainable_parameters()`` (and in the ``param.{i}`` keys)."""
     begin: int
     """First element of the flattened parameter held here."""

@@ -35,7 +35,7 @@ class LossScaler:
                         f"$.fp16.{name}",
                     )
         self.enabled = config is not None
-        self.dynamic = self.enabled and config.loss_scale == 0
+        self.dynamic = config is not None and config.loss_scale == 0
         if config is None:
             self.scale = 1.0
             config = LossScaleConfig()

@@ -20,6 +20,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Protocol
 
 import torch
@@ -62,7 +63,8 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside dtypeplan (the user's ``plan.build``)."""
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("dtypeplan"):
         level, frame = level + 1, frame.f_back
     return level

@@ -185,7 +185,7 @@ def check_yaml_events(text: str, limits: InputLimits = DEFAULT_LIMITS) -> None:
     for event in yaml.parse(text, Loader=loader):
         line = event.start_mark.line + 1 if event.start_mark is not None else None
         if isinstance(event, yaml.AliasEvent):
-            total += sizes.get(event.anchor, 1)
+            total += sizes.get(event.anchor or "", 1)
         elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             total += 1
             open_nodes.append((event.anchor, total))

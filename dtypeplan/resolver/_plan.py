@@ -352,7 +352,12 @@ class PrecisionPlan:
         rows += [
             (label, value, key)
             for label, value, key, unused in (
-                ("autocast", DTYPE_NAMES.get(self.autocast_dtype, "none"), "autocast", "none"),
+                (
+                    "autocast",
+                    DTYPE_NAMES[self.autocast_dtype] if self.autocast_dtype else "none",
+                    "autocast",
+                    "none",
+                ),
                 ("offload optimizer", self.offload_optimizer, "offload_optimizer", "none"),
                 ("offload params", self.offload_param, "offload_param", "none"),
                 (

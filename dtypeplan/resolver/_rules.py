@@ -180,7 +180,7 @@ class _LineMap(dict):
 _SafeLoader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _LineLoader(_SafeLoader):  # type: ignore[misc,valid-type]
+class _LineLoader(_SafeLoader):
     """SafeLoader that keeps line numbers and refuses duplicate keys."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> _LineMap:
