@@ -55,6 +55,12 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, is_adam
+from dtypeplan.optimizers._clip import device_gradient_factor
+from dtypeplan.optimizers._flat_update import (
+    FlatAdamUpdate,
+    decoupled_weight_decay,
+    scale_into_inner_step,
+)
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -111,6 +117,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         self._inner = self._build_inner_optimizer()
         self._fused_kernel: bool | None = None
+        self._adam_update = FlatAdamUpdate(self._inner, plan.optimizer.torch_class)
+        self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self.reductions = ReductionScheduler(
             self.groups,
             self.comm,
@@ -205,19 +213,45 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         factor = self._check_and_clip(grads_by_group)
         if factor is None:
             return loss
-        fused = self._update(grads_by_group, factor)
-        self._write_back(cast=not fused)
+        self._update(grads_by_group, factor)
         self.scaler.update(overflow=False)
         return loss
 
-    def _check_and_clip(self, grads_by_group: list[list[torch.Tensor]]) -> float | None:
-        """The factor that unscales, averages and clips the gradients; None skips the step."""
-        grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        return self._gradient_factor(
-            self._global_sq_norm(grads), self.scaler.scale * self.comm.world_size
-        )
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (NaN if not finite); read, it syncs once."""
+        if self._pending_norm is not None:
+            self._grad_norm = float(self._pending_norm)
+            self._pending_norm = None
+        return self._grad_norm
 
-    def _global_sq_norm(self, grads: list[torch.Tensor]) -> float:
+    @grad_norm.setter
+    def grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
+        self._pending_norm: torch.Tensor | None = None
+
+    def _check_and_clip(
+        self, grads_by_group: list[list[torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The factor that unscales, averages and clips the gradients, and its inverse.
+
+        0-dim fp32 device tensors; None skips the step. Only a step that may be skipped (fp16,
+        or the non-finite check on) brings the norm to the host: one sync per step.
+        """
+        grads = [g for per_bucket in grads_by_group for g in per_bucket]
+        sq_norm = self._global_sq_norm(grads)
+        divisor = self.scaler.scale * self.comm.reduction_divisor
+        if self.check_nonfinite:
+            host = self._gradient_factor(float(sq_norm), divisor)
+            if host is None:
+                return None
+            factor = torch.full((), host, dtype=torch.float32, device=self.device)
+            return factor, factor.reciprocal()
+        device = device_gradient_factor(sq_norm, divisor, self.clip)
+        self._pending_norm = device.norm
+        return device.factor, device.inverse
+
+    def _global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
             local = torch.stack(norms).double().square().sum().float()
@@ -225,31 +259,50 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             local = torch.zeros((), device=self.device)
         if self.shards > 1:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
-        return float(local)
+        return local
 
-    def _update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> bool:
-        """Update the master weights; True where the fused kernel also wrote the parameters."""
+    def _update(
+        self, grads_by_group: list[list[torch.Tensor]], factor: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Update the master weights and write them into the parameters on every rank.
+
+        Bucket by bucket where the update allows it: each bucket's all-gather is launched as
+        soon as its chunk is written, and runs while the next buckets update.
+        """
         self._sync_hyperparameters()
-        fused = self._use_fused_kernel()
-        if fused:
-            self._fused_kernel_update(grads_by_group, factor)
+        if self._use_fused_kernel():
+            self._fused_kernel_update(grads_by_group, factor[0])
+        elif FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
+            self._torch_update(grads_by_group, factor[1])
         else:
-            self._torch_update(grads_by_group, factor)
-        return fused
+            masters = [m for state in self.groups for m in state.masters]
+            grads = [g for per_bucket in grads_by_group for g in per_bucket]
+            undo = scale_into_inner_step(self.inner, masters, grads, *factor)
+            try:
+                self.inner.step()
+            finally:
+                undo()
+            self._write_back(cast=True)
 
-    def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
-        """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
-        fp32 = [
-            [g if g.dtype == torch.float32 else g.float() for g in per] for per in grads_by_group
-        ]
-        torch._foreach_mul_([g for per in fp32 for g in per], factor)
-        for state, per_bucket in zip(self.groups, fp32, strict=True):
-            for master, grad in zip(state.masters, per_bucket, strict=True):
-                master.grad = grad
-        self.inner.step()
-        for state in self.groups:
-            for master in state.masters:
-                master.grad = None
+    def _torch_update(
+        self, grads_by_group: list[list[torch.Tensor]], grad_scale: torch.Tensor
+    ) -> None:
+        """torch's fused Adam/AdamW per bucket chunk, on the gradients over ``grad_scale``."""
+        gathers: list[Callable[[], None]] = []
+        for state, group, per_bucket in zip(
+            self.groups, self.inner.param_groups, grads_by_group, strict=True
+        ):
+            for bucket, master, grad in zip(
+                state.flat.buckets, state.masters, per_bucket, strict=True
+            ):
+                chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
+                aliased = chunk.data_ptr() == master.data_ptr()
+                self._adam_update.bucket(
+                    group, master, grad, None if aliased else chunk, grad_scale
+                )
+                gathers.append(self._start_gather(state, bucket))
+        for finish in gathers:
+            finish()
 
     def _use_fused_kernel(self) -> bool:
         """The one-pass Triton AdamW (CUDA) applies to Adam/AdamW without amsgrad or maximize."""
@@ -269,19 +322,25 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         return self._fused_kernel
 
-    def _fused_kernel_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
+    def _fused_kernel_update(
+        self, grads_by_group: list[list[torch.Tensor]], factor: torch.Tensor
+    ) -> None:
         """Read each accumulator chunk as it is, update master and moments, write the params.
 
         The moments live in ``self.inner.state`` under torch's names, so ``state_dict``,
-        ``full_state`` and checkpoints do not know which path ran.
+        ``full_state`` and checkpoints do not know which path ran. The factor is read from
+        device memory, and the bias corrections come from a host copy of the step counter
+        (read once after a load), so the loop never waits for the device.
         """
         from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
 
-        adam_w = self.plan.optimizer.type == "AdamW"
+        step = self._host_step() + 1
+        gathers: list[Callable[[], None]] = []
         for state, group, per_bucket in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
             beta1, beta2 = group["betas"]
+            adam_w = decoupled_weight_decay(self.plan.optimizer.torch_class, group)
             for bucket, master, grad in zip(
                 state.flat.buckets, state.masters, per_bucket, strict=True
             ):
@@ -303,10 +362,28 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    step=int(slot["step"].item()),
+                    step=step,
                     grad_factor=factor,
                     adam_w_mode=adam_w,
                 )
+                gathers.append(self._start_gather(state, bucket))
+        self._kernel_step = step
+        for finish in gathers:
+            finish()
+
+    def _host_step(self) -> int:
+        """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
+        if self._kernel_step is None:
+            self._kernel_step = self.step_count()
+        return self._kernel_step
+
+    def reset_update_state(self, names: Iterable[str], step: int) -> None:
+        super().reset_update_state(names, step)
+        self._kernel_step = None
+
+    def _load_update_state(self, state_dict: dict[str, Any]) -> None:
+        super()._load_update_state(state_dict)
+        self._kernel_step = None
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -316,17 +393,27 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def _write_back(self, cast: bool = True) -> None:
         """Cast the master chunks into the parameters (unless done) and all-gather them."""
+        gathers: list[Callable[[], None]] = []
         for state in self.groups:
             flat = state.flat
             for bucket, master in zip(flat.buckets, state.masters, strict=True):
                 chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
                 if cast and master.data_ptr() != chunk.data_ptr():
                     chunk.copy_(master)
-                if self.shards > 1:
-                    # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
-                    self.comm.all_gather(
-                        flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
-                    )
+                gathers.append(self._start_gather(state, bucket))
+        for finish in gathers:
+            finish()
+
+    def _start_gather(self, state: GroupState, bucket: Any) -> Callable[[], None]:
+        """Launch the all-gather of one bucket of parameters from this rank's written chunk."""
+        if self.shards == 1:
+            return _nothing
+        flat = state.flat
+        chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
+        # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
+        return self.comm.start_all_gather(
+            flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
+        )
 
     # --- state --------------------------------------------------------------------------------
     def _layout_facts(self) -> dict[str, Any]:
@@ -435,3 +522,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()
+
+
+def _nothing() -> None:
+    """The finisher of an all-gather that had nothing to send (one shard)."""
