@@ -15,7 +15,37 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DeviceGradientFactor", "device_gradient_factor"]
+__all__ = ["DeviceGradientFactor", "device_gradient_factor", "local_sq_norm"]
+
+_CPU_NORM_CHUNK = 1 << 20
+"""Elements of a 16-bit gradient converted at a time on CPU (into a 4 MiB fp32 scratch)."""
+
+
+def local_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared 2-norm of ``grads`` together, as a 0-dim fp32 tensor on their device.
+
+    Each tensor's norm is taken in fp32 and the squares are summed in fp64. 16-bit gradients
+    on CPU are converted a piece at a time into one scratch that stays in cache: the CPU
+    kernel of ``_foreach_norm(..., dtype=float32)`` on 16-bit input runs several times slower
+    than a conversion followed by an fp32 norm (measured on AMD EPYC, one core).
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    wide = [g for g in grads if g.dtype == torch.float32 or g.device.type != "cpu"]
+    norms = list(torch._foreach_norm(wide, 2.0, dtype=torch.float32)) if wide else []
+    narrow = [g for g in grads if g.dtype != torch.float32 and g.device.type == "cpu"]
+    if narrow:
+        scratch = torch.empty(
+            min(_CPU_NORM_CHUNK, max(g.numel() for g in narrow)), dtype=torch.float32
+        )
+        for grad in narrow:
+            flat = grad.reshape(-1)
+            for begin in range(0, flat.numel(), scratch.numel()):
+                piece = flat[begin : begin + scratch.numel()]
+                converted = scratch[: piece.numel()]
+                converted.copy_(piece)
+                norms.append(torch.linalg.vector_norm(converted))
+    return torch.stack(norms).double().square().sum().float()
 
 
 class DeviceGradientFactor(NamedTuple):

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer, is_adam
-from dtypeplan.optimizers._clip import device_gradient_factor
+from dtypeplan.optimizers._clip import device_gradient_factor, local_sq_norm
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
@@ -252,11 +252,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return device.factor, device.inverse
 
     def _global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            local = torch.stack(norms).double().square().sum().float()
-        else:
-            local = torch.zeros((), device=self.device)
+        local = local_sq_norm(grads) if grads else torch.zeros((), device=self.device)
         if self.shards > 1:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
         return local
