@@ -125,6 +125,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             comm_dtype=plan.comm_dtype,
             comm_method=plan.comm_reduction,
             sharded_accumulator=sharded_accumulator,
+            # DeepSpeed's gradient_accumulation_steps, once the plan carries it.
+            accumulation_steps=getattr(plan, "gradient_accumulation_steps", None),
         )
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:

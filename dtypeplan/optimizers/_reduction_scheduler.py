@@ -15,6 +15,12 @@ Its life cycle is one :class:`Phase`::
 ``backward()`` enters ``ARMED`` before autograd runs, so that a micro-batch whose loss reaches
 no parameter (no hook fires) is still seen and still takes part in the reductions.
 
+Knowing the boundary without being told: given ``accumulation_steps`` (DeepSpeed's
+``gradient_accumulation_steps``), the scheduler counts backward passes since the last step and
+treats the last one as ``last_micro_batch=True``, so that a pipeline schedule's or a training
+loop's bare ``loss.backward()`` gets the same overlap as ``opt.backward(loss,
+last_micro_batch=True)``.
+
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
 with zeros for parameters that got no gradient.
@@ -126,8 +132,12 @@ class ReductionScheduler:
         comm_dtype: torch.dtype,
         comm_method: str,
         sharded_accumulator: bool,
+        accumulation_steps: int | None = None,
     ) -> None:
         self.groups = groups
+        self.accumulation_steps = accumulation_steps
+        """Backward passes per step, where known: the last one starts the step's reduction."""
+        self._passes = 0
         self.comm = comm
         self.comm_dtype = comm_dtype
         self.comm_method = comm_method
@@ -174,12 +184,7 @@ class ReductionScheduler:
         part in the sharded reductions (with zeros) and the ranks stay paired.
         """
         self._refuse_after_last()
-        self._pass = BackwardPass(
-            onto_empty=self.phase is Phase.EMPTY,
-            # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
-            # its boundary reduction bucket by bucket while the last backward goes on.
-            last_micro_batch=last_micro_batch and not self.sharded_accumulator,
-        )
+        self._pass = self._begin_pass(last_micro_batch)
         self.phase = Phase.ARMED
         try:
             yield
@@ -189,11 +194,27 @@ class ReductionScheduler:
         if self.phase is Phase.ARMED:
             self._finish_backward()
 
+    def _begin_pass(self, last_micro_batch: bool) -> BackwardPass:
+        """Count one backward pass; the one that completes ``accumulation_steps`` is the last."""
+        self._passes += 1
+        at_boundary = bool(self.accumulation_steps) and self._passes == self.accumulation_steps
+        return BackwardPass(
+            onto_empty=self.phase is Phase.EMPTY,
+            # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
+            # its boundary reduction bucket by bucket while the last backward goes on.
+            last_micro_batch=(last_micro_batch or at_boundary) and not self.sharded_accumulator,
+        )
+
     def _refuse_after_last(self) -> None:
         if self.phase is Phase.REDUCING:
+            told = (
+                f"the {self.accumulation_steps} micro-batches of gradient_accumulation_steps"
+                if self.accumulation_steps
+                else "the micro-batch marked last_micro_batch=True"
+            )
             raise RuntimeError(
-                "a backward after the micro-batch marked last_micro_batch=True: its gradient "
-                "reduction has started already; call step() (or zero_grad()) first"
+                f"a backward after {told}: the step's gradient reduction has started already; "
+                "call step() (or zero_grad()) first"
             )
 
     def _make_hook(self, group_index: int, param_index: int) -> Callable[[torch.Tensor], None]:
@@ -237,7 +258,7 @@ class ReductionScheduler:
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
             self._refuse_after_last()
-            self._pass = BackwardPass(onto_empty=self.phase is Phase.EMPTY, last_micro_batch=False)
+            self._pass = self._begin_pass(last_micro_batch=False)
         self.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -397,6 +418,7 @@ class ReductionScheduler:
                 per_bucket.append(work.result)
             grads.append(per_bucket)
         self.phase = Phase.EMPTY
+        self._passes = 0
         return grads
 
     def abandon(self, *, after_error: bool = False) -> None:
@@ -421,4 +443,5 @@ class ReductionScheduler:
         self._free_staging.clear()
         self._pass = None
         self.phase = Phase.EMPTY
+        self._passes = 0
         self._reset_bookkeeping()
