@@ -411,6 +411,9 @@ configs = [
       "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2}}}}}},
     {{"bf16": {{"enabled": True}}, "gradient_accumulation_dtype": "bf16",
       "optimizer": {{"type": "Adam", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}},
+    # Adam with decoupled decay must get AdamW's update, not L2 (issue 14, W1).
+    {{"optimizer": {{"type": "Adam", "params": {{"lr": 1e-2, "weight_decay": 0.5,
+                                               "decoupled_weight_decay": True}}}}}},
 ]
 for config in configs:
     plan = dtypeplan.resolve(config)

@@ -46,12 +46,10 @@ def test_decoupled_weight_decay_decision(
 
 def test_adam_with_decoupled_decay_matches_torch() -> None:
     """The engine's own Adam update (not torch's step()) against torch.optim.Adam."""
-    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.5}}}
-    plan = dtypeplan.resolve(config)
+    params = {"lr": 1e-2, "weight_decay": 0.5, "decoupled_weight_decay": True}
+    plan = dtypeplan.resolve({"optimizer": {"type": "Adam", "params": params}})
     model, reference = make_model(0), make_model(0)
     optimizer = plan.build(model.parameters())
-    for group in optimizer.param_groups:
-        group["decoupled_weight_decay"] = True
     torch_optimizer = torch.optim.Adam(
         reference.parameters(), lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True
     )
