@@ -325,49 +325,43 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         """Read each accumulator chunk as it is, update master and moments, write the params.
 
-        The moments live in ``self.inner.state`` under torch's names, so ``state_dict``,
-        ``full_state`` and checkpoints do not know which path ran. The factor is read from
-        device memory, and the bias corrections come from a host copy of the step counter
-        (read once after a load), so the loop never waits for the device.
+        One kernel launch per param group covers all of its bucket chunks. The moments live
+        in ``self.inner.state`` under torch's names, so ``state_dict``, ``full_state`` and
+        checkpoints do not know which path ran. The factor is read from device memory, and
+        the bias corrections come from a host copy of the step counter (read once after a
+        load), so nothing waits for the device.
         """
-        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
+        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
 
         step = self._host_step() + 1
-        gathers: list[Callable[[], None]] = []
-        for state, group, per_bucket in zip(
+        for state, group, grads in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
+            if not state.masters:
+                continue
+            slots = [self._adam_update.slot(master) for master in state.masters]
+            torch._foreach_add_([slot["step"] for slot in slots], 1.0)
+            flat = state.flat
+            chunks = [flat.chunk_view(flat.buffer, b, self.shard_rank) for b in flat.buckets]
+            aliased = chunks[0].data_ptr() == state.masters[0].data_ptr()
             beta1, beta2 = group["betas"]
-            adam_w = decoupled_weight_decay(self.plan.optimizer.torch_class, group)
-            for bucket, master, grad in zip(
-                state.flat.buckets, state.masters, per_bucket, strict=True
-            ):
-                slot = self.inner.state[master]
-                if "exp_avg" not in slot:
-                    slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-                    slot["exp_avg"] = torch.zeros_like(master)
-                    slot["exp_avg_sq"] = torch.zeros_like(master)
-                slot["step"] += 1
-                param_chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
-                fused_mixed_adamw_(
-                    master,
-                    slot["exp_avg"],
-                    slot["exp_avg_sq"],
-                    grad,
-                    None if param_chunk.data_ptr() == master.data_ptr() else param_chunk,
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=step,
-                    grad_factor=factor,
-                    adam_w_mode=adam_w,
-                )
-                gathers.append(self._start_gather(state, bucket))
+            fused_mixed_adamw_multi_(
+                state.masters,
+                [slot["exp_avg"] for slot in slots],
+                [slot["exp_avg_sq"] for slot in slots],
+                grads,
+                None if aliased else chunks,
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                grad_factor=factor,
+                adam_w_mode=decoupled_weight_decay(self.plan.optimizer.torch_class, group),
+            )
         self._kernel_step = step
-        for finish in gathers:
-            finish()
+        self._write_back(cast=False)
 
     def _host_step(self) -> int:
         """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""

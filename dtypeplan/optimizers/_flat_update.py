@@ -68,7 +68,8 @@ class FlatAdamUpdate:
             for g in inner.param_groups
         )
 
-    def _slot(self, master: torch.Tensor) -> dict[str, Any]:
+    def slot(self, master: torch.Tensor) -> dict[str, Any]:
+        """``master``'s state in the inner optimizer, created (zeroed, step 0) if missing."""
         slot = self.inner.state[master]
         if "exp_avg" not in slot:
             slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
@@ -89,7 +90,7 @@ class FlatAdamUpdate:
         ``grad`` (fp32) is overwritten with the unscaled gradient, as torch's fused kernels do;
         the engine no longer needs it. ``param_chunk`` is None where it is the master itself.
         """
-        slot = self._slot(master)
+        slot = self.slot(master)
         step = slot["step"]
         step += 1
         beta1, beta2 = group["betas"]
