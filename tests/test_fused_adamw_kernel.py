@@ -502,6 +502,15 @@ for config in configs:
     exact = "bf16" not in config
     tolerance = 1e-5 if exact else 2e-2
     assert result["master_rel_error"] <= tolerance, result
+
+# Two ranks, sharded, several buckets: one launch per group writes strided parameter chunks.
+from dtypeplan.launch import spawn
+from tests.workers.parity import run_cases
+sharded = {{"bf16": {{"enabled": True}}, "gradient_clipping": 0.3,
+            "zero_optimization": {{"stage": 2, "reduce_bucket_size": 300}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}}
+for result in spawn(run_cases, 2, [{{"name": "stage 2", "config": sharded, "steps": 3}}]):
+    assert result[0]["master_rel_error"] <= 2e-2, result
 print("ENGINE-KERNEL-OK")
 """
 

@@ -31,14 +31,20 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
-   backward, when the caller marks it: ``opt.backward(loss, last_micro_batch=True)``. Then it
-   is viewed as fp32, checked and clipped through one scalar all-reduce of the squared
-   norm (a non-finite sum means some rank overflowed), scaled once by
-   ``clip / (loss_scale * world_size)``, handed to one fused optimizer call, cast to the
-   parameter dtype and all-gathered into the buffer. On CUDA with Triton, Adam and AdamW
-   instead run one kernel per chunk that reads the accumulator as it is (no fp32 copy),
-   updates master and moments and writes the 16-bit parameters in a single pass
-   (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
+   backward, when the caller marks it (``opt.backward(loss, last_micro_batch=True)``) or the
+   plan's ``gradient_accumulation_steps`` says which backward is the last. NCCL averages on
+   the wire; gloo sums and leaves ``comm.reduction_divisor`` to divide. Then the gradients are
+   checked and clipped through one scalar all-reduce of the squared norm (a non-finite sum
+   means some rank overflowed). The factor ``clip / (loss_scale * reduction_divisor)`` stays
+   a device tensor (``_clip.py``): no host sync unless the step may be skipped (fp16, or the
+   non-finite check), and no scaling pass, since torch's fused Adam/AdamW divide by it as
+   their ``grad_scale`` (``_flat_update.py``, chunk by chunk, 16-bit accumulators through a
+   reused fp32 scratch). Each bucket's chunk is cast to the parameter dtype and its
+   all-gather launched as soon as it is updated, while the next buckets update. On CUDA with
+   Triton, Adam and AdamW instead run one kernel launch per param group that reads the
+   accumulator as it is (no fp32 copy), updates master and moments and writes the 16-bit
+   parameters in a single pass (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0``
+   turns it off).
 
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 """
@@ -334,6 +340,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
 
         step = self._host_step() + 1
+        gathers: list[Callable[[], None]] = []
         for state, group, grads in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
@@ -360,8 +367,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 grad_factor=factor,
                 adam_w_mode=decoupled_weight_decay(self.plan.optimizer.torch_class, group),
             )
+            # The group's all-gathers run while the next groups' kernels do.
+            gathers += [self._start_gather(state, bucket) for bucket in flat.buckets]
         self._kernel_step = step
-        self._write_back(cast=False)
+        for finish in gathers:
+            finish()
 
     def _host_step(self) -> int:
         """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
