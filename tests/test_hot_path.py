@@ -166,7 +166,12 @@ def _boundary_configs() -> list[dict]:
 
 
 def test_two_ranks_devices_and_boundary() -> None:
-    results = spawn(hot_path_cases, 2, _device_configs(), _boundary_configs(), timeout_s=300)
+    # With two GPUs the ranks run on them over NCCL, where a stray CPU tensor would fail;
+    # elsewhere on CPU over gloo (the same wiring, and the boundary checks).
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    results = spawn(
+        hot_path_cases, 2, _device_configs(), _boundary_configs(), backend=backend, timeout_s=300
+    )
     for rank in results:
         for config, case in zip(_device_configs(), rank["devices"], strict=True):
             assert case["log"], config

@@ -124,6 +124,15 @@ def sync_cases(rank: int, world_size: int, configs: list[dict[str, Any]]) -> lis
 # --- the device of every tensor handed to a collective -----------------------------------------
 
 
+def _rank_device(rank: int) -> torch.device:
+    """This rank's GPU under NCCL (made current), else the CPU."""
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 @contextlib.contextmanager
 def record_devices() -> Iterator[list[tuple[str, str]]]:
     """Wrap the collectives dtypeplan and FSDP2 call; log (op, device) of every tensor argument."""
@@ -167,7 +176,7 @@ def record_devices() -> Iterator[list[tuple[str, str]]]:
 
 def device_case(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """Two micro-batches and a step on the accelerator where there is one, logging devices."""
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = _rank_device(rank)
     plan = dtypeplan.resolve(config)
     model = plan.prepare_model(make_model(0).to(device))
     optimizer = plan.build(model.parameters())
@@ -191,8 +200,9 @@ def boundary_case(rank: int, world_size: int, config: dict[str, Any], told: str)
     through ``opt.backward(last_micro_batch=True)`` instead, ``"nothing"`` tells nothing.
     Returns the gradient collectives seen after each backward and the final parameters.
     """
+    device = _rank_device(rank)
     plan = dtypeplan.resolve(config)
-    model = plan.prepare_model(make_model(0))
+    model = plan.prepare_model(make_model(0).to(device))
     optimizer = plan.build(model.parameters())
     if told == "steps" and getattr(plan, "gradient_accumulation_steps", None) is None:
         optimizer.reductions.accumulation_steps = 2
@@ -204,7 +214,7 @@ def boundary_case(rank: int, world_size: int, config: dict[str, Any], told: str)
             after: list[int] = []
             for index in range(2):
                 xm, ym = micro[2 * step + index]
-                loss = mse(model, xm, ym) / 2
+                loss = mse(model, xm.to(device), ym.to(device)) / 2
                 if told == "flag":
                     optimizer.backward(loss, last_micro_batch=index == 1)
                 else:
@@ -218,14 +228,14 @@ def boundary_case(rank: int, world_size: int, config: dict[str, Any], told: str)
     if told == "steps":
         for xm, ym in micro[:3]:
             try:
-                mse(model, xm, ym).backward()
+                mse(model, xm.to(device), ym.to(device)).backward()
             except RuntimeError as exc:
                 error = str(exc)
                 break
         optimizer.zero_grad()
     return {
         "collectives_after_backward": seen,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [p.detach().to("cpu", copy=True) for p in model.parameters()],
         "third_backward_error": error,
     }
 
