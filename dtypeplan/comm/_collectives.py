@@ -1,7 +1,12 @@
 """Collectives with an explicit wire dtype over one data-parallel process group.
 
-Every reduction is a SUM in the wire dtype; the caller divides (gloo's AVG has been reported to
-return sums). Nothing is sent when the group has one rank. Two ways to reduce 16-bit data:
+Gradient reductions (the ``*_mean`` calls) average where the backend does so natively: NCCL
+gets ``ReduceOp.AVG``, so the wire carries the mean and an fp16 sum cannot overflow at 1/N of
+the size the mean would. Elsewhere (gloo, whose AVG has been reported to return sums) they SUM
+in the wire dtype and leave the divide to the caller, who folds
+:attr:`Communicator.reduction_divisor` into the scaling it applies anyway (no extra pass). The
+``*_sum`` calls always sum. Nothing is sent when the group has one rank. Two ways to reduce
+16-bit data:
 
 * ``"collective"``: the backend's own reduce-scatter / all-reduce in the wire dtype. A ring
   rounds the partial sum to the wire dtype at every hop, so the error grows with world size.
@@ -34,11 +39,22 @@ import torch.distributed as dist
 from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import RankMismatchError
 
-__all__ = ["CollectiveError", "CommStats", "Communicator"]
+__all__ = ["CollectiveError", "CommStats", "Communicator", "mean_reduction"]
 
 # torch >= 2.13 renamed the flat-tensor collectives; the old names still work but warn.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def mean_reduction(backend: str, world_size: int) -> tuple[dist.ReduceOp, int]:
+    """The op a gradient mean goes on the wire with, and what its result is still to be divided by.
+
+    NCCL averages natively (``ReduceOp.AVG``: divided by the world size on the wire, nothing
+    left to divide). Every other backend sums, and the caller divides by the world size.
+    """
+    if backend == "nccl":
+        return dist.ReduceOp.AVG, 1
+    return dist.ReduceOp.SUM, world_size
 
 
 class CollectiveError(RuntimeError):
@@ -78,17 +94,25 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.stats = CommStats()
+        self.backend = self._backend()
+        self._mean_op, self.reduction_divisor = mean_reduction(self.backend, self.world_size)
+        """What a ``*_mean`` result is still to be divided by: 1 where the backend averaged
+        on the wire (NCCL), the world size where it summed (gloo)."""
         self.description = self._describe_group()
+
+    def _backend(self) -> str:
+        if not self.distributed:
+            return "none"
+        try:
+            return str(dist.get_backend(self.group))
+        except (RuntimeError, ValueError):
+            return "unknown backend"
 
     def _describe_group(self) -> str:
         if not self.distributed:
             return "a single process"
         name = getattr(self.group, "group_name", None) or "?"
-        try:
-            backend = str(dist.get_backend(self.group))
-        except (RuntimeError, ValueError):
-            backend = "unknown backend"
-        return f"process group {name!r} ({backend}, rank {self.rank} of {self.world_size})"
+        return f"process group {name!r} ({self.backend}, rank {self.rank} of {self.world_size})"
 
     @contextlib.contextmanager
     def _guard(
@@ -117,14 +141,7 @@ class Communicator:
 
     def all_reduce_sum_(self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str) -> None:
         """Sum ``tensor`` over the group in place, on the wire in ``wire_dtype``."""
-        if not self.active:
-            return
-        if method == "fp32_sum" and wire_dtype != torch.float32:
-            shard = tensor.new_empty(tensor.numel() // self.world_size, dtype=tensor.dtype)
-            self.reduce_scatter_sum(shard, tensor, wire_dtype, method)
-            self.all_gather(tensor, shard, wire_dtype)
-            return
-        self.start_all_reduce_sum(tensor, wire_dtype, method)()
+        self._start_all_reduce(tensor, wire_dtype, method, mean=False)()
 
     def start_all_reduce_sum(
         self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str
@@ -133,15 +150,29 @@ class Communicator:
 
         ``fp32_sum`` (a reduce-scatter and an all-gather) runs synchronously.
         """
+        return self._start_all_reduce(tensor, wire_dtype, method, mean=False)
+
+    def start_all_reduce_mean(
+        self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str
+    ) -> Callable[[], None]:
+        """:meth:`start_all_reduce_sum`, but the result is the sum over ``reduction_divisor``."""
+        return self._start_all_reduce(tensor, wire_dtype, method, mean=True)
+
+    def _start_all_reduce(
+        self, tensor: torch.Tensor, wire_dtype: torch.dtype, method: str, *, mean: bool
+    ) -> Callable[[], None]:
         if not self.active:
             return _nothing
         if method == "fp32_sum" and wire_dtype != torch.float32:
-            self.all_reduce_sum_(tensor, wire_dtype, method)
+            shard = tensor.new_empty(tensor.numel() // self.world_size, dtype=tensor.dtype)
+            self._start_reduce_scatter(shard, tensor, wire_dtype, method, mean=mean)()
+            self.all_gather(tensor, shard, wire_dtype)
             return _nothing
         wire = tensor if tensor.dtype == wire_dtype else tensor.to(wire_dtype)
+        op = self._mean_op if mean else dist.ReduceOp.SUM
         self.stats.add("all_reduce", 2 * self._ring_bytes(wire.numel(), wire_dtype))
         with self._guard("all_reduce", wire.numel(), wire_dtype):
-            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(wire, op=op, group=self.group, async_op=True)
 
         def finish(wire: torch.Tensor = wire) -> None:
             with self._guard("all_reduce", wire.numel(), wire_dtype):
@@ -170,6 +201,24 @@ class Communicator:
         ``fp32_sum``); ``output`` holds the result only after that call, and ``full`` must not
         change before it. Ranks must finish their launches in the same order.
         """
+        return self._start_reduce_scatter(output, full, wire_dtype, method, mean=False)
+
+    def start_reduce_scatter_mean(
+        self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, method: str
+    ) -> Callable[[], None]:
+        """:meth:`start_reduce_scatter_sum`, but ``output`` gets the sum over
+        ``reduction_divisor`` (NCCL: the mean, averaged on the wire; gloo: the sum)."""
+        return self._start_reduce_scatter(output, full, wire_dtype, method, mean=True)
+
+    def _start_reduce_scatter(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        wire_dtype: torch.dtype,
+        method: str,
+        *,
+        mean: bool,
+    ) -> Callable[[], None]:
         if not self.active:
             output.copy_(full)
             return _nothing
@@ -183,21 +232,21 @@ class Communicator:
             def finish_sum(wire: torch.Tensor = wire) -> None:  # keeps `wire` alive until done
                 with self._guard("all_to_all", wire.numel(), wire_dtype):
                     work.wait()
-                pieces = received.view(self.world_size, -1)
-                total = pieces[0].float()
-                for piece in pieces[1:]:
-                    total.add_(piece)
+                # One kernel over all pieces, rounded once; a mean divides by what the wire
+                # (which here carried every rank's own values) did not.
+                total = received.view(self.world_size, -1).sum(0, dtype=torch.float32)
+                if mean and self.reduction_divisor != self.world_size:
+                    total.div_(self.world_size / self.reduction_divisor)
                 output.copy_(total)
 
             return finish_sum
         out = output
         if output.dtype != wire_dtype:
             out = output.new_empty(output.shape, dtype=wire_dtype)
+        op = self._mean_op if mean else dist.ReduceOp.SUM
         self.stats.add("reduce_scatter", self._ring_bytes(wire.numel(), wire_dtype))
         with self._guard("reduce_scatter", wire.numel(), wire_dtype):
-            work = _reduce_scatter_flat(
-                out, wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
+            work = _reduce_scatter_flat(out, wire, op=op, group=self.group, async_op=True)
 
         def finish(wire: torch.Tensor = wire) -> None:  # keeps `wire` alive until done
             with self._guard("reduce_scatter", wire.numel(), wire_dtype):
@@ -209,16 +258,28 @@ class Communicator:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Fill ``full`` with every rank's ``shard`` in rank order, wire dtype ``wire_dtype``."""
+        self.start_all_gather(full, shard, wire_dtype)()
+
+    def start_all_gather(
+        self, full: torch.Tensor, shard: torch.Tensor, wire_dtype: torch.dtype
+    ) -> Callable[[], None]:
+        """:meth:`all_gather`, launched asynchronously; call the result to finish it."""
         if not self.active:
             full.copy_(shard)
-            return
+            return _nothing
         wire_shard = shard if shard.dtype == wire_dtype else shard.to(wire_dtype)
         out = full if full.dtype == wire_dtype else full.new_empty(full.shape, dtype=wire_dtype)
         self.stats.add("all_gather", self._ring_bytes(out.numel(), wire_dtype))
         with self._guard("all_gather", out.numel(), wire_dtype):
-            _all_gather_flat(out, wire_shard, group=self.group)
-        if out is not full:
-            full.copy_(out)
+            work = _all_gather_flat(out, wire_shard, group=self.group, async_op=True)
+
+        def finish(wire_shard: torch.Tensor = wire_shard) -> None:  # alive until done
+            with self._guard("all_gather", out.numel(), wire_dtype):
+                work.wait()
+            if out is not full:
+                full.copy_(out)
+
+        return finish
 
     def broadcast_from_first_(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite ``tensors`` on every rank with the group's first rank's, in place."""

@@ -338,29 +338,43 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         finite = math.isfinite(sq_norm)
         norm = math.sqrt(sq_norm) / divisor if finite else math.inf
         self.grad_norm = norm if finite else float("nan")
-        clip = min(c for c in (self.clip, self._clip_request or 0.0, math.inf) if c > 0)
-        self._clip_request = None
+        clip = self._effective_clip() or math.inf
         if not finite and self.check_nonfinite:
             self.skipped_steps += 1
             self.last_step_skipped = True
             self.scaler.update(overflow=True)
             return None
-        if not finite and not self._warned_nonfinite:
-            # The norm is already reduced over the group, so every rank warns alike, once.
-            self._warned_nonfinite = True
-            warnings.warn(
-                f"the global gradient norm is not finite (step {self.step_count() + 1}): inf or "
-                "NaN gradients on some rank are being applied, and the master weights will turn "
-                'inf/NaN on every rank. Set "check_nonfinite": true in the config to skip '
-                "(and count) such steps instead; this warning is given once",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if not finite:
+            self._warn_nonfinite_once(self.step_count() + 1)
         self.last_step_skipped = False
         factor = 1.0 / divisor
         if norm > clip:
             factor *= clip / (norm + 1e-6)
         return factor
+
+    def _effective_clip(self) -> float:
+        """This step's clipping norm (0: none): ``gradient_clipping``, or a smaller one asked
+        for by :meth:`clip_grad_norm_` since the last step (the request is used up)."""
+        clip = min((c for c in (self.clip, self._clip_request or 0.0) if c > 0), default=0.0)
+        self._clip_request = None
+        return clip
+
+    def _warn_nonfinite_once(self, step: int) -> None:
+        """With the non-finite check off, say once that inf/NaN gradients are being applied.
+
+        The norm it is called for is reduced over the group, so every rank warns alike.
+        """
+        if self._warned_nonfinite:
+            return
+        self._warned_nonfinite = True
+        warnings.warn(
+            f"the global gradient norm is not finite (step {step}): inf or NaN gradients on "
+            "some rank are being applied, and the master weights will turn inf/NaN on every "
+            'rank. Set "check_nonfinite": true in the config to skip (and count) such steps '
+            "instead; this warning is given once",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _scalar_state(self) -> dict[str, float | int]:
         """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16)."""

@@ -38,14 +38,20 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
-   backward, when the caller marks it: ``opt.backward(loss, last_micro_batch=True)``. Then it
-   is viewed as fp32, checked and clipped through one scalar all-reduce of the squared
-   norm (a non-finite sum means some rank overflowed), scaled once by
-   ``clip / (loss_scale * world_size)``, handed to one fused optimizer call, cast to the
-   parameter dtype and all-gathered into the buffer. On CUDA with Triton, Adam and AdamW
-   instead run one kernel per chunk that reads the accumulator as it is (no fp32 copy),
-   updates master and moments and writes the 16-bit parameters in a single pass
-   (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
+   backward, when the caller marks it (``opt.backward(loss, last_micro_batch=True)``) or the
+   plan's ``gradient_accumulation_steps`` says which backward is the last. NCCL averages on
+   the wire; gloo sums and leaves ``comm.reduction_divisor`` to divide. Then the gradients are
+   checked and clipped through one scalar all-reduce of the squared norm (a non-finite sum
+   means some rank overflowed). The factor ``clip / (loss_scale * reduction_divisor)`` stays
+   a device tensor (``_clip.py``): no host sync unless the step may be skipped (fp16, or the
+   non-finite check), and no scaling pass, since torch's fused Adam/AdamW divide by it as
+   their ``grad_scale`` (``_flat_update.py``, chunk by chunk, 16-bit accumulators through a
+   reused fp32 scratch). Each bucket's chunk is cast to the parameter dtype and its
+   all-gather launched as soon as it is updated, while the next buckets update. On CUDA with
+   Triton, Adam and AdamW instead run one kernel launch per param group that reads the
+   accumulator as it is (no fp32 copy), updates master and moments and writes the 16-bit
+   parameters in a single pass (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0``
+   turns it off).
 
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 """
@@ -61,12 +67,19 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     inner_optimizer,
     is_adam,
+)
+from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor, local_sq_norm
+from dtypeplan.optimizers._flat_update import (
+    FlatAdamUpdate,
+    decoupled_weight_decay,
+    scale_into_inner_step,
 )
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
@@ -140,6 +153,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         self._inner = self._build_inner_optimizer()
         self._fused_kernel: bool | None = None
+        self._adam_update = FlatAdamUpdate(self._inner, plan.optimizer.torch_class)
+        self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
+        self.norm_probe = NormProbe(self._warn_nonfinite_once)
         self.reductions = ReductionScheduler(
             self.groups,
             self.comm,
@@ -147,6 +163,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             comm_method=plan.comm_reduction,
             sharded_accumulator=sharded_accumulator,
             hooks=self.hooks,
+            # DeepSpeed's gradient_accumulation_steps: the boundary reduction starts inside the
+            # last backward of a step without the caller marking it.
+            accumulation_steps=plan.gradient_accumulation_steps,
         )
         self.model_sync = ModelSync(self.groups, self.param_groups)
         self._prepared: PreparedStep | None = None
@@ -249,41 +268,73 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         prepared, self._prepared = self._prepared or self._prepare(), None
         try:
-            factor = self._gradient_factor(
-                prepared.sq_norm, self.scaler.scale * self.comm.world_size
-            )
+            factor = self._check_and_clip(prepared.sq_norm)
             if factor is None:
                 return loss
             if prepared.any_touched:
-                fused, kept = self._update(prepared.grads, factor, prepared.untouched)
-                self._write_back(cast=not fused or kept)
+                self._update(prepared.grads, factor, prepared.untouched)
             # else no parameter got a gradient: torch.optim would not touch any, nor its states
             self.scaler.update(overflow=False)
         finally:
             self.reductions.end_step()
         return loss
 
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (NaN if not finite); read, it syncs once."""
+        if self._pending_norm is not None:
+            self._grad_norm = float(self._pending_norm)
+            self._pending_norm = None
+        return self._grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
+        self._pending_norm: torch.Tensor | None = None
+
     def _prepare_grad_norm(self) -> float:
         if self._prepared is None:
             self._prepared = self._prepare()
-        sq_norm = self._prepared.sq_norm
-        divisor = self.scaler.scale * self.comm.world_size
+        sq_norm = float(self._prepared.sq_norm)  # clip_grad_norm_ returns it: one sync
+        divisor = self.scaler.scale * self.comm.reduction_divisor
         return math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
+
+    def _check_and_clip(self, sq_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The factor that unscales, averages and clips the gradients, and its inverse.
+
+        0-dim fp32 device tensors; None skips the step. Only a step that may be skipped (fp16,
+        or the non-finite check on) brings the norm to the host: one sync per step. Otherwise
+        the norm stays on the device, and a non-finite one is reported by :attr:`norm_probe`
+        without waiting for it.
+        """
+        divisor = self.scaler.scale * self.comm.reduction_divisor
+        if self.check_nonfinite:
+            host = self._gradient_factor(float(sq_norm), divisor)
+            if host is None:
+                return None
+            factor = torch.full((), host, dtype=torch.float32, device=self.device)
+            return factor, factor.reciprocal()
+        device = device_gradient_factor(sq_norm, divisor, self._effective_clip())
+        self.last_step_skipped = False
+        self._pending_norm = device.norm
+        self.norm_probe.post(device.norm, self.step_count() + 1)
+        return device.factor, device.inverse
 
     def _prepare(self) -> PreparedStep:
         """Everything before the update: model changes, hand-set grads, reduction, summary."""
         self.model_sync.pick_up()
         hand_set = self._take_hand_set_grads()
-        if not self.reductions.sharded_accumulator:
-            for (gi, pi), grad in hand_set.items():
-                self.reductions.add_hand_set(gi, pi, grad)
+        if hand_set and self.reductions.sharded_accumulator:
+            raise OptimizerUsageError(
+                "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, or "
+                "gradient_accumulation_dtype.sharded: true): every rank would have to learn of "
+                "it and reduce-scatter it, which costs every step a host sync; produce the "
+                "gradients with backward(), or use a whole accumulator (ZeRO-0/1)"
+            )
+        for (gi, pi), grad in hand_set.items():
+            self.reductions.add_hand_set(gi, pi, grad)
         grads = self.reductions.reduced_grads()
-        sq_norm, touched, hand_set_buckets = self._step_summary(grads, hand_set)
-        if hand_set_buckets:
-            self.reductions.reduce_hand_set(hand_set, hand_set_buckets)
-            sq_norm = self._global_sq_norm(grads)
-        untouched = [[pi for pi, t in enumerate(per_group) if not t] for per_group in touched]
-        any_touched = any(any(per_group) for per_group in touched)
+        sq_norm, untouched, any_touched = self._step_summary(grads)
         return PreparedStep(grads, sq_norm, untouched, any_touched)
 
     def _take_hand_set_grads(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -303,84 +354,112 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return found
 
     def _step_summary(
-        self, grads_by_group: list[list[torch.Tensor]], hand_set: dict[tuple[int, int], Any]
-    ) -> tuple[float, list[list[bool]], set[tuple[int, int]]]:
-        """The step's one all-reduce: squared norm, who got gradients, hand-set buckets.
+        self, grads_by_group: list[list[torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[list[int]], bool]:
+        """The step's one all-reduce: ``[squared norm, touched flag per parameter...]``.
 
-        ``[squared norm, touched flag per parameter..., hand-set flag per bucket...]``; the
-        norm slot is summed only where ranks hold different chunks (sharded states), and the
-        bucket flags exist only for a sharded accumulator. Returns the global squared norm,
-        per group and parameter whether any rank gave it a gradient, and the buckets where
-        some rank has a hand-set gradient.
+        The norm slot is summed only where ranks hold different chunks (sharded states). The
+        flags say which parameters some rank gave a gradient in this window; they are read on
+        the host (a sync) only by a rank where some parameter got none locally, the rare case:
+        a parameter touched here is touched everywhere. Returns the global squared norm (a
+        device tensor), per group the parameters no rank touched, and whether any was.
         """
-        touched = [list(per_group) for per_group in self.reductions.window_touched]
-        for gi, pi in hand_set:
-            touched[gi][pi] = True
-        flags = [float(t) for per_group in touched for t in per_group]
-        buckets = [(gi, b.index) for gi, s in enumerate(self.groups) for b in s.flat.buckets]
-        if self.reductions.sharded_accumulator:
-            held = {(gi, self.groups[gi].flat.bucket_of[pi]) for gi, pi in hand_set}
-            flags += [float(bucket in held) for bucket in buckets]
-        summary = torch.cat(
-            [self._local_sq_norm(grads_by_group).reshape(1), torch.tensor(flags).to(self.device)]
-        )
+        local = self.reductions.window_touched
+        flags = torch.tensor(
+            [float(t) for per_group in local for t in per_group], dtype=torch.float32
+        ).to(self.device, non_blocking=True)
+        summary = torch.cat([local_sq_norm(self._flat_grads(grads_by_group)).reshape(1), flags])
         if self.shards > 1:
-            self.comm.all_reduce_scalars(summary)
+            summary = self.comm.all_reduce_scalars(summary)
         elif len(summary) > 1:
             # Stage 0: every rank reduced the whole gradient; only the flags need summing.
             self.comm.all_reduce_scalars(summary[1:])
-        values = summary.tolist()
-        sq_norm, rest = values[0], values[1:]
-        global_touched = []
-        for per_group in touched:
-            global_touched.append([flag > 0 for flag in rest[: len(per_group)]])
-            rest = rest[len(per_group) :]
-        hand_set_buckets = {b for b, flag in zip(buckets, rest, strict=False) if flag > 0}
-        return sq_norm, global_touched, hand_set_buckets
+        if all(all(per_group) for per_group in local):
+            return summary[0], [[] for _ in local], True
+        counts = summary[1:].tolist()  # some parameter got no gradient here: ask the others
+        untouched: list[list[int]] = []
+        for per_group in local:
+            untouched.append([pi for pi, n in enumerate(counts[: len(per_group)]) if n == 0])
+            counts = counts[len(per_group) :]
+        total = sum(len(per_group) for per_group in local)
+        return summary[0], untouched, sum(len(u) for u in untouched) < total
 
-    def _local_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> torch.Tensor:
-        grads = [g for per_bucket in grads_by_group for g in per_bucket]
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        return torch.stack(norms).double().square().sum().float()
+    @staticmethod
+    def _flat_grads(grads_by_group: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [g for per_bucket in grads_by_group for g in per_bucket]
 
-    def _global_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> float:
-        local = self._local_sq_norm(grads_by_group)
+    def _global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        local = local_sq_norm(grads) if grads else torch.zeros((), device=self.device)
         if self.shards > 1:
             local = self.comm.all_reduce_scalars(local.reshape(1))[0]
-        return float(local)
+        return local
 
     def _update(
-        self, grads_by_group: list[list[torch.Tensor]], factor: float, untouched: list[list[int]]
-    ) -> tuple[bool, bool]:
-        """Update the master weights, leaving ``untouched`` parameters as they were.
+        self,
+        grads_by_group: list[list[torch.Tensor]],
+        factor: tuple[torch.Tensor, torch.Tensor],
+        untouched: list[list[int]],
+    ) -> None:
+        """Update the master weights and write them into the parameters on every rank.
 
-        Returns whether the fused kernel also wrote the parameters, and whether some were
-        kept (restored after the update: the parameters must be written from the masters).
+        Bucket by bucket where the update allows it: each bucket's all-gather is launched as
+        soon as its chunk is written, and runs while the next buckets update. Parameters in
+        ``untouched`` (no rank gave them a gradient) keep their masters and states, as
+        ``torch.optim`` skips them: the rare case, where the masters are restored after the
+        update and only then written back.
         """
         self._sync_hyperparameters()
-        fused = self._use_fused_kernel()
-        with keep_untouched(self.groups, self.inner, untouched) as kept:
-            if fused:
-                self._fused_kernel_update(grads_by_group, factor)
-            else:
-                self._torch_update(grads_by_group, factor)
-        return fused, kept
+        if any(untouched):
+            with keep_untouched(self.groups, self.inner, untouched):
+                self._apply_update(grads_by_group, factor, gather=False)
+            self._write_back(cast=True)
+            return
+        self._apply_update(grads_by_group, factor, gather=True)
 
-    def _torch_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
-        """One fused ``torch.optim`` call over every master chunk, with fp32 gradients."""
-        fp32 = [
-            [g if g.dtype == torch.float32 else g.float() for g in per] for per in grads_by_group
-        ]
-        torch._foreach_mul_([g for per in fp32 for g in per], factor)
-        for state, per_bucket in zip(self.groups, fp32, strict=True):
-            for master, grad in zip(state.masters, per_bucket, strict=True):
-                master.grad = grad
-        self.inner.step()
-        for state in self.groups:
-            for master in state.masters:
-                master.grad = None
+    def _apply_update(
+        self,
+        grads_by_group: list[list[torch.Tensor]],
+        factor: tuple[torch.Tensor, torch.Tensor],
+        gather: bool,
+    ) -> None:
+        """The update on the fastest path that serves the optimizer; ``gather``: also write
+        the parameters and all-gather them (else the caller writes back)."""
+        if self._use_fused_kernel():
+            self._fused_kernel_update(grads_by_group, factor[0], gather)
+        elif FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
+            self._torch_update(grads_by_group, factor[1], gather)
+        else:
+            masters = [m for state in self.groups for m in state.masters]
+            undo = scale_into_inner_step(
+                self.inner, masters, self._flat_grads(grads_by_group), *factor
+            )
+            try:
+                self.inner.step()
+            finally:
+                undo()
+            if gather:
+                self._write_back(cast=True)
+
+    def _torch_update(
+        self, grads_by_group: list[list[torch.Tensor]], grad_scale: torch.Tensor, gather: bool
+    ) -> None:
+        """torch's fused Adam/AdamW per bucket chunk, on the gradients over ``grad_scale``."""
+        gathers: list[Callable[[], None]] = []
+        for state, group, per_bucket in zip(
+            self.groups, self.inner.param_groups, grads_by_group, strict=True
+        ):
+            for bucket, master, grad in zip(
+                state.flat.buckets, state.masters, per_bucket, strict=True
+            ):
+                chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
+                aliased = chunk.data_ptr() == master.data_ptr()
+                self._adam_update.bucket(
+                    group, master, grad, None if aliased else chunk, grad_scale
+                )
+                if gather:
+                    gathers.append(self._start_gather(state, bucket))
+        for finish in gathers:
+            finish()
 
     def _use_fused_kernel(self) -> bool:
         """The one-pass Triton AdamW (CUDA) applies to Adam/AdamW without amsgrad or maximize."""
@@ -400,45 +479,67 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         return self._fused_kernel
 
-    def _fused_kernel_update(self, grads_by_group: list[list[torch.Tensor]], factor: float) -> None:
+    def _fused_kernel_update(
+        self, grads_by_group: list[list[torch.Tensor]], factor: torch.Tensor, gather: bool
+    ) -> None:
         """Read each accumulator chunk as it is, update master and moments, write the params.
 
-        The moments live in ``self.inner.state`` under torch's names, so ``state_dict``,
-        ``full_state`` and checkpoints do not know which path ran.
+        One kernel launch per param group covers all of its bucket chunks. The moments live
+        in ``self.inner.state`` under torch's names, so ``state_dict``, ``full_state`` and
+        checkpoints do not know which path ran. The factor is read from device memory, and
+        the bias corrections come from a host copy of the step counter (read once after a
+        load), so nothing waits for the device.
         """
-        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_
+        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
 
-        for state, group, per_bucket in zip(
+        step = self._host_step() + 1
+        gathers: list[Callable[[], None]] = []
+        for state, group, grads in zip(
             self.groups, self.inner.param_groups, grads_by_group, strict=True
         ):
+            if not state.masters:
+                continue
+            slots = [self._adam_update.slot(master) for master in state.masters]
+            torch._foreach_add_([slot["step"] for slot in slots], 1.0)
+            flat = state.flat
+            chunks = [flat.chunk_view(flat.buffer, b, self.shard_rank) for b in flat.buckets]
+            aliased = chunks[0].data_ptr() == state.masters[0].data_ptr()
             beta1, beta2 = group["betas"]
-            for bucket, master, grad in zip(
-                state.flat.buckets, state.masters, per_bucket, strict=True
-            ):
-                slot = self.inner.state[master]
-                if "exp_avg" not in slot:
-                    slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-                    slot["exp_avg"] = torch.zeros_like(master)
-                    slot["exp_avg_sq"] = torch.zeros_like(master)
-                slot["step"] += 1
-                param_chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
-                fused_mixed_adamw_(
-                    master,
-                    slot["exp_avg"],
-                    slot["exp_avg_sq"],
-                    grad,
-                    None if param_chunk.data_ptr() == master.data_ptr() else param_chunk,
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(slot["step"].item()),
-                    grad_factor=factor,
-                    # Adam(decoupled_weight_decay=True) is AdamW; torch's AdamW groups say so too.
-                    adam_w_mode=bool(group.get("decoupled_weight_decay", False))
-                    or self.plan.optimizer.type == "AdamW",
-                )
+            fused_mixed_adamw_multi_(
+                state.masters,
+                [slot["exp_avg"] for slot in slots],
+                [slot["exp_avg_sq"] for slot in slots],
+                grads,
+                None if aliased else chunks,
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                grad_factor=factor,
+                adam_w_mode=decoupled_weight_decay(self.plan.optimizer.torch_class, group),
+            )
+            if gather:
+                # The group's all-gathers run while the next groups' kernels do.
+                gathers += [self._start_gather(state, bucket) for bucket in flat.buckets]
+        self._kernel_step = step
+        for finish in gathers:
+            finish()
+
+    def _host_step(self) -> int:
+        """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
+        if self._kernel_step is None:
+            self._kernel_step = self.step_count()
+        return self._kernel_step
+
+    def reset_update_state(self, names: Iterable[str], step: int) -> None:
+        super().reset_update_state(names, step)
+        self._kernel_step = None
+
+    def _load_update_state(self, state_dict: dict[str, Any]) -> None:
+        super()._load_update_state(state_dict)
+        self._kernel_step = None
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -448,17 +549,27 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def _write_back(self, cast: bool = True) -> None:
         """Cast the master chunks into the parameters (unless done) and all-gather them."""
+        gathers: list[Callable[[], None]] = []
         for state in self.groups:
             flat = state.flat
             for bucket, master in zip(flat.buckets, state.masters, strict=True):
                 chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
                 if cast and master.data_ptr() != chunk.data_ptr():
                     chunk.copy_(master)
-                if self.shards > 1:
-                    # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
-                    self.comm.all_gather(
-                        flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
-                    )
+                gathers.append(self._start_gather(state, bucket))
+        for finish in gathers:
+            finish()
+
+    def _start_gather(self, state: GroupState, bucket: Any) -> Callable[[], None]:
+        """Launch the all-gather of one bucket of parameters from this rank's written chunk."""
+        if self.shards == 1:
+            return _nothing
+        flat = state.flat
+        chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
+        # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
+        return self.comm.start_all_gather(
+            flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
+        )
 
     # --- state --------------------------------------------------------------------------------
     def _layout_facts(self) -> dict[str, Any]:
@@ -578,3 +689,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()
+
+
+def _nothing() -> None:
+    """The finisher of an all-gather that had nothing to send (one shard)."""

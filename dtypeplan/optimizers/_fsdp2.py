@@ -26,8 +26,9 @@ reduce-scatter every micro-batch. What it does not do: ``communication_reduction
 (FSDP2's reduce-scatter sums in the wire dtype); the table marks that NotSupported.
 
 FSDP2 would reduce fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo has been reported to
-compute as a sum; the model is switched to SUM and an explicit divide
-(``set_force_sum_reduction_for_comms``), as every other dtypeplan collective.
+compute as a sum; off NCCL the model is switched to SUM and an explicit divide
+(``set_force_sum_reduction_for_comms``), as every other dtypeplan collective. On NCCL it keeps
+the native average (no divide kernel, and the wire carries the mean).
 
 Use: ``model = plan.prepare_model(model)`` (shards it; a no-op at other stages), then
 ``optimizer = plan.build(model.parameters())``.
@@ -242,7 +243,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         comm = Communicator(group)
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
+                # NCCL averages natively (no divide kernel); elsewhere SUM and an explicit
+                # divide, as gloo's AVG has been reported to return sums.
+                module.set_force_sum_reduction_for_comms(comm.backend != "nccl")
                 # FSDP2's own collectives fail as CollectiveError naming them, like ours.
                 module.set_custom_all_gather(_NamedAllGather(comm))
                 module.set_custom_reduce_scatter(_NamedReduceScatter(comm))

@@ -63,6 +63,15 @@ result within an ulp or so of torch; step-dependent bias corrections are compute
 Python floats and passed as scalars (no recompilation per step); loads/stores use an
 evict-first policy since every byte is touched once.
 
+Many chunks, one launch. :func:`fused_mixed_adamw_multi_` updates a list of flat chunks (a
+param group's per-bucket master chunks, which are separate tensors, and its parameter chunks,
+which are strided over the flat buffer) in one launch: a pointer table holds each chunk's five
+addresses, a tile table splits every chunk into BLOCK-sized tiles (a tile never straddles two
+chunks), and program ``i`` runs tile ``i``. The host cost is one launch per param group
+instead of one per bucket (a 14 us wrapper each, and at 64 ranks a bucket's chunk is under one
+wave of the GPU); both tables are cached and re-uploaded only when an address or a size
+changes (after a checkpoint load), with a host-to-device copy, never a sync.
+
 Triton is imported guarded: this module imports without it. :func:`fused_mixed_adamw_` raises
 ``RuntimeError`` when Triton or CUDA is missing (under ``TRITON_INTERPRET=1`` it also accepts CPU
 tensors, which is how the kernel is tested on machines without a GPU).
@@ -71,6 +80,7 @@ tensors, which is how the kernel is tested on machines without a GPU).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +89,7 @@ __all__ = [
     "bytes_per_param",
     "fused_kernel_available",
     "fused_mixed_adamw_",
+    "fused_mixed_adamw_multi_",
     "mixed_adamw_reference_",
     "triton_available",
 ]
@@ -288,6 +299,228 @@ if triton is not None:
                 mask=mask,
                 eviction_policy="evict_first",
             )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mixed_adamw_multi_kernel(
+        pointers,
+        tiles,
+        grad_example,
+        out_example,
+        factor_ptr,
+        grad_factor,
+        decay,
+        l2_wd,
+        w1,
+        beta2,
+        w2,
+        neg_step_size,
+        bc2_sqrt,
+        eps,
+        FACTOR_FROM_PTR: tl.constexpr,
+        ADAM_W_MODE: tl.constexpr,
+        HAS_WD: tl.constexpr,
+        LERP_LOW: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+        ZERO_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Tile -> (chunk, first element, elements); chunk -> its five addresses.
+        pid = tl.program_id(0).to(tl.int64)
+        chunk = tl.load(tiles + pid * 3)
+        begin = tl.load(tiles + pid * 3 + 1)
+        count = tl.load(tiles + pid * 3 + 2)
+        row = pointers + chunk * 5
+        master_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.load(row + 3).to(tl.pointer_type(grad_example.dtype.element_ty))
+        out_ptr = tl.load(row + 4).to(tl.pointer_type(out_example.dtype.element_ty))
+        lane = tl.arange(0, BLOCK)
+        offs = begin + lane
+        mask = lane < count
+
+        g_raw = tl.load(grad_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+        if FACTOR_FROM_PTR:
+            factor = tl.load(factor_ptr).to(tl.float32)
+        else:
+            factor = grad_factor
+        g = g_raw.to(tl.float32) * factor
+
+        if HAS_WD:
+            if ADAM_W_MODE:
+                p = p * decay
+            else:
+                g = g + p * l2_wd
+
+        if LERP_LOW:
+            m = m + w1 * (g - m)
+        else:
+            m = g - (g - m) * (1.0 - w1)
+        v = v * beta2 + (w2 * g) * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p + neg_step_size * tl.div_rn(m, denom)
+
+        tl.store(master_ptr + offs, p, mask=mask, eviction_policy="evict_first")
+        tl.store(m_ptr + offs, m, mask=mask, eviction_policy="evict_first")
+        tl.store(v_ptr + offs, v, mask=mask, eviction_policy="evict_first")
+        if HAS_OUT:
+            tl.store(
+                out_ptr + offs,
+                p.to(out_example.dtype.element_ty),
+                mask=mask,
+                eviction_policy="evict_first",
+            )
+        if ZERO_GRAD:
+            tl.store(
+                grad_ptr + offs,
+                tl.zeros([BLOCK], dtype=grad_example.dtype.element_ty),
+                mask=mask,
+                eviction_policy="evict_first",
+            )
+
+
+_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
+"""Uploaded pointer and tile tables by content (a few per param group; see the design note)."""
+_MAX_TABLES = 64
+
+
+def _table(
+    key: tuple[Any, ...], rows: Callable[[], list[list[int]]], device: torch.device
+) -> torch.Tensor:
+    """The uploaded table for ``key``; ``rows`` is built (and uploaded) only when it is new."""
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        table = torch.tensor(rows(), dtype=torch.int64).to(device, non_blocking=True)
+        _TABLES[key] = table
+    return table
+
+
+def fused_mixed_adamw_multi_(
+    masters: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    params_out: list[torch.Tensor] | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_factor: float | torch.Tensor,
+    adam_w_mode: bool = True,
+    zero_grad: bool = False,
+    block_size: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """:func:`fused_mixed_adamw_` over many chunks with shared hyperparameters, one launch.
+
+    Every chunk is checked as :func:`fused_mixed_adamw_` checks its tensors; the gradients
+    share one dtype, and so do the ``params_out`` (None: no separate parameters anywhere).
+    """
+    if triton is None:
+        raise RuntimeError(
+            "fused_mixed_adamw_multi_ needs Triton, which failed to import: "
+            f"{_TRITON_IMPORT_ERROR!r}; use the torch optimizer path instead"
+        )
+    count = len(masters)
+    outs: list[torch.Tensor | None] = list(params_out) if params_out is not None else [None] * count
+    if not (len(exp_avgs) == len(exp_avg_sqs) == len(grads) == len(outs) == count):
+        raise ValueError("fused_mixed_adamw_multi_ needs lists of one length")
+    if count == 0:
+        return
+    for master, m, v, g, out in zip(masters, exp_avgs, exp_avg_sqs, grads, outs, strict=True):
+        _check_args(master, m, v, g, out, step, grad_factor)
+        for t in (master, m, v, g) + ((out,) if out is not None else ()):
+            if not t.is_contiguous():
+                raise ValueError("fused_mixed_adamw_multi_ needs contiguous tensors")
+    device = masters[0].device
+    if device.type != "cuda" and not _interpret_mode():
+        raise RuntimeError(
+            f"fused_mixed_adamw_multi_ runs on CUDA tensors, got {device} "
+            "(set TRITON_INTERPRET=1 to run the kernel in Triton's CPU interpreter)"
+        )
+    if any(t.device != device for t in masters):
+        raise ValueError("fused_mixed_adamw_multi_ needs every chunk on one device")
+    if len({g.dtype for g in grads}) != 1:
+        raise ValueError("fused_mixed_adamw_multi_ needs one gradient dtype")
+    has_out = [
+        o is not None and o.data_ptr() != mst.data_ptr()
+        for o, mst in zip(outs, masters, strict=True)
+    ]
+    if any(has_out) and not all(has_out):
+        raise ValueError("params_out must be given for every chunk or for none")
+    if any(has_out) and len({o.dtype for o in outs if o is not None}) != 1:
+        raise ValueError("fused_mixed_adamw_multi_ needs one params_out dtype")
+    block = int(block_size or DEFAULT_BLOCK)
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"block_size must be a power of two, got {block}")
+
+    with_out = all(has_out)
+    addresses = tuple(
+        (
+            mst.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            g.data_ptr(),
+            o.data_ptr() if with_out and o is not None else mst.data_ptr(),
+        )
+        for mst, m, v, g, o in zip(masters, exp_avgs, exp_avg_sqs, grads, outs, strict=True)
+    )
+    sizes = tuple(mst.numel() for mst in masters)
+    num_tiles = sum(triton.cdiv(size, block) for size in sizes)
+    if num_tiles == 0:
+        return
+    pointers = _table(("pointers", device, addresses), lambda: [list(a) for a in addresses], device)
+    tiles = _table(
+        ("tiles", device, block, sizes),
+        lambda: [
+            [index, begin, min(block, size - begin)]
+            for index, size in enumerate(sizes)
+            for begin in range(0, size, block)
+        ],
+        device,
+    )
+
+    factor_is_tensor = isinstance(grad_factor, torch.Tensor)
+    w1 = 1.0 - beta1
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    out_example = next((o for o in outs if o is not None), masters[0]) if with_out else masters[0]
+    _mixed_adamw_multi_kernel[(num_tiles,)](
+        pointers,
+        tiles,
+        grads[0],
+        out_example,
+        grad_factor if factor_is_tensor else grads[0],
+        1.0 if factor_is_tensor else float(grad_factor),
+        1.0 - lr * weight_decay,
+        float(weight_decay),
+        w1,
+        float(beta2),
+        1.0 - beta2,
+        -lr / bias_correction1,
+        bias_correction2**0.5,
+        float(eps),
+        FACTOR_FROM_PTR=factor_is_tensor,
+        ADAM_W_MODE=bool(adam_w_mode),
+        HAS_WD=weight_decay != 0,
+        LERP_LOW=abs(w1) < 0.5,
+        HAS_OUT=with_out,
+        ZERO_GRAD=bool(zero_grad),
+        BLOCK=block,
+        num_warps=int(num_warps or DEFAULT_NUM_WARPS),
+    )
 
 
 def fused_mixed_adamw_(

@@ -18,11 +18,17 @@ no parameter (no hook fires) is still seen and still takes part in the reduction
 
 Besides the gradients, it records which parameters got one in the accumulation window
 (``window_touched``, across micro-batches), so that ``step()`` can leave the others alone as
-``torch.optim`` does, and it takes in ``.grad`` set by hand before a step (:meth:`add_hand_set`,
-:meth:`reduce_hand_set`).
+``torch.optim`` does, and it takes in ``.grad`` set by hand before a step into a whole accumulator
+(:meth:`add_hand_set`).
 
 The hooks hold the scheduler weakly and belong to the optimizer's :class:`HookSet`, so they
 never keep the optimizer or its buffers alive and go away with it.
+
+Knowing the boundary without being told: given ``accumulation_steps`` (DeepSpeed's
+``gradient_accumulation_steps``), the scheduler counts backward passes since the last step and
+treats the last one as ``last_micro_batch=True``, so that a pipeline schedule's or a training
+loop's bare ``loss.backward()`` gets the same overlap as ``opt.backward(loss,
+last_micro_batch=True)``.
 
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
@@ -47,18 +53,21 @@ from dtypeplan.optimizers._ownership import HookSet
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
 
 MAX_IN_FLIGHT = 2
-"""Reduce-scatters of a sharded accumulator that may run while backward goes on; each holds
-its bucket's staging buffer until it completes."""
+"""Bucket reductions that may run while backward goes on: reduce-scatters of a sharded
+accumulator (each holds its bucket's staging buffer until it completes), and the step's
+reductions that ``last_micro_batch=True`` starts (each may hold a wire-dtype copy of its
+bucket), so that their temporaries stay a few buckets' worth, not the accumulator's size."""
 _UPCAST_CHUNK = 1 << 20
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src`` without a full-size temporary when the dtypes differ.
 
-    A mixed-dtype ``add_`` materializes ``src`` in ``dst``'s dtype first; chunking bounds that
-    temporary to ``_UPCAST_CHUNK`` elements.
+    A mixed-dtype ``add_`` materializes ``src`` in ``dst``'s dtype first on CPU; chunking bounds
+    that temporary to ``_UPCAST_CHUNK`` elements. A GPU kernel converts as it reads (no
+    temporary), and chunks there would only multiply the launches.
     """
-    if dst.dtype == src.dtype or dst.numel() <= _UPCAST_CHUNK:
+    if dst.dtype == src.dtype or dst.numel() <= _UPCAST_CHUNK or dst.device.type != "cpu":
         dst.add_(src)
         return
     flat_dst, flat_src = dst.view(-1), src.reshape(-1)
@@ -104,15 +113,26 @@ class InFlightReduction(NamedTuple):
     """Where the collective writes: ``chunk`` itself (first micro-batch) or a temporary."""
     staging: torch.Tensor
     """The bucket's staging buffer, kept alive until the collective completes."""
+    pooled: torch.Tensor | None = None
+    """The pool buffer ``staging`` is a view of (back to the pool once the collective is done);
+    None: ``staging`` is its own buffer."""
 
 
 class StepReduction(NamedTuple):
     """The step's reduction of one bucket of a whole accumulator, started."""
 
     finish: Callable[[], None]
-    """Waits for the collective; call exactly once."""
+    """Waits for the collective; :meth:`run` calls it once."""
     result: torch.Tensor
     """This rank's reduced chunk once ``finish`` ran."""
+    done: list[bool]
+    """Whether ``finish`` ran already (a one-element list: the tuple itself is immutable)."""
+
+    def run(self) -> None:
+        """Finish the collective unless done already."""
+        if not self.done[0]:
+            self.done[0] = True
+            self.finish()
 
 
 class ReductionScheduler:
@@ -127,8 +147,12 @@ class ReductionScheduler:
         comm_method: str,
         sharded_accumulator: bool,
         hooks: HookSet,
+        accumulation_steps: int | None = None,
     ) -> None:
         self.groups = groups
+        self.accumulation_steps = accumulation_steps
+        """Backward passes per step, where known: the last one starts the step's reduction."""
+        self._passes = 0
         self.comm = comm
         self.comm_dtype = comm_dtype
         self.comm_method = comm_method
@@ -142,7 +166,11 @@ class ReductionScheduler:
         self._touched: list[list[bool]] = []
         self.window_touched: list[list[bool]] = [[False] * len(s.flat.params) for s in groups]
         """Per group and parameter: got a gradient since the accumulation window began."""
-        self._staging: list[dict[int, torch.Tensor]] = [{} for _ in groups]
+        self._staging: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in groups]
+        # Staging buffers whose reduce-scatter is done, reused by the next buckets of the same
+        # backward (dropped at its end, so that nothing is held between micro-batches).
+        self._free_staging: list[torch.Tensor] = []
+        self._staging_numel = max((b.numel for s in groups for b in s.flat.buckets), default=0)
         self._in_flight: list[InFlightReduction] = []
         self._step_reductions: dict[tuple[int, int], StepReduction] = {}
         for gi, state in enumerate(groups):
@@ -158,8 +186,9 @@ class ReductionScheduler:
         to ``step()`` only, as the chunks a plain ``step()`` allocates do, and ``plan.memory()``
         leaves both out.
         """
-        held = [s for per_group in self._staging for s in per_group.values()]
-        return held + [work.staging for work in self._in_flight]
+        held = [pooled for per_group in self._staging for _, pooled in per_group.values()]
+        held += [work.staging if work.pooled is None else work.pooled for work in self._in_flight]
+        return held + self._free_staging
 
     # --- one micro-batch ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -170,12 +199,7 @@ class ReductionScheduler:
         part in the sharded reductions (with zeros) and the ranks stay paired.
         """
         self._refuse_after_last()
-        self._pass = BackwardPass(
-            onto_empty=self.phase is Phase.EMPTY,
-            # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
-            # its boundary reduction bucket by bucket while the last backward goes on.
-            last_micro_batch=last_micro_batch and not self.sharded_accumulator,
-        )
+        self._pass = self._begin_pass(last_micro_batch)
         self.phase = Phase.ARMED
         try:
             yield
@@ -185,11 +209,27 @@ class ReductionScheduler:
         if self.phase is Phase.ARMED:
             self._finish_backward()
 
+    def _begin_pass(self, last_micro_batch: bool) -> BackwardPass:
+        """Count one backward pass; the one that completes ``accumulation_steps`` is the last."""
+        self._passes += 1
+        at_boundary = bool(self.accumulation_steps) and self._passes == self.accumulation_steps
+        return BackwardPass(
+            onto_empty=self.phase is Phase.EMPTY,
+            # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
+            # its boundary reduction bucket by bucket while the last backward goes on.
+            last_micro_batch=(last_micro_batch or at_boundary) and not self.sharded_accumulator,
+        )
+
     def _refuse_after_last(self) -> None:
         if self.phase is Phase.REDUCING:
+            told = (
+                f"the {self.accumulation_steps} micro-batches of gradient_accumulation_steps"
+                if self.accumulation_steps
+                else "the micro-batch marked last_micro_batch=True"
+            )
             raise RuntimeError(
-                "a backward after the micro-batch marked last_micro_batch=True: its gradient "
-                "reduction has started already; call step() (or zero_grad()) first"
+                f"a backward after {told}: the step's gradient reduction has started already; "
+                "call step() (or zero_grad()) first"
             )
         if self.phase is Phase.REDUCED:
             raise OptimizerUsageError(
@@ -209,7 +249,7 @@ class ReductionScheduler:
             if self.sharded_accumulator:
                 flat = state.flat
                 bucket = flat.bucket_of[pi]
-                staging = self._staging_of(gi, bucket)
+                staging, _ = self._staging_of(gi, bucket)
                 offset = flat.offsets[pi] - flat.buckets[bucket].start
                 staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
                 self._pending[gi][bucket] -= 1
@@ -234,7 +274,7 @@ class ReductionScheduler:
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
             self._refuse_after_last()
-            self._pass = BackwardPass(onto_empty=self.phase is Phase.EMPTY, last_micro_batch=False)
+            self._pass = self._begin_pass(last_micro_batch=False)
         self.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -245,6 +285,7 @@ class ReductionScheduler:
                 self._issue_micro_batch_reductions(complete_only=False)
                 while self._in_flight:
                     self._complete_oldest()
+                self._free_staging.clear()
             elif self._pass.last_micro_batch:
                 self._issue_step_reductions(complete_only=False)
             elif self._pass.onto_empty:
@@ -262,13 +303,28 @@ class ReductionScheduler:
         self._next_bucket = 0
 
     # --- sharded accumulator: a reduce-scatter per bucket and micro-batch ---------------------
-    def _staging_of(self, gi: int, bucket: int) -> torch.Tensor:
+    def _staging_of(self, gi: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's staging view and the pool buffer it is cut from.
+
+        Taken from the pool (or allocated once) uninitialized: every parameter's range is
+        written by its gradient or zeroed at the flush, and only the bucket's padding tail is
+        zeroed here, so no full-size memset runs per bucket and micro-batch.
+        """
         staging = self._staging[gi]
         if bucket not in staging:
             flat = self.groups[gi].flat
-            staging[bucket] = torch.zeros(
-                flat.buckets[bucket].numel, dtype=self.comm_dtype, device=flat.buffer.device
-            )
+            info = flat.buckets[bucket]
+            if self._free_staging:
+                pooled = self._free_staging.pop()
+            else:
+                pooled = torch.empty(
+                    self._staging_numel, dtype=self.comm_dtype, device=flat.buffer.device
+                )
+            view = pooled[: info.numel]
+            last = info.params[-1]
+            used = flat.offsets[last] + flat.params[last].numel() - info.start
+            view[used:].zero_()
+            staging[bucket] = (view, pooled)
         return staging[bucket]
 
     def _issue_micro_batch_reductions(self, complete_only: bool) -> None:
@@ -279,7 +335,7 @@ class ReductionScheduler:
             state = self.groups[gi]
             if complete_only and self._pending[gi][bucket] > 0:
                 return
-            staging = self._staging_of(gi, bucket)
+            staging, _ = self._staging_of(gi, bucket)
             if not complete_only:
                 # Parameters that got no gradient this micro-batch contribute zeros.
                 flat = state.flat
@@ -290,11 +346,11 @@ class ReductionScheduler:
             chunk = state.acc_chunks[bucket]
             # The first micro-batch writes the reduced chunk in place; later ones add it.
             target = chunk if self._pass.onto_empty else torch.empty_like(chunk)
-            finish = self.comm.start_reduce_scatter_sum(
+            finish = self.comm.start_reduce_scatter_mean(
                 target, staging, self.comm_dtype, self.comm_method
             )
             self._in_flight.append(
-                InFlightReduction(finish, chunk, target, self._staging[gi].pop(bucket))
+                InFlightReduction(finish, chunk, target, *self._staging[gi].pop(bucket))
             )
             self._next_bucket += 1
             while len(self._in_flight) > MAX_IN_FLIGHT:
@@ -305,6 +361,8 @@ class ReductionScheduler:
         work.finish()
         if work.target is not work.chunk:
             accumulate_(work.chunk, work.target)
+        if work.pooled is not None:
+            self._free_staging.append(work.pooled)
 
     # --- whole accumulator: the step's reduction, per bucket ----------------------------------
     def _issue_step_reductions(self, complete_only: bool) -> None:
@@ -321,6 +379,13 @@ class ReductionScheduler:
                         state.acc_param_views[pi].zero_()
             self._step_reductions[(gi, bucket)] = self._start_step_reduction(state, bucket)
             self._next_bucket += 1
+            self._bound_step_reductions()
+
+    def _bound_step_reductions(self) -> None:
+        """Finish the oldest step reductions beyond ``MAX_IN_FLIGHT`` (their wire copies go)."""
+        unfinished = [key for key, work in self._step_reductions.items() if not work.done[0]]
+        for key in unfinished[: max(0, len(unfinished) - MAX_IN_FLIGHT)]:
+            self._step_reductions[key].run()
 
     def _start_step_reduction(self, state: GroupState, bucket: int) -> StepReduction:
         """Launch the reduction of one bucket of a whole accumulator.
@@ -331,15 +396,15 @@ class ReductionScheduler:
         flat = state.flat
         full = flat.bucket_view(state.accumulator, flat.buckets[bucket])
         if flat.shards == 1:
-            finish = self.comm.start_all_reduce_sum(full, self.comm_dtype, self.comm_method)
-            return StepReduction(finish, full)
+            finish = self.comm.start_all_reduce_mean(full, self.comm_dtype, self.comm_method)
+            return StepReduction(finish, full, [False])
         chunk = torch.empty(
             flat.buckets[bucket].chunk_numel(flat.shards),
             dtype=torch.float32,
             device=flat.buffer.device,
         )
-        finish = self.comm.start_reduce_scatter_sum(chunk, full, self.comm_dtype, self.comm_method)
-        return StepReduction(finish, chunk)
+        finish = self.comm.start_reduce_scatter_mean(chunk, full, self.comm_dtype, self.comm_method)
+        return StepReduction(finish, chunk, [False])
 
     # --- .grad set by hand --------------------------------------------------------------------
     def add_hand_set(self, gi: int, pi: int, grad: torch.Tensor) -> None:
@@ -361,39 +426,14 @@ class ReductionScheduler:
             accumulate_(self.groups[gi].acc_param_views[pi], grad)
         self.window_touched[gi][pi] = True
 
-    def reduce_hand_set(
-        self, grads: dict[tuple[int, int], torch.Tensor], buckets: set[tuple[int, int]]
-    ) -> None:
-        """Sharded accumulator, after :meth:`reduced_grads`: one reduce-scatter per bucket in
-        ``buckets`` (some rank has a hand-set ``.grad`` there; the same set on every rank),
-        with zeros where this rank has none, added into this rank's chunks."""
-        assert self.sharded_accumulator and self.phase is Phase.REDUCED
-        with torch.no_grad():
-            for gi, bucket in self._bucket_order:
-                if (gi, bucket) not in buckets:
-                    continue
-                state = self.groups[gi]
-                flat = state.flat
-                staging = torch.zeros(
-                    flat.buckets[bucket].numel, dtype=self.comm_dtype, device=flat.buffer.device
-                )
-                for pi in flat.buckets[bucket].params:
-                    grad = grads.get((gi, pi))
-                    if grad is not None:
-                        offset = flat.offsets[pi] - flat.buckets[bucket].start
-                        staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
-                chunk = state.acc_chunks[bucket]
-                reduced = torch.empty_like(chunk)
-                self.comm.reduce_scatter_sum(reduced, staging, self.comm_dtype, self.comm_method)
-                accumulate_(chunk, reduced)
-
     # --- the step -----------------------------------------------------------------------------
     def reduced_grads(self) -> list[list[torch.Tensor]]:
         """Per group, per bucket: this rank's chunk of the group-summed gradient.
 
         In the accumulation dtype (fp32 where a whole accumulator is reduce-scattered), not
-        yet divided by the world size or the loss scale. The step's accumulation is over
-        (phase REDUCED): only :meth:`end_step` or :meth:`abandon` come next.
+        yet divided by ``comm.reduction_divisor`` (1 where the wire averaged) or the loss
+        scale. The step's accumulation is over (phase REDUCED): only :meth:`end_step` or
+        :meth:`abandon` come next.
         """
         if self.phase in (Phase.ARMED, Phase.BACKWARD):
             raise RuntimeError("step() was called while a backward pass is still running")
@@ -412,7 +452,7 @@ class ReductionScheduler:
                     continue
                 started = self._step_reductions.pop((gi, bucket.index), None)
                 work = started or self._start_step_reduction(state, bucket.index)
-                work.finish()
+                work.run()
                 per_bucket.append(work.result)
             grads.append(per_bucket)
         self.phase = Phase.REDUCED
@@ -421,6 +461,7 @@ class ReductionScheduler:
     def end_step(self) -> None:
         """The step is done: the next backward starts a new accumulation window."""
         self.phase = Phase.EMPTY
+        self._passes = 0
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -435,7 +476,7 @@ class ReductionScheduler:
         failures are suppressed: the error being raised is the one to report.
         """
         pending = [work.finish for work in self._in_flight]
-        pending += [work.finish for work in self._step_reductions.values()]
+        pending += [work.run for work in self._step_reductions.values()]
         self._in_flight.clear()
         self._step_reductions.clear()
         for finish in pending:
@@ -446,8 +487,10 @@ class ReductionScheduler:
                 finish()
         for staging in self._staging:
             staging.clear()
+        self._free_staging.clear()
         self._pass = None
         self.phase = Phase.EMPTY
+        self._passes = 0
         self._reset_bookkeeping()
         self._reset_window()
 

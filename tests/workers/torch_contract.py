@@ -332,6 +332,15 @@ def item5_hand_set_grad(rank: int, world: int, stage: int, dtype: str) -> None:
         ref.grad = grad
         mine.grad = grad.to(mine.dtype)
     pair.ref_opt.step()
+    if pair.plan.accumulator_sharded and world > 1:
+        # A sharded accumulator would need every rank to learn of the .grad (a host sync per
+        # step) and reduce-scatter it: refused clearly, on the rank that set it.
+        try:
+            pair.opt.step()
+        except dtypeplan.errors.OptimizerUsageError as exc:
+            assert "set by hand" in str(exc) and "whole accumulator" in str(exc), exc
+            return
+        raise AssertionError("a hand-set .grad with a sharded accumulator was not refused")
     pair.opt.step()
     pair.assert_close("a .grad set by hand, then step()")
 

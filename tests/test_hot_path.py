@@ -1,0 +1,194 @@
+"""The hot path's decisions and wiring (issue 14).
+
+* Adam's decoupled decay is honoured on every update path (W1);
+* a gradient mean goes on the wire as NCCL's native AVG, as SUM (then one folded divide) on
+  gloo, and the engine divides exactly once (W2);
+* every tensor handed to a collective lives on the parameters' device (on CPU ranks this runs
+  the same wiring; the check bites on a GPU, where ``benchmarks/gpu/run_all.sh`` runs it);
+* with ``gradient_accumulation_steps`` the optimizer starts the boundary reduction inside the
+  last bare ``loss.backward()``, with the numbers of ``last_micro_batch=True`` (S13).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtypeplan
+from dtypeplan.comm import Communicator
+from dtypeplan.comm._collectives import mean_reduction
+from dtypeplan.launch import spawn
+from dtypeplan.optimizers._flat_update import decoupled_weight_decay
+from tests._helpers import make_batch, make_model, mse
+from tests.workers.hot_path import hot_path_cases
+
+# --- W1: which weight decay -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "group", "decoupled"),
+    [
+        (torch.optim.AdamW, {}, True),
+        (torch.optim.AdamW, {"decoupled_weight_decay": True}, True),
+        (torch.optim.Adam, {}, False),
+        (torch.optim.Adam, {"decoupled_weight_decay": False}, False),
+        (torch.optim.Adam, {"decoupled_weight_decay": True}, True),
+    ],
+)
+def test_decoupled_weight_decay_decision(
+    torch_class: type[torch.optim.Optimizer], group: dict, decoupled: bool
+) -> None:
+    assert decoupled_weight_decay(torch_class, group) is decoupled
+
+
+def test_adam_with_decoupled_decay_matches_torch() -> None:
+    """The engine's own Adam update (not torch's step()) against torch.optim.Adam."""
+    params = {"lr": 1e-2, "weight_decay": 0.5, "decoupled_weight_decay": True}
+    plan = dtypeplan.resolve({"optimizer": {"type": "Adam", "params": params}})
+    model, reference = make_model(0), make_model(0)
+    optimizer = plan.build(model.parameters())
+    torch_optimizer = torch.optim.Adam(
+        reference.parameters(), lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True
+    )
+    for seed in range(3):
+        x, y = make_batch(seed, 8)
+        optimizer.zero_grad()
+        optimizer.backward(mse(model, x, y))
+        optimizer.step()
+        torch_optimizer.zero_grad()
+        mse(reference, x, y).backward()
+        torch_optimizer.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        # fp32 throughout; the gradient is divided by a grad_scale of 1 (exact), and the
+        # fused kernels of both sides are the same: a few ulps from summation order at most.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- W2: the reduction op per backend ---------------------------------------------------------
+
+
+def test_mean_reduction_per_backend() -> None:
+    assert mean_reduction("nccl", 8) == (dist.ReduceOp.AVG, 1)
+    assert mean_reduction("gloo", 8) == (dist.ReduceOp.SUM, 8)
+    assert mean_reduction("none", 1) == (dist.ReduceOp.SUM, 1)
+
+
+def test_communicator_folds_what_the_backend_left() -> None:
+    """With the backend mocked as NCCL the mean calls send AVG and leave nothing to divide."""
+    sent: list[object] = []
+
+    class _Work:
+        def wait(self) -> None:
+            pass
+
+    def fake_all_reduce(tensor: torch.Tensor, op: object, **_: object) -> _Work:
+        sent.append(op)
+        return _Work()
+
+    def fake_reduce_scatter(
+        out: torch.Tensor, full: torch.Tensor, op: object, **_: object
+    ) -> _Work:
+        sent.append(op)
+        return _Work()
+
+    with (
+        mock.patch.object(dist, "is_available", return_value=True),
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_world_size", return_value=4),
+        mock.patch.object(dist, "get_rank", return_value=0),
+        mock.patch.object(dist, "get_backend", return_value="nccl"),
+        mock.patch.object(dist, "all_reduce", fake_all_reduce),
+        mock.patch("dtypeplan.comm._collectives._reduce_scatter_flat", fake_reduce_scatter),
+    ):
+        comm = Communicator(group=object())  # type: ignore[arg-type]
+        assert comm.backend == "nccl" and comm.reduction_divisor == 1
+        comm.start_all_reduce_mean(torch.ones(8), torch.float32, "collective")()
+        comm.start_reduce_scatter_mean(torch.ones(2), torch.ones(8), torch.float32, "collective")()
+        comm.start_all_reduce_sum(torch.ones(8), torch.float32, "collective")()
+        comm.all_reduce_scalars(torch.ones(1))
+        with mock.patch.object(dist, "get_backend", return_value="gloo"):
+            gloo = Communicator(group=object())  # type: ignore[arg-type]
+        assert gloo.reduction_divisor == 4
+        gloo.start_all_reduce_mean(torch.ones(8), torch.float32, "collective")()
+    avg, total = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    # Gradient means average on NCCL; plain sums and the norm scalar stay sums; gloo sums.
+    assert sent == [avg, avg, total, total, total], sent
+
+
+def test_engine_divides_by_the_communicators_divisor_once() -> None:
+    """A fake NCCL mean (the sum over 4) must give the same update as a real gloo-style sum."""
+    config = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0}
+    results = []
+    for divisor in (1, 3):
+        plan = dtypeplan.resolve(config)
+        model = make_model(0)
+        optimizer = plan.build(model.parameters())
+        optimizer.comm.reduction_divisor = divisor
+        x, y = make_batch(0, 8)
+        loss = mse(model, x, y)
+        optimizer.backward(loss * divisor)  # what a SUM over `divisor` equal ranks delivers
+        optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for mean, summed in zip(*results, strict=True):
+        torch.testing.assert_close(mean, summed, rtol=1e-6, atol=1e-7)
+
+
+# --- the 2-rank cases: devices of collective tensors, and the accumulation boundary ----------
+
+
+def _device_configs() -> list[dict]:
+    configs = []
+    for stage, sharded in [(0, False), (1, False), (1, True), (2, True), (3, True)]:
+        configs.append(
+            {
+                "bf16": {"enabled": True},
+                "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
+                "gradient_clipping": 1.0,
+            }
+        )
+    return configs
+
+
+def _boundary_configs() -> list[dict]:
+    return [
+        {
+            "bf16": {"enabled": True},
+            "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": False},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
+            "gradient_clipping": 1.0,
+        }
+        for stage in (0, 1)
+    ]
+
+
+def test_two_ranks_devices_and_boundary() -> None:
+    # With two GPUs the ranks run on them over NCCL, where a stray CPU tensor would fail;
+    # elsewhere on CPU over gloo (the same wiring, and the boundary checks).
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    results = spawn(
+        hot_path_cases, 2, _device_configs(), _boundary_configs(), backend=backend, timeout_s=300
+    )
+    for rank in results:
+        for config, case in zip(_device_configs(), rank["devices"], strict=True):
+            assert case["log"], config
+            assert len(case["param_devices"]) == 1, case["param_devices"]
+            stray = {(op, d) for op, d in case["log"] if d != case["param_devices"][0]}
+            assert not stray, (config, stray)
+        boundary = rank["boundary"]
+        for index in range(len(_boundary_configs())):
+            steps, flag, nothing = boundary[3 * index : 3 * index + 3]
+            for step in range(3):
+                # Nothing goes out during the first backward of a step; told the boundary,
+                # the step's reduction starts inside the second; untold, it waits for step().
+                assert steps["collectives_after_backward"][step][0] == 0
+                assert steps["collectives_after_backward"][step][1] > 0
+                assert flag["collectives_after_backward"][step][1] > 0
+                assert nothing["collectives_after_backward"][step] == [0, 0]
+            # The same collectives in the same order: bit-identical parameters.
+            for a, b, c in zip(steps["params"], flag["params"], nothing["params"], strict=True):
+                assert torch.equal(a, b) and torch.equal(a, c)
+            assert "gradient_accumulation_steps" in steps["third_backward_error"]
