@@ -46,10 +46,11 @@ def test_decoupled_weight_decay_decision(
 
 def test_adam_with_decoupled_decay_matches_torch() -> None:
     """The engine's own Adam update (not torch's step()) against torch.optim.Adam."""
+    # The client-optimizer path: a config's "Adam" already means AdamW (DeepSpeed's adam_w_mode).
     params = {"lr": 1e-2, "weight_decay": 0.5, "decoupled_weight_decay": True}
-    plan = dtypeplan.resolve({"optimizer": {"type": "Adam", "params": params}})
+    plan = dtypeplan.resolve({})
     model, reference = make_model(0), make_model(0)
-    optimizer = plan.build(model.parameters())
+    optimizer = plan.build(model.parameters(), optimizer=torch.optim.Adam, **params)
     torch_optimizer = torch.optim.Adam(
         reference.parameters(), lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True
     )

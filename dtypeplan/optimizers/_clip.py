@@ -88,35 +88,35 @@ class NormProbe:
     make the step wait for the device. Each norm is copied to host memory asynchronously with
     an event after it; a later :meth:`post` (or :meth:`poll`) looks only at the copies whose
     event has completed. On the CPU the value is there at once: reading it waits for nothing.
-    ``on_nonfinite(step)`` is called for the first non-finite norm seen; then the probe stops.
+    ``on_nonfinite()`` is called for the first non-finite norm seen; then the probe stops.
     """
 
-    def __init__(self, on_nonfinite: Callable[[int], None]) -> None:
+    def __init__(self, on_nonfinite: Callable[[], None]) -> None:
         self.on_nonfinite = on_nonfinite
         self.enabled = True
         """Off once a non-finite norm was reported (and where a test counts host reads)."""
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int]] = []
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
 
-    def post(self, norm: torch.Tensor, step: int) -> None:
+    def post(self, norm: torch.Tensor) -> None:
         if not self.enabled:
             return
         if norm.device.type == "cpu":
-            self._pending.append((norm, None, step))
+            self._pending.append((norm, None))
         else:
             host = torch.empty((), dtype=norm.dtype, pin_memory=True)
             host.copy_(norm, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((host, event, step))
+            self._pending.append((host, event))
         self.poll()
 
     def poll(self) -> None:
         while self.enabled and self._pending:
-            value, event, step = self._pending[0]
+            value, event = self._pending[0]
             if event is not None and not event.query():
                 return
             self._pending.pop(0)
             if not math.isfinite(float(value)):
                 self.enabled = False
                 self._pending.clear()
-                self.on_nonfinite(step)
+                self.on_nonfinite()

@@ -155,7 +155,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._fused_kernel: bool | None = None
         self._adam_update = FlatAdamUpdate(self._inner, plan.optimizer.torch_class)
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
-        self.norm_probe = NormProbe(self._warn_nonfinite_once)
+        self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self.reductions = ReductionScheduler(
             self.groups,
             self.comm,
@@ -317,7 +317,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         device = device_gradient_factor(sq_norm, divisor, self._effective_clip())
         self.last_step_skipped = False
         self._pending_norm = device.norm
-        self.norm_probe.post(device.norm, self.step_count() + 1)
+        self.norm_probe.post(device.norm)
         return device.factor, device.inverse
 
     def _prepare(self) -> PreparedStep:
