@@ -22,6 +22,7 @@ from torch import nn
 
 from dtypeplan import PrecisionPlan, Status, resolve
 from dtypeplan.launch import RankFailure, spawn
+from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.report import memory_report
 
 __all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "run_demo"]
@@ -98,6 +99,7 @@ def _train(
     num_params = sum(p.numel() for p in model.parameters())
     teacher = _teacher()
     optimizer = plan.build(model.parameters())
+    assert isinstance(optimizer, MixedPrecisionOptimizer)  # what every registered class is
     dtype = plan.param_dtype
     losses: list[float] = []
     measured: dict[str, int] = {}

@@ -46,7 +46,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def mean_reduction(backend: str, world_size: int) -> tuple[dist.ReduceOp, int]:
+def mean_reduction(backend: str, world_size: int) -> tuple[Any, int]:
     """The op a gradient mean goes on the wire with, and what its result is still to be divided by.
 
     NCCL averages natively (``ReduceOp.AVG``: divided by the world size on the wire, nothing
@@ -124,7 +124,8 @@ class Communicator:
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's RuntimeError
             what = op
             if numel is not None:
-                what += f" of {numel} {dtype_name(dtype)} elements"
+                kind = f" {dtype_name(dtype)}" if dtype is not None else ""
+                what += f" of {numel}{kind} elements"
             raise CollectiveError(
                 f"{what} failed on {self.description}: {type(exc).__name__}: {exc}. "
                 "A peer rank probably died or stalled longer than the group's timeout "
@@ -285,6 +286,7 @@ class Communicator:
         """Overwrite ``tensors`` on every rank with the group's first rank's, in place."""
         if not self.active:
             return
+        assert self.group is not None  # active implies torch.distributed and a group
         source = dist.get_global_rank(self.group, 0)
         for tensor in tensors:
             with self._guard("broadcast", tensor.numel(), tensor.dtype):

@@ -102,8 +102,8 @@ class PreparedStep(NamedTuple):
 
     grads: list[list[torch.Tensor]]
     """Per group, per bucket: this rank's chunk of the summed gradient."""
-    sq_norm: float
-    """The global squared norm of the summed (still scaled) gradient."""
+    sq_norm: torch.Tensor
+    """The global squared norm of the summed (still scaled) gradient: 0-dim, on the device."""
     untouched: list[list[int]]
     """Per group: the parameters no rank gave a gradient in this window (not updated)."""
     any_touched: bool
@@ -115,6 +115,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     shard_state: bool = False
     """Whether master weights and optimizer states are sharded (ZeRO >= 1)."""
+    _grad_norm: float | None
+    _pending_norm: torch.Tensor | None
+    """The last step's norm while still on the device (read by :attr:`grad_norm`)."""
 
     def __init__(
         self,
@@ -290,7 +293,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     @grad_norm.setter
     def grad_norm(self, value: float | None) -> None:
         self._grad_norm = value
-        self._pending_norm: torch.Tensor | None = None
+        self._pending_norm = None
 
     def _prepare_grad_norm(self) -> float:
         if self._prepared is None:
@@ -537,10 +540,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         super().reset_update_state(names, step)
         self._kernel_step = None
 
-    def _load_update_state(self, state_dict: dict[str, Any]) -> None:
-        super()._load_update_state(state_dict)
-        self._kernel_step = None
-
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in group.items():
@@ -602,6 +601,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return state
 
     def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
+        self._kernel_step = None  # the loaded step counter is re-read at the next kernel step
         for group_state in self.groups:
             params = group_state.flat.params
             for index, begin, end, bucket, offset in group_state._pieces():

@@ -110,6 +110,12 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
+def _local(tensor: torch.Tensor | None) -> torch.Tensor:
+    """The local shard of a sharded parameter's gradient (a DTensor under FSDP2)."""
+    assert isinstance(tensor, DTensor), "FSDP2 keeps sharded gradients as DTensors"
+    return tensor.to_local()
+
+
 def _row_numel(shape: torch.Size) -> int:
     """Elements in one index of dim 0 of a tensor of ``shape``."""
     numel = 1
@@ -170,7 +176,7 @@ class _NamedReduceScatter(DefaultReduceScatter):
         group: dist.ProcessGroup,
         op: Any,
         async_op: bool = False,
-    ) -> dist.Work | None:
+    ) -> dist.Work:
         with self.comm._guard("FSDP2 reduce_scatter", input_tensor.numel(), input_tensor.dtype):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
@@ -210,6 +216,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 "call it once, on the unsharded model"
             )
         group = process_group or dist.group.WORLD
+        assert group is not None  # torch.distributed is initialized here
         device = mesh_device(dist.get_backend(group), model)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
@@ -242,7 +249,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         comm = Communicator(group)
         for module in model.modules():
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
+            if isinstance(module, FSDPModule):
                 # NCCL averages natively (no divide kernel); elsewhere SUM and an explicit
                 # divide, as gloo's AVG has been reported to return sums.
                 module.set_force_sum_reduction_for_comms(comm.backend != "nccl")
@@ -304,7 +311,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         parameters live only during forward and backward and are not listed. fp32
         accumulation: the sharded ``.grad`` is the accumulator.
         """
-        sharded_grads = tuple(p.grad.to_local() for p in self._params() if p.grad is not None)
+        sharded_grads = tuple(_local(p.grad) for p in self._params() if p.grad is not None)
         return HeldTensors(
             params=tuple(self._locals()),
             grads=tuple(
@@ -324,7 +331,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         """16-bit accumulation: add this micro-batch's fp32 shard into the accumulator."""
         assert self.accumulators is not None
         with torch.no_grad():
-            shard = param.grad.to_local()
+            shard = _local(param.grad)
             if self._fresh[index]:
                 self.accumulators[index].copy_(shard)
             else:
@@ -386,7 +393,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
         device = self._locals()[0].device if self._locals() else torch.device("cpu")
         if norms:
-            sq = torch.stack(norms).double().square().sum().float().reshape(1)
+            sq = torch.stack(list(norms)).double().square().sum().float().reshape(1)
         else:  # on the parameters' device: the all-reduce may be NCCL's
             sq = torch.zeros(1, device=device)
         flags = torch.tensor([float(t) for t in touched], device=device)
@@ -407,7 +414,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for param in params:
                 if param.grad is None:  # no micro-batch since zero_grad reached it
                     param.grad = torch.zeros_like(param)
-            return [p.grad.to_local() for p in params]
+            return [_local(p.grad) for p in params]
         for param in params:
             if param.grad is not None:
                 raise RuntimeError(
@@ -535,7 +542,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         )
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             for name in names:
-                full = state[keys.param_key(index, name)].to(param.device, torch.float32)
+                saved = state[keys.param_key(index, name)]
+                assert isinstance(saved, torch.Tensor), "full_state holds tensors per parameter"
+                full = saved.to(param.device, torch.float32)
                 shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
                 target = local if name == keys.MASTER else self.inner.state[local][name]
                 target.copy_(shard)

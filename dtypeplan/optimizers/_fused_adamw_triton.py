@@ -106,8 +106,8 @@ try:  # guarded: the module must import on machines without triton
 
     _TRITON_IMPORT_ERROR: str | None = None
 except Exception as exc:  # any failure to import means "no triton"
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
     # Only the message: the exception's traceback links (through f_back) to the frames of
     # whoever first imported this module lazily, e.g. an optimizer's step(), keeping it alive.
     _TRITON_IMPORT_ERROR = repr(exc)
