@@ -195,17 +195,11 @@ def test_files_deepspeed_runs_resolve_with_its_meaning_or_say_where_not(name: st
     if entry["optimizer_type"] is None:
         assert any(d.startswith("no optimizer block") for d in plan.deepspeed_differences)
 
-    # Status: OK, or NotSupported for a setting the table does not run (with its reason).
+    # Status: NotSupported, with its reason, for a setting the table does not run yet (offload,
+    # bf16 master weights, ...: issue 13); never OK as if the setting were not there.
     if _has_new_settings(config):
-        assert plan.status in ("OK", "NotSupported")
-        if plan.status == "OK":
-            changed = [
-                path
-                for field, default, path in DEEPSPEED_PRECISION_FIELDS
-                if getattr(config, field) != default
-            ]
-            for path in changed:
-                assert path in text
+        assert plan.status == "NotSupported", text
+        assert "not implemented yet" in plan.reason or "NotSupported" in text, text
     else:
         assert plan.status == "OK", text
     # Nothing that changes numbers or memory is listed as ignored.

@@ -12,7 +12,7 @@ import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers._reduction_scheduler import InFlightReduction
 from tests._helpers import make_batch, make_model, mse
-from tests.workers.engine_edge_cases import empty_micro_batch_on_one_rank
+from tests.workers.engine_edge_cases import empty_micro_batch_on_one_rank, twice_reached_parameter
 
 BF16_SGD = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 
@@ -34,10 +34,21 @@ def test_a_group_with_only_frozen_parameters_is_accepted() -> None:
     for param in model[0].parameters():
         param.requires_grad_(False)
     groups = [{"params": list(model[0].parameters())}, {"params": list(model[2:].parameters())}]
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    trainable = [p.detach().clone() for p in model[2:].parameters()]
     optimizer = dtypeplan.resolve(BF16_SGD).build(groups)
     x, y = make_batch(0, 8)
     optimizer.backward(mse(model, x, y))
     optimizer.step()
+    # The frozen group keeps its values (cast to bf16); the trainable one moves.
+    for before, param in zip(frozen, model[0].parameters(), strict=True):
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param, before.to(torch.bfloat16))
+    assert all(
+        not torch.equal(param.float(), before.to(torch.bfloat16).float())
+        for before, param in zip(trainable, model[2:].parameters(), strict=True)
+        if param.dim() > 1
+    )
 
 
 def test_a_backward_that_raises_leaves_no_trace() -> None:
@@ -114,3 +125,18 @@ def test_a_backward_that_raises_waits_for_reductions_in_flight() -> None:
         optimizer.backward(torch.nn.functional.mse_loss(out, y))
     assert waited == ["failing", "ok"]
     assert scheduler.buffers() == []
+
+
+def test_a_second_gradient_in_one_backward_is_added_or_refused() -> None:
+    """A parameter used inside and outside a reentrant checkpoint gets two gradients in one
+    backward: added where its bucket is still open (ZeRO-0/1 without an early reduction),
+    refused with a clear error once its reduction has started (never silently dropped)."""
+    results = spawn(twice_reached_parameter, 2)
+    for per_rank in results:
+        for case, outcome in per_rank.items():
+            stage, mode = case
+            if stage < 2 and mode == "plain":
+                assert isinstance(outcome, float) and outcome < 1e-5, (case, outcome)
+            else:
+                assert isinstance(outcome, str) and "second gradient" in outcome, (case, outcome)
+                assert "use_reentrant=False" in outcome, outcome

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -158,6 +159,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._fused_kernel: bool | None = None
         self._adam_update = FlatAdamUpdate(self._inner, plan.optimizer.torch_class)
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
+        self._zero_grads: list[weakref.ref[torch.Tensor]] = []
+        """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self.reductions = ReductionScheduler(
             self.groups,
@@ -251,10 +254,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.clear_lp_grads()
         self._prepared = None
         self.reductions.abandon()
+        self._zero_grads = []
         if not set_to_none:
             with torch.no_grad():
                 for param in self.trainable_parameters():
                     param.grad = torch.zeros_like(param)
+                    self._zero_grads.append(weakref.ref(param.grad))
 
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
@@ -327,13 +332,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """Everything before the update: model changes, hand-set grads, reduction, summary."""
         self.model_sync.pick_up()
         hand_set = self._take_hand_set_grads()
-        if hand_set and self.reductions.sharded_accumulator:
-            raise OptimizerUsageError(
-                "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, or "
-                "gradient_accumulation_dtype.sharded: true): every rank would have to learn of "
-                "it and reduce-scatter it, which costs every step a host sync; produce the "
-                "gradients with backward(), or use a whole accumulator (ZeRO-0/1)"
-            )
         for (gi, pi), grad in hand_set.items():
             self.reductions.add_hand_set(gi, pi, grad)
         grads = self.reductions.reduced_grads()
@@ -346,14 +344,32 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         Scaled by the loss scale, as the accumulator holds scaled gradients; ``.grad`` is
         freed as the hooks free it.
         """
+        zeros = {id(grad) for ref in self._zero_grads if (grad := ref()) is not None}
+        self._zero_grads = []
         found: dict[tuple[int, int], torch.Tensor] = {}
         scale = self.scaler.scale
         for gi, state in enumerate(self.groups):
             for pi, param in enumerate(state.flat.params):
-                if param.grad is not None:
-                    grad = param.grad
+                grad = param.grad
+                if grad is None:
+                    continue
+                if id(grad) in zeros:
+                    # zero_grad(set_to_none=False)'s zeros, never reached by a backward: a
+                    # gradient of zero, so the parameter is updated as torch.optim would.
+                    self.reductions.window_touched[gi][pi] = True
+                elif self.reductions.sharded_accumulator:
+                    raise OptimizerUsageError(
+                        "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, "
+                        "or gradient_accumulation_dtype.sharded: true): every rank would have "
+                        "to learn of it and reduce-scatter it, which costs every step a host "
+                        "sync; produce the gradients with backward(), or use a whole "
+                        "accumulator (ZeRO-0/1)"
+                    )
+                else:
                     found[(gi, pi)] = grad * scale if scale != 1.0 else grad
-                    param.grad = None
+        for state in self.groups:
+            for param in state.flat.params:
+                param.grad = None
         return found
 
     def _step_summary(

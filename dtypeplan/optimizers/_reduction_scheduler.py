@@ -161,6 +161,7 @@ class ReductionScheduler:
         self._pass: BackwardPass | None = None
         # The order in which every rank issues its bucket reductions.
         self._bucket_order = [(gi, b.index) for gi, s in enumerate(groups) for b in s.flat.buckets]
+        self._position = {bucket: i for i, bucket in enumerate(self._bucket_order)}
         self._next_bucket = 0
         self._pending: list[list[int]] = []
         self._touched: list[list[bool]] = []
@@ -245,27 +246,41 @@ class ReductionScheduler:
             self._open_pass()
         assert self._pass is not None
         state = self.groups[gi]
+        bucket = state.flat.bucket_of[pi]
+        # A second gradient in one backward (a parameter used inside and outside a reentrant
+        # torch.utils.checkpoint region): added to the first; only its bucket must not have
+        # been sent yet, and it must not count towards the bucket twice.
+        again = self._touched[gi][pi]
+        if again and self._position[(gi, bucket)] < self._next_bucket:
+            raise OptimizerUsageError(
+                f"parameter {pi} of param group {gi} got a second gradient in one backward after "
+                "its bucket's reduction had started (a parameter used both inside and outside "
+                "torch.utils.checkpoint(..., use_reentrant=True)?): use use_reentrant=False, "
+                "which gives each parameter one gradient per backward"
+            )
         with torch.no_grad():
             if self.sharded_accumulator:
                 flat = state.flat
-                bucket = flat.bucket_of[pi]
                 staging, _ = self._staging_of(gi, bucket)
                 offset = flat.offsets[pi] - flat.buckets[bucket].start
-                staging[offset : offset + grad.numel()].copy_(grad.reshape(-1))
-                self._pending[gi][bucket] -= 1
-                self._touched[gi][pi] = True
-                self.window_touched[gi][pi] = True
-                self._issue_micro_batch_reductions(complete_only=True)
+                target = staging[offset : offset + grad.numel()]
+                if again:
+                    target.add_(grad.reshape(-1))
+                else:
+                    target.copy_(grad.reshape(-1))
             else:
                 view = state.acc_param_views[pi]
-                if self._pass.onto_empty and not self._touched[gi][pi]:
+                if self._pass.onto_empty and not again:
                     view.copy_(grad)
                 else:
                     accumulate_(view, grad)
-                self._touched[gi][pi] = True
-                self.window_touched[gi][pi] = True
-                if self._pass.last_micro_batch:
-                    self._pending[gi][state.flat.bucket_of[pi]] -= 1
+            self._touched[gi][pi] = True
+            self.window_touched[gi][pi] = True
+            if not again and (self.sharded_accumulator or self._pass.last_micro_batch):
+                self._pending[gi][bucket] -= 1
+                if self.sharded_accumulator:
+                    self._issue_micro_batch_reductions(complete_only=True)
+                else:
                     self._issue_step_reductions(complete_only=True)
         param.grad = None
 

@@ -13,7 +13,10 @@ each stated by ``explain()`` for the configs it touches:
   (``GRADIENT_CLIPPING_DEFAULT``); dtypeplan does not clip unless asked, so that a config
   without the key keeps meaning what it meant before;
 - no ``optimizer`` block: DeepSpeed runs the program's own optimizer; dtypeplan falls back to
-  AdamW with lr 1e-3.
+  AdamW with lr 1e-3;
+- ``gradient_accumulation_steps``: DeepSpeed's ``engine.backward`` divides each micro-batch's
+  loss by it; dtypeplan sums micro-batch gradients as they come (as documented for
+  ``opt.backward``) and uses the key only to know the step boundary.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtypeplan.resolver import _deepspeed_keys as ds
-from dtypeplan.resolver._config import DEEPSPEED_PRECISION_FIELDS, PrecisionConfig
-from dtypeplan.resolver._dimensions import DIMENSIONS
+from dtypeplan.resolver._config import PrecisionConfig
 
 __all__ = ["deepspeed_differences"]
 
@@ -69,13 +71,13 @@ def deepspeed_differences(
             "TrainingArguments.learning_rate, 5e-5 by default); dtypeplan's default is AdamW "
             "with lr 1e-3. Give an optimizer block, or pass your optimizer to plan.build"
         )
-    # Settings the config parses but this rules table has no dimension for yet: the plan
-    # would run without them, so say so until the table decides them.
-    for name, default, path in DEEPSPEED_PRECISION_FIELDS:
-        value = getattr(config, name)
-        if value != default and name not in DIMENSIONS and name not in point:
-            found.append(
-                f"{path} ({name}={value!r}): {DEEPSPEED} runs it; this rules table does not "
-                "decide it yet, and the plan runs without it"
-            )
+    steps = config.gradient_accumulation_steps
+    if steps is not None and steps > 1:
+        found.append(
+            f"gradient_accumulation_steps={steps}: {DEEPSPEED}'s engine.backward divides each "
+            f"micro-batch's loss by {steps}; dtypeplan sums the micro-batches' gradients as "
+            f"they come (it only learns the step boundary from the key: the reduction starts "
+            f"inside the last of the {steps} backward passes). For DeepSpeed's behaviour "
+            f"divide the loss by {steps} before backward"
+        )
     return found

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import dtypeplan
 from tests._helpers import make_batch, make_model, mse
@@ -30,3 +33,60 @@ def _empty_micro_batch(rank: int, stage: int) -> list[float]:
         optimizer.backward(mse(model, x, y) * 0)
     optimizer.step()
     return [float(p.detach().sum()) for p in model.parameters()]
+
+
+class _ReusedInsideCheckpoint(torch.nn.Module):
+    """``a`` is used before a reentrant checkpoint and inside it: two gradients per backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+    def forward(self, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        inner = lambda t: torch.tanh(self.b(t)) + torch.tanh(self.a(t))  # noqa: E731
+        return self.c(checkpoint(inner, h, use_reentrant=reentrant))
+
+
+def _twice_reached(rank: int, world: int, stage: int, mode: str) -> float | str:
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.3}},
+        "zero_optimization": {"stage": stage},
+    }
+    model = _ReusedInsideCheckpoint()
+    reference = copy.deepcopy(model)
+    optimizer = dtypeplan.resolve(config).build(model.parameters())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.3)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(4, 5, generator=generator), torch.randn(4, 3, generator=generator))
+        for _ in range(2 * world)
+    ]
+    try:
+        for micro in range(2):
+            x, y = batches[2 * rank + micro]
+            loss = torch.nn.functional.mse_loss(model(x, True), y)
+            optimizer.backward(loss, last_micro_batch=mode == "last" and micro == 1)
+        optimizer.step()
+    except dtypeplan.errors.OptimizerUsageError as exc:
+        optimizer.zero_grad()
+        return str(exc)
+    for x, y in batches:
+        (torch.nn.functional.mse_loss(reference(x, False), y) / world).backward()
+    reference_optimizer.step()
+    return max(
+        float((a - b).abs().max())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+def twice_reached_parameter(rank: int, world: int) -> dict[tuple[int, str], float | str]:
+    return {
+        (stage, mode): _twice_reached(rank, world, stage, mode)
+        for stage in (0, 1, 2)
+        for mode in ("plain", "last")
+    }
