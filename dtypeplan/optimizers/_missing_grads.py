@@ -10,7 +10,11 @@ back after. That is the rare path; when every parameter got a gradient nothing i
 
 The optimizer's step counter is one per master chunk (a bucket holds many parameters), so it
 still counts a step that a parameter skipped: if that parameter trains again later, Adam's bias
-correction uses the chunk's count, not a count of the parameter's own steps.
+correction uses the chunk's count, not a count of the parameter's own steps. Likewise a state
+that the first update creates (SGD's momentum buffer) is created for the whole chunk and put
+back to zero for a parameter that skipped it, where torch would create it at that parameter's
+first gradient: with SGD's ``dampening`` != 0 that parameter's first momentum is then
+``(1 - dampening) * grad`` instead of torch's ``grad``.
 """
 
 from __future__ import annotations
