@@ -61,15 +61,17 @@ def build(
     return model, plan.build(groups, optimizer=getattr(torch.optim, name), **hyper)
 
 
-def train(model: torch.nn.Module, opt: dtypeplan.MixedPrecisionOptimizer, steps: range) -> None:
+def train(
+    model: torch.nn.Module, opt: dtypeplan.MixedPrecisionOptimizer, steps: range, micro: int = MICRO
+) -> None:
     rank, size = _rank_size()
     for step in steps:
         x, y = make_batch(200 + step, GLOBAL_BATCH)
         opt.zero_grad()
         for xm, ym in zip(
-            x.chunk(size)[rank].chunk(MICRO), y.chunk(size)[rank].chunk(MICRO), strict=True
+            x.chunk(size)[rank].chunk(micro), y.chunk(size)[rank].chunk(micro), strict=True
         ):
-            opt.backward(mse(model, xm, ym) / MICRO)
+            opt.backward(mse(model, xm, ym) / micro)
         opt.step()
 
 
@@ -81,22 +83,27 @@ def final_state(opt: dtypeplan.MixedPrecisionOptimizer) -> dict[str, Any]:
     }
 
 
-def uninterrupted(name: str, stage: int, bucket: int = 200) -> dict[str, Any]:
-    model, opt = build(name, stage, bucket)
-    train(model, opt, range(BEFORE + AFTER))
+def uninterrupted(name: str, stage: int, micro: int = MICRO) -> dict[str, Any]:
+    model, opt = build(name, stage)
+    train(model, opt, range(BEFORE + AFTER), micro)
     return final_state(opt)
 
 
 def resumed(
-    name: str, path: str, save_stage: int, load_stage: int, load_bucket: int = 200
+    name: str,
+    path: str,
+    save_stage: int,
+    load_stage: int,
+    load_bucket: int = 200,
+    micro: int = MICRO,
 ) -> dict[str, Any]:
     """Save after ``BEFORE`` steps at ``save_stage``, resume at ``load_stage`` (other seed)."""
     model, opt = build(name, save_stage)
-    train(model, opt, range(BEFORE))
+    train(model, opt, range(BEFORE), micro)
     checkpoint.save(opt, path)
     fresh_model, fresh = build(name, load_stage, load_bucket, seed=7)
     checkpoint.load(fresh, path)
-    train(fresh_model, fresh, range(BEFORE, BEFORE + AFTER))
+    train(fresh_model, fresh, range(BEFORE, BEFORE + AFTER), micro)
     return final_state(fresh)
 
 
@@ -113,14 +120,16 @@ def state_dict_resumed(name: str, stage: int) -> dict[str, Any]:
 
 def two_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Per class of :data:`RESHARDED`: stage 1 uninterrupted, and saved at stage 1 (buckets of
-    200) then resumed at stage 2 (buckets of 120): other chunks on each rank."""
+    200) then resumed at stage 2 (buckets of 120): other chunks on each rank. One micro-batch
+    per step: stage 2 reduces each micro-batch as it comes, stage 1 their sum, which would
+    differ in the last bit; with one, both add the same two gradients."""
     out: dict[str, Any] = {}
     for name in RESHARDED:
         path = os.path.join(root, name)
         out[name] = capture(
             lambda name=name, path=path: {
-                "uninterrupted": uninterrupted(name, 1),
-                "resumed": resumed(name, path, 1, 2, load_bucket=120),
+                "uninterrupted": uninterrupted(name, 1, micro=1),
+                "resumed": resumed(name, path, 1, 2, load_bucket=120, micro=1),
             }
         )
     return out
