@@ -222,6 +222,7 @@ class FullStateAdapter:
 
     def scalars(self) -> dict[str, Any]:
         state = self._state()
+        self.opt.group_scalar_state()  # raises where a group's chunks disagree (full_state cannot)
         return {
             "step": int(state.get(keys.scalar_key(keys.STEP), 0)),
             "loss_scale": float(state.get(keys.scalar_key(keys.LOSS_SCALE), 1.0)),

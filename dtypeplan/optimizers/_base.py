@@ -446,16 +446,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         if self.scaler.enabled:
             for field, value in self.scaler.state_dict().items():
                 scalars[keys.scaler_key(field)] = value
-        scalars.update(self.group_scalar_state())
+        # Not checked here: full_state is collective, and a rank raising alone would leave the
+        # others waiting; the checkpoint checks on every rank at once (group_scalar_state()).
+        scalars.update(self.group_scalar_state(check=False))
         return scalars
 
-    def group_scalar_state(self) -> dict[str, torch.Tensor | float | int]:
+    def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
         """The inner optimizer's scalar states, once per param group: ``scalar.group.{g}.{name}``.
 
         Every chunk of a param group steps together, so its scalars (``step``, ``mu_product``,
         ``eta``...) are the same in every chunk that has a state; this checks it, and raises
         :class:`NotSupportedError` where they differ (at ZeRO-3 a parameter that got no gradient
-        in some step keeps its own count, as in ``torch.optim``). Tensors come as CPU copies of
+        in some step keeps its own count, as in ``torch.optim``); with ``check=False`` the
+        group's first chunk with a state speaks for it. Tensors come as CPU copies of
         their dtype. Without communication: each rank reads its own chunks.
         """
         result: dict[str, torch.Tensor | float | int] = {}
@@ -469,8 +472,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 scalars = {n: v for n, v in slot.items() if is_scalar_state(v)}
                 if found is None:
                     found, first = scalars, position
-                elif scalars.keys() != found.keys() or not all(
-                    _same_scalar(scalars[n], found[n]) for n in scalars
+                elif check and (
+                    scalars.keys() != found.keys()
+                    or not all(_same_scalar(scalars[n], found[n]) for n in scalars)
                 ):
                     raise NotSupportedError(
                         f"param group {group_index}: the optimizer's scalar states differ "
@@ -577,6 +581,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 "layout": self._layout_facts(),
                 "state_names": [n for n in self.state_names() if n != keys.MASTER],
                 "step": self.step_count(),
+                # Per param group: a rank whose chunk holds only padding has no entry above.
+                "group_scalars": self.group_scalar_state(check=False),
                 "scaler": self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
             },
@@ -602,9 +608,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         index_of = self._torch_indices()
-        self.reset_update_state(
-            extra["state_names"], self._entry_scalars(state_dict["state"], index_of)
+        scalars = (
+            self.group_scalars_from(extra["group_scalars"])
+            if "group_scalars" in extra
+            else self._entry_scalars(state_dict["state"], index_of)
         )
+        self.reset_update_state(extra["state_names"], scalars)
         self._load_param_state(state_dict["state"], index_of)
         self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra["skipped_steps"])
