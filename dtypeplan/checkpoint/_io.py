@@ -6,7 +6,7 @@ import os
 
 import torch.distributed.checkpoint as dcp
 
-from dtypeplan.checkpoint._adapters import adapter_for
+from dtypeplan.checkpoint._adapters import GROUP_STATES, adapter_for, merge_group_states
 from dtypeplan.checkpoint._collective import Group
 from dtypeplan.checkpoint._directory import (
     commit_directory,
@@ -64,6 +64,11 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
         names += [n for n in rank_names if n not in names]
     flats, scalars = group.agree(
         lambda: (adapter.save_pieces(names), adapter.scalars()), "collecting the state", path
+    )
+    # Rank 0 writes the manifest: its per-group scalar states must be every rank's.
+    per_rank = group.all_gather(scalars[GROUP_STATES])
+    scalars[GROUP_STATES] = group.agree(
+        lambda: merge_group_states(per_rank), "comparing the optimizer's scalar states", path
     )
     group.dcp(
         lambda: dcp.save(

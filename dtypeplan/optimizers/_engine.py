@@ -75,6 +75,9 @@ from dtypeplan.optimizers._base import (
     MixedPrecisionOptimizer,
     inner_optimizer,
     is_adam,
+    is_element_state,
+    is_scalar_state,
+    load_slot,
 )
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor, local_sq_norm
 from dtypeplan.optimizers._flat_update import (
@@ -609,9 +612,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 entry: dict[str, Any] = {"elements": (begin, end)}
                 entry[keys.MASTER] = master[where].detach().clone()
                 for name, value in self.inner.state.get(master, {}).items():
-                    if name == keys.STEP:
+                    if is_scalar_state(value):
                         entry[name] = value.clone() if torch.is_tensor(value) else value
-                    elif torch.is_tensor(value) and value.numel() == master.numel():
+                    elif is_element_state(value, master):
                         entry[name] = value[where].clone()
                 state[index_of[id(params[index])]] = entry
         return state
@@ -626,9 +629,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 master = group_state.masters[bucket]
                 where = slice(offset, offset + end - begin)
                 master[where].copy_(entry[keys.MASTER])
-                for name, value in self.inner.state.get(master, {}).items():
-                    if name != keys.STEP and name in entry:
-                        value[where].copy_(entry[name])
+                load_slot(self.inner.state.get(master, {}), entry, where)
         self._write_back()
 
     def state_names(self) -> list[str]:
@@ -641,12 +642,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state in self.groups:
             for master in state.masters:
                 for name, value in self.inner.state.get(master, {}).items():
-                    if (
-                        name != keys.STEP
-                        and torch.is_tensor(value)
-                        and value.numel() == master.numel()
-                        and name not in names
-                    ):
+                    if is_element_state(value, master) and name not in names:
                         names.append(name)
         return names
 
@@ -689,7 +685,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         names = keys.param_state_names(state)
         # States absent from the input must not survive from before the load.
         self.reset_update_state(
-            [n for n in names if n != keys.MASTER], int(state.get(keys.scalar_key(keys.STEP), 0))
+            [n for n in names if n != keys.MASTER], self.group_scalars_from(state)
         )
         first = 0
         for group_state in self.groups:

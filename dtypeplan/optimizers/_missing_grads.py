@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
+from dtypeplan.optimizers._base import is_element_state
 from dtypeplan.optimizers._group_state import GroupState
 
 __all__ = ["keep_untouched"]
@@ -56,7 +57,7 @@ def keep_untouched(
             if not slot:
                 fresh.append((master, where))
             for name, value in slot.items():
-                if torch.is_tensor(value) and value.numel() == master.numel():
+                if is_element_state(value, master):
                     saved.append((master, name, where, value[where].clone()))
     yield bool(saved)
     with torch.no_grad():
@@ -66,5 +67,5 @@ def keep_untouched(
         # zero stands for (moments, momentum buffers).
         for master, where in fresh:
             for value in inner.state.get(master, {}).values():
-                if torch.is_tensor(value) and value.numel() == master.numel():
+                if is_element_state(value, master):
                     value[where].zero_()
