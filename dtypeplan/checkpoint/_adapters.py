@@ -205,7 +205,7 @@ class FullStateAdapter:
             masters = [keys.parse_param_key(key) for key in template]
             count = sum(1 for parsed in masters if parsed is not None and parsed[1] == keys.MASTER)
             self._shapes = [
-                list(template[keys.param_key(i, keys.MASTER)].shape) for i in range(count)
+                list(_tensor(template[keys.param_key(i, keys.MASTER)]).shape) for i in range(count)
             ]
         return self._shapes
 
@@ -267,3 +267,9 @@ def adapter_for(opt: MixedPrecisionOptimizer) -> Adapter:
     if isinstance(opt, (FlatMixedPrecisionOptimizer, FSDP2Optimizer)):
         return FlatAdapter(opt)
     return FullStateAdapter(opt)
+
+
+def _tensor(value: object) -> torch.Tensor:
+    """A ``param.{i}.{name}`` entry of a full state: always a tensor (scalars are ``scalar.*``)."""
+    assert isinstance(value, torch.Tensor)
+    return value

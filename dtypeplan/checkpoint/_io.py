@@ -43,6 +43,7 @@ def save(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
         lambda: prepare_directory(path) if group.rank == 0 else None, "preparing", path
     )
     name = group.broadcast(name)
+    assert name is not None  # rank 0 prepared it, or agree() raised on every rank
     try:
         _save_into(opt, group, path, name)
     except Exception:
@@ -112,7 +113,9 @@ def load(
         raise TypeError(f"load() takes a dtypeplan optimizer, not {type(opt).__name__}")
     group = Group(opt.process_group, path)
     opened = group.agree(lambda: open_snapshot(path) if group.rank == 0 else None, "opening", path)
-    snapshot, manifest = group.broadcast(opened)
+    shared = group.broadcast(opened)
+    assert shared is not None  # rank 0 opened it, or agree() raised on every rank
+    snapshot, manifest = shared
     if verify:
         group.agree(
             lambda: verify_share(snapshot, manifest, group.rank, group.size), "verifying", path

@@ -123,7 +123,8 @@ def inner_optimizer(
     """``torch_class`` over ``groups``, fused where asked and the class has a fused path
     (Adam, AdamW, SGD, Adagrad); the other elementwise classes run their default path."""
     accepted = inspect.signature(torch_class.__init__).parameters
-    return torch_class(groups, **({"fused": True} if fused and "fused" in accepted else {}))
+    options: dict[str, Any] = {"fused": True} if fused and "fused" in accepted else {}
+    return torch_class(groups, **options)
 
 
 @torch.no_grad()
@@ -700,7 +701,7 @@ def _param_group_dicts(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """``params`` as torch.optim takes it, as a list of group dicts with listed params."""
-    items = list(params)
+    items: list[Any] = list(params)
     if not items or not isinstance(items[0], dict):
         items = [{"params": items}]
     groups = []

@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -555,8 +555,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._kernel_step = self.step_count()
         return self._kernel_step
 
-    def reset_update_state(self, names: Iterable[str], step: int) -> None:
-        super().reset_update_state(names, step)
+    def reset_update_state(
+        self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        super().reset_update_state(names, scalars)
         self._kernel_step = None
 
     def _sync_hyperparameters(self) -> None:
@@ -693,7 +695,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             for name in names:
                 full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
                 for index, view in enumerate(flat.param_views(full)):
-                    view.copy_(state[keys.param_key(first + index, name)])
+                    value = state[keys.param_key(first + index, name)]
+                    assert isinstance(value, torch.Tensor), "checked by the caller's manifest"
+                    view.copy_(value)
                 chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
                 for master, chunk in zip(group_state.masters, chunks, strict=True):
                     target = master if name == keys.MASTER else self.inner.state[master][name]
