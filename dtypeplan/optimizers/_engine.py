@@ -69,8 +69,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dtypeplan.comm import Communicator
 from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
