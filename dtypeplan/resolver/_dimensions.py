@@ -221,8 +221,8 @@ MASTER = Dimension(
     values=("fp32", "bf16", "bf16_sr", "bf16_kahan", "fp16"),
     doc="the dtype of the master weights and, for bf16, how each fp32 update is rounded into "
     "them: bf16 to nearest, bf16_sr stochastically, bf16_kahan with a bf16 compensation buffer",
-    config_key="master_weights.dtype / master_weights.rounding "
-    "(bf16.bf16_master_weights_and_grads / fp16.fp16_master_weights_and_grads)",
+    config_key="master_weights / bf16.bf16_master_weights_and_grads / "
+    "fp16.fp16_master_weights_and_grads",
     default="fp32",
     default_value="fp32",
     choices=("fp32",),
@@ -417,7 +417,7 @@ FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
 """The feature dimensions at their "not used" values: what a config that sets none gets."""
 
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space (about 18 million: too many to list; the rules loader
+"""The number of points of the space (about 30 million: too many to list; the rules loader
 checks rule boxes, not points)."""
 
 CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())
