@@ -204,6 +204,7 @@ def _two_rank_cases() -> list[tuple[str, int, str]]:
         ]
     # ZeRO-3 is left out: FSDP2 would pair a reduce-scatter of head_b's unit on rank 0 only.
     cases += [("item4_head_used_on_one_rank", stage, "bf16") for stage in (0, 1, 2)]
+    cases += [("item13_zero_grads_then_head_on_one_rank", stage, "fp32") for stage in (0, 1, 2)]
     cases += [
         ("item2_load_state_dict_after_build", 1, "bf16"),
         ("item3_data_rebinding", 2, "fp32"),

@@ -34,7 +34,7 @@ def _default(field):
     value = field.get_default(call_default_factory=False)
     if value is None or isinstance(value, (bool, str)):
         return value
-    if hasattr(value, "value") and isinstance(getattr(value, "value"), (int, str)):  # enums
+    if hasattr(value, "value") and isinstance(value.value, (int, str)):  # enums
         return value.value
     if isinstance(value, int):
         return int(value)  # pp_int -> int
@@ -85,7 +85,6 @@ class _RecordingDict(dict):
         outer = self
 
         class _Keys:
-
             def __contains__(self, key):
                 outer.seen.add(key)
                 return dict.__contains__(outer, key)
@@ -131,14 +130,20 @@ def build():
     from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
 
     fields, deprecated, defaults = {}, {}, {}
-    for block, model in (("zero_optimization", DeepSpeedZeroConfig),
-                         ("offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
-                         ("offload_param", DeepSpeedZeroOffloadParamConfig), ("bf16", DeepSpeedBF16Config),
-                         ("bfloat16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
+    for block, model in (
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+        ("offload_param", DeepSpeedZeroOffloadParamConfig),
+        ("bf16", DeepSpeedBF16Config),
+        ("bfloat16", DeepSpeedBF16Config),
+        ("fp16", DeepSpeedFP16Config),
+    ):
         fields[block], deprecated[block], defaults[block] = _model_block(model)
 
     data_types = {
@@ -150,8 +155,11 @@ def build():
     fields["data_types"] = {k: [] for k in sorted(data_types)}
     defaults["data_types"] = dict(sorted(data_types.items()))
     deprecated["data_types"] = {}
-    autocast = {C.TORCH_AUTOCAST_ENABLED: C.TORCH_AUTOCAST_ENABLED_DEFAULT, C.TORCH_AUTOCAST_DTYPE: None,
-                C.TORCH_AUTOCAST_LOWER_PRECISION_SAFE_MODULES: None}
+    autocast = {
+        C.TORCH_AUTOCAST_ENABLED: C.TORCH_AUTOCAST_ENABLED_DEFAULT,
+        C.TORCH_AUTOCAST_DTYPE: None,
+        C.TORCH_AUTOCAST_LOWER_PRECISION_SAFE_MODULES: None,
+    }
     fields["torch_autocast"] = {k: [] for k in sorted(autocast)}
     defaults["torch_autocast"] = dict(sorted(autocast.items()))
     deprecated["torch_autocast"] = {}
@@ -175,6 +183,7 @@ def build():
     }
 
     from deepspeed.ops.adam.fused_adam import FusedAdam
+
     adam_params = _signature_defaults(FusedAdam.__init__, {"self", "params"})
     adam_params[ds_config.ADAM_W_MODE] = ds_config.ADAM_W_MODE_DEFAULT
     adam_params[ds_config.TORCH_ADAM_PARAM] = False
@@ -219,16 +228,22 @@ _COMMENTS = {
     "TOP_LEVEL_KEYS": "Top-level keys DeepSpeedConfig looks up (any other top-level key is ignored).",
     "REMOVED_TOP_LEVEL_KEYS": "Top-level keys DeepSpeedConfig refuses with DeepSpeedConfigError.",
     "REMOVED_ZERO_KEYS": "zero_optimization keys DeepSpeedConfig refuses with DeepSpeedConfigError.",
-    "FIELDS": ("Block -> canonical field -> aliases. 'bfloat16' is the legacy block, read with the bf16\n"
-               "# model only when 'bf16' is absent. Pydantic blocks forbid unknown keys, and drop any value\n"
-               "# equal to \"auto\" before validation (the field default applies)."),
+    "FIELDS": (
+        "Block -> canonical field -> aliases. 'bfloat16' is the legacy block, read with the bf16\n"
+        "# model only when 'bf16' is absent. Pydantic blocks forbid unknown keys, and drop any value\n"
+        '# equal to "auto" before validation (the field default applies).'
+    ),
     "DEPRECATED": "Block -> deprecated field -> field it sets ('' = none; the value is only warned about).",
     "DEFAULTS": "Block -> canonical field -> default.",
     "TOP_LEVEL_DEFAULTS": "Top-level scalars that bear on precision, batch or optimizer choice -> default.",
-    "DEEPSPEED_OPTIMIZERS": ("optimizer.type values (case-insensitive) DeepSpeed builds itself; any other\n"
-                             "# type is looked up as getattr(torch.optim, type)."),
-    "ADAM_PARAMS": ("optimizer.params accepted for Adam/AdamW -> default (FusedAdam's signature plus the\n"
-                    "# keys the engine pops: adam_w_mode, torch_adam, fp32_optimizer_states)."),
+    "DEEPSPEED_OPTIMIZERS": (
+        "optimizer.type values (case-insensitive) DeepSpeed builds itself; any other\n"
+        "# type is looked up as getattr(torch.optim, type)."
+    ),
+    "ADAM_PARAMS": (
+        "optimizer.params accepted for Adam/AdamW -> default (FusedAdam's signature plus the\n"
+        "# keys the engine pops: adam_w_mode, torch_adam, fp32_optimizer_states)."
+    ),
     "SCHEDULERS": "scheduler.type -> scheduler.params -> default (constructor signature).",
 }
 
@@ -236,7 +251,8 @@ _COMMENTS = {
 def render(data):
     lines = [
         '"""DeepSpeed {v}\'s accepted config keys, aliases and precision defaults, read from its own config models.'.format(
-            v=data["DEEPSPEED_VERSION"]),
+            v=data["DEEPSPEED_VERSION"]
+        ),
         "",
         "Generated; do not edit. Regenerate where DeepSpeed is installed with:",
         "",
@@ -251,7 +267,7 @@ def render(data):
         if name in _COMMENTS:
             lines.append("# " + _COMMENTS[name])
         text = pprint.pformat(data[name], indent=1, width=100, sort_dicts=True)
-        lines.append("{}: {} = {}".format(name, _TYPES[name], text))
+        lines.append(f"{name}: {_TYPES[name]} = {text}")
     return "\n".join(lines) + "\n"
 
 

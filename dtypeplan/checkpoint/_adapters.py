@@ -10,7 +10,8 @@ An adapter lists the trainable parameters' shapes and state names, hands out the
 save, allocates staging pieces to load into, and commits them into the optimizer at the end
 (so a load that fails before then leaves the optimizer as it was). Both adapters key every
 tensor ``param.{i}.{name}``, 1-D, of the parameter's ``numel``; so either reads what the
-other wrote.
+other wrote. The inner optimizer's scalar states (``step``, ``mu_product``...) are one per param
+group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.checkpoint._planners import Flat
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
@@ -30,7 +32,60 @@ ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
 ``state_names()``, ``reset_update_state()`` and ``refresh_params()``."""
 
-__all__ = ["Adapter", "FlatAdapter", "FullStateAdapter", "adapter_for"]
+__all__ = [
+    "GROUP_STATES",
+    "Adapter",
+    "FlatAdapter",
+    "FullStateAdapter",
+    "adapter_for",
+    "decode_group_states",
+    "encode_group_states",
+    "merge_group_states",
+]
+
+GROUP_STATES = "group_states"
+"""The manifest's ``scalars`` entry holding the inner optimizer's per-group scalar states."""
+
+
+def encode_group_states(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``scalar.group.*`` entries of ``state`` as JSON: ``{"value": x, "dtype": "float32"}``
+    for a 0-dim tensor (a float32 or float64 value is exact as a JSON number), ``{"value": x}``
+    for a Python number."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        if keys.parse_group_scalar_key(key) is None:
+            continue
+        if torch.is_tensor(value):
+            out[key] = {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+        else:
+            out[key] = {"value": value}
+    return out
+
+
+def decode_group_states(encoded: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Inverse of :func:`encode_group_states` (CPU tensors of the saved dtype)."""
+    return {
+        key: torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]))
+        if "dtype" in entry
+        else entry["value"]
+        for key, entry in encoded.items()
+    }
+
+
+def merge_group_states(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One rank's encoded group states for all: they must agree wherever two ranks hold one
+    (every chunk of a param group steps together), else :class:`CheckpointError`."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rank, states in enumerate(per_rank):
+        for key, entry in states.items():
+            if key in merged and merged[key] != entry:
+                raise CheckpointError(
+                    f"the optimizer's scalar state {key} differs between ranks ({merged[key]} "
+                    f"and, on rank {rank}, {entry}): the param group's chunks did not step "
+                    "together"
+                )
+            merged.setdefault(key, entry)
+    return merged
 
 
 def _numel(shape: list[int]) -> int:
@@ -95,6 +150,7 @@ class FlatAdapter:
             "skipped_steps": int(self.opt.skipped_steps),
             "scaler_enabled": bool(self.opt.scaler.enabled),
             "scaler": dict(self.opt.scaler.state_dict()),
+            GROUP_STATES: encode_group_states(self.opt.group_scalar_state()),
         }
 
     def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
@@ -110,7 +166,9 @@ class FlatAdapter:
     @torch.no_grad()
     def commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
         opt = self.opt
-        opt.reset_update_state([n for n in names if n != keys.MASTER], int(scalars["step"]))
+        opt.reset_update_state(
+            [n for n in names if n != keys.MASTER], opt.group_scalars_from(_scalar_entries(scalars))
+        )
         pieces = {key: dict(flat.pieces) for key, flat in flats.items()}
         for piece in opt.shard_pieces():
             for name in names:
@@ -147,7 +205,7 @@ class FullStateAdapter:
             masters = [keys.parse_param_key(key) for key in template]
             count = sum(1 for parsed in masters if parsed is not None and parsed[1] == keys.MASTER)
             self._shapes = [
-                list(template[keys.param_key(i, keys.MASTER)].shape) for i in range(count)
+                list(_tensor(template[keys.param_key(i, keys.MASTER)]).shape) for i in range(count)
             ]
         return self._shapes
 
@@ -164,12 +222,14 @@ class FullStateAdapter:
 
     def scalars(self) -> dict[str, Any]:
         state = self._state()
+        self.opt.group_scalar_state()  # raises where a group's chunks disagree (full_state cannot)
         return {
             "step": int(state.get(keys.scalar_key(keys.STEP), 0)),
             "loss_scale": float(state.get(keys.scalar_key(keys.LOSS_SCALE), 1.0)),
             "skipped_steps": int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0)),
             "scaler_enabled": self.opt.plan.param_dtype == torch.float16,
             "scaler": keys.scaler_state(state),
+            GROUP_STATES: encode_group_states(state),
         }
 
     def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
@@ -183,13 +243,21 @@ class FullStateAdapter:
         state: dict[str, Any] = {}
         for key, flat in flats.items():
             state[key] = flat.pieces[0][1].view(shapes[keys.param_index(key)])
-        state[keys.scalar_key(keys.STEP)] = int(scalars["step"])
+        state.update(_scalar_entries(scalars))
         state[keys.scalar_key(keys.SKIPPED_STEPS)] = int(scalars["skipped_steps"])
         if scalars.get("scaler_enabled") and self.opt.plan.param_dtype == torch.float16:
             state[keys.scalar_key(keys.LOSS_SCALE)] = float(scalars["loss_scale"])
             for field, value in scalars["scaler"].items():
                 state[keys.scaler_key(field)] = value
         self.opt.load_full_state(state)
+
+
+def _scalar_entries(scalars: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's step counters as ``full_state`` keys: ``scalar.step`` and, in a
+    checkpoint written since they are kept, the ``scalar.group.*`` states."""
+    entries = decode_group_states(scalars.get(GROUP_STATES, {}))
+    entries[keys.scalar_key(keys.STEP)] = int(scalars["step"])
+    return entries
 
 
 Adapter = FlatAdapter | FullStateAdapter
@@ -199,3 +267,9 @@ def adapter_for(opt: MixedPrecisionOptimizer) -> Adapter:
     if isinstance(opt, (FlatMixedPrecisionOptimizer, FSDP2Optimizer)):
         return FlatAdapter(opt)
     return FullStateAdapter(opt)
+
+
+def _tensor(value: object) -> torch.Tensor:
+    """A ``param.{i}.{name}`` entry of a full state: always a tensor (scalars are ``scalar.*``)."""
+    assert isinstance(value, torch.Tensor)
+    return value

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed.checkpoint as dcp
 
-from dtypeplan.checkpoint._adapters import adapter_for
+from dtypeplan.checkpoint._adapters import GROUP_STATES, adapter_for, merge_group_states
 from dtypeplan.checkpoint._collective import Group
 from dtypeplan.checkpoint._directory import (
     commit_directory,
@@ -43,6 +43,7 @@ def save(opt: MixedPrecisionOptimizer, path: str | os.PathLike[str]) -> None:
         lambda: prepare_directory(path) if group.rank == 0 else None, "preparing", path
     )
     name = group.broadcast(name)
+    assert name is not None  # rank 0 prepared it, or agree() raised on every rank
     try:
         _save_into(opt, group, path, name)
     except Exception:
@@ -64,6 +65,11 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
         names += [n for n in rank_names if n not in names]
     flats, scalars = group.agree(
         lambda: (adapter.save_pieces(names), adapter.scalars()), "collecting the state", path
+    )
+    # Rank 0 writes the manifest: its per-group scalar states must be every rank's.
+    per_rank = group.all_gather(scalars[GROUP_STATES])
+    scalars[GROUP_STATES] = group.agree(
+        lambda: merge_group_states(per_rank), "comparing the optimizer's scalar states", path
     )
     group.dcp(
         lambda: dcp.save(
@@ -107,7 +113,9 @@ def load(
         raise TypeError(f"load() takes a dtypeplan optimizer, not {type(opt).__name__}")
     group = Group(opt.process_group, path)
     opened = group.agree(lambda: open_snapshot(path) if group.rank == 0 else None, "opening", path)
-    snapshot, manifest = group.broadcast(opened)
+    shared = group.broadcast(opened)
+    assert shared is not None  # rank 0 opened it, or agree() raised on every rank
+    snapshot, manifest = shared
     if verify:
         group.agree(
             lambda: verify_share(snapshot, manifest, group.rank, group.size), "verifying", path

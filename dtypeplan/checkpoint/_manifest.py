@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from dtypeplan.checkpoint._adapters import Adapter
+from dtypeplan.checkpoint._adapters import GROUP_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
+from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 
 __all__ = [
@@ -129,6 +130,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     ):
         raise CheckpointError(f"{where}: the manifest's 'states' {states!r} is not valid")
     _check_scalars(manifest["scalars"], where)
+    _check_group_states(manifest["scalars"], len(manifest["param_groups"]), where)
     if not isinstance(manifest["optimizer"].get("type"), str):
         raise CheckpointError(f"{where}: the manifest's optimizer.type is missing")
     for index, group in enumerate(manifest["param_groups"]):
@@ -198,6 +200,46 @@ def _check_scalars(scalars: dict[str, Any], where: str) -> None:
             )
 
 
+def _check_group_states(scalars: dict[str, Any], groups: int, where: str) -> None:
+    """``scalars.group_states`` (absent before it was written): per param group, the inner
+    optimizer's scalar states, each a finite number with a torch dtype (or none: a Python
+    number)."""
+    states = scalars.get(GROUP_STATES, {})
+    if not isinstance(states, dict):
+        raise CheckpointError(f"{where}: the manifest's scalars.{GROUP_STATES} is not a mapping")
+    for key, entry in states.items():
+        try:
+            parsed = keys.parse_group_scalar_key(key)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed[0] >= groups:
+            raise CheckpointError(
+                f"{where}: the manifest's scalars.{GROUP_STATES} key {key!r} is not the scalar "
+                f"state of one of its {groups} param groups"
+            )
+        name = entry.get("dtype") if isinstance(entry, dict) else None
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        value = entry.get("value") if isinstance(entry, dict) else None
+        fits = (
+            isinstance(entry, dict)
+            and set(entry) <= {"value", "dtype"}
+            and _is_finite(value)
+            and (
+                "dtype" not in entry
+                or (
+                    isinstance(dtype, torch.dtype)
+                    and (dtype.is_floating_point or isinstance(value, int))
+                    and not dtype.is_complex
+                )
+            )
+        )
+        if not fits:
+            raise CheckpointError(
+                f"{where}: the manifest's scalars.{GROUP_STATES}[{key!r}] is {entry!r}; it must "
+                'be {"value": a finite number, "dtype": a real torch dtype (optional)}'
+            )
+
+
 def _check_files(manifest: dict[str, Any], where: str) -> None:
     files = manifest["files"]
     for entry, size in files.items():
@@ -264,6 +306,12 @@ def differences(
     saved_type, mine = manifest["optimizer"]["type"], _torch_class_name(opt)
     if saved_type != mine:
         out.append(f"optimizer type: the checkpoint has {saved_type}, this optimizer is {mine}")
+    saved_groups, my_groups = len(manifest["param_groups"]), len(opt.param_groups)
+    if manifest["scalars"].get(GROUP_STATES) and saved_groups != my_groups:
+        out.append(
+            f"param groups: the checkpoint has {saved_groups} param groups with their own "
+            f"optimizer scalar states (step...), this optimizer {my_groups}"
+        )
     saved = manifest["shapes"]
     if len(saved) != len(shapes):
         out.append(

@@ -12,7 +12,7 @@ import abc
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._ownership import HookSet, claim, release
@@ -35,8 +35,81 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "inner_optimizer",
     "is_adam",
+    "is_element_state",
+    "is_scalar_state",
+    "load_slot",
     "make_replicas_equal",
 ]
+
+
+def is_element_state(value: Any, master: torch.Tensor) -> bool:
+    """Whether ``value`` is a per-element state of ``master`` (a flat chunk or a local shard):
+    a tensor laid out like it (``exp_avg``, ``sum``, ``ax``...), saved per parameter."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape
+
+
+def is_scalar_state(value: Any) -> bool:
+    """Whether ``value`` is a per-chunk scalar state: a 0-dim tensor or a Python number
+    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group."""
+    if torch.is_tensor(value):
+        return value.dim() == 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype ``torch.optim`` gives its step counters (``_get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (
+            torch.is_tensor(a)
+            and torch.is_tensor(b)
+            and a.dtype == b.dtype
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+        )
+    return type(a) is type(b) and a == b
+
+
+def _placed_scalar(
+    name: str, value: Any, master: torch.Tensor, fused_or_capturable: bool
+) -> torch.Tensor | float | int:
+    """A new copy of scalar state ``value`` for ``master``, where ``torch.optim`` keeps it.
+
+    As ``Optimizer.load_state_dict`` places values: ``step`` on the master's device as float32
+    under ``fused``/``capturable``, else on the CPU; the others on the master's device. Each
+    keeps its saved dtype otherwise. A copy per chunk: torch increments ``step`` in place.
+    """
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach()
+    if name == keys.STEP:
+        if fused_or_capturable:
+            return value.to(device=master.device, dtype=torch.float32, copy=True)
+        return value.to(device="cpu", copy=True)
+    return value.to(device=master.device, copy=True)
+
+
+def load_slot(slot: dict[str, Any], entry: Mapping[str, Any], where: slice | None = None) -> None:
+    """Copy ``entry``'s states into ``slot`` (made by ``reset_update_state``), in place.
+
+    Per-element states go into ``where`` of each (the whole tensor when None); scalar states
+    whole, keeping the device and dtype ``slot`` has. States ``entry`` lacks stay as they are.
+    """
+    for name, value in slot.items():
+        if name not in entry:
+            continue
+        given = entry[name]
+        if not torch.is_tensor(value):
+            slot[name] = given
+        elif value.dim() == 0:
+            if torch.is_tensor(given):
+                value.copy_(given)
+            else:
+                value.fill_(given)
+        else:
+            (value if where is None else value[where]).copy_(given)
 
 
 def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
@@ -50,7 +123,8 @@ def inner_optimizer(
     """``torch_class`` over ``groups``, fused where asked and the class has a fused path
     (Adam, AdamW, SGD, Adagrad); the other elementwise classes run their default path."""
     accepted = inspect.signature(torch_class.__init__).parameters
-    return torch_class(groups, **({"fused": True} if fused and "fused" in accepted else {}))
+    options: dict[str, Any] = {"fused": True} if fused and "fused" in accepted else {}
+    return torch_class(groups, **options)
 
 
 @torch.no_grad()
@@ -376,9 +450,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             stacklevel=4,
         )
 
-    def _scalar_state(self) -> dict[str, float | int]:
-        """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16)."""
-        scalars: dict[str, float | int] = {
+    def _scalar_state(self) -> dict[str, Any]:
+        """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16),
+        the inner optimizer's per-group scalar states included."""
+        scalars: dict[str, Any] = {
             keys.scalar_key(keys.STEP): self.step_count(),
             keys.scalar_key(keys.LOSS_SCALE): float(self.scaler.scale),
             keys.scalar_key(keys.SKIPPED_STEPS): int(self.skipped_steps),
@@ -386,7 +461,73 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         if self.scaler.enabled:
             for field, value in self.scaler.state_dict().items():
                 scalars[keys.scaler_key(field)] = value
+        # Not checked here: full_state is collective, and a rank raising alone would leave the
+        # others waiting; the checkpoint checks on every rank at once (group_scalar_state()).
+        scalars.update(self.group_scalar_state(check=False))
         return scalars
+
+    def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
+        """The inner optimizer's scalar states, once per param group: ``scalar.group.{g}.{name}``.
+
+        Every chunk of a param group steps together, so its scalars (``step``, ``mu_product``,
+        ``eta``...) are the same in every chunk that has a state; this checks it, and raises
+        :class:`NotSupportedError` where they differ (at ZeRO-3 a parameter that got no gradient
+        in some step keeps its own count, as in ``torch.optim``); with ``check=False`` the
+        group's first chunk with a state speaks for it. Tensors come as CPU copies of
+        their dtype. Without communication: each rank reads its own chunks.
+        """
+        result: dict[str, torch.Tensor | float | int] = {}
+        for group_index, group in enumerate(self.inner.param_groups):
+            found: dict[str, Any] | None = None
+            first = -1
+            for position, master in enumerate(group["params"]):
+                slot = self.inner.state.get(master)
+                if not slot:
+                    continue  # never stepped: nothing to agree with
+                scalars = {n: v for n, v in slot.items() if is_scalar_state(v)}
+                if found is None:
+                    found, first = scalars, position
+                elif check and (
+                    scalars.keys() != found.keys()
+                    or not all(_same_scalar(scalars[n], found[n]) for n in scalars)
+                ):
+                    raise NotSupportedError(
+                        f"param group {group_index}: the optimizer's scalar states differ "
+                        f"between its chunks ({first}: {_describe(found)}; {position}: "
+                        f"{_describe(scalars)}); a checkpoint keeps one value per param group, "
+                        "which holds when every chunk of the group steps together. (At ZeRO-3 a "
+                        "parameter without a gradient in some step keeps its own step count.) "
+                        "Save with state_dict() and load it on the same world size instead"
+                    )
+            for name, value in (found or {}).items():
+                copied = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+                result[keys.group_scalar_key(group_index, name)] = copied
+        return result
+
+    def group_scalars_from(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Per inner param group, the scalar states that ``state``'s ``scalar.group.*`` keys
+        give, for :meth:`reset_update_state`.
+
+        A state written before they were kept per group has ``scalar.step`` alone (only Adam
+        and AdamW, whose step counter it is, could be loaded then): every group gets it, as a
+        ``torch.optim`` step counter, when it is above 0.
+        """
+        count = len(self.inner.param_groups)
+        found = keys.group_scalars(state)
+        beyond = sorted(g for g in found if g >= count)
+        if beyond:
+            raise OptimizerUsageError(
+                f"the state holds scalar states of param group {beyond[0]}, but this optimizer "
+                f"has {count} param groups"
+            )
+        if not found:
+            step = int(state.get(keys.scalar_key(keys.STEP), 0))
+            if step > 0:
+                return [
+                    {keys.STEP: torch.tensor(float(step), dtype=_scalar_dtype())}
+                    for _ in range(count)
+                ]
+        return [found.get(g, {}) for g in range(count)]
 
     def step_count(self) -> int:
         """Steps the inner optimizer has counted (0 before the first step, or without a counter)."""
@@ -396,28 +537,32 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 return int(step.item()) if torch.is_tensor(step) else int(step)
         return 0
 
-    def reset_update_state(self, names: Iterable[str], step: int) -> None:
-        """Drop every optimizer state; with ``names``, give each master zeroed states instead.
+    def reset_update_state(
+        self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        """Drop every optimizer state; give each master zeroed per-element states ``names``
+        and its param group's ``scalars`` instead.
 
-        The new states (``exp_avg``, ...; Adam also gets its step counter at ``step``, on the
-        device its fused and capturable paths expect) are for a loader to fill in place, as
-        :meth:`load_full_state` and a sharded checkpoint load do. Without ``names`` the
-        optimizer starts as if it had never stepped.
+        ``scalars[g]`` holds the scalar states (``step``, ``mu_product``...) of inner param
+        group ``g`` (:meth:`group_scalars_from`); each chunk gets its own copy, where
+        ``torch.optim`` keeps it (the master's device under ``fused``/``capturable``). The
+        per-element states are for a loader to fill in place, as :meth:`load_full_state` and a
+        sharded checkpoint load do. With neither, the optimizer starts as if it had never
+        stepped.
         """
         names = list(names)
         self.inner.state.clear()
-        if not names:
-            return
-        adam = is_adam(self.plan.optimizer.torch_class)
-        for group in self.inner.param_groups:
+        for index, group in enumerate(self.inner.param_groups):
+            values = scalars[index] if index < len(scalars) else {}
+            if not names and not values:
+                continue
             on_device = bool(group.get("fused") or group.get("capturable"))
             for master in group["params"]:
                 slot = self.inner.state[master]
                 for name in names:
                     slot[name] = torch.zeros_like(master)
-                if adam:
-                    device = master.device if on_device else torch.device("cpu")
-                    slot["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+                for name, value in values.items():
+                    slot[name] = _placed_scalar(name, value, master, on_device)
 
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0))
@@ -451,6 +596,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 "layout": self._layout_facts(),
                 "state_names": [n for n in self.state_names() if n != keys.MASTER],
                 "step": self.step_count(),
+                # Per param group: a rank whose chunk holds only padding has no entry above.
+                "group_scalars": self.group_scalar_state(check=False),
                 "scaler": self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
             },
@@ -475,10 +622,32 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             )
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        self.reset_update_state(extra["state_names"], int(extra["step"]))
-        self._load_param_state(state_dict["state"], self._torch_indices())
+        index_of = self._torch_indices()
+        scalars = (
+            self.group_scalars_from(extra["group_scalars"])
+            if "group_scalars" in extra
+            else self._entry_scalars(state_dict["state"], index_of)
+        )
+        self.reset_update_state(extra["state_names"], scalars)
+        self._load_param_state(state_dict["state"], index_of)
         self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra["skipped_steps"])
+
+    def _entry_scalars(
+        self, state: Mapping[int, Mapping[str, Any]], index_of: dict[int, int]
+    ) -> list[dict[str, Any]]:
+        """Per param group, the scalar states of its first parameter with any in ``state``
+        (a :meth:`state_dict`'s); :meth:`_load_param_state` then copies each parameter's own."""
+        out: list[dict[str, Any]] = []
+        for group in self.param_groups:
+            found: dict[str, Any] = {}
+            for param in group["params"]:
+                entry = state.get(index_of[id(param)], {})
+                found = {n: v for n, v in entry.items() if n != keys.MASTER and is_scalar_state(v)}
+                if found:
+                    break
+            out.append(found)
+        return out
 
     def _torch_indices(self) -> dict[int, int]:
         """``id(param)`` -> its number in ``torch.optim``'s state dict (every param, in order)."""
@@ -521,11 +690,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         return self.full_state()
 
 
+def _describe(scalars: Mapping[str, Any]) -> str:
+    return (
+        ", ".join(f"{n}={v.item() if torch.is_tensor(v) else v!r}" for n, v in scalars.items())
+        or "none"
+    )
+
+
 def _param_group_dicts(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """``params`` as torch.optim takes it, as a list of group dicts with listed params."""
-    items = list(params)
+    items: list[Any] = list(params)
     if not items or not isinstance(items[0], dict):
         items = [{"params": items}]
     groups = []

@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -78,6 +78,9 @@ from dtypeplan.optimizers._base import (
     MixedPrecisionOptimizer,
     inner_optimizer,
     is_adam,
+    is_element_state,
+    is_scalar_state,
+    load_slot,
 )
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor, local_sq_norm
 from dtypeplan.optimizers._flat_update import (
@@ -591,8 +594,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._kernel_step = self.step_count()
         return self._kernel_step
 
-    def reset_update_state(self, names: Iterable[str], step: int) -> None:
-        super().reset_update_state(names, step)
+    def reset_update_state(
+        self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        super().reset_update_state(names, scalars)
         self._kernel_step = None
         if self._low_precision is not None:
             self._low_precision.conform([m for s in self.groups for m in s.masters])
@@ -650,9 +655,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 entry: dict[str, Any] = {"elements": (begin, end)}
                 entry[keys.MASTER] = master[where].detach().clone()
                 for name, value in self.inner.state.get(master, {}).items():
-                    if name == keys.STEP:
+                    if is_scalar_state(value):
                         entry[name] = value.clone() if torch.is_tensor(value) else value
-                    elif torch.is_tensor(value) and value.numel() == master.numel():
+                    elif is_element_state(value, master):
                         entry[name] = value[where].clone()
                 state[index_of[id(params[index])]] = entry
         return state
@@ -667,9 +672,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 master = group_state.masters[bucket]
                 where = slice(offset, offset + end - begin)
                 master[where].copy_(entry[keys.MASTER])
-                for name, value in self.inner.state.get(master, {}).items():
-                    if name != keys.STEP and name in entry:
-                        value[where].copy_(entry[name])
+                load_slot(self.inner.state.get(master, {}), entry, where)
         self._write_back()
 
     def state_names(self) -> list[str]:
@@ -682,12 +685,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state in self.groups:
             for master in state.masters:
                 for name, value in self.inner.state.get(master, {}).items():
-                    if (
-                        name != keys.STEP
-                        and torch.is_tensor(value)
-                        and value.numel() == master.numel()
-                        and name not in names
-                    ):
+                    if is_element_state(value, master) and name not in names:
                         names.append(name)
         return names
 
@@ -730,7 +728,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         names = keys.param_state_names(state)
         # States absent from the input must not survive from before the load.
         self.reset_update_state(
-            [n for n in names if n != keys.MASTER], int(state.get(keys.scalar_key(keys.STEP), 0))
+            [n for n in names if n != keys.MASTER], self.group_scalars_from(state)
         )
         first = 0
         for group_state in self.groups:
@@ -738,7 +736,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             for name in names:
                 full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
                 for index, view in enumerate(flat.param_views(full)):
-                    view.copy_(state[keys.param_key(first + index, name)])
+                    value = state[keys.param_key(first + index, name)]
+                    assert isinstance(value, torch.Tensor), "checked by the caller's manifest"
+                    view.copy_(value)
                 chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
                 for master, chunk in zip(group_state.masters, chunks, strict=True):
                     target = master if name == keys.MASTER else self.inner.state[master][name]

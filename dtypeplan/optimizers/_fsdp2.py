@@ -57,6 +57,8 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     inner_optimizer,
+    is_element_state,
+    load_slot,
     make_replicas_equal,
 )
 from dtypeplan.optimizers._group_state import ShardPiece
@@ -464,9 +466,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for param, local in zip(self._params(), self._locals(), strict=True):
             entry = state[index_of[id(param)]]
             local.copy_(entry[keys.MASTER])
-            for name, value in self.inner.state.get(local, {}).items():
-                if name != keys.STEP and name in entry:
-                    value.copy_(entry[name])
+            load_slot(self.inner.state.get(local, {}), entry)
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -498,12 +498,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         names = [keys.MASTER]
         for local in self._locals():
             for name, value in self.inner.state.get(local, {}).items():
-                if (
-                    name != keys.STEP
-                    and torch.is_tensor(value)
-                    and value.shape == local.shape
-                    and name not in names
-                ):
+                if is_element_state(value, local) and name not in names:
                     names.append(name)
         return names
 
@@ -522,7 +517,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float().cpu()
             for name, value in self.inner.state.get(local, {}).items():
-                if name != keys.STEP and torch.is_tensor(value) and value.shape == local.shape:
+                if is_element_state(value, local):
                     whole = DTensor.from_local(
                         value,
                         param.device_mesh,
@@ -538,7 +533,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         names = keys.param_state_names(state)
         self.reset_update_state(
-            [n for n in names if n != keys.MASTER], int(state.get(keys.scalar_key(keys.STEP), 0))
+            [n for n in names if n != keys.MASTER], self.group_scalars_from(state)
         )
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             for name in names:

@@ -10,7 +10,11 @@ back after. That is the rare path; when every parameter got a gradient nothing i
 
 The optimizer's step counter is one per master chunk (a bucket holds many parameters), so it
 still counts a step that a parameter skipped: if that parameter trains again later, Adam's bias
-correction uses the chunk's count, not a count of the parameter's own steps.
+correction uses the chunk's count, not a count of the parameter's own steps. Likewise a state
+that the first update creates (SGD's momentum buffer) is created for the whole chunk and put
+back to zero for a parameter that skipped it, where torch would create it at that parameter's
+first gradient: with SGD's ``dampening`` != 0 that parameter's first momentum is then
+``(1 - dampening) * grad`` instead of torch's ``grad``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
+from dtypeplan.optimizers._base import is_element_state
 from dtypeplan.optimizers._group_state import GroupState
 
 __all__ = ["keep_untouched"]
@@ -52,7 +57,7 @@ def keep_untouched(
             if not slot:
                 fresh.append((master, where))
             for name, value in slot.items():
-                if torch.is_tensor(value) and value.numel() == master.numel():
+                if is_element_state(value, master):
                     saved.append((master, name, where, value[where].clone()))
     yield bool(saved)
     with torch.no_grad():
@@ -62,5 +67,5 @@ def keep_untouched(
         # zero stands for (moments, momentum buffers).
         for master, where in fresh:
             for value in inner.state.get(master, {}).values():
-                if torch.is_tensor(value) and value.numel() == master.numel():
+                if is_element_state(value, master):
                     value[where].zero_()

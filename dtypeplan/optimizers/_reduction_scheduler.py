@@ -342,14 +342,20 @@ class ReductionScheduler:
             staging[bucket] = (view, pooled)
         return staging[bucket]
 
+    def _ready_buckets(self, complete_only: bool) -> Iterator[tuple[int, int, GroupState]]:
+        """The buckets to send now, in the one order every rank follows: every bucket left, or
+        (``complete_only``) those before the first one still waiting for a gradient."""
+        while self._next_bucket < len(self._bucket_order):
+            gi, bucket = self._bucket_order[self._next_bucket]
+            if complete_only and self._pending[gi][bucket] > 0:
+                return
+            yield gi, bucket, self.groups[gi]
+            self._next_bucket += 1
+
     def _issue_micro_batch_reductions(self, complete_only: bool) -> None:
         """Reduce-scatter staged buckets in the fixed order, stopping at an incomplete one."""
         assert self._pass is not None
-        while self._next_bucket < len(self._bucket_order):
-            gi, bucket = self._bucket_order[self._next_bucket]
-            state = self.groups[gi]
-            if complete_only and self._pending[gi][bucket] > 0:
-                return
+        for gi, bucket, state in self._ready_buckets(complete_only):
             staging, _ = self._staging_of(gi, bucket)
             if not complete_only:
                 # Parameters that got no gradient this micro-batch contribute zeros.
@@ -367,7 +373,6 @@ class ReductionScheduler:
             self._in_flight.append(
                 InFlightReduction(finish, chunk, target, *self._staging[gi].pop(bucket))
             )
-            self._next_bucket += 1
             while len(self._in_flight) > MAX_IN_FLIGHT:
                 self._complete_oldest()
 
@@ -383,17 +388,12 @@ class ReductionScheduler:
     def _issue_step_reductions(self, complete_only: bool) -> None:
         """Start the step's reduction of complete buckets, in the fixed order on every rank."""
         assert self._pass is not None
-        while self._next_bucket < len(self._bucket_order):
-            gi, bucket = self._bucket_order[self._next_bucket]
-            state = self.groups[gi]
-            if complete_only and self._pending[gi][bucket] > 0:
-                return
+        for gi, bucket, state in self._ready_buckets(complete_only):
             if self._pass.onto_empty:
                 for pi in state.flat.buckets[bucket].params:
                     if not self._touched[gi][pi]:
                         state.acc_param_views[pi].zero_()
             self._step_reductions[(gi, bucket)] = self._start_step_reduction(state, bucket)
-            self._next_bucket += 1
             self._bound_step_reductions()
 
     def _bound_step_reductions(self) -> None:

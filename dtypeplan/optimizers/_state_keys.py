@@ -2,9 +2,12 @@
 
 :meth:`MixedPrecisionOptimizer.full_state` and the checkpoint files name every tensor
 ``param.{i}.{name}`` (``i`` numbers the trainable parameters over all param groups in order;
-``name`` is ``master`` or a ``torch.optim`` state such as ``exp_avg``) and every scalar
-``scalar.{name}`` (``step``, ``loss_scale``, ``skipped_steps``, ``scaler.{field}``). This
-module is the only place that spells those strings; everything else builds and parses them here.
+``name`` is ``master`` or a per-element ``torch.optim`` state such as ``exp_avg``) and every
+scalar ``scalar.{name}`` (``step``, ``loss_scale``, ``skipped_steps``, ``scaler.{field}``).
+The inner optimizer's per-chunk scalar states (``step``, NAdam's ``mu_product``, ASGD's ``eta``
+and ``mu``...) are one per param group, ``scalar.group.{g}.{name}``: every chunk of a group
+steps together. This module is the only place that spells those strings; everything else builds
+and parses them here.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ __all__ = [
     "LOSS_SCALE",
     "SKIPPED_STEPS",
     "STEP",
+    "group_scalar_key",
+    "group_scalars",
     "param_index",
     "param_key",
     "param_state_names",
+    "parse_group_scalar_key",
     "parse_param_key",
     "scaler_key",
     "scaler_state",
@@ -29,6 +35,7 @@ __all__ = [
 _PARAM = "param."
 _SCALAR = "scalar."
 _SCALER = "scaler."
+_GROUP = "group."
 
 MASTER = "master"
 """The state name of the fp32 master weights."""
@@ -72,6 +79,34 @@ def param_state_names(keys: Iterable[str], index: int | None = None) -> list[str
 def scalar_key(name: str) -> str:
     """The key of scalar ``name`` (``step``, ``loss_scale``, ``skipped_steps``)."""
     return f"{_SCALAR}{name}"
+
+
+def group_scalar_key(group: int, name: str) -> str:
+    """The key of the inner optimizer's scalar state ``name`` (``step``...) of param group
+    ``group``."""
+    return scalar_key(f"{_GROUP}{group}.{name}")
+
+
+def parse_group_scalar_key(key: str) -> tuple[int, str] | None:
+    """``(group, name)`` of a ``scalar.group.{g}.{name}`` key; None for any other key
+    (ValueError for a malformed one)."""
+    prefix = scalar_key(_GROUP)
+    if not key.startswith(prefix):
+        return None
+    group, _, name = key[len(prefix) :].partition(".")
+    if not group.isdigit() or not name:
+        raise ValueError(f"{key!r} is not a {prefix}{{g}}.{{name}} key")
+    return int(group), name
+
+
+def group_scalars(state: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """The ``scalar.group.*`` entries of ``state``: group -> name -> value (empty if none)."""
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in state.items():
+        parsed = parse_group_scalar_key(key)
+        if parsed is not None:
+            out.setdefault(parsed[0], {})[parsed[1]] = value
+    return out
 
 
 def scaler_key(field: str) -> str:

@@ -284,6 +284,29 @@ def item4_head_used_on_one_rank(rank: int, world: int, stage: int, dtype: str) -
     pair.assert_close("head_b used on rank 0 only")
 
 
+def item13_zero_grads_then_head_on_one_rank(rank: int, world: int, stage: int, dtype: str) -> None:
+    # zero_grad(set_to_none=False) leaves zero .grad; head_b then gets a gradient on rank 0
+    # only: on rank 1 its zero .grad is still there at step(). torch with set_to_none=False
+    # updates every parameter (a zero gradient is a gradient): so must every rank here, and
+    # no rank may take those zeros for a hand-set gradient (ZeRO-2 would refuse that alone).
+    pair = Pair(stage, dtype, two_heads(0))
+    for step in range(2):
+        x, y = batch(step, 8 * world)
+        pair.ref_opt.zero_grad(set_to_none=False)
+        slices = [(my_slice(x, r, world), my_slice(y, r, world)) for r in range(world)]
+        ref_loss = sum(
+            regression_loss(pair.reference, xs, ys, use_b=r == 0)
+            for r, (xs, ys) in enumerate(slices)
+        )
+        (ref_loss / world).backward()
+        pair.ref_opt.step()
+        pair.opt.zero_grad(set_to_none=False)
+        xs, ys = slices[rank]
+        pair.opt.backward(regression_loss(pair.model, xs, ys, use_b=rank == 0))
+        pair.opt.step()
+    pair.assert_close("zero .grad kept, head_b used on rank 0 only")
+
+
 def item3_left_in_another_dtype(rank: int, world: int, stage: int, dtype: str) -> None:
     pair = Pair(stage, dtype, two_heads(0))
     pair.model.float()  # and not cast back: the flat buffers cannot hold fp32 parameters
