@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dtypeplan.resolver import PARAMS, load_rules
+from dtypeplan.resolver._dimensions import MASTER, STATES
 
 IN, HIDDEN, OUT = 12, 24, 6
 
@@ -66,6 +67,38 @@ def ok_cells(
         cell = cells.setdefault(key, {**point, "reductions": []})
         cell["reductions"].append(point["reduction"])
     return list(cells.values())
+
+
+def master_cells(stages: tuple[int, ...] = (0, 1, 2)) -> list[dict[str, Any]]:
+    """The OK cells with 16-bit master weights (every master x states value but fp32 masters),
+    without pipeline parallelism; ``reductions`` lists the OK reduction methods."""
+    table = load_rules()
+    cells: dict[tuple, dict[str, Any]] = {}
+    for core in table.points():
+        if core["params"] not in PARAMS.choices or core["stage"] not in stages:
+            continue
+        if core["pipeline"]:
+            continue
+        for master in MASTER.values[1:]:
+            for states in STATES.values:
+                point = {**core, "master": master, "states": states}
+                if table.lookup(point).status != "OK":
+                    continue
+                key = tuple(v for k, v in point.items() if k != "reduction")
+                cell = cells.setdefault(key, {**point, "reductions": []})
+                cell["reductions"].append(point["reduction"])
+    return list(cells.values())
+
+
+def feature_config(point: dict[str, Any]) -> dict[str, Any]:
+    """The config keys of the master / states values of ``point`` (merged per block)."""
+    config: dict[str, Any] = {}
+    for dim in (MASTER, STATES):
+        if point.get(dim.name, dim.default_value) == dim.default_value:
+            continue
+        for key, value in dim.config_for(point[dim.name]).items():
+            config[key] = {**config.get(key, {}), **value}
+    return config
 
 
 def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:

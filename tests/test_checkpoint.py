@@ -24,6 +24,7 @@ import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError, _io
 from dtypeplan.launch import spawn
+from tests._helpers import make_model
 from tests.workers import checkpoint as cases
 
 LOSS_RTOL = {"fp32": 1e-5, "sgd": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
@@ -543,3 +544,63 @@ def test_checkpoint_without_digests_still_loads(trained: tuple[str, Any, Any]) -
     path, _model, _opt = trained
     _edit_manifest(lambda m: m.pop("digests"))(path, _snapshot_dir(path))
     _load_fresh(path)
+
+
+def _build_bf16(stage: int, **blocks: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    config: dict[str, Any] = {
+        "bf16": {"enabled": True, **blocks.pop("bf16", {})},
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        **blocks,
+    }
+    plan = dtypeplan.resolve(config)
+    assert plan.status == "OK", plan.explain()
+    model = plan.prepare_model(make_model(0))
+    return model, plan.build(model.parameters())
+
+
+def test_bf16_master_checkpoints_convert_to_fp32_masters_and_back(tmp_path: Any) -> None:
+    """bf16 masters (Kahan, bf16 moments) -> fp32 masters -> bf16 masters (nearest).
+
+    A checkpoint holds every master and state as fp32. bf16 -> fp32 is exact for the masters
+    and moments; the Kahan compensation (below half a bf16 ulp, 2**-9 relative) is a state the
+    fp32-master optimizer does not have, so its masters are the bf16 parameters the model
+    computed with. fp32 -> bf16 rounds each master and moment to nearest: at most 2**-9
+    relative, and the Kahan compensation of a bf16 optimizer loading fp32 masters starts at 0.
+    """
+    kahan = {"master_weights": {"dtype": "bf16", "rounding": "kahan"}}
+    model, bf16_opt = _build_bf16(1, bf16={"bf16_optimizer_states": True}, **kahan)
+    cases.train(model, bf16_opt, range(3))
+    saved = cases.snapshot(bf16_opt)
+    assert any(k.endswith(".kahan_compensation") for k in saved["states"])
+    checkpoint.save(bf16_opt, str(tmp_path / "bf16"))
+
+    # The same rounding reloads bitwise, compensation included, at another stage.
+    _m, same = _build_bf16(0, bf16={"bf16_optimizer_states": True}, **kahan)
+    checkpoint.load(same, str(tmp_path / "bf16"))
+    again = cases.snapshot(same)
+    assert all(torch.equal(a, b) for a, b in zip(again["masters"], saved["masters"], strict=True))
+    assert all(torch.equal(again["states"][k], v) for k, v in saved["states"].items())
+
+    fp32_model, fp32_opt = _build_bf16(2)
+    checkpoint.load(fp32_opt, str(tmp_path / "bf16"))
+    loaded = cases.snapshot(fp32_opt)
+    assert all(torch.equal(a, b) for a, b in zip(loaded["masters"], saved["masters"], strict=True))
+    for key, value in loaded["states"].items():
+        assert value.dtype == torch.float32 and torch.equal(value, saved["states"][key]), key
+    cases.train(fp32_model, fp32_opt, range(3, 5))
+    trained = cases.snapshot(fp32_opt)
+    checkpoint.save(fp32_opt, str(tmp_path / "fp32"))
+
+    nearest_model, nearest = _build_bf16(1, master_weights={"dtype": "bf16"})
+    checkpoint.load(nearest, str(tmp_path / "fp32"))
+    back = cases.snapshot(nearest)
+    for mine, ref, param in zip(
+        back["masters"], trained["masters"], nearest_model.parameters(), strict=True
+    ):
+        assert torch.equal(mine, ref.to(torch.bfloat16).float())
+        assert torch.equal(param.float(), mine)
+    for key, value in back["states"].items():
+        # fp32 moments stay fp32 in a bf16-master optimizer without bf16_optimizer_states.
+        assert torch.equal(value, trained["states"][key]), key
+    cases.train(nearest_model, nearest, range(5, 6))

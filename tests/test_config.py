@@ -17,6 +17,7 @@ import yaml
 
 import dtypeplan
 from dtypeplan import PrecisionConfigError
+from dtypeplan._dtypes import DTYPE_NAMES
 
 # Every key that API.md lists as mattering, each set to a non-default value.
 FULL_FP16_CONFIG: dict[str, Any] = {
@@ -702,3 +703,33 @@ def test_model_side_settings_warn_and_are_not_ignored() -> None:
     assert any("$.activation_checkpointing" in w for w in plan.config_warnings)
     off = dtypeplan.resolve({"compile": {"enabled": False}})
     assert off.config_warnings == ()
+
+
+# --- master weights ----------------------------------------------------------------------------
+def test_master_weights_block_and_its_deepspeed_alias() -> None:
+    def master(config: dict) -> tuple[str, object, str]:
+        plan = dtypeplan.resolve({"bf16": {"enabled": True}, **config})
+        return DTYPE_NAMES[plan.master_dtype], plan.status, plan.master_rounding
+
+    assert master({}) == ("fp32", "OK", "nearest")
+    assert master({"master_weights": {"dtype": "bf16"}}) == ("bf16", "OK", "nearest")
+    for rounding in ("nearest", "stochastic", "kahan"):
+        block = {"dtype": "bf16", "rounding": rounding}
+        assert master({"master_weights": block}) == ("bf16", "OK", rounding)
+    alias = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+    assert master(alias) == ("bf16", "OK", "nearest")
+    both = {**alias, "master_weights": {"dtype": "bf16", "rounding": "kahan"}}
+    assert master(both) == ("bf16", "OK", "kahan")
+
+
+def test_master_weights_contradictions_are_refused() -> None:
+    alias = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+    with pytest.raises(PrecisionConfigError, match=r"\$.master_weights asks for fp32"):
+        dtypeplan.resolve({**alias, "master_weights": {"dtype": "fp32"}})
+    with pytest.raises(PrecisionConfigError, match=r"\$.master_weights.rounding: fp32"):
+        dtypeplan.resolve({"master_weights": {"dtype": "fp32", "rounding": "kahan"}})
+    with pytest.raises(PrecisionConfigError, match="master_weights"):
+        dtypeplan.resolve({"master_weights": {"dtype": "bf16", "rounding": "up"}})
+    # bf16 masters of fp32 parameters: the table's Error, with its reason.
+    plan = dtypeplan.resolve({"master_weights": {"dtype": "bf16", "rounding": "stochastic"}})
+    assert plan.status == "Error" and plan.rule_id == "master-weights-below-params"

@@ -56,6 +56,39 @@ def test_memory_matches_model_two_ranks() -> None:
         _assert_close(result["after_build"], predicted, config)
 
 
+def test_bf16_master_memory_matches_model_two_ranks() -> None:
+    """bf16 masters: no fp32 copy, a 2-byte Kahan buffer, 2-byte moments with bf16 states."""
+    configs = [
+        {
+            "bf16": {"enabled": True, "bf16_optimizer_states": states},
+            "master_weights": {"dtype": "bf16", "rounding": rounding},
+            "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+        for rounding in ("nearest", "stochastic", "kahan")
+        for states in (False, True)
+        for stage, sharded in ((0, False), (1, False), (2, True))
+    ]
+    results = spawn(memory_cases, 2, configs, WIDTH)[0]
+    for config, result in zip(configs, results, strict=True):
+        predicted, measured = result["predicted"], result["after_step"]
+        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
+            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+                key,
+                measured,
+                predicted,
+                config,
+            )
+        # The Kahan buffer exists from build on, like the masters it replaces.
+        assert result["after_build"]["master"] == measured["master"], (result, config)
+        n, shards = result["num_params"], 2 if config["zero_optimization"]["stage"] else 1
+        kahan = config["master_weights"]["rounding"] == "kahan"
+        assert predicted["master"] == (2 * n // shards if kahan else 0)
+        state_bytes = 4 if config["bf16"]["bf16_optimizer_states"] else 8
+        assert predicted["optimizer_states"] == state_bytes * n // shards
+
+
 def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over_n() -> None:
     base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     configs = [

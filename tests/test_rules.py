@@ -177,9 +177,22 @@ def test_lookup_is_the_one_matching_rule() -> None:
         assert table.lookup(point) is matching[0]
 
 
+def _implemented_feature(point: dict, name: str, value: object) -> bool:
+    """The feature values dtypeplan implements (each with its parity test): bf16 master
+    weights of bf16 parameters at ZeRO 0-2 without pipeline parallelism."""
+    return (
+        name == "master"
+        and value in ("bf16", "bf16_sr", "bf16_kahan")
+        and point["params"] == "bf16"
+        and not point["pipeline"]
+        and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
+    )
+
+
 def test_every_feature_value_but_the_unused_one_is_refused() -> None:
-    """No feature is implemented yet: at every core point, each other value is not OK (and the
-    rule says why by naming the feature; both 16-bit modes on is an Error whatever else)."""
+    """At every core point, each feature value other than "not used" is not OK, except the
+    implemented ones (and the rule says why by naming the feature; both 16-bit modes on is an
+    Error whatever else)."""
     table = dtypeplan.load_rules()
     for point in points():
         if point["params"] == "fp16+bf16":
@@ -188,8 +201,13 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
             for value in dim.values:
                 rule = table.lookup({**point, name: value})
                 if value != dim.default_value:
-                    assert rule.status != "OK", (name, value, rule.id)
+                    implemented = _implemented_feature(point, name, value)
+                    assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
                     assert rule.reason and dim.name in rule.when, (name, rule.id)
+                    if implemented:
+                        # bf16 optimizer states ride on bf16 masters (same update path).
+                        states = table.lookup({**point, name: value, "states": "bf16"})
+                        assert states.status == "OK", (value, states.id)
 
 
 def test_shipped_table_by_explicit_path_equals_default() -> None:

@@ -6,8 +6,10 @@ Design (one param group shown; every group has its own flat buffer, see ``_layou
     accumulator (accum dtype)   whole:   one tensor laid out like the buffer
                                 sharded: this rank's chunks only, laid out like its shard
     master weights (fp32)       this rank's chunk of every bucket (all chunks at stage 0);
-                                for fp32 parameters they are views of the buffer itself
+                                for fp32 parameters they are views of the buffer itself, and
+                                so are bf16 master weights (``_low_precision_update.py``)
     optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
+                                (bf16 with ``bf16_optimizer_states``)
 
 Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the rest is
 ``step()``'s, one method each):
@@ -67,8 +69,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
@@ -87,6 +90,7 @@ from dtypeplan.optimizers._flat_update import (
 )
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -156,11 +160,26 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     shard_rank=self.shard_rank,
                     accum_dtype=plan.grad_accum_dtype,
                     sharded_accumulator=sharded_accumulator,
+                    master_dtype=plan.master_dtype,
                 )
             )
         self._inner = self._build_inner_optimizer()
         self._fused_kernel: bool | None = None
-        self._adam_update = FlatAdamUpdate(self._inner, plan.optimizer.torch_class)
+        self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
+            self._inner, plan.optimizer.torch_class
+        )
+        self._low_precision: LowPrecisionAdamUpdate | None = None
+        if plan.master_dtype != torch.float32:
+            self._check_low_precision_masters()
+            self._low_precision = LowPrecisionAdamUpdate(
+                self._inner,
+                plan.optimizer.torch_class,
+                rounding=plan.master_rounding,
+                states_dtype=plan.optimizer_states_dtype,
+                shard_rank=self.shard_rank,
+            )
+            self._adam_update = self._low_precision
+            self._low_precision.conform([m for s in self.groups for m in s.masters])
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self._zero_grads: list[weakref.ref[torch.Tensor]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
@@ -176,9 +195,21 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # last backward of a step without the caller marking it.
             accumulation_steps=plan.gradient_accumulation_steps,
         )
-        self.model_sync = ModelSync(self.groups, self.param_groups)
+        self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
+
+    def _check_low_precision_masters(self) -> None:
+        """16-bit masters are updated by torch's fused Adam/AdamW on fp32 copies, nothing else."""
+        torch_class = self.plan.optimizer.torch_class
+        if not FlatAdamUpdate.supports(self._inner, torch_class):
+            raise NotSupportedError(
+                f"{DTYPE_NAMES[self.plan.master_dtype]} master weights are updated by torch's "
+                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
+                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
+                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
+                "master weights (remove master_weights / bf16_master_weights_and_grads)"
+            )
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
@@ -211,7 +242,14 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             ),
             accumulator=tuple(state.accumulator for state in self.groups)
             + tuple(self.reductions.buffers()),
-            master=tuple(m for state in self.groups for m in state.masters),
+            # With bf16 masters these are the parameters (counted there) and the Kahan
+            # compensation, which plan.memory() counts as part of the master weights.
+            master=tuple(m for state in self.groups for m in state.masters)
+            + tuple(
+                slot[KAHAN_COMPENSATION]
+                for slot in self.inner.state.values()
+                if KAHAN_COMPENSATION in slot
+            ),
             optimizer_states=tuple(
                 v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
             ),
@@ -495,6 +533,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
+                and self._low_precision is None  # the kernel keeps fp32 masters
                 and is_adam(self.plan.optimizer.torch_class)
                 and not unsupported
                 and kernel.fused_kernel_available(device)
@@ -560,6 +599,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         super().reset_update_state(names, scalars)
         self._kernel_step = None
+        if self._low_precision is not None:
+            self._low_precision.conform([m for s in self.groups for m in s.masters])
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):

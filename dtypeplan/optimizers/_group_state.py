@@ -5,8 +5,8 @@ Built once per param group from its :class:`FlatGroup` (see ``_layout.py`` for t
     flat.buffer        the parameters, in the parameter dtype (they are views of it)
     accumulator        whole:   laid out like the buffer, with one view per parameter
                        sharded: this rank's chunk of every bucket, concatenated
-    masters            fp32, one per bucket: this rank's chunk; views of the buffer itself
-                       when the parameters are fp32
+    masters            one per bucket: this rank's chunk, fp32; views of the buffer itself
+                       when the parameters are fp32, or bf16 with bf16 master weights
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ class GroupState:
         shard_rank: int,
         accum_dtype: torch.dtype,
         sharded_accumulator: bool,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.flat = flat
         self.shard_rank = shard_rank
         shards = flat.shards
         device = flat.buffer.device
         self.masters: list[torch.Tensor] = []
-        alias_master = flat.dtype == torch.float32
+        # fp32 parameters, and bf16 ones with bf16 master weights, are their own masters.
+        alias_master = flat.dtype == master_dtype
         if not alias_master:
             # Master chunks take the parameters' values before they are cast down.
             self.masters = [

@@ -29,6 +29,7 @@ import torch
 
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
 
 __all__ = ["ModelSync"]
 
@@ -36,8 +37,14 @@ __all__ = ["ModelSync"]
 class ModelSync:
     """Watches the flat groups' parameters and buffers between steps."""
 
-    def __init__(self, groups: list[GroupState], param_groups: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        groups: list[GroupState],
+        param_groups: list[dict[str, Any]],
+        optimizer_state: dict[torch.Tensor, dict[str, Any]] | None = None,
+    ) -> None:
         self.groups = groups
+        self.optimizer_state = optimizer_state if optimizer_state is not None else {}
         self.param_groups = param_groups
         self._in_buffers = {id(p) for s in groups for p in s.flat.params}
         self._versions = [[p._version for p in s.flat.params] for s in groups]
@@ -60,7 +67,7 @@ class ModelSync:
                     changed.add(index)
                     versions[index] = param._version
             if changed:
-                self._refresh_masters(state, changed)
+                self._refresh_masters(state, changed, self.optimizer_state)
 
     def _refuse_unfrozen(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -87,14 +94,23 @@ class ModelSync:
         param.data = view
 
     @staticmethod
-    def _refresh_masters(state: GroupState, changed: set[int]) -> None:
+    def _refresh_masters(
+        state: GroupState, changed: set[int], optimizer_state: dict[torch.Tensor, dict[str, Any]]
+    ) -> None:
         """Take the parameters' values into this rank's masters where they differ."""
         flat = state.flat
         for index, begin, end, bucket, offset in state._pieces():
             master = state.masters[bucket]
-            if index not in changed or flat.dtype == torch.float32:
-                continue  # fp32: the parameters are the masters
+            if index not in changed:
+                continue
             piece = master[offset : offset + end - begin]
+            if master.dtype == flat.dtype:
+                # The parameters are the masters (fp32, or bf16 master weights); a Kahan
+                # compensation belonged to the old values and is dropped with them.
+                compensation = optimizer_state.get(master, {}).get(KAHAN_COMPENSATION)
+                if compensation is not None:
+                    compensation[offset : offset + end - begin].zero_()
+                continue
             value = flat.params[index].detach().reshape(-1)[begin:end]
             differs = value != piece.to(value.dtype)
             piece.copy_(torch.where(differs, value.float(), piece))

@@ -151,8 +151,10 @@ class PrecisionConfig:
     source: str | None = None
     """The file the config came from, if any."""
     master_weights_dtype: str = "fp32"
-    """``"bf16"`` (``bf16.bf16_master_weights_and_grads``), ``"fp16"``
-    (``fp16.fp16_master_weights_and_grads``) or ``"fp32"``."""
+    """The master dimension's value: ``"fp32"``; ``"bf16"`` (round to nearest:
+    ``bf16.bf16_master_weights_and_grads`` or ``master_weights: {dtype: bf16}``), ``"bf16_sr"``
+    (``rounding: stochastic``), ``"bf16_kahan"`` (``rounding: kahan``); ``"fp16"``
+    (``fp16.fp16_master_weights_and_grads``)."""
     optimizer_states_dtype: str = "fp32"
     """``"bf16"`` (``bf16.bf16_optimizer_states``; or ``fp32_optimizer_states: false`` under
     optimizer offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
@@ -357,6 +359,49 @@ _DS_DTYPES = {
 def _dtype_name(spelling: str) -> str:
     """dtypeplan's name for one of DeepSpeed's DtypeEnum spellings (the schema checked it)."""
     return next(name for name, spellings in _DS_DTYPES.items() if spelling in spellings)
+
+
+# master_weights.rounding -> the master dimension's value for bf16 masters.
+_BF16_MASTER_VALUES = {"nearest": "bf16", "stochastic": "bf16_sr", "kahan": "bf16_kahan"}
+
+
+def _master_weights(document: dict[str, Any], bf16: dict[str, Any], fp16: dict[str, Any]) -> str:
+    """The master dimension's value: dtypeplan's ``master_weights`` block or DeepSpeed's keys.
+
+    ``bf16.bf16_master_weights_and_grads`` is DeepSpeed's spelling of ``{"dtype": "bf16",
+    "rounding": "nearest"}``; both may be given when they agree.
+    """
+    deepspeed = (
+        "bf16"
+        if bf16.get("bf16_master_weights_and_grads")
+        else "fp16"
+        if fp16.get("fp16_master_weights_and_grads")
+        else None
+    )
+    block = document.get("master_weights")
+    if block is None:
+        return deepspeed or "fp32"
+    rounding = block.get("rounding")
+    if block["dtype"] == "fp32":
+        if rounding is not None:
+            path = "$.master_weights.rounding"
+            raise PrecisionConfigError(
+                f"{path}: fp32 master weights take each update as it is, with no rounding to "
+                "choose; remove rounding, or set master_weights.dtype bf16",
+                path,
+            )
+        ours = "fp32"
+    else:
+        ours = _BF16_MASTER_VALUES[rounding or "nearest"]
+    if deepspeed is not None and not (deepspeed == "bf16" and ours.startswith("bf16")):
+        path = "$.master_weights"
+        key = f"{deepspeed}.{deepspeed}_master_weights_and_grads"
+        raise PrecisionConfigError(
+            f"{path} asks for {block['dtype']} master weights but {key} is true: they are the "
+            "same setting; keep one of them (master_weights also sets the rounding)",
+            path,
+        )
+    return ours
 
 
 def _offload_device(block: Any) -> str:
@@ -593,11 +638,7 @@ def load_config(
         )
         if any(zero.get(key) for key in keys)
     ]
-    master = "fp32"
-    if bf16.get("bf16_master_weights_and_grads"):
-        master = "bf16"
-    elif fp16.get("fp16_master_weights_and_grads"):
-        master = "fp16"
+    master = _master_weights(document, bf16, fp16)
     states = "bf16" if bf16.get("bf16_optimizer_states") else "fp32"
     if low_precision_states and offload_optimizer != "none" and model_dtype != "fp32":
         states = model_dtype

@@ -35,6 +35,7 @@ __all__ = [
     "GRADIENT_PRESCALING",
     "HIERARCHICAL_PARTITIONING",
     "MASTER",
+    "MASTER_ROUNDING",
     "OFFLOAD_OPTIMIZER",
     "OFFLOAD_PARAM",
     "OPTIMIZER_KIND",
@@ -217,9 +218,11 @@ REDUCTION = Dimension(
 # "not used" value is the only one advised (``choices``), with the config that selects it.
 MASTER = Dimension(
     name="master",
-    values=("fp32", "bf16", "fp16"),
-    doc="the dtype of the master weights (and of the gradients the optimizer reads)",
-    config_key="bf16.bf16_master_weights_and_grads / fp16.fp16_master_weights_and_grads",
+    values=("fp32", "bf16", "bf16_sr", "bf16_kahan", "fp16"),
+    doc="the dtype of the master weights and, for bf16, how each fp32 update is rounded into "
+    "them: bf16 to nearest, bf16_sr stochastically, bf16_kahan with a bf16 compensation buffer",
+    config_key="master_weights / bf16.bf16_master_weights_and_grads / "
+    "fp16.fp16_master_weights_and_grads",
     default="fp32",
     default_value="fp32",
     choices=("fp32",),
@@ -230,9 +233,29 @@ MASTER = Dimension(
             "fp16": {"fp16_master_weights_and_grads": False},
         },
         "bf16": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        "bf16_sr": {
+            "bf16": {"enabled": True},
+            "master_weights": {"dtype": "bf16", "rounding": "stochastic"},
+        },
+        "bf16_kahan": {
+            "bf16": {"enabled": True},
+            "master_weights": {"dtype": "bf16", "rounding": "kahan"},
+        },
         "fp16": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
     },
+    shown={"bf16": "bf16 (nearest)", "bf16_sr": "bf16 (stochastic)", "bf16_kahan": "bf16 (Kahan)"},
 )
+
+MASTER_ROUNDING: FrozenDict[str, tuple[str, str]] = FrozenDict(
+    {
+        "fp32": ("fp32", "nearest"),
+        "bf16": ("bf16", "nearest"),
+        "bf16_sr": ("bf16", "stochastic"),
+        "bf16_kahan": ("bf16", "kahan"),
+        "fp16": ("fp16", "nearest"),
+    }
+)
+"""Each master value as (dtype name, rounding of the fp32 update into that dtype)."""
 STATES = Dimension(
     name="states",
     values=("fp32", "bf16"),
@@ -394,7 +417,7 @@ FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
 """The feature dimensions at their "not used" values: what a config that sets none gets."""
 
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space (about 18 million: too many to list; the rules loader
+"""The number of points of the space (about 30 million: too many to list; the rules loader
 checks rule boxes, not points)."""
 
 CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())

@@ -11,9 +11,11 @@ grads         ``0``: the parameters' own ``.grad`` is consumed by a hook the mom
               autograd produces it (DeepSpeed counts ``P * N`` here; in dtypeplan those
               bytes are the accumulator when ``A == P``)
 accumulator   ``A * N`` whole, ``A * N / W`` sharded
-master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 parameters
-              and at stage 3, where the master weights are the parameters themselves
-states        ``S * N / D``
+master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 parameters,
+              at stage 3, and for bf16 master weights, where the master weights are the
+              parameters themselves; bf16 masters with Kahan rounding hold a bf16
+              compensation buffer, ``2 * N / D``
+states        ``S * N / D``; halved for bf16 optimizer states
 ============  =====================================================================
 
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
@@ -41,6 +43,9 @@ def memory_model(
     accumulator_sharded: bool,
     zero_stage: int,
     state_bytes_per_param: int,
+    master_dtype: torch.dtype = torch.float32,
+    master_rounding: str = "nearest",
+    states_dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
@@ -53,9 +58,12 @@ def memory_model(
     else:
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
-    aliased = param_dtype == torch.float32 or zero_stage >= 3
+    aliased = param_dtype == master_dtype or zero_stage >= 3
     master = 0 if aliased else 4 * n // state_divisor
-    states = state_bytes_per_param * n // state_divisor
+    if master_dtype != torch.float32 and master_rounding == "kahan":
+        master = master_dtype.itemsize * n // state_divisor
+    # S counts fp32 states (4 bytes per value); bf16 states hold 2 per value.
+    states = state_bytes_per_param * states_dtype.itemsize // 4 * n // state_divisor
     figures = {
         "params": params,
         "grads": 0,

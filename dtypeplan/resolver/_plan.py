@@ -124,10 +124,16 @@ class PrecisionPlan:
     comm_reduction: str
     """``"collective"`` or ``"fp32_sum"`` (see ``dtypeplan.comm``)."""
     master_dtype: torch.dtype = torch.float32
-    """The master weights' dtype (``bf16.bf16_master_weights_and_grads`` and its fp16
-    counterpart ask for 16 bits; only fp32 is OK today)."""
+    """The master weights' dtype: fp32, or bf16 for bf16 parameters at ZeRO stages 0-2, where
+    the parameters themselves are the masters (``master_weights.dtype``,
+    ``bf16.bf16_master_weights_and_grads``)."""
+    master_rounding: str = "nearest"
+    """How each fp32 update is rounded into 16-bit master weights: ``"nearest"``,
+    ``"stochastic"`` or ``"kahan"`` (a bf16 compensation buffer); ``"nearest"`` for fp32
+    masters, where nothing is rounded (``master_weights.rounding``)."""
     optimizer_states_dtype: torch.dtype = torch.float32
-    """The optimizer states' dtype (``bf16.bf16_optimizer_states``; only fp32 is OK today)."""
+    """The optimizer states' dtype: fp32, or bf16 with bf16 master weights
+    (``bf16.bf16_optimizer_states``): each state is updated in fp32 and stored rounded."""
     autocast_dtype: torch.dtype | None = None
     """``torch_autocast``'s dtype; None without it (the only OK value today)."""
     offload_optimizer: str = "none"
@@ -201,6 +207,7 @@ class PrecisionPlan:
             "comm_dtype": DTYPE_NAMES[self.comm_dtype],
             "comm_reduction": self.comm_reduction,
             "master_dtype": DTYPE_NAMES[self.master_dtype],
+            "master_rounding": self.master_rounding,
             "optimizer_states_dtype": DTYPE_NAMES[self.optimizer_states_dtype],
             "autocast_dtype": None
             if self.autocast_dtype is None
@@ -289,6 +296,9 @@ class PrecisionPlan:
             accumulator_sharded=self.accumulator_sharded and world_size > 1,
             zero_stage=self.zero_stage,
             state_bytes_per_param=self.optimizer.state_bytes_per_param,
+            master_dtype=self.master_dtype,
+            master_rounding=self.master_rounding,
+            states_dtype=self.optimizer_states_dtype,
         )
 
     def explain(self) -> str:
@@ -327,7 +337,12 @@ class PrecisionPlan:
             ),
             ("communication", DTYPE_NAMES[self.comm_dtype], "comm_dtype"),
             ("reduction", self.comm_reduction, "comm_reduction"),
-            ("master weights", DTYPE_NAMES[self.master_dtype], "master_dtype"),
+            (
+                "master weights",
+                DTYPE_NAMES[self.master_dtype]
+                + ("" if self.master_dtype == torch.float32 else f", {self.master_rounding}"),
+                "master_dtype",
+            ),
             (
                 "optimizer states",
                 DTYPE_NAMES[self.optimizer_states_dtype],

@@ -11,7 +11,14 @@ from typing import Any
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig, load_config
 from dtypeplan.resolver._differences import deepspeed_differences
-from dtypeplan.resolver._dimensions import DIMENSIONS, FEATURE_DIMENSIONS, PARAMS, REDUCTION, STAGE
+from dtypeplan.resolver._dimensions import (
+    DIMENSIONS,
+    FEATURE_DIMENSIONS,
+    MASTER_ROUNDING,
+    PARAMS,
+    REDUCTION,
+    STAGE,
+)
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._optimizer_kind import ClientOptimizerConfig, optimizer_kind
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
@@ -185,7 +192,8 @@ def resolve_config(
         accumulator_sharded=sharded,
         comm_dtype=DTYPES[comm],
         comm_reduction=config.comm_reduction,
-        master_dtype=DTYPES[features["master"]],
+        master_dtype=DTYPES[MASTER_ROUNDING[features["master"]][0]],
+        master_rounding=MASTER_ROUNDING[features["master"]][1],
         optimizer_states_dtype=DTYPES[features["states"]],
         autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
         offload_optimizer=config.offload_optimizer,

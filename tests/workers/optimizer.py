@@ -98,6 +98,7 @@ def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) 
     return {
         "after_build": after_build,
         "at_boundary": at_boundary,
+        "after_step": optimizer.held_tensors().nbytes(),
         "predicted": plan.memory(num_params, world_size),
         "num_params": num_params,
     }
