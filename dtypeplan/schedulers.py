@@ -24,6 +24,7 @@ value last seen is part of ``state_dict()``; restore the optimizer's state with 
 
 from __future__ import annotations
 
+import abc
 import difflib
 import inspect
 import math
@@ -156,7 +157,7 @@ class _SkipAware:
 
 
 # --- the DeepSpeed schedules -------------------------------------------------------------------
-class _DeepSpeedSchedule(_SkipAware, LRScheduler):
+class _DeepSpeedSchedule(_SkipAware, LRScheduler, abc.ABC):
     """Shared step logic: ``last_epoch`` is DeepSpeed's ``last_batch_iteration``."""
 
     def __init__(self, optimizer: Optimizer, last_batch_iteration: int) -> None:
@@ -202,8 +203,9 @@ class _DeepSpeedSchedule(_SkipAware, LRScheduler):
     def get_lr(self) -> list[Any]:
         return self._lrs_at(self.last_epoch)
 
+    @abc.abstractmethod
     def _lrs_at(self, t: int) -> list[Any]:
-        raise NotImplementedError
+        """Each param group's lr at DeepSpeed's ``last_batch_iteration`` ``t``."""
 
 
 class WarmupLR(_DeepSpeedSchedule):

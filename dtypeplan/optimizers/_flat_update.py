@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_CHUNK", "FlatAdamUpdate", "decoupled_weight_decay", "scale_into_inner_step"]
+__all__ = [
+    "CPU_CHUNK",
+    "FlatAdamUpdate",
+    "decoupled_weight_decay",
+    "fused_adam_kernel",
+    "scale_into_inner_step",
+]
 
 CPU_CHUNK = 1 << 20
 """Elements per fused call on CPU: 4 MiB of fp32 scratch, which stays in cache between the
@@ -47,6 +53,31 @@ def decoupled_weight_decay(torch_class: type[torch.optim.Optimizer], group: dict
     return issubclass(torch_class, torch.optim.AdamW) or bool(
         group.get("decoupled_weight_decay", False)
     )
+
+
+def fused_adam_kernel(
+    torch_class: type[torch.optim.Optimizer], group: dict[str, Any], grad_scale: torch.Tensor
+) -> tuple[Any, dict[str, Any]]:
+    """torch's fused Adam or AdamW kernel for ``group`` and its keyword arguments.
+
+    The gradients it is given are divided by ``grad_scale`` inside the kernel (the unscale,
+    average and clip factor folded into one device scalar; no separate pass).
+    """
+    beta1, beta2 = group["betas"]
+    fused = (
+        torch._fused_adamw_ if decoupled_weight_decay(torch_class, group) else torch._fused_adam_
+    )
+    kwargs = {
+        "lr": group["lr"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "weight_decay": group["weight_decay"],
+        "eps": group["eps"],
+        "amsgrad": False,
+        "maximize": False,
+        "grad_scale": grad_scale,
+    }
+    return fused, kwargs
 
 
 class FlatAdamUpdate:
@@ -93,22 +124,7 @@ class FlatAdamUpdate:
         slot = self.slot(master)
         step = slot["step"]
         step += 1
-        beta1, beta2 = group["betas"]
-        fused = (
-            torch._fused_adamw_
-            if decoupled_weight_decay(self.torch_class, group)
-            else torch._fused_adam_
-        )
-        kwargs = {
-            "lr": group["lr"],
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-            "amsgrad": False,
-            "maximize": False,
-            "grad_scale": grad_scale,
-        }
+        fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         on_cpu = master.device.type == "cpu"
         size = CPU_CHUNK if on_cpu else master.numel()
         needs_copy = grad.dtype != torch.float32

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dtypeplan.optimizers._flat_update import CPU_CHUNK, decoupled_weight_decay
+from dtypeplan.optimizers._flat_update import CPU_CHUNK, fused_adam_kernel
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
 
 __all__ = ["KAHAN_COMPENSATION", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
@@ -102,22 +102,7 @@ class LowPrecisionAdamUpdate:
         slot = self.slot(master)
         step = slot["step"]
         step += 1
-        beta1, beta2 = group["betas"]
-        fused = (
-            torch._fused_adamw_
-            if decoupled_weight_decay(self.torch_class, group)
-            else torch._fused_adam_
-        )
-        kwargs = {
-            "lr": group["lr"],
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-            "amsgrad": False,
-            "maximize": False,
-            "grad_scale": grad_scale,
-        }
+        fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         device = master.device
         fp32_states = self.states_dtype == torch.float32
         for begin in range(0, master.numel(), PIECE):

@@ -24,6 +24,7 @@ optimizer code (``dtypeplan.load_rules`` passes the registered names).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -580,11 +581,11 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
     name = os.path.basename(path) if path == default_rules_path() else path
     try:
         text = read_text(path, _RULES_LIMITS)
-        check_yaml_events(text, _RULES_LIMITS)
+        # A YAML syntax error is left to _parse, which reports it with its line.
+        with contextlib.suppress(yaml.YAMLError):
+            check_yaml_events(text, _RULES_LIMITS)
     except InputError as exc:
         raise RulesError(f"cannot read rules file: {exc}", name, exc.line) from None
-    except yaml.YAMLError:
-        pass  # _parse reports the syntax error with its line
     document = _parse(text, name)
     if not isinstance(document, _LineMap):
         raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)
