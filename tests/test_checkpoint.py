@@ -562,17 +562,21 @@ def _build_bf16(stage: int, **blocks: dict[str, Any]) -> tuple[torch.nn.Module, 
 def test_bf16_master_checkpoints_convert_to_fp32_masters_and_back(tmp_path: Any) -> None:
     """bf16 masters (Kahan, bf16 moments) -> fp32 masters -> bf16 masters (nearest).
 
-    A checkpoint holds every master and state as fp32. bf16 -> fp32 is exact for the masters
-    and moments; the Kahan compensation (below half a bf16 ulp, 2**-9 relative) is a state the
-    fp32-master optimizer does not have, so its masters are the bf16 parameters the model
-    computed with. fp32 -> bf16 rounds each master and moment to nearest: at most 2**-9
-    relative, and the Kahan compensation of a bf16 optimizer loading fp32 masters starts at 0.
+    A checkpoint holds every master and state as fp32, the masters as the values they stand
+    for: Kahan-compensated bf16 masters are saved as weights + compensation, so bf16 -> fp32 is
+    exact for the masters (the compensation is not lost) and for the moments. fp32 -> bf16
+    rounds each master and moment to nearest: at most 2**-9 relative (Kahan masters would keep
+    the rounding error as their compensation instead).
     """
     kahan = {"master_weights": {"dtype": "bf16", "rounding": "kahan"}}
     model, bf16_opt = _build_bf16(1, bf16={"bf16_optimizer_states": True}, **kahan)
     cases.train(model, bf16_opt, range(3))
     saved = cases.snapshot(bf16_opt)
-    assert any(k.endswith(".kahan_compensation") for k in saved["states"])
+    assert not any(k.endswith(".kahan_compensation") for k in saved["states"])
+    # The saved masters carry the compensation: not all of them are bf16 values.
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in saved["masters"]), (
+        "the Kahan compensation was not folded into the saved masters"
+    )
     checkpoint.save(bf16_opt, str(tmp_path / "bf16"))
 
     # The same rounding reloads bitwise, compensation included, at another stage.

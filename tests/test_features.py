@@ -16,8 +16,10 @@ from dtypeplan.resolver import DTYPE_NAMES
 from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, OPTIMIZER_KIND, config_for
 
 PLAN_FIELDS = {
-    "master": lambda plan: DTYPE_NAMES[plan.master_dtype]
-    + {"nearest": "", "stochastic": "_sr", "kahan": "_kahan"}[plan.master_rounding],
+    "master": lambda plan: (
+        DTYPE_NAMES[plan.master_dtype]
+        + {"nearest": "", "stochastic": "_sr", "kahan": "_kahan"}[plan.master_rounding]
+    ),
     "states": lambda plan: DTYPE_NAMES[plan.optimizer_states_dtype],
     "autocast": lambda plan: (
         "none" if plan.autocast_dtype is None else DTYPE_NAMES[plan.autocast_dtype]

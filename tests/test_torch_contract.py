@@ -108,6 +108,12 @@ def test_item4_unfrozen_after_build_trains(stage: int, dtype: str) -> None:
 
 
 @one_process("item5", None)
+def test_item5_grad_filled_in_place_after_zero_grad(stage: int, dtype: str) -> None:
+    # issue 10 item 5 (found in review: zero_grad's zeros written in place were dropped)
+    check("item5_grad_filled_in_place", stage, dtype)
+
+
+@one_process("item5", None)
 def test_item5_hand_set_grad(stage: int, dtype: str) -> None:
     # issue 10 item 5
     check("item5_hand_set_grad", stage, dtype)

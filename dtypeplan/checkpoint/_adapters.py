@@ -128,11 +128,15 @@ class FlatAdapter:
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         flats = _empty_flats(names, self.shapes())
+        values: dict[int, torch.Tensor] = {}  # each master chunk's fp32 values, made once
         for piece in self.opt.shard_pieces():
             slot = self.opt.inner.state.get(piece.master, {})
             for name in names:
                 if name == keys.MASTER:
-                    source = piece.master
+                    key = id(piece.master)
+                    if key not in values:
+                        values[key] = self.opt.master_values(piece.master)
+                    source = values[key]
                 elif name in slot:
                     source = slot[name]
                 else:
@@ -170,14 +174,23 @@ class FlatAdapter:
             [n for n in names if n != keys.MASTER], opt.group_scalars_from(_scalar_entries(scalars))
         )
         pieces = {key: dict(flat.pieces) for key, flat in flats.items()}
+        # Masters are filled as fp32 values first, then set through the optimizer (which
+        # rounds them into bf16 masters, or splits them into weights and Kahan compensation).
+        masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for piece in opt.shard_pieces():
             for name in names:
-                target = (
-                    piece.master if name == keys.MASTER else opt.inner.state[piece.master][name]
-                )
+                if name == keys.MASTER:
+                    key = id(piece.master)
+                    if key not in masters:
+                        masters[key] = (piece.master, opt.master_values(piece.master))
+                    target = masters[key][1]
+                else:
+                    target = opt.inner.state[piece.master][name]
                 _piece_of(piece, target).copy_(
                     pieces[keys.param_key(piece.index, name)][piece.begin]
                 )
+        for master, values in masters.values():
+            opt.load_master_(master, values)
         opt.skipped_steps = int(scalars["skipped_steps"])
         if opt.scaler.enabled and scalars.get("scaler_enabled"):
             opt.scaler.load_state_dict(scalars["scaler"])

@@ -450,6 +450,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             stacklevel=4,
         )
 
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """A master chunk or shard as the fp32 values a checkpoint stores (fp32 masters: as is)."""
+        return master.float()
+
+    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load)."""
+        master.copy_(values)
+
     def _scalar_state(self) -> dict[str, Any]:
         """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16),
         the inner optimizer's per-group scalar states included."""

@@ -91,6 +91,7 @@ from dtypeplan.optimizers._flat_update import (
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
+from dtypeplan.optimizers._master_rounding import kahan_store
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -181,7 +182,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._adam_update = self._low_precision
             self._low_precision.conform([m for s in self.groups for m in s.masters])
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
-        self._zero_grads: list[weakref.ref[torch.Tensor]] = []
+        self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self.reductions = ReductionScheduler(
@@ -270,6 +271,28 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(state.flat.params)
         return pieces
 
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """A master chunk as the fp32 values it stands for: with Kahan-compensated bf16 masters,
+        the bf16 weights plus their compensation. What a checkpoint stores, whatever the
+        master dtype, so that it loads into any other."""
+        slot = self.inner.state.get(master, {})
+        if KAHAN_COMPENSATION not in slot:
+            return master.float()  # fp32 masters: the chunk itself
+        values = master.to(torch.float32, copy=True)
+        values.add_(slot[KAHAN_COMPENSATION])
+        return values
+
+    @torch.no_grad()
+    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
+        or with Kahan masters split into the bf16 weights and their compensation."""
+        if master.dtype == torch.float32 or self.plan.master_rounding != "kahan":
+            master.copy_(values)
+            return
+        slot = self.inner.state[master]
+        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
+        kahan_store(values.to(torch.float32, copy=True), master, compensation)
+
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Write the master weights into the parameters on every rank (cast, all-gather).
@@ -300,7 +323,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             with torch.no_grad():
                 for param in self.trainable_parameters():
                     param.grad = torch.zeros_like(param)
-                    self._zero_grads.append(weakref.ref(param.grad))
+                    self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
 
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
@@ -385,7 +408,13 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         Scaled by the loss scale, as the accumulator holds scaled gradients; ``.grad`` is
         freed as the hooks free it.
         """
-        zeros = {id(grad) for ref in self._zero_grads if (grad := ref()) is not None}
+        # Still zero_grad's zeros: the same tensor, never written since (a backward's in-place
+        # add is taken by the hooks, which free .grad; a user's grad.copy_ bumps the version).
+        zeros = {
+            id(grad)
+            for ref, version in self._zero_grads
+            if (grad := ref()) is not None and grad._version == version
+        }
         self._zero_grads = []
         found: dict[tuple[int, int], torch.Tensor] = {}
         scale = self.scaler.scale
@@ -685,7 +714,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state in self.groups:
             for master in state.masters:
                 for name, value in self.inner.state.get(master, {}).items():
-                    if is_element_state(value, master) and name not in names:
+                    # The Kahan compensation is folded into the master's values instead.
+                    if (
+                        is_element_state(value, master)
+                        and name not in names
+                        and name != KAHAN_COMPENSATION
+                    ):
                         names.append(name)
         return names
 
@@ -708,7 +742,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for state in self.groups:
             for name in names:
                 if name == keys.MASTER:
-                    chunks = state.masters
+                    chunks = [self.master_values(m) for m in state.masters]
                 else:
                     chunks = [
                         self.inner.state[m][name]
@@ -741,8 +775,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     view.copy_(value)
                 chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
                 for master, chunk in zip(group_state.masters, chunks, strict=True):
-                    target = master if name == keys.MASTER else self.inner.state[master][name]
-                    target.copy_(chunk)
+                    if name == keys.MASTER:
+                        self.load_master_(master, chunk)
+                    else:
+                        self.inner.state[master][name].copy_(chunk)
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()

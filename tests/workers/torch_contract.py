@@ -368,6 +368,28 @@ def item5_hand_set_grad(rank: int, world: int, stage: int, dtype: str) -> None:
     pair.assert_close("a .grad set by hand, then step()")
 
 
+def item5_grad_filled_in_place(rank: int, world: int, stage: int, dtype: str) -> None:
+    # torch's pattern: zero_grad(set_to_none=False), then write into the zeros in place. The
+    # written values are a gradient set by hand, not zero_grad's zeros.
+    pair = Pair(stage, dtype, two_heads(0))
+    pair.opt.zero_grad(set_to_none=False)
+    generator = torch.Generator().manual_seed(4)
+    for mine, ref in zip(pair.model.parameters(), pair.reference.parameters(), strict=True):
+        grad = torch.randn(ref.shape, generator=generator)
+        ref.grad = grad.clone()
+        mine.grad.copy_(grad.to(mine.dtype))
+    pair.ref_opt.step()
+    if pair.plan.accumulator_sharded and world > 1:
+        try:
+            pair.opt.step()
+        except dtypeplan.errors.OptimizerUsageError as exc:
+            assert "set by hand" in str(exc), exc
+            return
+        raise AssertionError("a hand-written .grad with a sharded accumulator was not refused")
+    pair.opt.step()
+    pair.assert_close("zero_grad(set_to_none=False), .grad written in place, then step()")
+
+
 def item5_clip_grad_norm(rank: int, world: int, stage: int, dtype: str) -> None:
     # torch.nn.utils.clip_grad_norm_ cannot see gradients the optimizer took from .grad (as
     # with DeepSpeed and FSDP1): opt.clip_grad_norm_ mirrors FSDP1's, clipping in the step.
