@@ -110,3 +110,12 @@ def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) 
         )
     error = result["master_rel_error"]
     assert error <= master_rtol, f"{result['name']}: master weights rel error {error:.2e}"
+
+
+def assert_replicas_equal(per_rank: list[list[dict[str, Any]]]) -> None:
+    """Every rank ended each case with the same parameters, bit for bit (``params_digest``)."""
+    for index, first in enumerate(per_rank[0]):
+        if "error" in first:
+            continue
+        digests = {rank_results[index]["params_digest"] for rank_results in per_rank}
+        assert len(digests) == 1, f"{first['name']}: the replicas differ after training"

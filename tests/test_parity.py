@@ -21,6 +21,7 @@ from dtypeplan.launch import spawn
 from tests._helpers import (
     PARAMS_KEYS,
     assert_parity,
+    assert_replicas_equal,
     feature_config,
     make_batch,
     make_model,
@@ -130,8 +131,9 @@ def test_every_cell_is_tested() -> None:
 @given(st.data())
 def test_parity_every_cell_two_ranks(data: st.DataObject) -> None:
     cases = [draw_case(data, point) for point in ok_cells()]
-    results = spawn(run_cases, 2, cases, timeout_s=400)[0]
-    check(results, cases)
+    per_rank = spawn(run_cases, 2, cases, timeout_s=400)
+    assert_replicas_equal(per_rank)
+    check(per_rank[0], cases)
 
 
 def test_every_master_cell_is_tested() -> None:
@@ -151,8 +153,9 @@ def test_parity_bf16_master_cells_two_ranks(data: st.DataObject) -> None:
     drift over many steps is bounded separately (test_bf16_master_drift_is_bounded).
     """
     cases = [draw_case(data, point) for point in master_cells()]
-    results = spawn(run_cases, 2, cases, timeout_s=400)[0]
-    check(results, cases)
+    per_rank = spawn(run_cases, 2, cases, timeout_s=400)
+    assert_replicas_equal(per_rank)
+    check(per_rank[0], cases)
 
 
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
@@ -163,8 +166,9 @@ def test_parity_four_ranks(data: st.DataObject) -> None:
     # Always include the exact fp32 cells, where any missing divide shows at 1e-5.
     exact = [c for c in cells if c["params"] == c["accum"] == c["comm"] == "fp32"]
     cases = [draw_case(data, point) for point in [*exact, *chosen]]
-    results = spawn(run_cases, 4, cases, timeout_s=400)[0]
-    check(results, cases)
+    per_rank = spawn(run_cases, 4, cases, timeout_s=400)
+    assert_replicas_equal(per_rank)
+    check(per_rank[0], cases)
 
 
 @pytest.mark.parametrize("model", ["fp32", "bf16", "fp16"])

@@ -9,11 +9,13 @@ reference runs on every rank and nothing about it is communicated.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import dtypeplan
 from tests._helpers import make_batch, make_model, mse
@@ -93,6 +95,12 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     # ZeRO-3 keeps fp32 shards and computes in plan.param_dtype on gathered copies.
     stored = torch.float32 if plan.zero_stage == 3 else plan.param_dtype
     param_dtype_ok = all(p.dtype == stored for p in model.parameters())
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        whole = param.detach()
+        if isinstance(whole, DTensor):
+            whole = whole.full_tensor()  # collective: every rank, same order
+        digest.update(whole.float().cpu().numpy().tobytes())
     return {
         "name": case.get("name", ""),
         "losses": losses,
@@ -102,6 +110,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         "master_rel_error": math.sqrt(diff / size),
         "param_dtype_ok": param_dtype_ok,
         "skipped_steps": optimizer.skipped_steps,
+        "params_digest": digest.hexdigest(),
     }
 
 
