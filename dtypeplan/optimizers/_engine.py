@@ -349,6 +349,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self.scaler.update(overflow=False)
         finally:
             self.reductions.end_step()
+            # Working copies live only inside the step, so that what the rank holds between
+            # steps is what plan.memory() says (the allocator may keep the memory cached).
+            self._adam_update.release_scratch()
         return loss
 
     @property

@@ -151,6 +151,11 @@ class FlatAdamUpdate:
         if param_chunk is not None and not on_cpu:
             param_chunk.copy_(master)
 
+    def release_scratch(self) -> None:
+        """Drop the conversion scratch at the end of a step: between steps (where
+        ``plan.memory()`` counts) the optimizer holds none of it."""
+        self._scratch.clear()
+
     def _scratch_for(self, device: torch.device, numel: int) -> torch.Tensor:
         scratch = self._scratch.get(device)
         if scratch is None or scratch.numel() < numel:

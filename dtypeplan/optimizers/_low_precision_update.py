@@ -145,6 +145,11 @@ class LowPrecisionAdamUpdate:
             self._generators[device] = generator
         return generator
 
+    def release_scratch(self) -> None:
+        """Drop the fp32 working copies at the end of a step: between steps (where
+        ``plan.memory()`` counts) the optimizer holds none of them."""
+        self._scratch.clear()
+
     def _scratch_for(
         self, device: torch.device, name: str, numel: int, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
