@@ -43,28 +43,61 @@ OWNERS = ("dtypeplan", "torch.optim")
 CATEGORIES = ("params", "grads", "accumulator", "master", "optimizer_states", "other")
 
 
+MASTERS = ("fp32", "bf16-nearest", "bf16-stochastic", "bf16-kahan")
+STATES = ("fp32", "bf16")
+
+
 def all_modes() -> list[dict[str, Any]]:
+    """The 24 dtype modes (fp32 masters and states), then bf16 parameters with a bf16
+    accumulator at ZeRO-1 (whole) and ZeRO-2 (sharded), DeepSpeed's layouts, for every other
+    master x optimizer-state choice."""
     modes = []
     for model in ("fp32", "fp16", "bf16"):
         for accum in ("fp32", "bf16"):
             for stage, sharded in ((0, False), (1, False), (1, True), (2, True)):
                 modes.append({"model": model, "accum": accum, "stage": stage, "sharded": sharded})
+    for stage, sharded in ((1, False), (2, True)):
+        for master in MASTERS:
+            for states in STATES:
+                if (master, states) == ("fp32", "fp32"):
+                    continue  # bf16/bf16 z1 whole and z2 shard above
+                modes.append(
+                    {
+                        "model": "bf16",
+                        "accum": "bf16",
+                        "stage": stage,
+                        "sharded": sharded,
+                        "master": master,
+                        "states": states,
+                    }
+                )
     return modes
 
 
 def mode_label(mode: dict[str, Any]) -> str:
     accumulator = "shard" if mode["sharded"] else "whole"
-    return f"{mode['model']}/{mode['accum']} z{mode['stage']} {accumulator}"
+    label = f"{mode['model']}/{mode['accum']} z{mode['stage']} {accumulator}"
+    master, states = mode.get("master", "fp32"), mode.get("states", "fp32")
+    if (master, states) != ("fp32", "fp32"):
+        label += f" m={master} s={states}"
+    return label
 
 
 def mode_config(mode: dict[str, Any]) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "bf16": {"enabled": mode["model"] == "bf16"},
         "fp16": {"enabled": mode["model"] == "fp16"},
         "gradient_accumulation_dtype": {"dtype": mode["accum"], "sharded": mode["sharded"]},
         "zero_optimization": {"stage": mode["stage"]},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
     }
+    if mode.get("states", "fp32") == "bf16":
+        config["bf16"]["bf16_optimizer_states"] = True
+    master = mode.get("master", "fp32")
+    if master != "fp32":
+        dtype, rounding = master.split("-")
+        config["master_weights"] = {"dtype": dtype, "rounding": rounding}
+    return config
 
 
 def deepspeed_formula(mode: dict[str, Any], world: int) -> tuple[str, float] | None:
@@ -74,8 +107,41 @@ def deepspeed_formula(mode: dict[str, Any], world: int) -> tuple[str, float] | N
     BF16_Optimizer (bf16 params and grads plus a whole fp32 gradient accumulator): 8 + 12/N.
     ZeRO-2 (bf16 params; fp32 gradient partition, master and states sharded): 2 + 16/N.
     ZeRO paper's P_os+g (16-bit params; 16-bit grads, master and states sharded): 2 + 14/N.
+
+    bf16 masters (``bf16.bf16_master_weights_and_grads``, read from DeepSpeed 0.19.8's
+    ``runtime/zero/stage_1_and_2.py`` and ``runtime/base_optimizer.py``): the master partition
+    is a bf16 *clone* of this rank's share of the bf16 parameters (``.clone().to(
+    master_weights_and_grads_dtype)``, 2/N, next to the 2 B parameters), its gradient
+    partition is bf16 too, and the inner ``torch.optim`` Adam creates its moments like the
+    master, in bf16 (4/N). Without ``bf16_optimizer_states`` DeepSpeed asserts
+    ``offload_optimizer: cpu`` with DeepSpeedCPUAdam (moments fp32, 8/N, master 2/N and bf16
+    gradient partition 2/N in host memory), counted here device + host. Same gradient
+    conventions as above (ZeRO-1: the whole bf16 gradient, 2 B; ZeRO-2: the partition):
+    ZeRO-1 bf16 master + states 4 + 6/N, ZeRO-2 2 + 8/N; with CPU offload and fp32 states
+    ZeRO-1 4 + 12/N, ZeRO-2 2 + 12/N. DeepSpeed rounds to nearest only; its formula is set
+    next to the stochastic and Kahan rows as the nearest DeepSpeed option. fp32 masters with
+    bf16 states do not exist in DeepSpeed (``bf16_optimizer_states requires
+    bf16_master_weights_and_grads``).
     """
     if mode["model"] != "bf16":
+        return None
+    master, states = mode.get("master", "fp32"), mode.get("states", "fp32")
+    if master != "fp32":
+        if mode["accum"] != "bf16":
+            return None
+        note = "" if master == "bf16-nearest" else " (nearest)"
+        if states == "bf16":
+            if mode["stage"] == 1 and not mode["sharded"]:
+                return f"ZeRO-1 bf16 master+states 4+6/N{note}", 4 + 6 / world
+            if mode["stage"] == 2:
+                return f"ZeRO-2 bf16 master+states 2+8/N{note}", 2 + 8 / world
+            return None
+        if mode["stage"] == 1 and not mode["sharded"]:
+            return f"ZeRO-1 bf16 master, CPU offload 4+12/N{note}", 4 + 12 / world
+        if mode["stage"] == 2:
+            return f"ZeRO-2 bf16 master, CPU offload 2+12/N{note}", 2 + 12 / world
+        return None
+    if states != "fp32":
         return None
     key = (mode["accum"], mode["stage"], mode["sharded"])
     if key == ("bf16", 1, False):
@@ -189,12 +255,18 @@ def _rank_worker(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--worlds",
+        default=",".join(map(str, WORLD_SIZES)),
+        help="comma-separated world sizes (default %(default)s; 8 ranks take ~2 min on 2 cores)",
+    )
     args = parser.parse_args(argv)
+    worlds = tuple(int(w) for w in args.worlds.split(","))
     widths = [128, 256, 256, 128] if args.quick else [512, 1024, 1024, 512]
     modes = all_modes()
     env = environment()
     per_world: dict[int, list[Any]] = {}
-    for world in WORLD_SIZES:
+    for world in worlds:
         if world == 1:
             per_world[world] = _rank_worker(0, 1, modes, widths)
         else:
@@ -209,10 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     skipped: list[str] = []
     num_params = 0
     for index, mode in enumerate(modes):
-        for world in WORLD_SIZES:
+        for world in worlds:
             result = per_world[world][index]
             if result["status"] != "OK":
-                if world == 1:
+                if world == worlds[0]:
                     reason = result["reason"].strip()
                     skipped.append(f"{mode_label(mode)}: {result['status']} ({reason})")
                 continue
@@ -258,13 +330,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "modes": len(modes) - len(skipped),
         "max_abs_measured_over_plan_minus_1": round(worst, 5),
         "bf16_fp32accum_z1_whole_N4_B_per_param": next(
-            r["measured B/param"] for r in rows if r["mode"] == "bf16/fp32 z1 whole" and r["N"] == 4
+            (
+                r["measured B/param"]
+                for r in rows
+                if r["mode"] == "bf16/fp32 z1 whole" and r["N"] == 4
+            ),
+            None,
         ),
         "deepspeed_minus_measured_B_per_param": savings,
     }
     if not args.no_write:
         stem_path = args.out
-        plot = _plot(rows, stem_path, env["date"])
+        plot = _plot(rows, worlds, stem_path, env["date"])
         notes = [
             "Measured = distinct storages reachable from the optimizer at the accumulation "
             "boundary of the 2nd step (Adam states exist), so bucket padding is included; "
@@ -274,6 +351,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "(bf16 params and grads), BF16_Optimizer 8+12/N (bf16 params and grads + whole "
             "fp32 accumulator), ZeRO-2 2+16/N (fp32 gradient partition); the ZeRO paper's "
             "P_os+g 2+14/N is set next to bf16 accumulation at stage 2.",
+            "bf16 masters (m=...) and bf16 optimizer states (s=bf16) against DeepSpeed 0.19.8's "
+            "bf16_master_weights_and_grads (+ bf16_optimizer_states), derived from "
+            "deepspeed/runtime/zero/stage_1_and_2.py (the master partition is a bf16 clone of "
+            "the parameters' partition, 2/N; its gradient partition bf16; torch Adam moments "
+            "in the master's dtype, 4/N) and runtime/base_optimizer.py (bf16 masters with fp32 "
+            "states assert offload_optimizer cpu + DeepSpeedCPUAdam: fp32 moments 8/N in host "
+            "memory, counted device + host): ZeRO-1 4+6/N, ZeRO-2 2+8/N; with offload ZeRO-1 "
+            "4+12/N, ZeRO-2 2+12/N. DeepSpeed only rounds to nearest: '(nearest)' marks its "
+            "formula set next to stochastic and Kahan rows. DeepSpeed has no fp32 masters with "
+            "bf16 states.",
             *[f"not measured: {s}" for s in skipped],
         ]
         write_result(
@@ -285,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "num_params": num_params,
                 "optimizer": "AdamW",
                 "micro_batches": MICRO_BATCHES,
-                "world_sizes": list(WORLD_SIZES),
+                "world_sizes": list(worlds),
                 "quick": args.quick,
             },
             sections=[
@@ -311,7 +398,7 @@ def _jsonable_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> Path:
+def _plot(rows: list[dict[str, Any]], worlds: tuple[int, ...], out: Path, date: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -319,14 +406,14 @@ def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> Path:
 
     labels = list(dict.fromkeys(r["mode"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(10, 0.6 * len(labels)), 5.5))
-    width = 0.27
-    for k, world in enumerate(WORLD_SIZES):
+    width = 0.8 / len(worlds)
+    for k, world in enumerate(worlds):
         xs, measured, predicted, ds_x, ds_y = [], [], [], [], []
         for i, label in enumerate(labels):
             row = next((r for r in rows if r["mode"] == label and r["N"] == world), None)
             if row is None:
                 continue
-            x = i + (k - 1) * width
+            x = i + (k - (len(worlds) - 1) / 2) * width
             xs.append(x)
             measured.append(row["measured B/param"])
             predicted.append(row["plan.memory B/param"])
