@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
+import dtypeplan
+from benchmarks.bench_memory import measure
 from dtypeplan.launch import spawn
-from tests._helpers import PARAMS_KEYS
+from tests._helpers import PARAMS_KEYS, make_batch, make_model, mse
 from tests.workers.optimizer import memory_cases
 
 WIDTH = 256  # ~130k parameters: bucket padding is well under 1%
@@ -125,3 +129,35 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
                 predicted,
                 config,
             )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"gradient_accumulation_dtype": "bf16"},
+        {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}},
+        {"master_weights": {"dtype": "bf16", "rounding": "kahan"}, "bf16_states": True},
+    ],
+    ids=["fp32-accum", "bf16-accum", "bf16-sr-masters", "bf16-kahan-masters-bf16-states"],
+)
+def test_nothing_beyond_held_tensors_is_kept_between_steps(extra: dict) -> None:
+    """Every tensor reachable from the optimizer between steps is one held_tensors() lists
+    (which plan.memory() models): a step's working copies must not outlive it."""
+    extra = dict(extra)
+    bf16 = {
+        "enabled": True,
+        **({"bf16_optimizer_states": True} if extra.pop("bf16_states", False) else {}),
+    }
+    config = {"bf16": bf16, **extra, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(make_model(0, hidden=64))
+    optimizer = plan.build(model.parameters())
+    x, y = make_batch(0, 8)
+    for _ in range(2):
+        optimizer.backward(mse(model, x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.backward(mse(model, x, y))  # the accumulation boundary, where memory() counts
+    unlisted = measure(optimizer, model)["other"]
+    assert unlisted <= 1024, f"{unlisted} bytes held between steps that held_tensors() omits"
