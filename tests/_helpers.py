@@ -119,3 +119,20 @@ def assert_replicas_equal(per_rank: list[list[dict[str, Any]]]) -> None:
             continue
         digests = {rank_results[index]["params_digest"] for rank_results in per_rank}
         assert len(digests) == 1, f"{first['name']}: the replicas differ after training"
+
+
+# Every elementwise torch optimizer with the options that add states (momentum, centered,
+# amsgrad, decoupled decay): what the client-optimizer and checkpoint tests build.
+CLIENT_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
+    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "Adam": {"lr": 1e-2, "amsgrad": True},
+    "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
+    "Adamax": {"lr": 1e-2},
+    "Adagrad": {"lr": 0.05, "lr_decay": 0.01},
+    "Adadelta": {"lr": 0.5},
+    "RMSprop": {"lr": 1e-3, "momentum": 0.5, "centered": True},
+    "NAdam": {"lr": 1e-2},
+    "RAdam": {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.1},
+    "Rprop": {"lr": 1e-3},
+    "ASGD": {"lr": 1e-2, "t0": 1.0},
+}

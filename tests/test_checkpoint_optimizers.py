@@ -21,9 +21,10 @@ from dtypeplan import checkpoint
 from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError
 from dtypeplan.launch import spawn
 from dtypeplan.resolver._optimizer_kind import ELEMENTWISE
+from tests._helpers import CLIENT_HYPERPARAMETERS
 from tests.workers import checkpoint_optimizers as cases
 
-NAMES = sorted(cases.HYPERPARAMETERS)
+NAMES = sorted(CLIENT_HYPERPARAMETERS)
 
 
 def test_every_elementwise_class_is_covered() -> None:

@@ -16,7 +16,7 @@ import torch
 import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.resolver._optimizer_kind import ELEMENTWISE
-from tests._helpers import assert_parity
+from tests._helpers import CLIENT_HYPERPARAMETERS, assert_parity
 from tests.workers.parity import run_cases
 
 # fp32 everywhere: the only differences from the reference are the order of the sums (two
@@ -26,19 +26,6 @@ FP32_RTOL = 1e-5
 BF16_LOSS_RTOL = 1e-2
 BF16_MASTER_RTOL = 2e-2
 
-HYPERPARAMETERS: dict[str, dict[str, Any]] = {
-    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    "Adam": {"lr": 1e-2, "amsgrad": True},
-    "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
-    "Adamax": {"lr": 1e-2},
-    "Adagrad": {"lr": 0.05, "lr_decay": 0.01},
-    "Adadelta": {"lr": 0.5},
-    "RMSprop": {"lr": 1e-3, "momentum": 0.5, "centered": True},
-    "NAdam": {"lr": 1e-2},
-    "RAdam": {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.1},
-    "Rprop": {"lr": 1e-3},
-    "ASGD": {"lr": 1e-2, "t0": 1.0},
-}
 STAGES = (0, 1, 2, 3)
 
 
@@ -53,7 +40,7 @@ def _config(stage: int, bf16: bool = False) -> dict[str, Any]:
 
 def _cases() -> list[dict[str, Any]]:
     cases = []
-    for number, name in enumerate(sorted(HYPERPARAMETERS)):
+    for number, name in enumerate(sorted(CLIENT_HYPERPARAMETERS)):
         for stage in STAGES:
             how = "wrap" if (number + stage) % 2 else "build"
             cases.append(
@@ -62,7 +49,7 @@ def _cases() -> list[dict[str, Any]]:
                     "config": _config(stage),
                     "client": {
                         "optimizer": name,
-                        "hyperparameters": HYPERPARAMETERS[name],
+                        "hyperparameters": CLIENT_HYPERPARAMETERS[name],
                         "how": how,
                     },
                     "steps": 4,
@@ -86,7 +73,7 @@ def _cases() -> list[dict[str, Any]]:
 
 
 def test_the_cases_cover_every_elementwise_class() -> None:
-    assert {getattr(torch.optim, name) for name in HYPERPARAMETERS} == set(ELEMENTWISE)
+    assert {getattr(torch.optim, name) for name in CLIENT_HYPERPARAMETERS} == set(ELEMENTWISE)
 
 
 def test_client_optimizers_every_stage_two_ranks() -> None:

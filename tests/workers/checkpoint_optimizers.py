@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import dtypeplan
 from dtypeplan import checkpoint
-from tests._helpers import make_batch, make_model, mse
+from tests._helpers import CLIENT_HYPERPARAMETERS, make_batch, make_model, mse
 from tests.workers.checkpoint import capture
 
 BEFORE = 3
@@ -25,20 +25,6 @@ AFTER = 2
 GLOBAL_BATCH = 16
 MICRO = 2
 
-HYPERPARAMETERS: dict[str, dict[str, Any]] = {
-    # Every class with the options that add states (momentum, centered, amsgrad).
-    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    "Adam": {"lr": 1e-2, "amsgrad": True},
-    "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
-    "Adamax": {"lr": 1e-2},
-    "Adagrad": {"lr": 0.05, "lr_decay": 0.01},
-    "Adadelta": {"lr": 0.5},
-    "RMSprop": {"lr": 1e-3, "momentum": 0.5, "centered": True},
-    "NAdam": {"lr": 1e-2},
-    "RAdam": {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.1},
-    "Rprop": {"lr": 1e-3},
-    "ASGD": {"lr": 1e-2, "t0": 1.0},
-}
 RESHARDED = ("NAdam", "ASGD", "Rprop")
 """The classes a 2-rank group saves at ZeRO stage 1 and loads at stage 2 with other buckets."""
 
@@ -56,7 +42,7 @@ def build(
     plan = dtypeplan.resolve({"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}})
     model = plan.prepare_model(make_model(seed))
     params = list(model.parameters())
-    hyper = HYPERPARAMETERS[name]
+    hyper = CLIENT_HYPERPARAMETERS[name]
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": hyper["lr"] / 2}]
     return model, plan.build(groups, optimizer=getattr(torch.optim, name), **hyper)
 
