@@ -127,6 +127,11 @@ class FlatAdapter:
         return self.opt.state_names()
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
+        # Quantized (int8 / fp8) moments are saved as the fp32 values they stand for.
+        with self.opt.fp32_states():
+            return self._save_pieces(names)
+
+    def _save_pieces(self, names: list[str]) -> dict[str, Flat]:
         flats = _empty_flats(names, self.shapes())
         values: dict[int, torch.Tensor] = {}  # each master chunk's fp32 values, made once
         for piece in self.opt.shard_pieces():
@@ -169,6 +174,12 @@ class FlatAdapter:
 
     @torch.no_grad()
     def commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
+        # States load as fp32 values, then are stored in this optimizer's dtypes (rounded to
+        # bf16, or quantized to int8 / fp8) when the context ends.
+        with self.opt.fp32_states():
+            self._commit(flats, names, scalars)
+
+    def _commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
         opt = self.opt
         opt.reset_update_state(
             [n for n in names if n != keys.MASTER], opt.group_scalars_from(_scalar_entries(scalars))

@@ -9,6 +9,7 @@ missing one of them).
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
 import math
 import warnings
@@ -457,6 +458,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
     def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
         """Set a master chunk or shard from fp32 ``values`` (a checkpoint load)."""
         master.copy_(values)
+
+    def fp32_states(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which every per-element optimizer state is a plain tensor laid out
+        like its master, for code that reads or writes states per parameter (checkpoints).
+        Optimizers that keep quantized states (int8 / fp8 moments) hold them as fp32 values
+        while it lasts and store them back after; the others hold plain tensors anyway."""
+        return contextlib.nullcontext()
 
     def _scalar_state(self) -> dict[str, Any]:
         """The ``scalar.*`` entries of :meth:`full_state` (the scaler's only under fp16),

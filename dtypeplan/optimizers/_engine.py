@@ -60,11 +60,13 @@ On one process every collective is skipped and the update is the plain ``torch.o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,7 @@ from dtypeplan.optimizers._master_rounding import kahan_store
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
+from dtypeplan.optimizers._state_storage import state_tensors
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -104,6 +107,20 @@ __all__ = ["DEFAULT_BUCKET_NUMEL", "FlatMixedPrecisionOptimizer"]
 DEFAULT_BUCKET_NUMEL = 1 << 22
 """Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
 of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _with_fp32_states(method: _Method) -> _Method:
+    """Run ``method`` inside ``self.fp32_states()``: it reads or writes states per parameter."""
+
+    @functools.wraps(method)
+    def wrapper(self: FlatMixedPrecisionOptimizer, *args: Any, **kwargs: Any) -> Any:
+        with self.fp32_states():
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, wrapper)
 
 
 class PreparedStep(NamedTuple):
@@ -170,13 +187,14 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._inner, plan.optimizer.torch_class
         )
         self._low_precision: LowPrecisionAdamUpdate | None = None
-        if plan.master_dtype != torch.float32:
+        if plan.master_dtype != torch.float32 or plan.optimizer_states != "fp32":
             self._check_low_precision_masters()
             self._low_precision = LowPrecisionAdamUpdate(
                 self._inner,
                 plan.optimizer.torch_class,
                 rounding=plan.master_rounding,
-                states_dtype=plan.optimizer_states_dtype,
+                exp_avg_dtype=plan.exp_avg_dtype,
+                exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
                 shard_rank=self.shard_rank,
             )
             self._adam_update = self._low_precision
@@ -201,8 +219,22 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._take_ownership()
 
     def _check_low_precision_masters(self) -> None:
-        """16-bit masters are updated by torch's fused Adam/AdamW on fp32 copies, nothing else."""
+        """16-bit masters and low-precision moments are updated by torch's fused Adam/AdamW
+        on fp32 copies, nothing else."""
         torch_class = self.plan.optimizer.torch_class
+        if not FlatAdamUpdate.supports(self._inner, torch_class) and (
+            self.plan.optimizer_states != "fp32"
+        ):
+            raise NotSupportedError(
+                f"optimizer_states {self.plan.optimizer_states} (exp_avg "
+                f"{self.plan.exp_avg_dtype}, exp_avg_sq {self.plan.exp_avg_sq_dtype}) name "
+                "Adam's two moments, which dtypeplan stores in those dtypes around torch's fused "
+                f"Adam/AdamW computed in fp32; {torch_class.__name__} (or amsgrad, maximize, "
+                "differentiable, or a device without fused kernels) keeps other states, which "
+                "it would update in their storage dtype. Use Adam or AdamW, or remove "
+                "optimizer_states / exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states "
+                "(fp32 states)"
+            )
         if not FlatAdamUpdate.supports(self._inner, torch_class):
             raise NotSupportedError(
                 f"{DTYPE_NAMES[self.plan.master_dtype]} master weights are updated by torch's "
@@ -251,8 +283,13 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 for slot in self.inner.state.values()
                 if KAHAN_COMPENSATION in slot
             ),
+            # Quantized moments count as their codes, scales and code table.
             optimizer_states=tuple(
-                v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
+                t
+                for slot in self.inner.state.values()
+                for v in slot.values()
+                if torch.is_tensor(v)
+                for t in state_tensors(v)
             ),
         )
 
@@ -281,6 +318,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         values = master.to(torch.float32, copy=True)
         values.add_(slot[KAHAN_COMPENSATION])
         return values
+
+    def fp32_states(self) -> contextlib.AbstractContextManager[None]:
+        if self._low_precision is None:
+            return contextlib.nullcontext()
+        return self._low_precision.fp32_view([m for s in self.groups for m in s.masters])
 
     @torch.no_grad()
     def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
@@ -502,7 +544,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """
         self._sync_hyperparameters()
         if any(untouched):
-            with keep_untouched(self.groups, self.inner, untouched):
+            # Quantized moments are restored per parameter as fp32 values (the rare path).
+            with self.fp32_states(), keep_untouched(self.groups, self.inner, untouched):
                 self._apply_update(grads_by_group, factor, gather=False)
             self._write_back(cast=True)
             return
@@ -675,6 +718,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     STATE_FORMAT = "dtypeplan.flat/2"
 
+    @_with_fp32_states
     def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         """This rank's piece of each parameter: ``elements`` (begin, end of the flattened
         parameter), ``master`` and each state over those elements, and Adam's ``step``."""
@@ -694,6 +738,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 state[index_of[id(params[index])]] = entry
         return state
 
+    @_with_fp32_states
     def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
         self._kernel_step = None  # the loaded step counter is re-read at the next kernel step
         for group_state in self.groups:
@@ -707,6 +752,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 load_slot(self.inner.state.get(master, {}), entry, where)
         self._write_back()
 
+    @_with_fp32_states
     def state_names(self) -> list[str]:
         """``master`` and the names of the optimizer states laid out like the master chunks.
 
@@ -738,6 +784,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return full
 
     @torch.no_grad()
+    @_with_fp32_states
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         result: dict[str, torch.Tensor | float | int] = {}
         names = self.state_names()
@@ -761,6 +808,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return result
 
     @torch.no_grad()
+    @_with_fp32_states
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         names = keys.param_state_names(state)
         # States absent from the input must not survive from before the load.

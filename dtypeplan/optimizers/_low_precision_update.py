@@ -1,36 +1,45 @@
-"""Adam/AdamW on bf16 master weights (and bf16 optimizer states) in the flat engine.
+"""Adam/AdamW on bf16 master weights and/or low-precision optimizer states in the flat engine.
 
 With ``master_weights.dtype: bf16`` the bf16 parameters are the masters: a master chunk is a
-view of the parameter buffer, so no fp32 copy exists (4 bytes per parameter saved). The update
-is still computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scratch:
+view of the parameter buffer, so no fp32 copy exists (4 bytes per parameter saved). With
+``optimizer_states`` other than fp32, each moment is stored as its dtype says
+(``_state_storage.py``: bf16, or torchao's int8 / fp8 blockwise codes). Either way the update
+is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scratch:
 
-1. load: the master piece upcast to fp32 (with Kahan rounding, plus its compensation), the
-   gradient piece (as it is when fp32, else upcast), and the moments (as they are when fp32,
-   else upcast from bf16);
+1. load: the master piece (fp32 masters: the chunk itself; bf16: upcast, with Kahan rounding
+   plus its compensation), the gradient piece (as it is when fp32, else upcast), and each
+   moment (as it is when fp32, else upcast from bf16 or dequantized);
 2. update: torch's fused Adam/AdamW on the fp32 pieces, with ``grad_scale`` (the step's clip
-   and loss-scale factor) as in ``_flat_update.py``, so the fp32 math is torch's own;
-3. store: the master rounded as ``plan.master_rounding`` says (``_master_rounding.py``), bf16
-   moments rounded to nearest (DeepSpeed's ``bf16_optimizer_states``).
+   and loss-scale factor) as in ``_flat_update.py``, so the fp32 math is torch's own, and the
+   step uses the fp32 moments it computed (as torchao's optimizers do), not their stored
+   rounding;
+3. store: a bf16 master rounded as ``plan.master_rounding`` says (``_master_rounding.py``),
+   an fp32 master cast into the parameters' chunk; each moment rounded or quantized back.
 
 The moments and the Kahan compensation (``kahan_compensation``, bf16, laid out like the master
-chunk) live in ``inner.state[master]``, so checkpoints, ``full_state()`` and the restoring of
-parameters without a gradient treat them like any other state. Stochastic rounding draws from
-one ``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every rank
-updates every chunk and draws the same bits, so the replicas stay equal; a run is reproducible
-from the same seed, and a resumed run draws other bits than an uninterrupted one (the
-generator is not checkpointed), which changes nothing in expectation.
+chunk) live in ``inner.state[master]``. Quantized moments are torchao tensors padded to whole
+blocks, which the generic state code (checkpoints, ``state_dict``, the restoring of parameters
+without a gradient) cannot slice per parameter: it runs inside :meth:`fp32_view`, which holds
+every state as fp32 values while it runs and stores them back after. Stochastic rounding draws
+from one ``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every
+rank updates every chunk and draws the same bits, so the replicas stay equal; a run is
+reproducible from the same seed, and a resumed run draws other bits than an uninterrupted one
+(the generator is not checkpointed), which changes nothing in expectation.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from dtypeplan.optimizers import _state_storage as storage
 from dtypeplan.optimizers._flat_update import CPU_CHUNK, fused_adam_kernel
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
 
-__all__ = ["KAHAN_COMPENSATION", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
+__all__ = ["KAHAN_COMPENSATION", "MOMENTS", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
 
 KAHAN_COMPENSATION = "kahan_compensation"
 """The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
@@ -42,8 +51,12 @@ SEED = 0x5EED
 """The stochastic-rounding generator's seed (plus the shard rank)."""
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's moments under torch's names; the first is signed, the second is not."""
+
+
 class LowPrecisionAdamUpdate:
-    """Adam/AdamW over 16-bit master chunks, computed in fp32 and rounded back."""
+    """Adam/AdamW with 16-bit masters or low-precision moments, computed in fp32."""
 
     def __init__(
         self,
@@ -51,24 +64,42 @@ class LowPrecisionAdamUpdate:
         torch_class: type[torch.optim.Optimizer],
         *,
         rounding: str,
-        states_dtype: torch.dtype,
+        exp_avg_dtype: str,
+        exp_avg_sq_dtype: str,
         shard_rank: int,
     ) -> None:
         self.inner = inner
         self.torch_class = torch_class
         self.rounding = rounding
-        self.states_dtype = states_dtype
+        self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.seed = SEED + shard_rank
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._fp32_depth = 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a moment is stored as torchao codes (then :meth:`fp32_view` matters)."""
+        return any(d in storage.QUANTIZED for d in self.moment_dtypes.values())
+
+    def _stored(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
+        :meth:`fp32_view`."""
+        want = "fp32" if self._fp32_depth else self.moment_dtypes[name]
+        if storage.state_dtype_name(values) == want:
+            return values
+        return storage.to_storage(values, want, signed=name == "exp_avg")
 
     def slot(self, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s state in the inner optimizer, created (zeroed, step 0) if missing."""
         slot = self.inner.state[master]
         if "exp_avg" not in slot:
             slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-            slot["exp_avg"] = torch.zeros_like(master, dtype=self.states_dtype)
-            slot["exp_avg_sq"] = torch.zeros_like(master, dtype=self.states_dtype)
+            for name in MOMENTS:
+                dtype = "fp32" if self._fp32_depth else self.moment_dtypes[name]
+                slot[name] = storage.new_state(
+                    dtype, master.numel(), master.device, signed=name == "exp_avg"
+                )
         if self.rounding == "kahan" and KAHAN_COMPENSATION not in slot:
             slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
         return slot
@@ -76,18 +107,48 @@ class LowPrecisionAdamUpdate:
     def conform(self, masters: list[torch.Tensor]) -> None:
         """Give every master its states in this update's dtypes (after a reset or a load).
 
-        ``reset_update_state`` makes each state like its master (bf16); fp32 moments must stay
-        fp32. The Kahan compensation exists from the start, so memory is what
-        ``plan.memory()`` says before the first step too.
+        ``reset_update_state`` makes each state like its master (fp32 or bf16); the moments
+        must be in their own dtypes (fp32 inside :meth:`fp32_view`). The Kahan compensation
+        exists from the start, so memory is what ``plan.memory()`` says before the first step
+        too.
         """
         for master in masters:
-            slot = self.inner.state[master]
-            for name in ("exp_avg", "exp_avg_sq"):
+            slot = self.inner.state.get(master)
+            if slot is None:
+                continue
+            for name in MOMENTS:
                 value = slot.get(name)
-                if value is not None and value.dtype != self.states_dtype:
-                    slot[name] = value.to(self.states_dtype)
+                if value is None:
+                    continue
+                if storage.is_quantized(value) and self._fp32_depth:
+                    slot[name] = storage.state_values(value, master.numel())
+                elif not storage.is_quantized(value):
+                    slot[name] = self._stored(value, name)
             if self.rounding == "kahan" and KAHAN_COMPENSATION not in slot:
                 slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
+
+    @contextlib.contextmanager
+    def fp32_view(self, masters: list[torch.Tensor]) -> Iterator[None]:
+        """Hold every moment as an fp32 tensor laid out like its master while the block runs,
+        and store them back in their dtypes after (nests; a no-op without quantized moments).
+
+        For the code that reads or writes states per parameter: checkpoints, ``state_dict``,
+        ``full_state`` and the restoring of parameters that got no gradient. Values that the
+        block does not change come back as they were (a block's codes re-quantize to
+        themselves), at the cost of a transient fp32 copy of the states.
+        """
+        if not self.quantized:
+            yield
+            return
+        self._fp32_depth += 1
+        try:
+            if self._fp32_depth == 1:
+                self.conform(masters)
+            yield
+        finally:
+            self._fp32_depth -= 1
+            if self._fp32_depth == 0:
+                self.conform(masters)
 
     def bucket(
         self,
@@ -97,46 +158,47 @@ class LowPrecisionAdamUpdate:
         param_chunk: torch.Tensor | None,
         grad_scale: torch.Tensor,
     ) -> None:
-        """Update one bf16 master chunk from ``grad / grad_scale`` (the parameters' own chunk)."""
-        assert param_chunk is None, "bf16 master chunks are views of the parameter buffer"
+        """Update one master chunk from ``grad / grad_scale``; cast an fp32 master into
+        ``param_chunk`` (None where the master is the parameters' own chunk)."""
         slot = self.slot(master)
         step = slot["step"]
         step += 1
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         device = master.device
-        fp32_states = self.states_dtype == torch.float32
+        fp32_master = master.dtype == torch.float32
         for begin in range(0, master.numel(), PIECE):
             end = min(begin + PIECE, master.numel())
             n = end - begin
-            weights = self._scratch_for(device, "weights", n)
-            if self.rounding == "kahan":
-                kahan_load(master[begin:end], slot[KAHAN_COMPENSATION][begin:end], weights)
+            if fp32_master:
+                weights = master[begin:end]
             else:
-                weights.copy_(master[begin:end])
+                weights = self._scratch_for(device, "weights", n)
+                if self.rounding == "kahan":
+                    kahan_load(master[begin:end], slot[KAHAN_COMPENSATION][begin:end], weights)
+                else:
+                    weights.copy_(master[begin:end])
             piece = grad[begin:end]
             if piece.dtype != torch.float32:
                 piece = self._scratch_for(device, "grad", n)
                 piece.copy_(grad[begin:end])
             moments = []
-            for name in ("exp_avg", "exp_avg_sq"):
-                stored = slot[name][begin:end]
-                if fp32_states:
-                    moments.append(stored)
-                else:
-                    scratch = self._scratch_for(device, name, n)
-                    scratch.copy_(stored)
-                    moments.append(scratch)
+            for name in MOMENTS:
+                scratch = self._scratch_for(device, name, storage.scratch_numel(n))
+                moments.append(storage.load_piece(slot[name], begin, end, scratch))
             fused([weights], [piece], [moments[0]], [moments[1]], [], [step], **kwargs)
-            if self.rounding == "kahan":
+            if fp32_master:
+                if param_chunk is not None:
+                    param_chunk[begin:end].copy_(weights)
+            elif self.rounding == "kahan":
                 kahan_store(weights, master[begin:end], slot[KAHAN_COMPENSATION][begin:end])
             elif self.rounding == "stochastic":
                 noise = self._scratch_for(device, "noise", n, torch.int32)
                 round_stochastic(weights, master[begin:end], self._generator(device), noise)
             else:
                 master[begin:end].copy_(weights)
-            if not fp32_states:
-                slot["exp_avg"][begin:end].copy_(moments[0])
-                slot["exp_avg_sq"][begin:end].copy_(moments[1])
+            for name, values in zip(MOMENTS, moments, strict=True):
+                scratch = self._scratch_for(device, name, storage.scratch_numel(n))
+                storage.store_piece(values, slot[name], begin, end, scratch)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -155,6 +217,6 @@ class LowPrecisionAdamUpdate:
     ) -> torch.Tensor:
         scratch = self._scratch.get((device, name))
         if scratch is None or scratch.numel() < numel:
-            scratch = torch.empty(min(PIECE, max(numel, 1)), dtype=dtype, device=device)
+            scratch = torch.empty(max(numel, 1), dtype=dtype, device=device)
             self._scratch[(device, name)] = scratch
         return scratch[:numel]

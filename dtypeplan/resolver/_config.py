@@ -36,7 +36,7 @@ from dtypeplan.resolver._deepspeed import (
     closest_hint,
     split_unknown_top_level,
 )
-from dtypeplan.resolver._dimensions import REDUCTION
+from dtypeplan.resolver._dimensions import REDUCTION, STATE_DTYPES, states_value
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 from dtypeplan.resolver._input import (
     InputError,
@@ -156,8 +156,11 @@ class PrecisionConfig:
     (``rounding: stochastic``), ``"bf16_kahan"`` (``rounding: kahan``); ``"fp16"``
     (``fp16.fp16_master_weights_and_grads``)."""
     optimizer_states_dtype: str = "fp32"
-    """``"bf16"`` (``bf16.bf16_optimizer_states``; or ``fp32_optimizer_states: false`` under
-    optimizer offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
+    """The states dimension's value (``_dimensions.STATE_PAIRS``): one dtype for both moments
+    (``"fp32"``, ``"bf16"``, ``"int8"``, ``"fp8"``) or ``"exp_avg/exp_avg_sq"`` (``"bf16/fp32"``),
+    from ``optimizer_states``, ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` or
+    ``bf16.bf16_optimizer_states`` (or ``fp32_optimizer_states: false`` under optimizer
+    offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
     autocast: str = "none"
     """``"bf16"`` / ``"fp16"``: ``torch_autocast`` enabled with that dtype; ``"none"``."""
     offload_optimizer: str = "none"
@@ -404,6 +407,65 @@ def _master_weights(document: dict[str, Any], bf16: dict[str, Any], fp16: dict[s
     return ours
 
 
+_STATE_SPELLINGS = {
+    **{name: name for name in STATE_DTYPES},
+    **{spelling: name for name, spellings in _DS_DTYPES.items() for spelling in spellings},
+}
+"""Every accepted spelling of a moment's dtype (Megatron-core writes torch's names)."""
+
+
+def _state_dtype(spelling: str, path: str) -> str:
+    name = _STATE_SPELLINGS[spelling]
+    if name == "fp16":
+        raise PrecisionConfigError(
+            f"{path} is {spelling!r}: fp16 moments are not offered. The second moment holds "
+            "squared gradients, which leave fp16's range (6e-8 .. 65504) within ordinary "
+            "training,. "
+            "Use bf16 (fp32's range, 2 bytes), or int8 / fp8 (blockwise scaled, 1 byte)",
+            path,
+        )
+    return name
+
+
+def _optimizer_states(document: dict[str, Any], bf16: dict[str, Any]) -> str:
+    """The states dimension's value: ``optimizer_states``, Megatron-core's ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``, or DeepSpeed's ``bf16.bf16_optimizer_states`` (both moments bf16).
+
+    Each moment may be given by at most one of them, unless they agree; a moment given by none
+    is fp32.
+    """
+    given: dict[str, dict[str, str]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    block = document.get("optimizer_states")
+    if isinstance(block, str):
+        for moment in given:
+            given[moment]["$.optimizer_states"] = _state_dtype(block, "$.optimizer_states")
+    elif isinstance(block, dict):
+        for moment, spelling in block.items():
+            path = f"$.optimizer_states.{moment}"
+            given[moment][path] = _state_dtype(spelling, path)
+    for moment in given:
+        spelling = document.get(f"{moment}_dtype")
+        if spelling is not None:
+            path = f"$.{moment}_dtype"
+            given[moment][path] = _state_dtype(spelling, path)
+    if bf16.get("bf16_optimizer_states"):
+        for moment in given:
+            given[moment]["$.bf16.bf16_optimizer_states"] = "bf16"
+    chosen = []
+    for moment, by_path in given.items():
+        names = set(by_path.values())
+        if len(names) > 1:
+            settings = ", ".join(f"{path} {name}" for path, name in by_path.items())
+            path = next(iter(by_path))
+            raise PrecisionConfigError(
+                f"the {moment} dtype is set twice, differently ({settings}): they are the same "
+                "setting; keep one of them",
+                path,
+            )
+        chosen.append(names.pop() if names else "fp32")
+    return states_value(*chosen)
+
+
 def _offload_device(block: Any) -> str:
     return str(block.get("device", "none")) if isinstance(block, dict) else "none"
 
@@ -639,7 +701,7 @@ def load_config(
         if any(zero.get(key) for key in keys)
     ]
     master = _master_weights(document, bf16, fp16)
-    states = "bf16" if bf16.get("bf16_optimizer_states") else "fp32"
+    states = _optimizer_states(document, bf16)
     if low_precision_states and offload_optimizer != "none" and model_dtype != "fp32":
         states = model_dtype
     autocast_doc = document.get("torch_autocast", {})

@@ -47,8 +47,11 @@ __all__ = [
     "SHARDED",
     "STAGE",
     "STATES",
+    "STATE_DTYPES",
+    "STATE_PAIRS",
     "config_for",
     "points",
+    "states_value",
     "value_text",
 ]
 
@@ -256,19 +259,50 @@ MASTER_ROUNDING: FrozenDict[str, tuple[str, str]] = FrozenDict(
     }
 )
 """Each master value as (dtype name, rounding of the fp32 update into that dtype)."""
+STATE_DTYPES = ("fp32", "bf16", "int8", "fp8")
+"""How one optimizer state (a moment) can be stored: fp32; bf16 rounded to nearest; torchao's
+8-bit blockwise dynamic-tree codes or fp8 e4m3 codes, each with one fp32 scale per block."""
+
+
+def states_value(exp_avg: str, exp_avg_sq: str) -> str:
+    """The ``states`` value of a pair of moment dtypes: one name when they agree (``fp32``),
+    else ``exp_avg/exp_avg_sq`` (``bf16/fp32``: first moment bf16, second fp32)."""
+    return exp_avg if exp_avg == exp_avg_sq else f"{exp_avg}/{exp_avg_sq}"
+
+
+STATE_PAIRS: FrozenDict[str, tuple[str, str]] = FrozenDict(
+    {
+        states_value(m, v): (m, v)
+        for m, v in sorted(
+            itertools.product(STATE_DTYPES, STATE_DTYPES),
+            key=lambda pair: (pair[0] != pair[1], STATE_DTYPES.index(pair[0])),
+        )
+    }
+)
+"""Each ``states`` value as (first moment's dtype, second moment's dtype)."""
+
+
+def _states_config(value: str) -> dict[str, Any]:
+    exp_avg, exp_avg_sq = STATE_PAIRS[value]
+    block: Any = (
+        exp_avg if exp_avg == exp_avg_sq else {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    )
+    # bf16_optimizer_states false too, so that advice merged into a config that has it wins.
+    return {"optimizer_states": block, "bf16": {"bf16_optimizer_states": False}}
+
+
 STATES = Dimension(
     name="states",
-    values=("fp32", "bf16"),
-    doc="the dtype of the optimizer states (Adam's moments, momentum buffers)",
-    config_key="bf16.bf16_optimizer_states",
+    values=tuple(STATE_PAIRS),
+    doc="the dtypes of the optimizer states: Adam's first moment (exp_avg) and second moment "
+    "(exp_avg_sq), each fp32, bf16, int8 (torchao's 8-bit blockwise) or fp8 (torchao's e4m3 "
+    "blockwise); one name when both agree, else exp_avg/exp_avg_sq",
+    config_key="optimizer_states / exp_avg_dtype, exp_avg_sq_dtype / bf16.bf16_optimizer_states",
     default="fp32",
     default_value="fp32",
     choices=("fp32",),
     title="optimizer states",
-    value_configs={
-        "fp32": {"bf16": {"bf16_optimizer_states": False}},
-        "bf16": {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
-    },
+    value_configs={value: _states_config(value) for value in STATE_PAIRS},
 )
 AUTOCAST = Dimension(
     name="autocast",

@@ -15,7 +15,11 @@ master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 pa
               at stage 3, and for bf16 master weights, where the master weights are the
               parameters themselves; bf16 masters with Kahan rounding hold a bf16
               compensation buffer, ``2 * N / D``
-states        ``S * N / D``; halved for bf16 optimizer states
+states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
+              4 bytes a value in fp32, 2 in bf16, and for int8 / fp8 (torchao's
+              blockwise codes) 1 byte a value plus one fp32 scale per 256 values
+              (``1 + 4/256``), and 1 KiB per int8 moment for its code table; see
+              ``state_bytes``
 ============  =====================================================================
 
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
@@ -29,9 +33,37 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MEMORY_KEYS", "memory_model"]
+__all__ = [
+    "INT8_CODE_TABLE_BYTES",
+    "MEMORY_KEYS",
+    "QUANTIZED_BLOCK",
+    "memory_model",
+    "state_bytes",
+]
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
+
+QUANTIZED_BLOCK = 256
+"""Values per fp32 scale in int8 and fp8 states (torchao's default block for both)."""
+
+INT8_CODE_TABLE_BYTES = 256 * 4
+"""torchao's 8-bit dynamic-tree map: 256 fp32 values, one table per sign, shared by chunks."""
+
+
+def state_bytes(dtype: str, numel: int) -> int:
+    """Bytes of one optimizer state of ``numel`` values stored as ``dtype`` (a ``states`` name).
+
+    int8 and fp8 states are torchao tensors over ``numel`` padded to whole blocks: one code
+    byte a value and one fp32 scale a block. The flat engine keeps one state tensor per master
+    chunk, each padded to whole blocks (under 256 values a chunk, left out here as bucket
+    padding is); ``memory_model`` adds the int8 code tables (1 KiB per moment).
+    """
+    if dtype == "fp32":
+        return 4 * numel
+    if dtype == "bf16":
+        return 2 * numel
+    blocks = -(-numel // QUANTIZED_BLOCK)
+    return blocks * QUANTIZED_BLOCK + 4 * blocks
 
 
 def memory_model(
@@ -45,7 +77,8 @@ def memory_model(
     state_bytes_per_param: int,
     master_dtype: torch.dtype = torch.float32,
     master_rounding: str = "nearest",
-    states_dtype: torch.dtype = torch.float32,
+    exp_avg_dtype: str = "fp32",
+    exp_avg_sq_dtype: str = "fp32",
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
@@ -62,8 +95,14 @@ def memory_model(
     master = 0 if aliased else 4 * n // state_divisor
     if master_dtype != torch.float32 and master_rounding == "kahan":
         master = master_dtype.itemsize * n // state_divisor
-    # S counts fp32 states (4 bytes per value); bf16 states hold 2 per value.
-    states = state_bytes_per_param * states_dtype.itemsize // 4 * n // state_divisor
+    # S counts fp32 states, 4 bytes a value: Adam's two moments (8), or SGD's momentum (4),
+    # which is stored like a first moment. A third state (amsgrad's max_exp_avg_sq) stays fp32.
+    shard = n // state_divisor
+    moments = (exp_avg_dtype, exp_avg_sq_dtype)[: min(state_bytes_per_param // 4, 2)]
+    states = sum(state_bytes(dtype, shard) for dtype in moments)
+    # One int8 code table per moment's sign (the first moment's is signed), shared by chunks.
+    states += INT8_CODE_TABLE_BYTES * sum(dtype == "int8" for dtype in moments)
+    states += max(state_bytes_per_param - 4 * len(moments), 0) * shard
     figures = {
         "params": params,
         "grads": 0,

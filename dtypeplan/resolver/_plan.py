@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from dtypeplan import schedulers
-from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
+from dtypeplan.resolver._dimensions import states_value
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
 from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS, client_optimizer_config
@@ -131,9 +132,13 @@ class PrecisionPlan:
     """How each fp32 update is rounded into 16-bit master weights: ``"nearest"``,
     ``"stochastic"`` or ``"kahan"`` (a bf16 compensation buffer); ``"nearest"`` for fp32
     masters, where nothing is rounded (``master_weights.rounding``)."""
-    optimizer_states_dtype: torch.dtype = torch.float32
-    """The optimizer states' dtype: fp32, or bf16 with bf16 master weights
-    (``bf16.bf16_optimizer_states``): each state is updated in fp32 and stored rounded."""
+    exp_avg_dtype: str = "fp32"
+    """How Adam's first moment is stored: ``"fp32"``, ``"bf16"`` (rounded to nearest),
+    ``"int8"`` (torchao's 8-bit blockwise codes) or ``"fp8"`` (torchao's e4m3 blockwise codes);
+    each step computes it in fp32 and stores it back (``optimizer_states``, ``exp_avg_dtype``,
+    ``bf16.bf16_optimizer_states``)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """How Adam's second moment is stored (the same choices as :attr:`exp_avg_dtype`)."""
     autocast_dtype: torch.dtype | None = None
     """``torch_autocast``'s dtype; None without it (the only OK value today)."""
     offload_optimizer: str = "none"
@@ -192,6 +197,20 @@ class PrecisionPlan:
         return self.implementation if distributed else self.single_process_implementation
 
     # --- reporting ----------------------------------------------------------------------------
+    @property
+    def optimizer_states(self) -> str:
+        """The table's ``states`` value: one dtype name when both moments agree, else
+        ``"exp_avg/exp_avg_sq"`` (``"bf16/fp32"``)."""
+        return states_value(self.exp_avg_dtype, self.exp_avg_sq_dtype)
+
+    @property
+    def optimizer_states_dtype(self) -> torch.dtype | None:
+        """The torch dtype both moments are held in, where they share a plain float dtype
+        (fp32 or bf16); None for int8 / fp8 codes or moments in different dtypes."""
+        return (
+            DTYPES.get(self.optimizer_states) if self.optimizer_states in ("fp32", "bf16") else None
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Everything about the plan as JSON-serializable data."""
         return {
@@ -208,7 +227,9 @@ class PrecisionPlan:
             "comm_reduction": self.comm_reduction,
             "master_dtype": DTYPE_NAMES[self.master_dtype],
             "master_rounding": self.master_rounding,
-            "optimizer_states_dtype": DTYPE_NAMES[self.optimizer_states_dtype],
+            "optimizer_states_dtype": self.optimizer_states,
+            "exp_avg_dtype": self.exp_avg_dtype,
+            "exp_avg_sq_dtype": self.exp_avg_sq_dtype,
             "autocast_dtype": None
             if self.autocast_dtype is None
             else DTYPE_NAMES[self.autocast_dtype],
@@ -298,7 +319,8 @@ class PrecisionPlan:
             state_bytes_per_param=self.optimizer.state_bytes_per_param,
             master_dtype=self.master_dtype,
             master_rounding=self.master_rounding,
-            states_dtype=self.optimizer_states_dtype,
+            exp_avg_dtype=self.exp_avg_dtype,
+            exp_avg_sq_dtype=self.exp_avg_sq_dtype,
         )
 
     def explain(self) -> str:
@@ -345,7 +367,9 @@ class PrecisionPlan:
             ),
             (
                 "optimizer states",
-                DTYPE_NAMES[self.optimizer_states_dtype],
+                self.optimizer_states
+                if self.exp_avg_dtype == self.exp_avg_sq_dtype
+                else f"exp_avg {self.exp_avg_dtype}, exp_avg_sq {self.exp_avg_sq_dtype}",
                 "optimizer_states_dtype",
             ),
             ("ZeRO stage", str(self.zero_stage), "zero_stage"),

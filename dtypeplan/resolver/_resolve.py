@@ -18,6 +18,7 @@ from dtypeplan.resolver._dimensions import (
     PARAMS,
     REDUCTION,
     STAGE,
+    STATE_PAIRS,
 )
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._optimizer_kind import ClientOptimizerConfig, optimizer_kind
@@ -194,7 +195,8 @@ def resolve_config(
         comm_reduction=config.comm_reduction,
         master_dtype=DTYPES[MASTER_ROUNDING[features["master"]][0]],
         master_rounding=MASTER_ROUNDING[features["master"]][1],
-        optimizer_states_dtype=DTYPES[features["states"]],
+        exp_avg_dtype=STATE_PAIRS[features["states"]][0],
+        exp_avg_sq_dtype=STATE_PAIRS[features["states"]][1],
         autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
         offload_optimizer=config.offload_optimizer,
         offload_param=config.offload_param,
