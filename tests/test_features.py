@@ -20,7 +20,7 @@ PLAN_FIELDS = {
         DTYPE_NAMES[plan.master_dtype]
         + {"nearest": "", "stochastic": "_sr", "kahan": "_kahan"}[plan.master_rounding]
     ),
-    "states": lambda plan: DTYPE_NAMES[plan.optimizer_states_dtype],
+    "states": lambda plan: plan.optimizer_states,
     "autocast": lambda plan: (
         "none" if plan.autocast_dtype is None else DTYPE_NAMES[plan.autocast_dtype]
     ),

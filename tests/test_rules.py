@@ -37,6 +37,7 @@ from dtypeplan.resolver._dimensions import (
     CORE_COMBINATIONS,
     FEATURE_DIMENSIONS,
     FEATURES_UNUSED,
+    STATES,
     points,
     value_text,
 )
@@ -178,14 +179,22 @@ def test_lookup_is_the_one_matching_rule() -> None:
 
 
 def _implemented_feature(point: dict, name: str, value: object) -> bool:
-    """The feature values dtypeplan implements (each with its parity test): bf16 master
-    weights of bf16 parameters at ZeRO 0-2 without pipeline parallelism."""
+    """The feature values dtypeplan implements (each with its parity test), at ZeRO 0-2
+    without pipeline parallelism: bf16 master weights of bf16 parameters, and every
+    optimizer-state dtype (fp32 masters) of any parameter dtype."""
+    zero_0_to_2 = not point["pipeline"] and (point["stage"], point["sharded"]) in (
+        (0, False),
+        (1, False),
+        (1, True),
+        (2, True),
+    )
+    if name == "states":
+        return zero_0_to_2
     return (
         name == "master"
         and value in ("bf16", "bf16_sr", "bf16_kahan")
         and point["params"] == "bf16"
-        and not point["pipeline"]
-        and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
+        and zero_0_to_2
     )
 
 
@@ -205,9 +214,10 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
                     assert rule.reason and dim.name in rule.when, (name, rule.id)
                     if implemented:
-                        # bf16 optimizer states ride on bf16 masters (same update path).
-                        states = table.lookup({**point, name: value, "states": "bf16"})
-                        assert states.status == "OK", (value, states.id)
+                        # Every optimizer-state dtype rides on bf16 masters (one update path).
+                        for states in STATES.values:
+                            cell = table.lookup({**point, name: value, "states": states})
+                            assert cell.status == "OK", (value, states, cell.id)
 
 
 def test_shipped_table_by_explicit_path_equals_default() -> None:
@@ -629,17 +639,25 @@ def _staircase_whens(first: int) -> list[dict[str, Any]]:
 
 
 def test_a_rule_per_point_of_the_core_and_three_features_checks_fast() -> None:
-    """20736 one-point rules over the core dimensions and master x states x autocast (the
-    features after them unused), and a staircase for the rest: the 18 million points are
-    checked through about 20 thousand boxes."""
+    """20736 one-point rules over the core dimensions and master x states (fp32, bf16) x
+    autocast (the features after them unused), one box for the other states values, and a
+    staircase for the rest: the 239 million points are checked through about 20 thousand
+    boxes."""
     names = list(FEATURE_DIMENSIONS)[:3]
-    dims = [FEATURE_DIMENSIONS[name] for name in names]
+    # Two of the states values one point at a time (as many rules as before the moments got
+    # their own dtypes); one box takes the other fourteen.
+    values_of = {name: FEATURE_DIMENSIONS[name].values for name in names}
+    values_of["states"] = STATES.values[:2]
     all_points = [
         {**core, **dict(zip(names, values, strict=True))}
         for core in points()
-        for values in itertools.product(*(dim.values for dim in dims))
+        for values in itertools.product(*values_of.values())
     ]
-    whens = all_points + _staircase_whens(3)
+    other_states = {
+        "states": list(STATES.values[2:]),
+        **{later: FEATURES_UNUSED[later] for later in list(FEATURE_DIMENSIONS)[3:]},
+    }
+    whens = [*all_points, other_states, *_staircase_whens(3)]
     rules = tuple(_rule(i, when) for i, when in enumerate(whens))
     start = time.perf_counter()
     index = _rules._check_coverage(rules, "generated.yaml", 1)
