@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import dtypeplan
 from benchmarks._common import (
@@ -173,6 +174,11 @@ def _reachable_tensors(root: object) -> Iterator[tuple[str, torch.Tensor]]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
+        if is_traceable_wrapper_subclass(obj):
+            # A quantized optimizer state (torchao): its bytes are the tensors inside it.
+            names, _ = obj.__tensor_flatten__()
+            stack += [(f"{path}.{name}", getattr(obj, name)) for name in names]
+            continue
         if isinstance(obj, torch.Tensor):
             yield path, obj
             if obj.grad is not None:

@@ -69,9 +69,13 @@ def ok_cells(
     return list(cells.values())
 
 
-def master_cells(stages: tuple[int, ...] = (0, 1, 2)) -> list[dict[str, Any]]:
-    """The OK cells with 16-bit master weights (every master x states value but fp32 masters),
-    without pipeline parallelism; ``reductions`` lists the OK reduction methods."""
+def master_cells(
+    stages: tuple[int, ...] = (0, 1, 2), states_values: tuple[str, ...] = ("fp32", "bf16")
+) -> list[dict[str, Any]]:
+    """The OK cells with 16-bit master weights (every master value but fp32, x
+    ``states_values``), without pipeline parallelism; ``reductions`` lists the OK reduction
+    methods. The int8 / fp8 / mixed states values take the same update path and are proven
+    with bf16 masters in test_optimizer_states.py."""
     table = load_rules()
     cells: dict[tuple, dict[str, Any]] = {}
     for core in table.points():
@@ -80,7 +84,8 @@ def master_cells(stages: tuple[int, ...] = (0, 1, 2)) -> list[dict[str, Any]]:
         if core["pipeline"]:
             continue
         for master in MASTER.values[1:]:
-            for states in STATES.values:
+            for states in states_values:
+                assert states in STATES.values, states
                 point = {**core, "master": master, "states": states}
                 if table.lookup(point).status != "OK":
                     continue

@@ -52,17 +52,17 @@ _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @functools.cache
 def _torchao() -> Any:
     try:
-        from torchao.optim import subclass_8bit, subclass_fp8
+        from torchao.optim import quant_utils, subclass_8bit, subclass_fp8
     except ImportError as error:  # pragma: no cover - torchao is a dependency
         raise ImportError(
             "int8 and fp8 optimizer states are torchao's quantized states: pip install torchao"
         ) from error
-    return subclass_8bit, subclass_fp8
+    return subclass_8bit, subclass_fp8, quant_utils
 
 
 @functools.cache
 def _code_table(device: torch.device, signed: bool) -> torch.Tensor:
-    subclass_8bit, _ = _torchao()
+    subclass_8bit, _, quant_utils = _torchao()
     table = subclass_8bit.get_qmap_signed() if signed else subclass_8bit.get_qmap_unsigned()
     return torch.tensor(table, dtype=torch.float32, device=device)
 
@@ -76,14 +76,14 @@ def is_quantized(value: Any) -> bool:
     """Whether ``value`` is one of torchao's quantized states (int8 or fp8 codes)."""
     if not torch.is_tensor(value) or type(value) is torch.Tensor:
         return False
-    subclass_8bit, subclass_fp8 = _torchao()
+    subclass_8bit, subclass_fp8, _ = _torchao()
     return isinstance(value, (subclass_8bit.OptimState8bit, subclass_fp8.OptimStateFp8))
 
 
 def state_dtype_name(value: torch.Tensor) -> str:
     """The ``states`` dtype name ``value`` is stored in."""
     if is_quantized(value):
-        _, subclass_fp8 = _torchao()
+        _, subclass_fp8, _ = _torchao()
         return "fp8" if isinstance(value, subclass_fp8.OptimStateFp8) else "int8"
     return "bf16" if value.dtype == torch.bfloat16 else "fp32"
 
@@ -93,7 +93,7 @@ def new_state(dtype: str, numel: int, device: torch.device, *, signed: bool) -> 
     negative (Adam's first moment), which picks the int8 code table."""
     if dtype in _PLAIN:
         return torch.zeros(numel, dtype=_PLAIN[dtype], device=device)
-    subclass_8bit, subclass_fp8 = _torchao()
+    subclass_8bit, subclass_fp8, _ = _torchao()
     length = padded(numel)
     scale = torch.zeros(length // QUANTIZED_BLOCK, dtype=torch.float32, device=device)
     if dtype == "int8":
@@ -118,7 +118,9 @@ def state_tensors(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def state_values(value: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` values of ``value`` as a new fp32 tensor (what a checkpoint keeps)."""
     if is_quantized(value):
-        return value.dequantize()[:numel].clone()
+        whole = torch.empty(value.numel(), dtype=torch.float32, device=value.device)
+        _dequantize(value, 0, value.numel(), whole)
+        return whole[:numel].clone() if numel < value.numel() else whole
     return value.to(torch.float32, copy=True)
 
 
@@ -129,7 +131,7 @@ def to_storage(values: torch.Tensor, dtype: str, *, signed: bool) -> torch.Tenso
         return stored.copy_(values)
     whole = torch.zeros(stored.numel(), dtype=torch.float32, device=values.device)
     whole[: values.numel()].copy_(values)
-    stored.copy_(whole)
+    _quantize(whole, stored, 0, stored.numel())
     return stored
 
 
@@ -137,6 +139,37 @@ def scratch_numel(numel: int) -> int:
     """The fp32 scratch :func:`load_piece` needs for a piece of ``numel`` values: whole
     blocks, since a quantized state is read and written a block at a time."""
     return padded(numel)
+
+
+def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
+    """Values ``[begin, end)`` (whole blocks) of a quantized state into ``out``, with
+    torchao's own dequantization applied to the codes and scales directly (the subclass's
+    dispatch costs more than the arithmetic on small chunks)."""
+    subclass_8bit, _, quant_utils = _torchao()
+    first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
+    codes, scale = stored.codes[begin:end], stored.scale[first:last]
+    if isinstance(stored, subclass_8bit.OptimState8bit):
+        out.copy_(quant_utils.dequant_with_qmap(codes, stored.qmap, scale))
+    else:
+        torch.mul(
+            codes.float().view(-1, QUANTIZED_BLOCK),
+            scale.view(-1, 1),
+            out=out.view(-1, QUANTIZED_BLOCK),
+        )
+
+
+def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) -> None:
+    """Quantize fp32 ``values`` (whole blocks) into ``[begin, end)`` of a quantized state with
+    torchao's quantizers (what the subclass's ``copy_`` runs)."""
+    subclass_8bit, subclass_fp8, quant_utils = _torchao()
+    first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
+    if isinstance(stored, subclass_8bit.OptimState8bit):
+        scaled, scale = quant_utils.scale_tensor(values, QUANTIZED_BLOCK)
+        stored.codes[begin:end].copy_(quant_utils.quantize_8bit_with_qmap(scaled, stored.qmap))
+    else:
+        codes, scale = subclass_fp8.quantize_fp8(values, QUANTIZED_BLOCK)
+        stored.codes[begin:end].copy_(codes)
+    stored.scale[first:last].copy_(scale)
 
 
 def load_piece(stored: torch.Tensor, begin: int, end: int, scratch: torch.Tensor) -> torch.Tensor:
@@ -150,7 +183,7 @@ def load_piece(stored: torch.Tensor, begin: int, end: int, scratch: torch.Tensor
         scratch[:n].copy_(stored[begin:end])
         return scratch[:n]
     last = min(padded(end), stored.numel())
-    scratch[: last - begin].copy_(stored[begin:last].dequantize())
+    _dequantize(stored, begin, last, scratch[: last - begin])
     return scratch[:n]
 
 
@@ -166,4 +199,4 @@ def store_piece(
     last = min(padded(end), stored.numel())
     # The padding beyond ``end`` joins the last block's absmax: it must stay zero.
     scratch[end - begin : last - begin].zero_()
-    stored[begin:last].copy_(scratch[: last - begin])
+    _quantize(scratch[: last - begin], stored, begin, last)
