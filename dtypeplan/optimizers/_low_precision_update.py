@@ -76,6 +76,9 @@ class LowPrecisionAdamUpdate:
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fp32_depth = 0
+        self._viewed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        """Inside :meth:`fp32_view`: each quantized moment, the fp32 tensor that stands in for
+        it, and that tensor's version counter when made (to tell whether it was written)."""
 
     @property
     def quantized(self) -> bool:
@@ -121,11 +124,21 @@ class LowPrecisionAdamUpdate:
                 if value is None:
                     continue
                 if storage.is_quantized(value) and self._fp32_depth:
-                    slot[name] = storage.state_values(value, master.numel())
+                    values = storage.state_values(value, master.numel())
+                    self._viewed[(id(slot), name)] = (value, values, values._version)
+                    slot[name] = values
                 elif not storage.is_quantized(value):
-                    slot[name] = self._stored(value, name)
+                    kept = self._viewed.get((id(slot), name))
+                    if kept is not None and kept[1] is value and kept[2] == value._version:
+                        # Untouched in the view: the codes it came from, not a re-quantization
+                        # (which is not exact: torchao's signed map ends at -0.993, not -1).
+                        slot[name] = kept[0]
+                    else:
+                        slot[name] = self._stored(value, name)
             if self.rounding == "kahan" and KAHAN_COMPENSATION not in slot:
                 slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
+        if not self._fp32_depth:
+            self._viewed.clear()
 
     @contextlib.contextmanager
     def fp32_view(self, masters: list[torch.Tensor]) -> Iterator[None]:
@@ -133,9 +146,9 @@ class LowPrecisionAdamUpdate:
         and store them back in their dtypes after (nests; a no-op without quantized moments).
 
         For the code that reads or writes states per parameter: checkpoints, ``state_dict``,
-        ``full_state`` and the restoring of parameters that got no gradient. Values that the
-        block does not change come back as they were (a block's codes re-quantize to
-        themselves), at the cost of a transient fp32 copy of the states.
+        ``full_state`` and the restoring of parameters that got no gradient. A state the block
+        does not write gets its own codes back (reading states changes nothing); a written one
+        is quantized anew. The cost is a transient fp32 copy of the states.
         """
         if not self.quantized:
             yield
