@@ -138,8 +138,15 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         {"gradient_accumulation_dtype": "bf16"},
         {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}},
         {"master_weights": {"dtype": "bf16", "rounding": "kahan"}, "bf16_states": True},
+        {"optimizer_states": {"exp_avg": "int8", "exp_avg_sq": "fp8"}},
     ],
-    ids=["fp32-accum", "bf16-accum", "bf16-sr-masters", "bf16-kahan-masters-bf16-states"],
+    ids=[
+        "fp32-accum",
+        "bf16-accum",
+        "bf16-sr-masters",
+        "bf16-kahan-masters-bf16-states",
+        "int8-fp8-states",
+    ],
 )
 def test_nothing_beyond_held_tensors_is_kept_between_steps(extra: dict) -> None:
     """Every tensor reachable from the optimizer between steps is one held_tensors() lists

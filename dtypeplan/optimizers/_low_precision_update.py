@@ -116,9 +116,7 @@ class LowPrecisionAdamUpdate:
         too.
         """
         for master in masters:
-            slot = self.inner.state.get(master)
-            if slot is None:
-                continue
+            slot = self.inner.state[master]
             for name in MOMENTS:
                 value = slot.get(name)
                 if value is None:
