@@ -284,11 +284,11 @@ STATE_PAIRS: FrozenDict[str, tuple[str, str]] = FrozenDict(
 
 def _states_config(value: str) -> dict[str, Any]:
     exp_avg, exp_avg_sq = STATE_PAIRS[value]
-    block: Any = (
-        exp_avg if exp_avg == exp_avg_sq else {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    )
     # bf16_optimizer_states false too, so that advice merged into a config that has it wins.
-    return {"optimizer_states": block, "bf16": {"bf16_optimizer_states": False}}
+    return {
+        "optimizer_states": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+        "bf16": {"bf16_optimizer_states": False},
+    }
 
 
 STATES = Dimension(
