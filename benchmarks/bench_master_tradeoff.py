@@ -11,8 +11,10 @@ can fall well below ln(256). The same run (same init, same batches) with:
 * ``fp32 masters``: bf16 parameters, fp32 master weights (dtypeplan's default);
 * ``bf16 nearest`` / ``bf16 stochastic`` / ``bf16 kahan``: ``master_weights: {dtype: bf16,
   rounding: ...}``, the bf16 parameters being the masters;
-* each also with ``bf16_optimizer_states`` (Adam's moments stored in bf16), where the rules
-  table says OK.
+* each also with ``bf16`` optimizer states (Adam's moments stored in bf16), and fp32 masters
+  and stochastically rounded bf16 masters also with ``int8`` and ``fp8`` states (torchao's
+  blockwise codes, both moments) and ``fp8/bf16`` (exp_avg fp8, exp_avg_sq bf16), where the
+  rules table says OK.
 
 For two learning rates (3e-4, and 3e-5 where a bf16 ulp swallows round-to-nearest updates) it
 reports the loss on a fixed held-out batch after the last step, its relative deviation from the
@@ -43,7 +45,13 @@ BATCH = 8
 EVAL_BATCH = 32
 LEARNING_RATES = (3e-4, 3e-5)
 MASTERS = ("fp32 masters", "bf16 nearest", "bf16 stochastic", "bf16 kahan")
-VARIANTS = ("fp32 torch", *MASTERS, *(f"{m} + bf16 states" for m in MASTERS))
+QUANTIZED_STATES = ("int8", "fp8", "fp8/bf16")  # optimizer_states values, beyond fp32 / bf16
+VARIANTS = (
+    "fp32 torch",
+    *MASTERS,
+    *(f"{m} + bf16 states" for m in MASTERS),
+    *(f"{m} + {s} states" for m in ("fp32 masters", "bf16 stochastic") for s in QUANTIZED_STATES),
+)
 SHARDED_WORLD = 8
 
 
@@ -76,8 +84,10 @@ def _model() -> torch.nn.Module:
 
 def _config(variant: str, lr: float, stage: int = 0, sharded: bool = False) -> dict[str, Any]:
     master, _, states = variant.partition(" + ")
+    exp_avg, _, exp_avg_sq = (states.removesuffix(" states") or "fp32").partition("/")
     config: dict[str, Any] = {
-        "bf16": {"enabled": True, "bf16_optimizer_states": states == "bf16 states"},
+        "bf16": {"enabled": True},
+        "optimizer_states": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq or exp_avg},
         "zero_optimization": {"stage": stage},
         "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
@@ -204,7 +214,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "Deviation = (final loss - fp32 torch's final loss) / fp32 torch's final loss, "
                 "on the same held-out batch; negative is better than fp32.",
                 "Bytes per parameter from plan.memory(): params + accumulator + master + "
-                "optimizer states (fp32 accumulator here). fp32 torch: 4 + 4 + 8 = 16.",
+                "optimizer states (fp32 accumulator here). fp32 torch: 4 + 4 + 8 = 16. int8 "
+                "and fp8 moments take 1 + 4/256 bytes a value (a code and a share of the "
+                "block's fp32 scale), bf16 moments 2.",
                 "Stochastic rounding is seeded, so every run repeats exactly.",
                 *[f"not run: {s}" for s in skipped],
             ],
@@ -227,7 +239,8 @@ def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> list[Path]:
         for row in (r for r in rows if r["lr"] == lr):
             x = row["B/param (1 rank, ZeRO-0)"]
             y = 100 * row["deviation from fp32"]
-            marker = "s" if "bf16 states" in row["variant"] else "o"
+            states = row["variant"].partition(" + ")[2].removesuffix(" states") or "fp32"
+            marker = {"fp32": "o", "bf16": "s", "int8": "^", "fp8": "v"}.get(states, "D")
             ax.scatter(x, y, marker=marker, s=40)
             ax.annotate(
                 row["variant"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points"
@@ -235,7 +248,7 @@ def _plot(rows: list[dict[str, Any]], out: Path, date: str) -> list[Path]:
         ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xlabel("bytes per parameter (plan.memory(), 1 rank, ZeRO-0)")
         ax.set_ylabel("final-loss deviation from fp32 (%)")
-        ax.set_title(f"lr {lr:g} (squares: bf16 optimizer states)")
+        ax.set_title(f"lr {lr:g} (states: o fp32, s bf16, ^ int8, v fp8, D fp8/bf16)", fontsize=9)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return [save_figure(fig, out, "master_tradeoff", date)]
