@@ -112,7 +112,8 @@ def state_tensors(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
     of a quantized state, so that memory is counted in real bytes."""
     if not is_quantized(value):
         return (value,)
-    return tuple(getattr(value, name) for name in value.tensor_attrs)
+    names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    return tuple(getattr(value, name) for name in names)
 
 
 def state_values(value: torch.Tensor, numel: int) -> torch.Tensor:
@@ -147,9 +148,10 @@ def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -
     dispatch costs more than the arithmetic on small chunks)."""
     subclass_8bit, _, quant_utils = _torchao()
     first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
-    codes, scale = stored.codes[begin:end], stored.scale[first:last]
+    quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
+    codes, scale = quantized.codes[begin:end], quantized.scale[first:last]
     if isinstance(stored, subclass_8bit.OptimState8bit):
-        out.copy_(quant_utils.dequant_with_qmap(codes, stored.qmap, scale))
+        out.copy_(quant_utils.dequant_with_qmap(codes, quantized.qmap, scale))
     else:
         torch.mul(
             codes.float().view(-1, QUANTIZED_BLOCK),
@@ -163,13 +165,16 @@ def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) 
     torchao's quantizers (what the subclass's ``copy_`` runs)."""
     subclass_8bit, subclass_fp8, quant_utils = _torchao()
     first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
+    quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
     if isinstance(stored, subclass_8bit.OptimState8bit):
         scaled, scale = quant_utils.scale_tensor(values, QUANTIZED_BLOCK)
-        stored.codes[begin:end].copy_(quant_utils.quantize_8bit_with_qmap(scaled, stored.qmap))
+        quantized.codes[begin:end].copy_(
+            quant_utils.quantize_8bit_with_qmap(scaled, quantized.qmap)
+        )
     else:
         codes, scale = subclass_fp8.quantize_fp8(values, QUANTIZED_BLOCK)
-        stored.codes[begin:end].copy_(codes)
-    stored.scale[first:last].copy_(scale)
+        quantized.codes[begin:end].copy_(codes)
+    quantized.scale[first:last].copy_(scale)
 
 
 def load_piece(stored: torch.Tensor, begin: int, end: int, scratch: torch.Tensor) -> torch.Tensor:
