@@ -19,6 +19,14 @@ Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor of the pa
 ``numel`` (``i`` numbers the trainable parameters over all param groups in order, as
 ``MixedPrecisionOptimizer.full_state`` does); shapes live in the manifest.
 
+Whatever the optimizer's state dtypes, a state is stored as the fp32 values it stands for:
+bf16 moments exactly, int8 / fp8 moments (torchao's blockwise codes) dequantized, read through
+``optimizer.fp32_states()`` (which gives the codes back untouched after a save). So a
+checkpoint loads into any state dtype: into fp32 exactly, into bf16 rounded to nearest (2**-9
+relative), into int8 / fp8 quantized anew in the loading layout's blocks of 256 (each value
+within the format's error of its block's largest value: 12.3% for int8's dynamic-tree map,
+6.25% for fp8 e4m3).
+
 Sharded I/O. For the built-in optimizers (the flat-buffer ones of ZeRO 0-2 and ZeRO-3's FSDP2
 one) each rank writes only the pieces of each parameter that its own shard holds, as DCP chunks
 with their offsets, and on load reads only the pieces that its new shard needs; DCP's
