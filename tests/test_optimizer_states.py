@@ -340,3 +340,31 @@ def test_zero3_and_pipeline_refuse_with_reasons() -> None:
     pipeline = dtypeplan.resolve({"optimizer_states": "fp8"}, pipeline_parallel=True)
     assert pipeline.status == "NotSupported" and "pipeline" in pipeline.reason
     assert math.isclose(_eps("int8/fp8"), EPS["int8"] + EPS["fp8"] / 2)
+
+
+def test_state_dict_round_trip_keeps_quantized_states_bitwise() -> None:
+    """state_dict() / load_state_dict() on the same layout: an fp8 first moment and an int8
+    second moment come back as the same values (saved as fp32, re-quantized in the same
+    blocks: e4m3 is symmetric and the unsigned int8 map ends at 1.0, so each block's largest
+    value is held exactly). A signed int8 moment can move by up to 0.7% on a load: torchao's
+    signed map ends at -0.993, so a block whose largest magnitude is negative shrinks."""
+    config = {
+        "optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "int8"},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 300},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(make_model(0))
+    optimizer = plan.build(model.parameters())
+    checkpoint_cases.train(model, optimizer, range(2))
+    saved = optimizer.state_dict()
+    before = checkpoint_cases.snapshot(optimizer)
+    fresh_model = plan.prepare_model(make_model(1))
+    fresh = plan.build(fresh_model.parameters())
+    fresh.load_state_dict(saved)
+    after = checkpoint_cases.snapshot(fresh)
+    for key, value in before["states"].items():
+        assert torch.equal(after["states"][key], value), key
+    assert all(torch.equal(a, b) for a, b in zip(after["masters"], before["masters"], strict=True))
+    held = fresh.held_tensors().items()
+    assert any(t.dtype == torch.uint8 for _, ts in held for t in ts)
