@@ -195,8 +195,10 @@ def resolve_config(
         comm_reduction=config.comm_reduction,
         master_dtype=DTYPES[MASTER_ROUNDING[features["master"]][0]],
         master_rounding=MASTER_ROUNDING[features["master"]][1],
-        exp_avg_dtype=STATE_PAIRS[features["states"]][0],
-        exp_avg_sq_dtype=STATE_PAIRS[features["states"]][1],
+        # DeepSpeed's CPU Adam with fp32_optimizer_states false keeps fp16 moments for fp16
+        # parameters: not a states value; only the offload rules, which refuse it, see it.
+        exp_avg_dtype=STATE_PAIRS.get(features["states"], (features["states"],) * 2)[0],
+        exp_avg_sq_dtype=STATE_PAIRS.get(features["states"], (features["states"],) * 2)[1],
         autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
         offload_optimizer=config.offload_optimizer,
         offload_param=config.offload_param,
