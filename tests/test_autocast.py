@@ -126,6 +126,9 @@ def test_autocast_with_16_bit_parameters_is_refused_with_the_way_out(params: str
         assert plan.status == "NotSupported", plan.rule_id
         assert "test_lower_precision_model" in plan.reason  # DeepSpeed's own expectation
         assert "fp32 parameters" in plan.reason
+        # The advice leads back to OK plans: drop torch_autocast (or the 16-bit mode).
+        advice = "; ".join(change for alt in plan.alternatives for change in alt.changes)
+        assert "torch_autocast.enabled=false" in advice, plan.explain()
         with pytest.raises(dtypeplan.NotSupportedError):
             plan.build(make_model(0).parameters())
 
