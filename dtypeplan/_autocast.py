@@ -66,26 +66,43 @@ def forward_under_autocast(module: torch.nn.Module, dtype: torch.dtype | None) -
         if hasattr(module, _HANDLES):
             delattr(module, _HANDLES)
         return
-    # Entered in the pre-hook and left in the post-hook; per thread (autocast state is
-    # thread-local) and as a stack, so a re-entrant call leaves in order.
-    local = threading.local()
-
-    def enter(mod: torch.nn.Module, args: Any) -> None:
-        context = autocast_context(dtype, mod)
-        context.__enter__()
-        stack = getattr(local, "stack", None)
-        if stack is None:
-            stack = local.stack = []
-        stack.append(context)
-
-    def leave(mod: torch.nn.Module, args: Any, output: Any) -> None:
-        # always_call: also when forward raised, so autocast never stays on after a failure.
-        stack = getattr(local, "stack", None)
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
+    hooks = _AutocastHooks(dtype)
     handles: tuple[RemovableHandle, ...] = (
-        module.register_forward_pre_hook(enter),
-        module.register_forward_hook(leave, always_call=True),
+        module.register_forward_pre_hook(hooks.enter),
+        # always_call: also when forward raises, so autocast never stays on after a failure.
+        module.register_forward_hook(hooks.leave, always_call=True),
     )
     setattr(module, _HANDLES, handles)
+
+
+class _AutocastHooks:
+    """The pre- and post-forward hooks of :func:`forward_under_autocast`: the context is
+    entered before forward and left after it, per thread (autocast state is thread-local) and
+    as a stack, so a re-entrant call leaves in order. A class, not closures, so that a prepared
+    model still pickles (``torch.save(model)``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["dtype"])  # type: ignore[misc]
+
+    def _stack(self) -> list[contextlib.AbstractContextManager[Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def enter(self, module: torch.nn.Module, args: Any) -> None:
+        context = autocast_context(self.dtype, module)
+        context.__enter__()
+        self._stack().append(context)
+
+    def leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if stack:
+            stack.pop().__exit__(None, None, None)

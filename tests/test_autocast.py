@@ -10,6 +10,8 @@ halving the scale), and parity at every ZeRO stage against plain torch under ``t
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -228,6 +230,14 @@ def test_prepare_model_runs_forward_under_autocast_and_nothing_else() -> None:
     dtypeplan.resolve({}).prepare_model(model)
     assert model(torch.randn(2, 12)).dtype == torch.float32
     assert not model._forward_pre_hooks
+
+
+def test_a_prepared_model_copies_and_pickles_with_its_autocast() -> None:
+    plan = dtypeplan.resolve(autocast_config("fp16", 0))
+    model = plan.prepare_model(make_model(0))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin(torch.randn(2, 12)).dtype == torch.float16
+        assert not torch.is_autocast_enabled("cpu")
 
 
 def test_autocast_is_left_when_forward_raises() -> None:

@@ -278,6 +278,9 @@ class PrecisionPlan:
 
         Raises :class:`NotSupportedError` for a plan that offloads: the model counts device
         bytes, and an offloaded optimizer or offloaded parameters are not on the device.
+        Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
+        copies of weights and activations live only during forward and backward, like the
+        activations themselves, and are not optimizer memory.
         """
         offloaded = [
             f"{what} to {where}"
@@ -404,7 +407,7 @@ class PrecisionPlan:
             lines.append(
                 f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
             )
-        if self.autocast_dtype is not None:
+        if self.autocast_dtype is not None and self.status == Status.OK:
             name = DTYPE_NAMES[self.autocast_dtype]
             lines.append(
                 f"  autocast: forward runs under torch.autocast(dtype={name}) (prepare_model "
