@@ -64,10 +64,12 @@ def test_pipeline_cases_cover_the_whole_grid() -> None:
 
 
 def test_pipeline_parity_pp2_dp2() -> None:
-    cases = _cases()
-    per_rank = spawn(run_pipeline_cases, 4, cases, timeout_s=500)
+    cases, autocast_cases = _cases(), _autocast_cases()
+    # One spawned group for every case of the module.
+    per_rank = spawn(run_pipeline_cases, 4, cases + autocast_cases, timeout_s=500)
     for results in per_rank:
-        for result, case in zip(results, cases, strict=True):
+        check_autocast_cases(results[len(cases) :], autocast_cases)
+        for result, case in zip(results[: len(cases)], cases, strict=True):
             result["param_dtype_ok"] = True
             if case["exact"]:
                 assert_parity(result, 1e-5, 1e-5)
@@ -108,17 +110,15 @@ def _autocast_cases() -> list[dict]:
     return cases
 
 
-def test_autocast_pipeline_parity_pp2_dp2() -> None:
+def check_autocast_cases(results: list[dict], cases: list[dict]) -> None:
     """The reference runs the whole batch under torch.autocast, the pipeline 4 micro-batches per
     data-parallel rank: each weight gradient is a matmul rounded to the autocast dtype, over
     the whole batch there and per micro-batch here (2**-8 relative per element, bf16), so the
-    bounds are those of the 16-bit cells above."""
-    cases = _autocast_cases()
-    per_rank = spawn(run_pipeline_cases, 4, cases, timeout_s=500)
-    for results in per_rank:
-        for result, case in zip(results, cases, strict=True):
-            result["param_dtype_ok"] = True
-            assert_parity(result, 1e-2, 2e-2)
-            assert result["skipped_steps"] == 0, result
-            dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
-            assert result["output_dtypes"] == [dtype[case["config"]["torch_autocast"]["dtype"]]]
+    bounds are those of the 16-bit cells. The stage's output dtype shows that the schedule's
+    calls of the module ran under autocast."""
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+    for result, case in zip(results, cases, strict=True):
+        result["param_dtype_ok"] = True
+        assert_parity(result, 1e-2, 2e-2)
+        assert result["skipped_steps"] == 0, result
+        assert result["output_dtypes"] == [dtype[case["config"]["torch_autocast"]["dtype"]]]
