@@ -64,10 +64,12 @@ def test_pipeline_cases_cover_the_whole_grid() -> None:
 
 
 def test_pipeline_parity_pp2_dp2() -> None:
-    cases = _cases()
-    per_rank = spawn(run_pipeline_cases, 4, cases, timeout_s=500)
+    cases, autocast_cases = _cases(), _autocast_cases()
+    # One spawned group for every case of the module.
+    per_rank = spawn(run_pipeline_cases, 4, cases + autocast_cases, timeout_s=500)
     for results in per_rank:
-        for result, case in zip(results, cases, strict=True):
+        check_autocast_cases(results[len(cases) :], autocast_cases)
+        for result, case in zip(results[: len(cases)], cases, strict=True):
             result["param_dtype_ok"] = True
             if case["exact"]:
                 assert_parity(result, 1e-5, 1e-5)
@@ -78,3 +80,45 @@ def test_pipeline_parity_pp2_dp2() -> None:
                 # ZeRO-3 under the schedule still reduce-scatters every micro-batch (into the
                 # sharded accumulator): 4 micro-batches x 2 sharded Linear layers per stage.
                 assert result["backward_reduce_scatters"] == 4 * 2, result
+
+
+def _autocast_cases() -> list[dict]:
+    """torch_autocast (fp32 parameters) under the schedule: every ZeRO stage in bf16 and fp16,
+    both schedules, and a bf16 wire. The stage module gets autocast only from prepare_model."""
+    cases = []
+    for stage in (0, 1, 2, 3):
+        for index, dtype in enumerate(("bf16", "fp16")):
+            schedule = ("gpipe", "1f1b")[(index + stage) % 2]
+            config: dict = {
+                "torch_autocast": {"enabled": True, "dtype": dtype},
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            }
+            name = f"autocast-stage{stage}-{dtype}-{schedule}"
+            if stage in (1, 3) and dtype == "bf16":
+                config["communication_data_type"] = "bf16"
+                name += "-bf16wire"
+            cases.append(
+                {
+                    "name": name,
+                    "config": config,
+                    "micro_batches": 4,
+                    "schedule": schedule,
+                    "steps": 2,
+                }
+            )
+    return cases
+
+
+def check_autocast_cases(results: list[dict], cases: list[dict]) -> None:
+    """The reference runs the whole batch under torch.autocast, the pipeline 4 micro-batches per
+    data-parallel rank: each weight gradient is a matmul rounded to the autocast dtype, over
+    the whole batch there and per micro-batch here (2**-8 relative per element, bf16), so the
+    bounds are those of the 16-bit cells. The stage's output dtype shows that the schedule's
+    calls of the module ran under autocast."""
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+    for result, case in zip(results, cases, strict=True):
+        result["param_dtype_ok"] = True
+        assert_parity(result, 1e-2, 2e-2)
+        assert result["skipped_steps"] == 0, result
+        assert result["output_dtypes"] == [dtype[case["config"]["torch_autocast"]["dtype"]]]

@@ -179,13 +179,28 @@ def test_lookup_is_the_one_matching_rule() -> None:
 
 def _implemented_feature(point: dict, name: str, value: object) -> bool:
     """The feature values dtypeplan implements (each with its parity test): bf16 master
-    weights of bf16 parameters at ZeRO 0-2 without pipeline parallelism."""
-    return (
+    weights of bf16 parameters at ZeRO 0-2 without pipeline parallelism, and autocast of fp32
+    parameters wherever fp32 parameters are OK."""
+    return _implemented_autocast(point, name, value) or (
         name == "master"
         and value in ("bf16", "bf16_sr", "bf16_kahan")
         and point["params"] == "bf16"
         and not point["pipeline"]
         and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
+    )
+
+
+def _implemented_autocast(point: dict, name: str, value: object) -> bool:
+    """torch_autocast in bf16 or fp16 with fp32 parameters: every ZeRO stage with or without
+    pipeline parallelism (tests/test_autocast.py, tests/test_pipeline.py), except what fp32
+    parameters cannot do either (the accumulator's sharding, fp32_sum at ZeRO-3)."""
+    return (
+        name == "autocast"
+        and value in ("bf16", "fp16")
+        and point["params"] == "fp32"
+        and (point["stage"], point["sharded"])
+        in ((0, False), (1, False), (1, True), (2, True), (3, True))
+        and not (point["stage"] == 3 and point["reduction"] == "fp32_sum")
     )
 
 
@@ -204,7 +219,7 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                     implemented = _implemented_feature(point, name, value)
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
                     assert rule.reason and dim.name in rule.when, (name, rule.id)
-                    if implemented:
+                    if implemented and name == "master":
                         # bf16 optimizer states ride on bf16 masters (same update path).
                         states = table.lookup({**point, name: value, "states": "bf16"})
                         assert states.status == "OK", (value, states.id)

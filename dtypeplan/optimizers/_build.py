@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtypeplan._autocast import forward_under_autocast
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._registry import get_implementation
@@ -67,12 +68,15 @@ def prepare_model(
     loses no precision (``_prepare.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
     sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
-    there and is ignored at the other stages (``_shard_units.py``).
+    there and is ignored at the other stages (``_shard_units.py``). With ``torch_autocast`` the
+    model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
     """
     if plan.status != Status.OK:
         return model
     cls = implementation_class(plan, process_group)
-    return cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
+    prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
+    forward_under_autocast(prepared, plan.autocast_dtype)
+    return prepared
 
 
 def build_optimizer(

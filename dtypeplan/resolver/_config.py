@@ -160,6 +160,9 @@ class PrecisionConfig:
     optimizer offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
     autocast: str = "none"
     """``"bf16"`` / ``"fp16"``: ``torch_autocast`` enabled with that dtype; ``"none"``."""
+    autocast_dtype_given: bool = False
+    """Whether ``torch_autocast.dtype`` was given (without it dtypeplan picks one; DeepSpeed
+    passes None on to ``torch.autocast``: see ``_differences.py``)."""
     offload_optimizer: str = "none"
     """``"cpu"`` / ``"nvme"``: ``zero_optimization.offload_optimizer.device`` (or
     ``cpu_offload``); ``"none"``."""
@@ -696,6 +699,7 @@ def load_config(
         master_weights_dtype=master,
         optimizer_states_dtype=states,
         autocast=autocast,
+        autocast_dtype_given=bool(autocast_doc.get("dtype")),
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         quantized_communication=(
