@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["DeviceLike", "autocast_context", "device_type_of", "forward_under_autocast"]
+__all__ = [
+    "DeviceLike",
+    "autocast_context",
+    "device_type_of",
+    "forward_under_autocast",
+    "params_without_autocast",
+]
 
 DeviceLike = str | torch.device | torch.nn.Module | None
 """Where autocast runs: a device type (``"cuda"``), a device, a module (the device of its
@@ -27,6 +33,9 @@ first parameter or buffer), or ``None`` (the current accelerator, else the CPU).
 
 _HANDLES = "_dtypeplan_autocast_hooks"
 """The module attribute holding the hooks :func:`forward_under_autocast` installed."""
+
+_PARAM_MARK = "_dtypeplan_forward_autocast"
+"""The parameter attribute naming the autocast dtype its module's forward runs under."""
 
 
 def device_type_of(where: DeviceLike) -> str:
@@ -62,6 +71,8 @@ def forward_under_autocast(module: torch.nn.Module, dtype: torch.dtype | None) -
     calling it again replaces the hooks, so a module is never wrapped twice."""
     for handle in getattr(module, _HANDLES, ()):
         handle.remove()
+    for param in module.parameters():
+        setattr(param, _PARAM_MARK, dtype)
     if dtype is None:
         if hasattr(module, _HANDLES):
             delattr(module, _HANDLES)
@@ -73,6 +84,17 @@ def forward_under_autocast(module: torch.nn.Module, dtype: torch.dtype | None) -
         module.register_forward_hook(hooks.leave, always_call=True),
     )
     setattr(module, _HANDLES, handles)
+
+
+def params_without_autocast(
+    params: list[torch.Tensor], dtype: torch.dtype | None
+) -> list[torch.Tensor]:
+    """The parameters whose module :func:`forward_under_autocast` did not set to ``dtype``
+    (none when ``dtype`` is None): a plan with ``torch_autocast`` built for them would train
+    them in fp32 unless the program enters ``plan.autocast()`` itself."""
+    if dtype is None:
+        return []
+    return [p for p in params if getattr(p, _PARAM_MARK, None) != dtype]
 
 
 class _AutocastHooks:

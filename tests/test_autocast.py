@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from typing import Any
 
 import pytest
@@ -246,6 +247,19 @@ def test_autocast_is_left_when_forward_raises() -> None:
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 5))  # wrong width
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_build_warns_when_the_model_was_not_prepared_for_autocast() -> None:
+    """Without prepare_model, forward would silently run in fp32: build says so, once."""
+    plan = dtypeplan.resolve(autocast_config("bf16", 1))
+    with pytest.warns(UserWarning, match=r"torch_autocast is bf16 but 6 of 6 parameters"):
+        plan.build(make_model(0).parameters()).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan.build(plan.prepare_model(make_model(0)).parameters()).close()
+        dtypeplan.resolve({"zero_optimization": {"stage": 1}}).build(
+            make_model(0).parameters()
+        ).close()
 
 
 def test_single_process_trains_under_autocast() -> None:
