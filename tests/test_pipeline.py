@@ -58,7 +58,7 @@ _MASTER_CELLS = [
     (0, "nearest", False, "1f1b"),
     (1, "stochastic", True, "gpipe"),
     (2, "kahan", False, "1f1b"),
-    # ZEROTHREE
+    (3, "kahan", True, "gpipe"),
 ]
 
 
