@@ -203,12 +203,17 @@ class _NamedReduceScatter(DefaultReduceScatter):
             self.last_output = tensor
             if not self._release_queued:
                 # Dropped when backward ends, so that between steps no gradient buffer of
-                # FSDP2's outlives the accumulator (what plan.memory() counts).
-                torch.autograd.Variable._execution_engine.queue_callback(self._release)
-                self._release_queued = True
+                # FSDP2's outlives the accumulator (what plan.memory() counts). A reduction
+                # outside backward keeps it until the optimizer's zero_grad or step.
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.release)
+                    self._release_queued = True
+                except RuntimeError:
+                    pass
         return tensor
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Drop the kept output (at the end of backward; at ``zero_grad`` and ``step``)."""
         self.last_output = None
         self._release_queued = False
 
@@ -534,6 +539,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._params():
             param.grad = None
+            reduce_scatter = _REDUCE_SCATTER_OF.get(param)
+            if reduce_scatter is not None:
+                reduce_scatter.release()
         self._fresh = [True] * len(self._fresh)
         self._pending = None
 
