@@ -167,20 +167,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
         )
-        self._low_precision: LowPrecisionAdamUpdate | None = None
-        if plan.master_dtype != torch.float32:
-            LowPrecisionAdamUpdate.require_fused_adam(
-                self._inner, plan.optimizer.torch_class, plan.master_dtype
-            )
-            self._low_precision = LowPrecisionAdamUpdate(
-                self._inner,
-                plan.optimizer.torch_class,
-                rounding=plan.master_rounding,
-                states_dtype=plan.optimizer_states_dtype,
-                shard_rank=self.shard_rank,
-            )
+        self._low_precision = LowPrecisionAdamUpdate.for_plan(
+            plan, self._inner, [m for s in self.groups for m in s.masters], self.shard_rank
+        )
+        if self._low_precision is not None:
             self._adam_update = self._low_precision
-            self._low_precision.conform([m for s in self.groups for m in s.masters])
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""

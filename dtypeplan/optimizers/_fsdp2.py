@@ -345,19 +345,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         ]
         self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
         # bf16 masters: the local shards are updated in fp32 and rounded back into them.
-        self._low_precision: LowPrecisionAdamUpdate | None = None
-        if plan.master_dtype != torch.float32:
-            LowPrecisionAdamUpdate.require_fused_adam(
-                self._inner, plan.optimizer.torch_class, plan.master_dtype
-            )
-            self._low_precision = LowPrecisionAdamUpdate(
-                self._inner,
-                plan.optimizer.torch_class,
-                rounding=plan.master_rounding,
-                states_dtype=plan.optimizer_states_dtype,
-                shard_rank=self.comm.rank,
-            )
-            self._low_precision.conform(self._locals())
+        self._low_precision = LowPrecisionAdamUpdate.for_plan(
+            plan, self._inner, self._locals(), self.comm.rank
+        )
         # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
         # dtype): FSDP2 hands each micro-batch's reduced shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None

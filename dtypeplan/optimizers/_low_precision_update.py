@@ -25,7 +25,7 @@ generator is not checkpointed), which changes nothing in expectation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers._flat_update import CPU_CHUNK, FlatAdamUpdate, fused_adam_kernel
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["KAHAN_COMPENSATION", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
 
@@ -66,21 +69,36 @@ class LowPrecisionAdamUpdate:
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    @staticmethod
-    def require_fused_adam(
+    @classmethod
+    def for_plan(
+        cls,
+        plan: PrecisionPlan,
         inner: torch.optim.Optimizer,
-        torch_class: type[torch.optim.Optimizer],
-        master_dtype: torch.dtype,
-    ) -> None:
-        """16-bit masters are updated by torch's fused Adam/AdamW on fp32 copies, nothing else."""
+        masters: list[torch.Tensor],
+        shard_rank: int,
+    ) -> LowPrecisionAdamUpdate | None:
+        """The update of ``plan``'s 16-bit ``masters`` (keys of ``inner``), their states made;
+        None for fp32 masters. Refuses an optimizer other than torch's fused Adam/AdamW."""
+        if plan.master_dtype == torch.float32:
+            return None
+        torch_class = plan.optimizer.torch_class
         if not FlatAdamUpdate.supports(inner, torch_class):
             raise NotSupportedError(
-                f"{DTYPE_NAMES[master_dtype]} master weights are updated by torch's "
+                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
                 f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
                 "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
                 "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
                 "master weights (remove master_weights / bf16_master_weights_and_grads)"
             )
+        update = cls(
+            inner,
+            torch_class,
+            rounding=plan.master_rounding,
+            states_dtype=plan.optimizer_states_dtype,
+            shard_rank=shard_rank,
+        )
+        update.conform(masters)
+        return update
 
     def master_values(self, master: torch.Tensor) -> torch.Tensor:
         """``master`` as the fp32 values it stands for: with Kahan rounding, the bf16 weights
