@@ -118,11 +118,28 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         for model in ("fp32", "bf16")
         for accum in ("fp32", "bf16")
     ]
+    # bf16 masters: 2-byte shards, a 2-byte Kahan buffer per shard, 2-byte moments with bf16
+    # states; an fp32 accumulator even for fp32 accumulation (FSDP2's .grad would be bf16).
+    configs += [
+        {
+            "bf16": {"enabled": True, "bf16_optimizer_states": states},
+            "master_weights": {"dtype": "bf16", "rounding": rounding},
+            "gradient_accumulation_dtype": accum,
+            "zero_optimization": {"stage": 3},
+        }
+        for rounding, states, accum in (
+            ("nearest", False, "fp32"),
+            ("stochastic", True, "bf16"),
+            ("kahan", False, "fp32"),
+            ("kahan", True, "bf16"),
+        )
+    ]
     for config, result in zip(
         configs, spawn(fsdp2_memory_cases, 2, configs, WIDTH)[0], strict=True
     ):
         measured, predicted = result["at_boundary"], result["predicted"]
-        for key in ("params", "accumulator", "optimizer_states", "total"):
+        assert not result["reduce_scatter_output_kept"], config
+        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
             assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
                 key,
                 measured,

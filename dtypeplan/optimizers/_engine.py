@@ -69,9 +69,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import NotSupportedError, OptimizerUsageError
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
@@ -91,7 +90,6 @@ from dtypeplan.optimizers._flat_update import (
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
-from dtypeplan.optimizers._master_rounding import kahan_store
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -169,18 +167,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
         )
-        self._low_precision: LowPrecisionAdamUpdate | None = None
-        if plan.master_dtype != torch.float32:
-            self._check_low_precision_masters()
-            self._low_precision = LowPrecisionAdamUpdate(
-                self._inner,
-                plan.optimizer.torch_class,
-                rounding=plan.master_rounding,
-                states_dtype=plan.optimizer_states_dtype,
-                shard_rank=self.shard_rank,
-            )
+        self._low_precision = LowPrecisionAdamUpdate.for_plan(
+            plan, self._inner, [m for s in self.groups for m in s.masters], self.shard_rank
+        )
+        if self._low_precision is not None:
             self._adam_update = self._low_precision
-            self._low_precision.conform([m for s in self.groups for m in s.masters])
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
@@ -199,18 +190,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
-
-    def _check_low_precision_masters(self) -> None:
-        """16-bit masters are updated by torch's fused Adam/AdamW on fp32 copies, nothing else."""
-        torch_class = self.plan.optimizer.torch_class
-        if not FlatAdamUpdate.supports(self._inner, torch_class):
-            raise NotSupportedError(
-                f"{DTYPE_NAMES[self.plan.master_dtype]} master weights are updated by torch's "
-                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
-                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
-                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
-                "master weights (remove master_weights / bf16_master_weights_and_grads)"
-            )
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
@@ -275,23 +254,18 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """A master chunk as the fp32 values it stands for: with Kahan-compensated bf16 masters,
         the bf16 weights plus their compensation. What a checkpoint stores, whatever the
         master dtype, so that it loads into any other."""
-        slot = self.inner.state.get(master, {})
-        if KAHAN_COMPENSATION not in slot:
+        if self._low_precision is None:
             return master.float()  # fp32 masters: the chunk itself
-        values = master.to(torch.float32, copy=True)
-        values.add_(slot[KAHAN_COMPENSATION])
-        return values
+        return self._low_precision.master_values(master)
 
     @torch.no_grad()
     def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
         """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
         or with Kahan masters split into the bf16 weights and their compensation."""
-        if master.dtype == torch.float32 or self.plan.master_rounding != "kahan":
+        if self._low_precision is None:
             master.copy_(values)
             return
-        slot = self.inner.state[master]
-        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
-        kahan_store(values.to(torch.float32, copy=True), master, compensation)
+        self._low_precision.load_master_(master, values)
 
     @torch.no_grad()
     def refresh_params(self) -> None:

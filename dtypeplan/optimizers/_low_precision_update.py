@@ -12,8 +12,10 @@ is still computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp
 3. store: the master rounded as ``plan.master_rounding`` says (``_master_rounding.py``), bf16
    moments rounded to nearest (DeepSpeed's ``bf16_optimizer_states``).
 
-The moments and the Kahan compensation (``kahan_compensation``, bf16, laid out like the master
-chunk) live in ``inner.state[master]``, so checkpoints, ``full_state()`` and the restoring of
+A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
+parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
+the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
+``inner.state[master]``, so checkpoints, ``full_state()`` and the restoring of
 parameters without a gradient treat them like any other state. Stochastic rounding draws from
 one ``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every rank
 updates every chunk and draws the same bits, so the replicas stay equal; a run is reproducible
@@ -23,12 +25,17 @@ generator is not checkpointed), which changes nothing in expectation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtypeplan.optimizers._flat_update import CPU_CHUNK, fused_adam_kernel
+from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import NotSupportedError
+from dtypeplan.optimizers._flat_update import CPU_CHUNK, FlatAdamUpdate, fused_adam_kernel
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["KAHAN_COMPENSATION", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
 
@@ -61,6 +68,59 @@ class LowPrecisionAdamUpdate:
         self.seed = SEED + shard_rank
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: PrecisionPlan,
+        inner: torch.optim.Optimizer,
+        masters: list[torch.Tensor],
+        shard_rank: int,
+    ) -> LowPrecisionAdamUpdate | None:
+        """The update of ``plan``'s 16-bit ``masters`` (keys of ``inner``), their states made;
+        None for fp32 masters. Refuses an optimizer other than torch's fused Adam/AdamW."""
+        if plan.master_dtype == torch.float32:
+            return None
+        torch_class = plan.optimizer.torch_class
+        if not FlatAdamUpdate.supports(inner, torch_class):
+            raise NotSupportedError(
+                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
+                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
+                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
+                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
+                "master weights (remove master_weights / bf16_master_weights_and_grads)"
+            )
+        update = cls(
+            inner,
+            torch_class,
+            rounding=plan.master_rounding,
+            states_dtype=plan.optimizer_states_dtype,
+            shard_rank=shard_rank,
+        )
+        update.conform(masters)
+        return update
+
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """``master`` as the fp32 values it stands for: with Kahan rounding, the bf16 weights
+        plus their compensation. What a checkpoint stores, so that it loads into any master
+        dtype."""
+        slot = self.inner.state.get(master, {})
+        values = master.to(torch.float32, copy=True)
+        if KAHAN_COMPENSATION in slot:
+            values.add_(slot[KAHAN_COMPENSATION])
+        return values
+
+    @torch.no_grad()
+    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set ``master`` from fp32 ``values``: rounded to nearest, or with Kahan rounding
+        split into the bf16 weights and their compensation (so no bit of ``values`` is lost
+        beyond the pair's ~16 mantissa bits)."""
+        if self.rounding != "kahan":
+            master.copy_(values)
+            return
+        slot = self.inner.state[master]
+        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
+        kahan_store(values.to(torch.float32, copy=True), master, compensation)
 
     def slot(self, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s state in the inner optimizer, created (zeroed, step 0) if missing."""
@@ -97,7 +157,11 @@ class LowPrecisionAdamUpdate:
         param_chunk: torch.Tensor | None,
         grad_scale: torch.Tensor,
     ) -> None:
-        """Update one bf16 master chunk from ``grad / grad_scale`` (the parameters' own chunk)."""
+        """Update one bf16 master (chunk or local shard) from ``grad / grad_scale``.
+
+        ``grad`` is laid out like ``master``; ``param_chunk`` must be None (the master is the
+        parameters' own memory).
+        """
         assert param_chunk is None, "bf16 master chunks are views of the parameter buffer"
         slot = self.slot(master)
         step = slot["step"]
@@ -105,6 +169,13 @@ class LowPrecisionAdamUpdate:
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         device = master.device
         fp32_states = self.states_dtype == torch.float32
+        # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
+        # keyed by the master itself.
+        master, grad = master.view(-1), grad.reshape(-1)
+        slot = {
+            name: value.view(-1) if torch.is_tensor(value) and value.dim() else value
+            for name, value in slot.items()
+        }
         for begin in range(0, master.numel(), PIECE):
             end = min(begin + PIECE, master.numel())
             n = end - begin

@@ -5,8 +5,9 @@ parameter and accumulation dtypes and ``S`` the optimizer's fp32 state bytes per
 (AdamW and Adam 8, SGD with momentum 4, plain SGD 0):
 
 ============  =====================================================================
-params        ``P * N``; at stage 3 ``4 * N / W``: FSDP2's fp32 shards, gathered in the
-              parameter dtype only while a layer runs
+params        ``P * N``; at stage 3 ``M * N / W``: FSDP2's shards in the master dtype
+              (``M`` = 4, or 2 for bf16 master weights), gathered in the parameter dtype
+              only while a layer runs
 grads         ``0``: the parameters' own ``.grad`` is consumed by a hook the moment
               autograd produces it (DeepSpeed counts ``P * N`` here; in dtypeplan those
               bytes are the accumulator when ``A == P``)
@@ -52,9 +53,9 @@ def memory_model(
     n, w = num_params, world_size
     state_divisor = w if zero_stage >= 1 else 1
     if zero_stage >= 3:
-        # FSDP2 keeps the fp32 shards, which are also the master weights; the parameter-dtype
-        # copies exist only while a layer runs.
-        params = 4 * n // w
+        # FSDP2 keeps the shards in the master dtype: they are the master weights; the
+        # parameter-dtype copies exist only while a layer runs.
+        params = master_dtype.itemsize * n // w
     else:
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
