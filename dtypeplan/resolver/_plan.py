@@ -270,8 +270,10 @@ class PrecisionPlan:
     def memory(self, num_params: int, world_size: int) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
 
-        Raises :class:`NotSupportedError` for a plan that offloads: the model counts device
-        bytes, and an offloaded optimizer or offloaded parameters are not on the device.
+        The six keys of shared/API.md are device bytes; ``host_master``,
+        ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
+        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload and
+        for ``offload_param``, which dtypeplan does not implement: no figure would be true.
         """
         offloaded = [
             f"{what} to {where}"
@@ -279,14 +281,14 @@ class PrecisionPlan:
                 ("offload_optimizer", self.offload_optimizer),
                 ("offload_param", self.offload_param),
             )
-            if where != "none"
+            if where != "none" and (what, where) != ("offload_optimizer", "cpu")
         ]
         if offloaded:
             raise NotSupportedError(
                 f"memory(): the plan asks for {' and '.join(offloaded)}, which dtypeplan does "
                 "not implement, so no device figure would be true: the device would not hold "
-                "what is offloaded, and dtypeplan cannot offload it. Remove the offload "
-                "settings to see what the device holds with everything on it."
+                "what is offloaded, and dtypeplan cannot offload it. Remove the setting (or "
+                "use offload_optimizer device cpu) to see what the device and host hold."
             )
         return memory_model(
             num_params=num_params,
@@ -299,6 +301,7 @@ class PrecisionPlan:
             master_dtype=self.master_dtype,
             master_rounding=self.master_rounding,
             states_dtype=self.optimizer_states_dtype,
+            offload_optimizer=self.offload_optimizer == "cpu",
         )
 
     def explain(self) -> str:
