@@ -119,3 +119,45 @@ def offload_group(
         # A checkpoint saved by one offloaded process, loaded on 2 offloaded ranks.
         "resharded": ckpt.capture(lambda: load_run(reshard_path, offload_config("bf16", 2, True))),
     }
+
+
+# --- ZeRO-3: FSDP2's CPUOffloadPolicy (offload_param and offload_optimizer cpu) -----------------
+def zero3_offload_case(rank: int, world_size: int, rules: str, precision: str) -> dict[str, Any]:
+    """The same ZeRO-3 training with FSDP2's CPU offload (through ``rules``, which routes
+    offload_param cpu to FSDP2) and without; losses and final shards of both."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    out: dict[str, Any] = {}
+    for offload in (True, False):
+        config = ckpt.config(precision, 3)
+        if offload:
+            config["zero_optimization"].update(
+                {**OFFLOAD, "offload_param": {"device": "cpu", "pin_memory": True}}
+            )
+        plan = dtypeplan.resolve(config, rules=rules if offload else None)
+        assert plan.status == "OK" and plan.implementation == "fsdp2", plan.explain()
+        model = plan.prepare_model(make_model(0))
+        policies = {
+            type(module._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+            for module in model.modules()
+            if hasattr(module, "_get_fsdp_state") and module._get_fsdp_state()._fsdp_param_group
+        }
+        opt = plan.build(model.parameters())
+        losses = ckpt.train(model, opt, range(4))
+        shards = [p.to_local().detach().clone() for p in model.parameters()]
+        out["offloaded" if offload else "plain"] = {
+            "losses": losses,
+            "shards": shards,
+            "policies": sorted(policies),
+            "devices": sorted({s.device.type for s in shards}),
+            "cpu_offload": any(p == CPUOffloadPolicy.__name__ for p in policies),
+        }
+    return out
+
+
+def zero3_offload_cases(
+    rank: int, world_size: int, rules: str, precisions: list[str]
+) -> list[dict[str, Any]]:
+    return [
+        ckpt.capture(lambda p=p: zero3_offload_case(rank, world_size, rules, p)) for p in precisions
+    ]
