@@ -27,16 +27,13 @@ def memory_report(
 ) -> str:
     """The per-rank byte table; ``measured`` adds one column per rank next to the prediction.
 
-    The host rows (``host_*``: an offloaded optimizer's host memory) are shown when the
-    prediction holds host bytes; the other rows are device bytes.
+    The ``host_*`` rows are an offloaded optimizer's host memory (0 without offload); the
+    other rows are device bytes.
     """
     header = ["component", "predicted bytes", "human", "bytes/param"]
     header += [f"rank {r} measured" for r in range(len(measured))]
     rows = [header]
-    keys = list(MEMORY_KEYS)
-    if predicted.get("host_total", 0):
-        keys += HOST_MEMORY_KEYS
-    for key in keys:
+    for key in (*MEMORY_KEYS, *HOST_MEMORY_KEYS):
         row = [
             key,
             f"{predicted[key]:,}",

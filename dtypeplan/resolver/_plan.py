@@ -272,8 +272,9 @@ class PrecisionPlan:
 
         The six keys of shared/API.md are device bytes; ``host_master``,
         ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
-        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload and
-        for ``offload_param``, which dtypeplan does not implement: no figure would be true.
+        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload, for
+        ``offload_param`` and for an offloaded optimizer at ZeRO-3, which dtypeplan does not
+        implement: no figure would be true.
         """
         offloaded = [
             f"{what} to {where}"
@@ -281,7 +282,8 @@ class PrecisionPlan:
                 ("offload_optimizer", self.offload_optimizer),
                 ("offload_param", self.offload_param),
             )
-            if where != "none" and (what, where) != ("offload_optimizer", "cpu")
+            if where != "none"
+            and not (what == "offload_optimizer" and where == "cpu" and self.zero_stage < 3)
         ]
         if offloaded:
             raise NotSupportedError(
