@@ -38,7 +38,6 @@ line last.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator
