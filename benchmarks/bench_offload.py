@@ -32,8 +32,8 @@ On the CPU the "device" is the host: the copies are plain memory copies that run
 thread, nothing overlaps, and ``overlap`` is not defined (reported as such); the CPU run is a
 correctness-sized check that the offloaded step runs and matches, and its time ratio says
 what the extra host copies cost there. ``--dry-run``: tiny sizes (logic only). Writes
-``results/offload-<date>.json/.md`` (``offload_dryrun`` for a dry run) and prints one JSON
-line last.
+``results/offload-<date>.json/.md`` (``gpu_offload-<date>`` on CUDA, ``_dryrun`` appended for a
+dry run) and prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -250,7 +250,8 @@ def main() -> None:
         "num_params": plain["num_params"],
     }
     if not args.no_write:
-        name = "offload" + ("_dryrun" if args.dry_run else "")
+        # The GPU run (benchmarks/gpu/run_all.sh) gets a name of its own next to the CPU one.
+        name = ("gpu_offload" if on_cuda else "offload") + ("_dryrun" if args.dry_run else "")
         env = environment()
         write_result(
             name,

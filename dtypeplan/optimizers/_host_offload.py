@@ -4,32 +4,35 @@ With ``zero_optimization.offload_optimizer.device: cpu`` the flat engine keeps t
 master chunks, and with them every optimizer state (the inner ``torch.optim`` creates its
 states like the masters), in host memory, pinned when the parameters are on an accelerator.
 The device keeps only the parameters and the accumulator. One step, bucket chunk by bucket
-chunk, is a pipeline of three stages over two reused host gradient slots::
+chunk, is a pipeline of three stages, each over two reused pinned host slots::
 
-    device:  reduce --copy g[k+1] down------------------ upload p[k] -- all-gather[k] ...
-    host:                    wait g[k] -- update[k] (fused CPU Adam) -- wait g[k+1] -- ...
+    device:  reduce --copy g[k+1] down----------------------- copy p[k] up -- all-gather[k] ...
+    host:                    wait g[k] -- update[k] -- cast p[k] -- wait g[k+1] -- update ...
 
-* down: the reduced gradient chunk ``k + 1`` is copied into host slot ``(k + 1) % 2``
+* down: the reduced gradient chunk ``k + 1`` is copied into gradient slot ``(k + 1) % 2``
   (``non_blocking`` from device memory into pinned memory, an event recorded after it) while
-  the host updates chunk ``k`` from the other slot. A slot is reused two chunks later, once
-  the host has consumed it, so reuse needs no wait of its own.
+  the host updates chunk ``k`` from the other slot. A gradient slot is reused two chunks later,
+  after the host has read it, so its reuse needs no wait.
 * update: the host waits for chunk ``k``'s event and steps the masters with torch's fused CPU
   Adam/AdamW (the caller's update; other optimizers step through their CPU path).
-* up: the updated fp32 master chunk is copied straight into the device's parameter chunk
-  (``non_blocking`` from pinned memory; the cast to the parameter dtype happens on the device),
-  and the caller starts that bucket's all-gather behind it on the same stream. Copying fp32
-  moves twice the bytes of a 16-bit staging copy, but needs no host slot whose reuse the host
-  would have to wait for.
+* up: the updated fp32 master chunk is cast on the host into parameter slot ``k % 2`` (the
+  parameter dtype: half the bytes of fp32 over the bus for 16-bit parameters) and copied
+  ``non_blocking`` into the device's parameter chunk; the caller starts that bucket's
+  all-gather behind it on the same stream. (A copy straight from the fp32 master would make
+  torch cast into a pageable temporary, and a copy from pageable memory blocks the host.) The
+  slot is written again two chunks later, once its copy has finished: one wait, which has
+  normally long returned. fp32 parameters are copied from the pinned master itself.
 
 Waits for the device, each counted in :attr:`HostOffload.device_waits` (the same count on the
-CPU, where the "device" is the host and nothing is in flight), ``buckets + 2`` per step: one
-per bucket chunk (the host cannot update a gradient still on its way), one for the step's
-gradient factor (clip / (loss scale * divisor)), which the host-side update divides by, and
-one after the last upload, so that the host may write the masters again as soon as the step
-returns (a checkpoint load, a model change picked up) without racing a copy that still reads
-them; by then only the last chunk's copy can be in flight. Nothing else waits:
-the gradient norm, the non-finite check and the clip factor are still computed once, on the
-device, over the whole group (``_clip.py``), as without offload.
+CPU, where the "device" is the host and nothing is in flight). Per step, with ``C`` bucket
+chunks: ``C`` for the gradient copies (the host cannot update a gradient still on its way);
+``max(C - 2, 0)`` for parameter slots written again (16-bit parameters only); one for the
+step's gradient factor (clip / (loss scale * divisor)), which the host-side update divides by;
+and one after the last upload, so that the host may write the masters again as soon as the
+step returns (a checkpoint load, a model change picked up) without racing a copy that still
+reads them. Nothing else waits: the gradient norm, the non-finite check and the clip factor
+are still computed once, on the device, over the whole group (``_clip.py``), as without
+offload.
 
 The step's host slots are dropped at its end (pinned memory comes back from torch's caching
 host allocator, so this costs no ``cudaHostAlloc`` per step), so between steps the host holds
@@ -83,11 +86,10 @@ class HostOffload:
         self.pin = device.type == "cuda"
         self.device_waits = 0
         """Waits for the device so far (see the module docstring for which ones)."""
-        self._slots: list[torch.Tensor | None] = [None, None]
-
-    @property
-    def host(self) -> torch.device:
-        return torch.device("cpu")
+        self._grad_slots: list[torch.Tensor | None] = [None, None]
+        self._param_slots: list[torch.Tensor | None] = [None, None]
+        self._param_slot_free: list[_Event | None] = [None, None]
+        """The event after each parameter slot's last copy up (None: never used this step)."""
 
     def host_zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A zeroed host tensor, pinned on an accelerator (master chunks, states)."""
@@ -107,17 +109,19 @@ class HostOffload:
         self._wait(_Event(self.device))
         return host
 
-    def _slot(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        """Host gradient slot ``index`` as a tensor of ``like``'s size and dtype (reused)."""
-        slot = self._slots[index]
+    def _view(
+        self, slots: list[torch.Tensor | None], index: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """Slot ``index`` of ``slots`` as a tensor of ``like``'s size and dtype (grown, reused)."""
+        slot = slots[index]
         nbytes = like.numel() * like.element_size()
         if slot is None or slot.numel() < nbytes:
             slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self._slots[index] = slot
+            slots[index] = slot
         return slot[:nbytes].view(like.dtype)
 
     def _copy_down(self, index: int, chunk: OffloadedChunk) -> tuple[torch.Tensor, _Event]:
-        host = self._slot(index % 2, chunk.grad)
+        host = self._view(self._grad_slots, index % 2, chunk.grad)
         host.copy_(chunk.grad, non_blocking=self.on_accelerator)
         return host, _Event(self.device)
 
@@ -132,9 +136,21 @@ class HostOffload:
         self._wait(_Event(self.device))
         return hosts
 
-    def upload(self, master: torch.Tensor, param: torch.Tensor) -> None:
-        """Write the updated fp32 ``master`` into the device's ``param`` chunk (cast there)."""
-        param.copy_(master, non_blocking=self.on_accelerator)
+    def _upload(self, index: int, master: torch.Tensor, param: torch.Tensor) -> None:
+        """Write the updated fp32 ``master`` into the device's ``param`` chunk: straight from
+        the pinned master for fp32 parameters, else cast on the host into parameter slot
+        ``index % 2`` first (waiting, if the slot was used, for its previous copy)."""
+        if param.dtype == master.dtype:
+            param.copy_(master, non_blocking=self.on_accelerator)
+            return
+        slot = index % 2
+        previous = self._param_slot_free[slot]
+        if previous is not None:
+            self._wait(previous)
+        staged = self._view(self._param_slots, slot, param)
+        staged.copy_(master)
+        param.copy_(staged, non_blocking=self.on_accelerator)
+        self._param_slot_free[slot] = _Event(self.device)
 
     def step(
         self,
@@ -159,7 +175,7 @@ class HostOffload:
             self._wait(ready)
             update(k, host_grad)
             if upload:
-                self.upload(chunk.master, chunk.param)
+                self._upload(k, chunk.master, chunk.param)
                 written(k)
         if upload:
             self.settle()
@@ -170,5 +186,8 @@ class HostOffload:
         self._wait(_Event(self.device))
 
     def release(self) -> None:
-        """Drop the step's host slots (between steps the host holds masters and states)."""
-        self._slots = [None, None]
+        """Drop the step's host slots (between steps the host holds masters and states); call
+        it after :meth:`settle`, when no copy reads them any more."""
+        self._grad_slots = [None, None]
+        self._param_slots = [None, None]
+        self._param_slot_free = [None, None]
