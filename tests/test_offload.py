@@ -380,3 +380,25 @@ def test_zero3_fsdp2_cpu_offload_runs_on_a_gloo_cpu_mesh(tmp_path: Any) -> None:
             assert offloaded["losses"] == plain["losses"], precision
             for mine, ref in zip(offloaded["shards"], plain["shards"], strict=True):
                 assert torch.equal(mine, ref), precision
+
+
+def test_deepspeed_cpu_adam_16bit_moments_are_refused_clearly() -> None:
+    """fp32_optimizer_states false (DeepSpeed's CPU Adam with moments in the parameter dtype):
+    bf16 moments are a NotSupported cell with its reason, fp16 ones an error at the key; a
+    partial offload (ratio < 1) is an error at the key."""
+
+    def config(params: str, **offload: Any) -> dict[str, Any]:
+        return {
+            params: {"enabled": True},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "fp32_optimizer_states": False}},
+        }
+
+    plan = dtypeplan.resolve(config("bf16"))
+    assert plan.status == "NotSupported" and plan.rule_id == "offload-optimizer-cpu-16bit-states"
+    with pytest.raises(dtypeplan.PrecisionConfigError) as info:
+        dtypeplan.resolve(config("fp16"))
+    assert info.value.path == "$.optimizer.params.fp32_optimizer_states"
+    with pytest.raises(dtypeplan.PrecisionConfigError) as info:
+        dtypeplan.resolve(config("bf16", ratio=0.5))
+    assert info.value.path == "$.zero_optimization.offload_optimizer.ratio"
