@@ -41,7 +41,7 @@ _PARAM_MARK = "_dtypeplan_forward_autocast"
 def device_type_of(where: DeviceLike) -> str:
     """The ``device_type`` argument of ``torch.autocast`` for ``where`` (see ``DeviceLike``)."""
     if isinstance(where, torch.nn.Module):
-        tensor = next(iter(where.parameters()), None)
+        tensor: torch.Tensor | None = next(iter(where.parameters()), None)
         if tensor is None:
             tensor = next(iter(where.buffers()), None)
         where = None if tensor is None else tensor.device  # a DTensor reports its local device

@@ -180,18 +180,29 @@ def test_lookup_is_the_one_matching_rule() -> None:
 def _implemented_feature(point: dict, name: str, value: object) -> bool:
     """The feature values dtypeplan implements (each with its parity test): bf16 master
     weights of bf16 parameters at ZeRO 0-3 (not with ZeRO-3's unsupported fp32_sum), with or
-    without pipeline parallelism, and autocast of fp32 parameters wherever fp32 parameters are
-    OK."""
-    return _implemented_autocast(point, name, value) or (
-        name == "master"
-        and value in ("bf16", "bf16_sr", "bf16_kahan")
-        and point["params"] == "bf16"
-        and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
-    ) or (
-        name == "master"
-        and value in ("bf16", "bf16_sr", "bf16_kahan")
-        and point["params"] == "bf16"
-        and (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+    without pipeline parallelism; autocast of fp32 parameters wherever fp32 parameters are OK;
+    optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism."""
+    offload = (
+        name == "offload_optimizer"
+        and value == "cpu"
+        and not point["pipeline"]
+        and (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
+    )
+    return (
+        offload
+        or _implemented_autocast(point, name, value)
+        or (
+            name == "master"
+            and value in ("bf16", "bf16_sr", "bf16_kahan")
+            and point["params"] == "bf16"
+            and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
+        )
+        or (
+            name == "master"
+            and value in ("bf16", "bf16_sr", "bf16_kahan")
+            and point["params"] == "bf16"
+            and (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+        )
     )
 
 

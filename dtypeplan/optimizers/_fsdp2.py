@@ -140,6 +140,25 @@ def _row_numel(shape: torch.Size) -> int:
     return numel
 
 
+def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:
+    """``fully_shard``'s offload argument for ``offload_param: cpu``: FSDP2's CPUOffloadPolicy
+    keeps the fp32 shards (the master weights) and their gradients in host memory (pinned on
+    CUDA), copies each unit's shards to the device for its all-gather and the reduced
+    gradients back, so the optimizer steps on the host too (its states are created like the
+    shards). It moves parameters, gradients and states together: offload_param and
+    offload_optimizer at once."""
+    if plan.offload_param == "none":
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if plan.offload_param != "cpu":
+        raise NotSupportedError(
+            f"offload_param {plan.offload_param}: FSDP2 offloads to host memory only "
+            "(CPUOffloadPolicy); use offload_param device cpu"
+        )
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+
+
 def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
     with torch.no_grad():
@@ -293,9 +312,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                     "one module, or pass wrap= so that one unit holds each"
                 )
         _cast_frozen_and_buffers(model, plan.param_dtype)
+        offload = _offload_policy(plan, device)
         for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
             _masters_to(unit, plan.master_dtype)
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
         comm = Communicator(group)
         # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
         reduce_scatter = _NamedReduceScatter(comm, keep_output=low_precision_masters)

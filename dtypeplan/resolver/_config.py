@@ -643,6 +643,14 @@ def load_config(
     ]
     master = _master_weights(document, bf16, fp16)
     states = "bf16" if bf16.get("bf16_optimizer_states") else "fp32"
+    if low_precision_states and offload_optimizer != "none" and model_dtype == "fp16":
+        path = "$.optimizer.params.fp32_optimizer_states"
+        raise PrecisionConfigError(
+            f"{path} false with fp16 parameters: DeepSpeed's CPU Adam would keep fp16 moments, "
+            "and the table has no fp16 optimizer states (fp16's range cannot hold Adam's second "
+            "moment); remove the key to keep fp32 states",
+            path,
+        )
     if low_precision_states and offload_optimizer != "none" and model_dtype != "fp32":
         states = model_dtype
     autocast_doc = document.get("torch_autocast", {})

@@ -19,9 +19,16 @@ master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 pa
 states        ``S * N / D``; halved for bf16 optimizer states
 ============  =====================================================================
 
+With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
+parameters get a host copy too) and the states live in host memory: they count under
+``host_master`` and ``host_optimizer_states`` (and ``host_total``), and ``master`` and
+``optimizer_states`` are 0. The six device keys mean device bytes for every plan; the host keys
+are 0 when nothing is offloaded.
+
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
 per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
-``W * 64`` elements per bucket) and transient buffers during ``step()`` are not counted.
+``W * 64`` elements per bucket) and transient buffers during ``step()`` (with offload: the two
+host gradient slots of at most one bucket chunk each) are not counted.
 ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimizer instead of
 FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master.
 """
@@ -30,9 +37,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MEMORY_KEYS", "memory_model"]
+__all__ = ["HOST_MEMORY_KEYS", "MEMORY_KEYS", "memory_model"]
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
+"""Device bytes (shared/API.md)."""
+HOST_MEMORY_KEYS = ("host_master", "host_optimizer_states", "host_total")
+"""Host bytes of an offloaded optimizer; 0 without offload."""
 
 
 def memory_model(
@@ -47,6 +57,7 @@ def memory_model(
     master_dtype: torch.dtype = torch.float32,
     master_rounding: str = "nearest",
     states_dtype: torch.dtype = torch.float32,
+    offload_optimizer: bool = False,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
@@ -59,7 +70,7 @@ def memory_model(
     else:
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
-    aliased = param_dtype == master_dtype or zero_stage >= 3
+    aliased = (param_dtype == master_dtype and not offload_optimizer) or zero_stage >= 3
     master = 0 if aliased else 4 * n // state_divisor
     if master_dtype != torch.float32 and master_rounding == "kahan":
         master = master_dtype.itemsize * n // state_divisor
@@ -72,5 +83,11 @@ def memory_model(
         "master": master,
         "optimizer_states": states,
     }
+    host = {"host_master": 0, "host_optimizer_states": 0}
+    if offload_optimizer:
+        host = {"host_master": master, "host_optimizer_states": states}
+        figures["master"] = figures["optimizer_states"] = 0
     figures["total"] = sum(figures.values())
+    figures.update(host)
+    figures["host_total"] = sum(host.values())
     return figures

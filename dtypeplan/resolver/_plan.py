@@ -276,8 +276,11 @@ class PrecisionPlan:
     def memory(self, num_params: int, world_size: int) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
 
-        Raises :class:`NotSupportedError` for a plan that offloads: the model counts device
-        bytes, and an offloaded optimizer or offloaded parameters are not on the device.
+        The six keys of shared/API.md are device bytes; ``host_master``,
+        ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
+        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload, for
+        ``offload_param`` and for an offloaded optimizer at ZeRO-3, which dtypeplan does not
+        implement: no figure would be true.
         Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
         copies of weights and activations live only during forward and backward, like the
         activations themselves, and are not optimizer memory.
@@ -289,13 +292,14 @@ class PrecisionPlan:
                 ("offload_param", self.offload_param),
             )
             if where != "none"
+            and not (what == "offload_optimizer" and where == "cpu" and self.zero_stage < 3)
         ]
         if offloaded:
             raise NotSupportedError(
                 f"memory(): the plan asks for {' and '.join(offloaded)}, which dtypeplan does "
                 "not implement, so no device figure would be true: the device would not hold "
-                "what is offloaded, and dtypeplan cannot offload it. Remove the offload "
-                "settings to see what the device holds with everything on it."
+                "what is offloaded, and dtypeplan cannot offload it. Remove the setting (or "
+                "use offload_optimizer device cpu) to see what the device and host hold."
             )
         return memory_model(
             num_params=num_params,
@@ -308,6 +312,7 @@ class PrecisionPlan:
             master_dtype=self.master_dtype,
             master_rounding=self.master_rounding,
             states_dtype=self.optimizer_states_dtype,
+            offload_optimizer=self.offload_optimizer == "cpu",
         )
 
     def explain(self) -> str:
