@@ -37,8 +37,13 @@ from benchmarks._common import base_parser, environment, finish, format_table, w
 from benchmarks.bench_memory import make_model
 from dtypeplan.launch import spawn
 
-WIRES = (("fp32", "collective"), ("bf16", "collective"), ("bf16", "fp32_sum"),
-         ("fp16", "collective"), ("fp16", "fp32_sum"))
+WIRES = (
+    ("fp32", "collective"),
+    ("bf16", "collective"),
+    ("bf16", "fp32_sum"),
+    ("fp16", "collective"),
+    ("fp16", "fp32_sum"),
+)
 STAGES = ((0, False), (1, False), (1, True), (2, True))
 MICRO_BATCHES = (1, 4)
 SMALL_BUCKET = 1 << 16
@@ -53,8 +58,16 @@ def all_cases() -> list[dict[str, Any]]:
                 for bucket in (None, SMALL_BUCKET):
                     if bucket is not None and (wire, method) != ("bf16", "collective"):
                         continue
-                    cases.append({"wire": wire, "method": method, "stage": stage,
-                                  "sharded": sharded, "micro": micro, "bucket": bucket})
+                    cases.append(
+                        {
+                            "wire": wire,
+                            "method": method,
+                            "stage": stage,
+                            "sharded": sharded,
+                            "micro": micro,
+                            "bucket": bucket,
+                        }
+                    )
     return cases
 
 
@@ -135,8 +148,9 @@ class _Interceptor:
         self.scalar_bytes = 0
 
 
-def run_case(case: dict[str, Any], widths: list[int], rank: int, world: int,
-             spy: _Interceptor) -> dict[str, Any]:
+def run_case(
+    case: dict[str, Any], widths: list[int], rank: int, world: int, spy: _Interceptor
+) -> dict[str, Any]:
     plan = dtypeplan.resolve(case_config(case))
     if plan.status != "OK":
         return {"status": str(plan.status), "reason": plan.reason}
@@ -174,8 +188,9 @@ def run_case(case: dict[str, Any], widths: list[int], rank: int, world: int,
     }
 
 
-def _rank_worker(rank: int, world: int, cases: list[dict[str, Any]],
-                 widths: list[int]) -> list[dict[str, Any]]:
+def _rank_worker(
+    rank: int, world: int, cases: list[dict[str, Any]], widths: list[int]
+) -> list[dict[str, Any]]:
     spy = _Interceptor(world)
     spy.install()
     try:
@@ -214,34 +229,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             stats_bytes = max(r["stats_bytes"] for r in results)
             spy_bytes = max(r["spy_bytes"] for r in results)
             calls = first["stats_calls"]
-            rows.append({
-                "N": world,
-                "stage": case["stage"],
-                "accum": "sharded" if case["sharded"] else "whole",
-                "wire": case["wire"],
-                "method": case["method"],
-                "micro": case["micro"],
-                "bucket": "default" if case["bucket"] is None else case["bucket"],
-                "buckets": first["buckets"],
-                "calls": " ".join(f"{k}:{v}" for k, v in sorted(calls.items())),
-                "wire dtypes": " ".join(f"{k}:{'/'.join(v)}"
-                                        for k, v in sorted(first["spy_dtypes"].items())),
-                "theory MB": theory / 1e6,
-                "stats MB": stats_bytes / 1e6,
-                "stats/theory": stats_bytes / theory,
-                "intercepted/theory": spy_bytes / theory,
-                "padding": padded / n,
-                "stats/theory(padded)": stats_bytes / theory_padded,
-                "scalar B": max(r["scalar_bytes"] for r in results),
-            })
+            rows.append(
+                {
+                    "N": world,
+                    "stage": case["stage"],
+                    "accum": "sharded" if case["sharded"] else "whole",
+                    "wire": case["wire"],
+                    "method": case["method"],
+                    "micro": case["micro"],
+                    "bucket": "default" if case["bucket"] is None else case["bucket"],
+                    "buckets": first["buckets"],
+                    "calls": " ".join(f"{k}:{v}" for k, v in sorted(calls.items())),
+                    "wire dtypes": " ".join(
+                        f"{k}:{'/'.join(v)}" for k, v in sorted(first["spy_dtypes"].items())
+                    ),
+                    "theory MB": theory / 1e6,
+                    "stats MB": stats_bytes / 1e6,
+                    "stats/theory": stats_bytes / theory,
+                    "intercepted/theory": spy_bytes / theory,
+                    "padding": padded / n,
+                    "stats/theory(padded)": stats_bytes / theory_padded,
+                    "scalar B": max(r["scalar_bytes"] for r in results),
+                }
+            )
     columns = list(rows[0])
     ratio = "{:.5f}"
-    table = format_table(rows, columns, formats={
-        "stats/theory": ratio, "intercepted/theory": ratio, "padding": ratio,
-        "stats/theory(padded)": ratio,
-    })
-    print(f"model: bf16 MLP {widths}, {first['n']} parameters, "
-          "fp32 accumulation; bytes sent per rank in one step")
+    table = format_table(
+        rows,
+        columns,
+        formats={
+            "stats/theory": ratio,
+            "intercepted/theory": ratio,
+            "padding": ratio,
+            "stats/theory(padded)": ratio,
+        },
+    )
+    print(
+        f"model: bf16 MLP {widths}, {first['n']} parameters, "
+        "fp32 accumulation; bytes sent per rank in one step"
+    )
     print(table)
     exact = [abs(r["stats/theory(padded)"] - 1.0) < 1e-4 for r in rows]
     agree = [abs(r["intercepted/theory"] - r["stats/theory"]) < 1e-4 for r in rows]
@@ -272,9 +298,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "comm",
             out=args.out,
             env=env,
-            config={"model": f"bf16 MLP {widths}", "num_params": first["n"],
-                    "accumulation": "fp32", "world_sizes": list(worlds),
-                    "small_bucket": SMALL_BUCKET, "quick": args.quick},
+            config={
+                "model": f"bf16 MLP {widths}",
+                "num_params": first["n"],
+                "accumulation": "fp32",
+                "world_sizes": list(worlds),
+                "small_bucket": SMALL_BUCKET,
+                "quick": args.quick,
+            },
             sections=[("Bytes sent per rank per step", table)],
             data={"rows": rows, "summary": summary, "skipped": skipped},
             notes=notes,

@@ -60,8 +60,10 @@ def accumulation_synthetic(
 ) -> dict[str, dict[int, float]]:
     generator = torch.Generator().manual_seed(seed)
     mu = torch.randn(numel, generator=generator)
-    accs = {"fp32": torch.empty(numel, dtype=torch.float32),
-            "bf16": torch.empty(numel, dtype=torch.bfloat16)}
+    accs = {
+        "fp32": torch.empty(numel, dtype=torch.float32),
+        "bf16": torch.empty(numel, dtype=torch.bfloat16),
+    }
     ref = torch.zeros(numel, dtype=torch.float64)
     errors: dict[str, dict[int, float]] = {name: {} for name in accs}
     for k in range(1, max_micro + 1):
@@ -80,8 +82,9 @@ def accumulation_synthetic(
 
 def _mlp(width: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                               torch.nn.Linear(4 * width, width))
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+    )
 
 
 def accumulation_optimizer(
@@ -90,11 +93,13 @@ def accumulation_optimizer(
     """The real optimizer's accumulator against the float64 sum of the same bf16 gradients."""
     errors: dict[str, dict[int, float]] = {}
     for accum in ("fp32", "bf16"):
-        plan = dtypeplan.resolve({
-            "bf16": {"enabled": True},
-            "gradient_accumulation_dtype": accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        })
+        plan = dtypeplan.resolve(
+            {
+                "bf16": {"enabled": True},
+                "gradient_accumulation_dtype": accum,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            }
+        )
         assert plan.status == "OK", plan.explain()
         base = _mlp(width)
         reference = copy.deepcopy(base).to(torch.bfloat16)
@@ -127,8 +132,10 @@ def rank_gradients(world: int, numel: int, seed: int = 0) -> torch.Tensor:
     """(world, numel) fp32: a shared mean plus per-rank noise; row r is rank r's gradient."""
     generator = torch.Generator().manual_seed(seed)
     mu = torch.randn(numel, generator=generator)
-    rows = [mu + torch.randn(numel, generator=torch.Generator().manual_seed(seed + 1 + r))
-            for r in range(world)]
+    rows = [
+        mu + torch.randn(numel, generator=torch.Generator().manual_seed(seed + 1 + r))
+        for r in range(world)
+    ]
     return torch.stack(rows)
 
 
@@ -164,9 +171,16 @@ def reduction_simulated(numel: int, worlds: tuple[int, ...]) -> list[dict[str, A
             ref_wire = values.to(wire).double().sum(0)
             for method, fn in (("ring", simulate_ring), ("fp32_sum", simulate_fp32_sum)):
                 out = fn(values, wire)
-                rows.append({"N": world, "wire": wire_name, "method": method,
-                             "source": "simulated", "rel err": rel_err(out, ref),
-                             "reduction-only err": rel_err(out, ref_wire)})
+                rows.append(
+                    {
+                        "N": world,
+                        "wire": wire_name,
+                        "method": method,
+                        "source": "simulated",
+                        "rel err": rel_err(out, ref),
+                        "reduction-only err": rel_err(out, ref_wire),
+                    }
+                )
     return rows
 
 
@@ -188,10 +202,16 @@ def _reduction_rank(rank: int, world: int, numel: int) -> list[dict[str, Any]]:
             whole = values[rank].clone()
             comm.all_reduce_sum_(whole, wire, method)
             for op, got in (("reduce_scatter", result), ("all_reduce", whole[mine])):
-                out.append({"op": op, "wire": wire_name, "method": method,
-                            "sq_err": float((got.double() - ref[mine]).square().sum()),
-                            "sq_err_wire": float((got.double() - ref_wire[mine]).square().sum()),
-                            "sq_ref": float(ref[mine].square().sum())})
+                out.append(
+                    {
+                        "op": op,
+                        "wire": wire_name,
+                        "method": method,
+                        "sq_err": float((got.double() - ref[mine]).square().sum()),
+                        "sq_err_wire": float((got.double() - ref_wire[mine]).square().sum()),
+                        "sq_ref": float(ref[mine].square().sum()),
+                    }
+                )
     return out
 
 
@@ -204,9 +224,16 @@ def reduction_real(numel: int) -> list[dict[str, Any]]:
             err = (sum(p["sq_err"] for p in parts) / sum(p["sq_ref"] for p in parts)) ** 0.5
             err_w = (sum(p["sq_err_wire"] for p in parts) / sum(p["sq_ref"] for p in parts)) ** 0.5
             method = "ring" if first["method"] == "collective" else "fp32_sum"
-            rows.append({"N": world, "wire": first["wire"], "method": method,
-                         "source": f"gloo {first['op']}", "rel err": err,
-                         "reduction-only err": err_w})
+            rows.append(
+                {
+                    "N": world,
+                    "wire": first["wire"],
+                    "method": method,
+                    "source": f"gloo {first['op']}",
+                    "rel err": err,
+                    "reduction-only err": err_w,
+                }
+            )
     return rows
 
 
@@ -223,11 +250,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     synthetic = accumulation_synthetic(numel, max_micro)
     real_opt = accumulation_optimizer(width, max_micro)
     acc_rows = [
-        {"micro-batches": k,
-         "accumulate_ fp32": synthetic["fp32"][k], "accumulate_ bf16": synthetic["bf16"][k],
-         "optimizer fp32 accum": real_opt["fp32"][k], "optimizer bf16 accum": real_opt["bf16"][k],
-         "bf16/fp32 (optimizer)": real_opt["bf16"][k] / real_opt["fp32"][k]
-         if real_opt["fp32"][k] > 0 else None}
+        {
+            "micro-batches": k,
+            "accumulate_ fp32": synthetic["fp32"][k],
+            "accumulate_ bf16": synthetic["bf16"][k],
+            "optimizer fp32 accum": real_opt["fp32"][k],
+            "optimizer bf16 accum": real_opt["bf16"][k],
+            "bf16/fp32 (optimizer)": real_opt["bf16"][k] / real_opt["fp32"][k]
+            if real_opt["fp32"][k] > 0
+            else None,
+        }
         for k in MICRO_COUNTS
     ]
     sim = reduction_simulated(sim_numel, SIM_WORLDS)
@@ -235,18 +267,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     red_rows = sorted(sim + real, key=lambda r: (r["wire"], r["N"], r["source"], r["method"]))
     sig = "{:.3g}"
     acc_table = format_table(acc_rows, formats=dict.fromkeys(acc_rows[0], sig))
-    red_table = format_table(red_rows, ["N", "wire", "method", "source", "rel err",
-                                        "reduction-only err"],
-                             formats={"rel err": sig, "reduction-only err": sig})
+    red_table = format_table(
+        red_rows,
+        ["N", "wire", "method", "source", "rel err", "reduction-only err"],
+        formats={"rel err": sig, "reduction-only err": sig},
+    )
     print("1. accumulated gradient: relative L2 error against the float64 sum")
     print(acc_table)
     print("2. reduction over ranks: relative L2 error against the float64 sum of fp32 inputs")
     print(red_table)
 
     def err(n: int, wire: str, method: str, source: str = "simulated") -> float:
-        return next(r["rel err"] for r in red_rows
-                    if r["N"] == n and r["wire"] == wire and r["method"] == method
-                    and r["source"] == source)
+        return next(
+            r["rel err"]
+            for r in red_rows
+            if r["N"] == n and r["wire"] == wire and r["method"] == method and r["source"] == source
+        )
 
     summary = {
         "benchmark": "numerics",
@@ -258,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fp32_sum_bf16_err": {n: err(n, "bf16", "fp32_sum") for n in SIM_WORLDS},
         "real_bf16_err_N4": {
             f"{op} {method}": err(4, "bf16", method, f"gloo {op}")
-            for op in ("reduce_scatter", "all_reduce") for method in ("ring", "fp32_sum")
+            for op in ("reduce_scatter", "all_reduce")
+            for method in ("ring", "fp32_sum")
         },
     }
     if not args.no_write:
@@ -267,10 +304,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "numerics",
             out=args.out,
             env=env,
-            config={"synthetic_numel": numel, "optimizer_model": f"MLP {width}-{4 * width}-{width}",
-                    "micro_counts": list(MICRO_COUNTS), "sim_numel": sim_numel,
-                    "sim_worlds": list(SIM_WORLDS), "real_worlds": list(REAL_WORLDS),
-                    "quick": args.quick},
+            config={
+                "synthetic_numel": numel,
+                "optimizer_model": f"MLP {width}-{4 * width}-{width}",
+                "micro_counts": list(MICRO_COUNTS),
+                "sim_numel": sim_numel,
+                "sim_worlds": list(SIM_WORLDS),
+                "real_worlds": list(REAL_WORLDS),
+                "quick": args.quick,
+            },
             sections=[
                 ("Accumulation error against float64 (relative L2)", acc_table),
                 ("Reduction error against float64 (relative L2)", red_table),
@@ -296,8 +338,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def _plot(acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: Path,
-          date: str) -> list[Path]:
+def _plot(
+    acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: Path, date: str
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,8 +350,12 @@ def _plot(acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: P
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ks = [r["micro-batches"] for r in acc_rows]
-    for key, style in (("accumulate_ fp32", "-o"), ("accumulate_ bf16", "-s"),
-                       ("optimizer fp32 accum", "--^"), ("optimizer bf16 accum", "--v")):
+    for key, style in (
+        ("accumulate_ fp32", "-o"),
+        ("accumulate_ bf16", "-s"),
+        ("optimizer fp32 accum", "--^"),
+        ("optimizer bf16 accum", "--v"),
+    ):
         ys = [max(r[key], 1e-12) for r in acc_rows]
         ax.plot(ks, ys, style, label=key)
     ax.set_xscale("log", base=2)
@@ -323,17 +370,33 @@ def _plot(acc_rows: list[dict[str, Any]], red_rows: list[dict[str, Any]], out: P
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for wire in WIRE:
         for method, style in (("ring", "-o"), ("fp32_sum", "-s")):
-            pts = [r for r in red_rows if r["wire"] == wire and r["method"] == method
-                   and r["source"] == "simulated"]
-            ax.plot([r["N"] for r in pts], [r["rel err"] for r in pts], style,
-                    label=f"{wire} {method} (simulated)")
+            pts = [
+                r
+                for r in red_rows
+                if r["wire"] == wire and r["method"] == method and r["source"] == "simulated"
+            ]
+            ax.plot(
+                [r["N"] for r in pts],
+                [r["rel err"] for r in pts],
+                style,
+                label=f"{wire} {method} (simulated)",
+            )
             first = wire == "bf16" and method == "ring"
             for op, marker in (("reduce_scatter", "x"), ("all_reduce", "+")):
-                real = [r for r in red_rows if r["wire"] == wire and r["method"] == method
-                        and r["source"] == f"gloo {op}"]
-                ax.scatter([r["N"] for r in real], [r["rel err"] for r in real], marker=marker,
-                           s=70, color="black", zorder=3,
-                           label=f"gloo ranks, {op}" if first else None)
+                real = [
+                    r
+                    for r in red_rows
+                    if r["wire"] == wire and r["method"] == method and r["source"] == f"gloo {op}"
+                ]
+                ax.scatter(
+                    [r["N"] for r in real],
+                    [r["rel err"] for r in real],
+                    marker=marker,
+                    s=70,
+                    color="black",
+                    zorder=3,
+                    label=f"gloo ranks, {op}" if first else None,
+                )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("world size N")

@@ -178,8 +178,9 @@ class DtypeplanRunner(Runner):
         self.model = make_model(spec)
         self.opt = plan.build(self.model.parameters())
         self.dtype = plan.param_dtype
-        self.note = (f"{plan.implementation}, wire {plan.comm_dtype} {plan.comm_reduction}"
-                     .replace("torch.", ""))
+        self.note = f"{plan.implementation}, wire {plan.comm_dtype} {plan.comm_reduction}".replace(
+            "torch.", ""
+        )
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -252,10 +253,16 @@ def torch_methods() -> list[tuple[str, str, Any]]:
         (TARGET, "dtypeplan", _dtypeplan_config("bf16", 1)),
         ("dtypeplan bf16/fp32acc z2", "dtypeplan", _dtypeplan_config("bf16", 2)),
         ("dtypeplan fp32 z1", "dtypeplan", _dtypeplan_config("fp32", 1)),
-        ("dtypeplan bf16/fp32acc z1 bf16-wire fp32_sum", "dtypeplan",
-         _dtypeplan_config("bf16", 1, bf16_wire=True)),
-        ("dtypeplan bf16/fp32acc z2 bf16-wire fp32_sum", "dtypeplan",
-         _dtypeplan_config("bf16", 2, bf16_wire=True)),
+        (
+            "dtypeplan bf16/fp32acc z1 bf16-wire fp32_sum",
+            "dtypeplan",
+            _dtypeplan_config("bf16", 1, bf16_wire=True),
+        ),
+        (
+            "dtypeplan bf16/fp32acc z2 bf16-wire fp32_sum",
+            "dtypeplan",
+            _dtypeplan_config("bf16", 2, bf16_wire=True),
+        ),
     ]
 
 
@@ -265,12 +272,21 @@ def deepspeed_methods() -> list[tuple[str, str, Any]]:
     return [
         (BASELINE, "plain", "none"),
         (TARGET, "dtypeplan", _dtypeplan_config("bf16", 1)),
-        ("DeepSpeed BF16_Optimizer z0", "deepspeed",
-         {**bf16_fp32, "zero_optimization": {"stage": 0}}),
-        ("DeepSpeed BF16_Optimizer z1", "deepspeed",
-         {**bf16_fp32, "zero_optimization": {"stage": 1}}),
-        ("DeepSpeed bf16 z0 (bf16 accum)", "deepspeed",
-         {**bf16_bf16, "zero_optimization": {"stage": 0}}),
+        (
+            "DeepSpeed BF16_Optimizer z0",
+            "deepspeed",
+            {**bf16_fp32, "zero_optimization": {"stage": 0}},
+        ),
+        (
+            "DeepSpeed BF16_Optimizer z1",
+            "deepspeed",
+            {**bf16_fp32, "zero_optimization": {"stage": 1}},
+        ),
+        (
+            "DeepSpeed bf16 z0 (bf16 accum)",
+            "deepspeed",
+            {**bf16_bf16, "zero_optimization": {"stage": 0}},
+        ),
         ("DeepSpeed ZeRO-1 bf16", "deepspeed", {**bf16_bf16, "zero_optimization": {"stage": 1}}),
         ("DeepSpeed ZeRO-2 bf16", "deepspeed", {**bf16_bf16, "zero_optimization": {"stage": 2}}),
     ]
@@ -300,14 +316,17 @@ def _prepare_deepspeed(rank: int, world: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-def _rank_worker(rank: int, world: int, methods: list[tuple[str, str, Any]],
-                 spec: Spec) -> dict[str, Any]:
+def _rank_worker(
+    rank: int, world: int, methods: list[tuple[str, str, Any]], spec: Spec
+) -> dict[str, Any]:
     if any(kind == "deepspeed" for _, kind, _ in methods):
         _prepare_deepspeed(rank, world)
     generator = torch.Generator().manual_seed(1234 + rank)
     batches = [
-        (torch.randn(spec.rows, spec.width, generator=generator),
-         torch.randn(spec.rows, spec.width, generator=generator))
+        (
+            torch.randn(spec.rows, spec.width, generator=generator),
+            torch.randn(spec.rows, spec.width, generator=generator),
+        )
         for _ in range(spec.micro)
     ]
     runners: list[Runner] = []
@@ -349,8 +368,9 @@ def _rank_worker(rank: int, world: int, methods: list[tuple[str, str, Any]],
     }
 
 
-def _profile(runners: list[Runner], batches: list[tuple[torch.Tensor, torch.Tensor]],
-             rank: int) -> str | None:
+def _profile(
+    runners: list[Runner], batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int
+) -> str | None:
     """torch.profiler table of the dtypeplan ZeRO-1 step (every rank must take part)."""
     runner = next((r for r in runners if r.name == TARGET), None)
     if runner is None:
@@ -382,16 +402,18 @@ def _summarize(
             continue
         total = [max(t[i][0] for t in per_rank) for i in range(steps)]
         opt_part = [max(t[i][1] for t in per_rank) for i in range(steps)]
-        rows.append({
-            "group": group,
-            "method": name,
-            "ms/step": 1e3 * statistics.median(total),
-            "p10 ms": 1e3 * sorted(total)[len(total) // 10],
-            "p90 ms": 1e3 * sorted(total)[min(len(total) - 1, (9 * len(total)) // 10)],
-            "opt ms": 1e3 * statistics.median(opt_part),
-            "steps": steps,
-            "note": results[0]["notes"].get(name, ""),
-        })
+        rows.append(
+            {
+                "group": group,
+                "method": name,
+                "ms/step": 1e3 * statistics.median(total),
+                "p10 ms": 1e3 * sorted(total)[len(total) // 10],
+                "p90 ms": 1e3 * sorted(total)[min(len(total) - 1, (9 * len(total)) // 10)],
+                "opt ms": 1e3 * statistics.median(opt_part),
+                "steps": steps,
+                "note": results[0]["notes"].get(name, ""),
+            }
+        )
     base = next((r for r in rows if r["method"] == BASELINE), None)
     ddp = next((r for r in rows if r["method"] == DDP), None)
     for row in rows:
@@ -410,14 +432,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile the dtypeplan bf16 ZeRO-1 step (torch.profiler, rank 0)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the dtypeplan bf16 ZeRO-1 step (torch.profiler, rank 0)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.rounds, args.steps_per_round = 512, 4, 3, 2
-    spec = Spec(width=args.width, layers=args.layers, rows=args.rows, micro=args.micro,
-                warmup_rounds=1, rounds=args.rounds, steps_per_round=args.steps_per_round,
-                profile=args.profile)
+    spec = Spec(
+        width=args.width,
+        layers=args.layers,
+        rows=args.rows,
+        micro=args.micro,
+        warmup_rounds=1,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        profile=args.profile,
+    )
     num_params = sum(p.numel() for p in make_model(spec).parameters())
     env = environment()
     world = 2
@@ -426,8 +458,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.no_deepspeed:
         ds_note = "DeepSpeed skipped (--no-deepspeed)"
     elif importlib.util.find_spec("deepspeed") is None:
-        ds_note = ("DeepSpeed not importable in this interpreter; skipped (install it in a "
-                   "separate venv, see the module docstring)")
+        ds_note = (
+            "DeepSpeed not importable in this interpreter; skipped (install it in a "
+            "separate venv, see the module docstring)"
+        )
     else:
         groups.append(("deepspeed", deepspeed_methods()))
     rows: list[dict[str, Any]] = []
@@ -441,11 +475,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         failures.update({f"{group}: {k}": v for k, v in group_failures.items()})
         profile_text = profile_text or results[0]["profile"]
         print(f"[{group}: {time.perf_counter() - started:.0f} s]", flush=True)
-    columns = ["group", "method", "ms/step", "x baseline", "x DDP", "opt ms", "p10 ms", "p90 ms",
-               "x baseline p10", "steps", "note"]
+    columns = [
+        "group",
+        "method",
+        "ms/step",
+        "x baseline",
+        "x DDP",
+        "opt ms",
+        "p10 ms",
+        "p90 ms",
+        "x baseline p10",
+        "steps",
+        "note",
+    ]
     table = format_table(rows, columns)
-    print(f"model: MLP {args.layers} x Linear({args.width}), {num_params} parameters; "
-          f"{args.micro} micro-batches x {args.rows} rows per rank; 2 gloo ranks, 1 thread each")
+    print(
+        f"model: MLP {args.layers} x Linear({args.width}), {num_params} parameters; "
+        f"{args.micro} micro-batches x {args.rows} rows per rank; 2 gloo ranks, 1 thread each"
+    )
     print(table)
     for name, error in failures.items():
         print(f"failed: {name}: {error}")
@@ -472,19 +519,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtypeplan_bf16_z1_over_fused_adamw": round(ratio, 3) if ratio else None,
         "target_within_1.5x": bool(ratio is not None and ratio <= 1.5),
         "dtypeplan_z1_over_deepspeed": ds_ratios,
-        "ratios": {f"{r['group']}:{r['method']}": round(r["x baseline"], 3)
-                   for r in rows if r["x baseline"]},
+        "ratios": {
+            f"{r['group']}:{r['method']}": round(r["x baseline"], 3)
+            for r in rows
+            if r["x baseline"]
+        },
         "failures": failures,
         "deepspeed": ds_note or "measured",
     }
     if not args.no_write:
         sections = [("Median time per step", table)]
         if failures:
-            sections.append(("Methods that did not run",
-                             "\n".join(f"- {k}: `{v}`" for k, v in failures.items())))
+            sections.append(
+                (
+                    "Methods that did not run",
+                    "\n".join(f"- {k}: `{v}`" for k, v in failures.items()),
+                )
+            )
         if profile_text:
-            sections.append(("Profile of the dtypeplan bf16 ZeRO-1 step (rank 0, 3 steps)",
-                             "```\n" + profile_text + "\n```"))
+            sections.append(
+                (
+                    "Profile of the dtypeplan bf16 ZeRO-1 step (rank 0, 3 steps)",
+                    "```\n" + profile_text + "\n```",
+                )
+            )
         plot = _plot(rows, args.out, env["date"])
         sections.append(("Plot", f"![step time]({plot.name})"))
         notes = [
@@ -502,10 +560,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "step_time",
             out=args.out,
             env=env,
-            config={"model": f"MLP {args.layers} x Linear({args.width})", "num_params": num_params,
-                    "micro_batches": args.micro, "rows": args.rows, "world_size": world,
-                    "rounds": args.rounds, "steps_per_round": args.steps_per_round,
-                    "lr": LR, "quick": args.quick},
+            config={
+                "model": f"MLP {args.layers} x Linear({args.width})",
+                "num_params": num_params,
+                "micro_batches": args.micro,
+                "rows": args.rows,
+                "world_size": world,
+                "rounds": args.rounds,
+                "steps_per_round": args.steps_per_round,
+                "lr": LR,
+                "quick": args.quick,
+            },
             sections=sections,
             data={"rows": rows, "summary": summary, "profile": profile_text},
             notes=notes,

@@ -283,7 +283,8 @@ def _parser() -> argparse.ArgumentParser:
         "table",
         help="print the rules table as markdown",
         description="Print every rule, then the status of each parameter dtype x accumulation "
-        "dtype x ZeRO stage x pipeline cell, as markdown.",
+        "dtype x ZeRO stage x pipeline cell, a grid for each feature with OK cells, and each "
+        "feature value's deciding rules, as markdown.",
     )
     table.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
     table.add_argument(

@@ -95,9 +95,11 @@ def _train(
     rank: int, world_size: int, plan: PrecisionPlan, steps: int, micro_batches: int
 ) -> dict[str, Any]:
     torch.manual_seed(SEED)
-    model = TinyMLP()
+    model: torch.nn.Module = TinyMLP()
     num_params = sum(p.numel() for p in model.parameters())
     teacher = _teacher()
+    # Casts the model (ZeRO-3: shards it); under torch_autocast runs its forward in autocast.
+    model = plan.prepare_model(model)
     optimizer = plan.build(model.parameters())
     assert isinstance(optimizer, MixedPrecisionOptimizer)  # what every registered class is
     dtype = plan.param_dtype

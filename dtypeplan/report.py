@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtypeplan.resolver._memory import MEMORY_KEYS
+from dtypeplan.resolver._memory import HOST_MEMORY_KEYS, MEMORY_KEYS
 
 __all__ = ["format_bytes", "memory_report"]
 
@@ -25,18 +25,22 @@ def memory_report(
     world_size: int,
     measured: Sequence[dict[str, int] | None] = (),
 ) -> str:
-    """The per-rank byte table; ``measured`` adds one column per rank next to the prediction."""
+    """The per-rank byte table; ``measured`` adds one column per rank next to the prediction.
+
+    The ``host_*`` rows are an offloaded optimizer's host memory (0 without offload); the
+    other rows are device bytes.
+    """
     header = ["component", "predicted bytes", "human", "bytes/param"]
     header += [f"rank {r} measured" for r in range(len(measured))]
     rows = [header]
-    for key in MEMORY_KEYS:
+    for key in (*MEMORY_KEYS, *HOST_MEMORY_KEYS):
         row = [
             key,
             f"{predicted[key]:,}",
             format_bytes(predicted[key]),
             f"{predicted[key] / num_params:.2f}" if num_params else "-",
         ]
-        row += [f"{m[key]:,}" if m is not None else "n/a" for m in measured]
+        row += [f"{m[key]:,}" if m is not None and key in m else "n/a" for m in measured]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [

@@ -1,11 +1,15 @@
 """The rules table as markdown: ``dtypeplan table`` and the generated section of README.md.
 
-Three tables are rendered. The first lists every rule of the file in file order. The second is
-the status grid a reader looks for: the :data:`GRID_ROWS` dimensions (parameter dtype x
-accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism),
-with the other dimensions left to the defaults of the rules file and every feature unused. The
-third lists each value of the feature dimensions (master weights, offload, ...) with the rules
-that decide it when it is the only feature in use. Titles, values and the config
+Four kinds of table are rendered. The first lists every rule of the file in file order (a
+feature pinned to its "not used" value is summed up as "other features unused", so that each
+row shows what sets the rule apart). The second is the status grid a reader looks for: the
+:data:`GRID_ROWS` dimensions (parameter dtype x accumulation dtype) against the
+:data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism), with the other dimensions left to
+the defaults of the rules file and every feature unused. Then one grid per feature dimension
+that has an OK value (master weights, optimizer states, autocast, offload, ...): parameter dtype
+x feature value against the same columns, that feature the only one in use. The last lists each
+value of every feature dimension with the rules that decide it when it is the only feature in
+use. Titles, values and the config
 keys that select them come from the dimension records (``resolver/_dimensions.py``). Each cell
 is computed by resolving a real config for it, so the grid shows what ``dtypeplan.resolve``
 answers, defaults included, and cannot drift from the resolver.
@@ -20,6 +24,7 @@ from typing import Any
 from dtypeplan.resolver._config import load_config
 from dtypeplan.resolver._dimensions import (
     ACCUM,
+    DIMENSIONS,
     FEATURE_DIMENSIONS,
     PARAMS,
     PIPELINE,
@@ -32,6 +37,7 @@ from dtypeplan.resolver._resolve import resolve_config
 from dtypeplan.resolver._rules import Rule, RuleTable
 
 __all__ = [
+    "condition_text",
     "GRID_COLUMNS",
     "GRID_ROWS",
     "README_BEGIN",
@@ -42,6 +48,7 @@ __all__ = [
     "render_markdown",
     "render_readme_block",
     "feature_rows",
+    "render_feature_grid",
     "render_features",
     "render_rules",
     "status_grid",
@@ -78,6 +85,23 @@ def _implementation_cell(rule: Rule) -> str:
     return _cell(f"{rule.implementation} ({single} without torch.distributed)")
 
 
+def condition_text(rule: Rule) -> str:
+    """The rule's condition without the features it pins to "not used" (named once at the end)."""
+    parts = []
+    pinned_unused = False
+    for name, dim in DIMENSIONS.items():
+        if name not in rule.when:
+            continue
+        values = rule.matched_values(name)
+        if name in FEATURE_DIMENSIONS and values == [dim.default_value]:
+            pinned_unused = True
+            continue
+        parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
+    if pinned_unused:
+        parts.append("other features unused")
+    return ", ".join(parts) or "any"
+
+
 def render_rules(table: RuleTable) -> str:
     """One markdown row per rule, in file order."""
     lines = [
@@ -86,7 +110,7 @@ def render_rules(table: RuleTable) -> str:
     ]
     for rule in table.rules:
         lines.append(
-            f"| `{rule.id}` | {_cell(rule.when_text())} | {rule.status} | "
+            f"| `{rule.id}` | {_cell(condition_text(rule))} | {rule.status} | "
             f"{_implementation_cell(rule)} | {_cell(rule.reason)} |"
         )
     return "\n".join(lines)
@@ -124,8 +148,7 @@ def render_grid(table: RuleTable) -> str:
     for row, statuses in status_grid(table).items():
         cells = [value_text(v) for v in row]
         for column in columns:
-            status = statuses[column]
-            cells.append(f"**{status}**" if status == "OK" else status)
+            cells.append(_status_text(statuses[column]))
         lines.append("| " + " | ".join(cells) + " |")
     defaults = table.defaults
     sharded = ", ".join(
@@ -142,6 +165,59 @@ def render_grid(table: RuleTable) -> str:
         f"PP = `resolve(..., {PIPELINE.config_key}=True)`."
     )
     return "\n".join(lines) + "\n\n" + note
+
+
+def _status_text(status: str) -> str:
+    return f"**{status}**" if status == "OK" else status
+
+
+def render_feature_grid(table: RuleTable, feature: Dimension) -> str | None:
+    """Parameter dtype x value of ``feature`` against the grid's columns, the feature the only
+    one in use (other dimensions at the rules file's defaults); None when no cell is OK. Rows
+    that are an Error in every column are left out."""
+    columns = _cells(GRID_COLUMNS, advisable=False)
+    rows = []
+    any_ok = False
+    for params in PARAMS.choices:
+        for value in feature.values:
+            # A value no config selects (a shaped optimizer comes from build's argument) has
+            # no row: a config without it would show the "not used" value's status.
+            if value == feature.default_value or not feature.config_for(value):
+                continue
+            statuses = []
+            for column in columns:
+                # The parameter dtype last: a feature's config may enable a 16-bit mode itself.
+                values = {feature.name: value, PARAMS.name: params}
+                values.update(zip((d.name for d in GRID_COLUMNS), column, strict=True))
+                pipeline = bool(values.pop(PIPELINE.name, PIPELINE.default_value))
+                plan = resolve_config(
+                    load_config(config_for(values)), pipeline_parallel=pipeline, table=table
+                )
+                statuses.append(str(plan.status))
+            any_ok = any_ok or "OK" in statuses
+            # A row that is an Error everywhere (bf16 masters for fp32 parameters) is a
+            # contradiction, which the features table states once.
+            if set(statuses) != {"Error"}:
+                cells = [value_text(params), value_text(value)]
+                cells.extend(_status_text(status) for status in statuses)
+                rows.append("| " + " | ".join(cells) + " |")
+    if not any_ok:
+        return None
+    header = [PARAMS.title, feature.title] + [_heading(column) for column in columns]
+    return "\n".join(
+        ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |", *rows]
+    )
+
+
+def render_feature_grids(table: RuleTable) -> str:
+    """A heading and a grid for every feature dimension that has an OK cell and that a config
+    selects."""
+    sections = []
+    for feature in FEATURE_DIMENSIONS.values():
+        grid = render_feature_grid(table, feature)
+        if grid is not None:
+            sections.append(f"#### {feature.title} (`{feature.config_key}`)\n\n{grid}")
+    return "\n\n".join(sections)
 
 
 def feature_rows(table: RuleTable) -> list[tuple[Dimension, list[Any], Rule]]:
@@ -191,6 +267,12 @@ def render_markdown(table: RuleTable) -> str:
         + render_rules(table)
         + "\n\n### Status by parameter dtype, accumulation dtype, ZeRO stage and pipeline\n\n"
         + render_grid(table)
+        + "\n\n### Status of each feature that has OK cells\n\n"
+        + "One grid per feature: that feature's value is the only one set beside the parameter "
+        + "dtype and the ZeRO stage; everything else takes the defaults above. Rows that are an "
+        + "Error in every column (a contradiction, such as bf16 master weights for fp32 "
+        + "parameters) are left out; the next table gives their reasons.\n\n"
+        + render_feature_grids(table)
         + "\n\n### DeepSpeed features, each alone\n\n"
         + 'The grid above is every feature\'s "not used" value. Each other value, as the only '
         + "feature of a config, is decided by the rule shown; when a config uses several, the "

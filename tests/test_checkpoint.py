@@ -413,6 +413,7 @@ def test_report_timings(spawned: Any, one: Any) -> None:
 
 def test_zero3_checkpoint_resumes_at_zero3_and_at_zero1(tmp_path: Any) -> None:
     results = spawn(cases.zero3_round_trip, 2, str(tmp_path / "ckpt"))[0]
+    _check_zero3_bf16_master_conversions(results["bf16_masters"])
     # issue 14 C4: a ZeRO-3 save and load gather nothing (each rank writes its local shards)
     assert results["gathered"] == [0.0], results["gathered"]
     expected = results["uninterrupted"][3:]
@@ -420,6 +421,45 @@ def test_zero3_checkpoint_resumes_at_zero3_and_at_zero1(tmp_path: Any) -> None:
         for got, want in zip(results[name], expected, strict=True):
             # bf16 forward passes: the gradient norms agree to bf16-model noise.
             assert abs(got - want) <= 1e-3 * want, (name, results[name], expected)
+
+
+def _check_zero3_bf16_master_conversions(got: dict[str, Any]) -> None:
+    """ZeRO-3 bf16 masters convert as at stages 0-2 (see the bf16-master conversion test).
+
+    Kahan bf16 -> fp32 and -> another stage with Kahan: exact (the masters are stored as the
+    fp32 values they stand for, compensation included; the moments as fp32 values of bf16
+    numbers). fp32 -> bf16 to nearest: each master rounded once, to the nearest bf16.
+    """
+    saved = got["saved"]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in saved["masters"]), (
+        "the Kahan compensation was not folded into the saved ZeRO-3 masters"
+    )
+    assert not any(k.endswith(".kahan_compensation") for k in saved["states"])
+    for name in ("as_fp32", "as_zero1_kahan"):
+        loaded = got[name]
+        for mine, ref in zip(loaded["masters"], saved["masters"], strict=True):
+            assert torch.equal(mine, ref), name
+        assert loaded["states"].keys() == saved["states"].keys(), name
+        for key, value in saved["states"].items():
+            assert torch.equal(loaded["states"][key], value), (name, key)
+    for mine, ref in zip(got["as_nearest"]["masters"], got["trained_fp32"]["masters"], strict=True):
+        assert torch.equal(mine, ref.to(torch.bfloat16).float())
+    for key, value in got["trained_fp32"]["states"].items():
+        # fp32 moments stay fp32 in a bf16-master optimizer without bf16_optimizer_states.
+        assert torch.equal(got["as_nearest"]["states"][key], value), key
+    assert got["nearest_shard_dtypes"] == ["torch.bfloat16"]
+    # Across world sizes: the 2-rank ZeRO-3 checkpoint on one process (the flat sharded
+    # optimizer that one process runs for the same plan), the same masters bit for bit.
+    _model, one = _build_bf16(3, bf16={"bf16_optimizer_states": True}, **_KAHAN)
+    checkpoint.load(one, got["path"])
+    alone = cases.snapshot(one)
+    for mine, ref in zip(alone["masters"], saved["masters"], strict=True):
+        assert torch.equal(mine, ref)
+    for key, value in saved["states"].items():
+        assert torch.equal(alone["states"][key], value), key
+
+
+_KAHAN: dict[str, Any] = {"master_weights": {"dtype": "bf16", "rounding": "kahan"}}
 
 
 # --- issue 12, item 4: a load validates everything before it changes anything ----------------

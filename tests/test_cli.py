@@ -18,8 +18,15 @@ from dtypeplan.cli import main, parse_count
 from dtypeplan.optimizers import _registry
 from dtypeplan.report import format_bytes
 from dtypeplan.resolver import DIMENSIONS, PARAMS, Rule
+from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, value_text
 from dtypeplan.resolver._rules import default_rules_path
-from dtypeplan.table import README_BEGIN, README_END, readme_block, render_readme_block
+from dtypeplan.table import (
+    README_BEGIN,
+    README_END,
+    condition_text,
+    readme_block,
+    render_readme_block,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -298,11 +305,28 @@ def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[
     for row, rule in zip(rows, table.rules, strict=True):
         assert row == [
             f"`{rule.id}`",
-            rule.when_text(),
+            condition_text(rule),
             rule.status,
             _implementation_cell(rule),
             rule.reason,
         ]
+
+
+def test_table_condition_names_features_only_where_a_rule_sets_them_apart() -> None:
+    table = dtypeplan.load_rules()
+    zero1 = next(rule for rule in table.rules if rule.id == "zero1")
+    # Every feature pinned to "not used": summed up once, the core dimensions spelled out.
+    assert condition_text(zero1) == "params=fp32|fp16|bf16, stage=1, other features unused"
+    offload = next(rule for rule in table.rules if rule.id.startswith("offload-optimizer"))
+    text = condition_text(offload)
+    assert "offload_optimizer=" in text and "offload_optimizer=none" not in text
+    # Nothing is lost: the short text and the full one name the same non-default values.
+    for rule in table.rules:
+        for part in rule.when_text().split(", "):
+            name, values = part.split("=", 1)
+            dim = DIMENSIONS[name]
+            pinned_unused = name in FEATURE_DIMENSIONS and values == value_text(dim.default_value)
+            assert (part in condition_text(rule)) != pinned_unused, (rule.id, part)
 
 
 def test_table_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
@@ -323,6 +347,26 @@ def test_table_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
     assert [(r[0], r[1]) for r in rows] == list(
         itertools.product(("fp32", "fp16", "bf16"), repeat=2)
     )
+
+
+def test_table_feature_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
+    """The master-weights grid: each cell is resolve's status for a config a user writes."""
+    assert main(["table"]) == 0
+    rows = _table_rows(capsys.readouterr().out, "| params | master weights |")
+    assert ("bf16", "bf16_sr") in {(r[0], r[1]) for r in rows}
+    master = DIMENSIONS["master"]
+    cells = list(itertools.product(range(4), (False, True)))
+    for row in rows:
+        params, value = row[0], row[1]
+        for column, (stage, pipeline) in enumerate(cells, 2):
+            config = master.config_for(value)
+            for block, keys in PARAMS.config_for(params).items():
+                config.setdefault(block, {}).update(keys)
+            config["zero_optimization"] = {"stage": stage}
+            expected = str(dtypeplan.resolve(config, pipeline_parallel=pipeline).status)
+            assert row[column].strip("*") == expected, (params, value, stage, pipeline)
+        # Rows that are an Error everywhere are left out.
+        assert {cell.strip("*") for cell in row[2:]} != {"Error"}
 
 
 def test_table_grid_applies_the_rules_file_defaults(

@@ -543,8 +543,9 @@ def test_offload_is_parsed_never_ignored() -> None:
         {"zero_optimization": {"stage": 2, "cpu_offload": True}}
     )
     assert config.offload_optimizer == "cpu"
-    if plan.status == "OK":  # until the table decides offload, the plan says it runs without
-        assert any("offload_optimizer" in d for d in plan.deepspeed_differences)
+    # The table decides it: the offload cell runs it (never OK as if it were not there).
+    assert plan.status == "OK" and plan.rule_id == "offload-optimizer-cpu"
+    assert plan.offload_optimizer == "cpu"
 
 
 @pytest.mark.parametrize("name", ["ds_config.json", "ds_config.yaml"])

@@ -41,6 +41,11 @@ CASES = [
 ]
 
 
+IMPLEMENTED = {("autocast", "bf16"), ("autocast", "fp16")}
+"""Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
+proves them, and refuses them with 16-bit parameters."""
+
+
 def _config(name: str, value: Any) -> dict[str, Any]:
     # ZeRO-3, where every feature applies; a feature's fragment may enable bf16 or fp16 itself.
     return {
@@ -58,8 +63,12 @@ def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
     dim = FEATURE_DIMENSIONS[name]
     plan = dtypeplan.resolve(_config(name, value))
     assert PLAN_FIELDS[name](plan) == value, plan.explain()
-    if value == dim.default_value:
+    if value == dim.default_value or (name, value) in IMPLEMENTED:
         assert plan.status == "OK", plan.explain()
+        return
+    if name == "master" and value in ("bf16", "bf16_sr", "bf16_kahan"):
+        # Implemented at ZeRO-3 too (FSDP2 with bf16 shards; tests/test_parity.py).
+        assert plan.status == "OK" and plan.rule_id == "bf16-masters-zero3", plan.explain()
         return
     assert plan.status != "OK"
     rule = next(r for r in dtypeplan.load_rules().rules if r.id == plan.rule_id)
@@ -72,6 +81,8 @@ def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_memory_refuses_an_offloaded_plan(device: str) -> None:
+    """No figure for what dtypeplan does not offload: NVMe, parameters, an optimizer at
+    ZeRO-3 (the CPU optimizer offload at stages 1-2 has its host keys: tests/test_offload.py)."""
     for key in ("offload_optimizer", "offload_param"):
         plan = dtypeplan.resolve({"zero_optimization": {"stage": 3, key: {"device": device}}})
         assert plan.status == "NotSupported" and getattr(plan, key) == device
@@ -87,13 +98,20 @@ def test_check_prints_why_an_offloaded_plan_has_no_memory_figure(
 
     path = tmp_path / "offload.json"
     path.write_text(
-        '{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, '
+        '{"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, '
         '"offload_optimizer": {"device": "cpu"}}}'
     )
     assert main(["check", str(path)]) == 1
     out = capsys.readouterr().out
     assert "memory: not estimated, memory(): the plan asks for offload_optimizer to cpu" in out
     assert "offload optimizer      cpu" in out
+    # At stage 2 the offload is implemented: device rows, and the host rows hold the optimizer.
+    path.write_text(path.read_text().replace('"stage": 3', '"stage": 2'))
+    assert main(["check", str(path), "--params", "1000", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "host_master" in out and "host_optimizer_states" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("host_total "))
+    assert "6,000" in row  # 12 bytes per parameter over 2 ranks
 
 
 def test_features_in_use_decide_by_the_last_in_dimension_order() -> None:
@@ -103,7 +121,7 @@ def test_features_in_use_decide_by_the_last_in_dimension_order() -> None:
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         }
     )
-    assert plan.rule_id == "offload-optimizer"
+    assert plan.rule_id == "offload-optimizer-cpu-16bit-masters"
     changes = ["; ".join(alt.changes) for alt in plan.alternatives]
     assert changes and all(
         "offload_optimizer.device=none" in c and "bf16_master_weights_and_grads=false" in c

@@ -47,7 +47,11 @@ def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None
         "tests": "ok",
         "kernel": "ok",
         "engine": "ok",
+        "offload": "ok",
     }, summary.read_text()
+    (offload_json,) = tmp_path.glob("offload_dryrun-*.json")
+    offload = json.loads(offload_json.read_text())
+    assert offload["ok"] and offload["max_rel_param_diff"] == 0.0, offload
 
     (engine_json,) = tmp_path.glob("gpu_engine_step_dryrun-*.json")
     engine = json.loads(engine_json.read_text())

@@ -93,6 +93,48 @@ def test_bf16_master_memory_matches_model_two_ranks() -> None:
         assert predicted["optimizer_states"] == state_bytes * n // shards
 
 
+def test_offloaded_memory_matches_model_two_ranks() -> None:
+    """offload_optimizer cpu: the device figures (master and states 0) and the host figures
+    (fp32 master shard, states) of plan.memory() against held_tensors(), which reports the
+    offloaded components as host bytes; fp32 parameters get a host master of their own."""
+    configs = [
+        {
+            **PARAMS_KEYS[model],
+            "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": optimizer,
+        }
+        for model in ("fp32", "bf16")
+        for stage, sharded in ((1, False), (2, True))
+        for optimizer in (
+            {"type": "AdamW", "params": {"lr": 1e-3}},
+            {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        )
+    ]
+    results = spawn(memory_cases, 2, configs, WIDTH)[0]
+    for config, result in zip(configs, results, strict=True):
+        predicted, measured = result["predicted"], result["after_step"]
+        assert predicted["master"] == predicted["optimizer_states"] == 0, predicted
+        assert predicted["host_master"] == 4 * result["num_params"] // 2, predicted
+        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
+            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+                key,
+                measured,
+                predicted,
+                config,
+            )
+        for key in ("host_master", "host_optimizer_states", "host_total"):
+            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+                key,
+                measured,
+                predicted,
+                config,
+            )
+        # From build on (before the first step creates the states) the masters are host bytes.
+        built = result["after_build"]
+        assert built["master"] == 0 and built["host_master"] == measured["host_master"], built
+
+
 def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over_n() -> None:
     base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     configs = [
@@ -118,11 +160,28 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         for model in ("fp32", "bf16")
         for accum in ("fp32", "bf16")
     ]
+    # bf16 masters: 2-byte shards, a 2-byte Kahan buffer per shard, 2-byte moments with bf16
+    # states; an fp32 accumulator even for fp32 accumulation (FSDP2's .grad would be bf16).
+    configs += [
+        {
+            "bf16": {"enabled": True, "bf16_optimizer_states": states},
+            "master_weights": {"dtype": "bf16", "rounding": rounding},
+            "gradient_accumulation_dtype": accum,
+            "zero_optimization": {"stage": 3},
+        }
+        for rounding, states, accum in (
+            ("nearest", False, "fp32"),
+            ("stochastic", True, "bf16"),
+            ("kahan", False, "fp32"),
+            ("kahan", True, "bf16"),
+        )
+    ]
     for config, result in zip(
         configs, spawn(fsdp2_memory_cases, 2, configs, WIDTH)[0], strict=True
     ):
         measured, predicted = result["at_boundary"], result["predicted"]
-        for key in ("params", "accumulator", "optimizer_states", "total"):
+        assert not result["reduce_scatter_output_kept"], config
+        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
             assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
                 key,
                 measured,
@@ -139,6 +198,7 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}},
         {"master_weights": {"dtype": "bf16", "rounding": "kahan"}, "bf16_states": True},
         {"optimizer_states": {"exp_avg": "int8", "exp_avg_sq": "fp8"}},
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
     ],
     ids=[
         "fp32-accum",
@@ -146,6 +206,7 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         "bf16-sr-masters",
         "bf16-kahan-masters-bf16-states",
         "int8-fp8-states",
+        "offloaded-optimizer",
     ],
 )
 def test_nothing_beyond_held_tensors_is_kept_between_steps(extra: dict) -> None:

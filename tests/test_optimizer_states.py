@@ -317,13 +317,14 @@ def test_optimizer_states_config_spellings() -> None:
     assert (plan.exp_avg_dtype, plan.exp_avg_sq_dtype) == ("int8", "bf16")
     assert plan.optimizer_states_dtype is None
     assert "exp_avg int8, exp_avg_sq bf16" in plan.explain()
-    # DeepSpeed's CPU Adam keeps fp16 moments for fp16 parameters; offload refuses it.
+    # DeepSpeed's CPU Adam keeps fp16 moments for fp16 parameters: refused by name.
     offload = {
         "fp16": {"enabled": True},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "fp32_optimizer_states": False}},
     }
-    assert dtypeplan.resolve(offload).status == "NotSupported"
+    with pytest.raises(PrecisionConfigError, match="fp32_optimizer_states"):
+        dtypeplan.resolve(offload)
     with pytest.raises(PrecisionConfigError, match="exp_avg dtype is set twice"):
         dtypeplan.resolve({"optimizer_states": "int8", "exp_avg_dtype": "bf16"})
     with pytest.raises(PrecisionConfigError, match="fp16 moments are not offered"):

@@ -158,6 +158,71 @@ def test_parity_bf16_master_cells_two_ranks(data: st.DataObject) -> None:
     check(per_rank[0], cases)
 
 
+def _zero3_master_cells() -> list[dict[str, Any]]:
+    """ZeRO-3 bf16-master cells covering every accumulation x communication dtype once, with
+    the roundings and state dtypes rotated among them (54 cells would cost a minute)."""
+    cells = master_cells(stages=(3,))
+    chosen = []
+    for index, (accum, comm) in enumerate(
+        (a, c) for a in ("fp32", "bf16", "fp16") for c in ("fp32", "bf16", "fp16")
+    ):
+        master = ("bf16", "bf16_sr", "bf16_kahan")[index % 3]
+        states = ("fp32", "bf16")[index % 2]
+        matching = [
+            c
+            for c in cells
+            if (c["accum"], c["comm"], c["master"], c["states"]) == (accum, comm, master, states)
+        ]
+        assert len(matching) == 1, (accum, comm, master, states)
+        chosen.append(matching[0])
+    return chosen
+
+
+def test_every_zero3_master_cell_is_ok() -> None:
+    # accum 3 x comm 3 x master 3 x states 2, every one OK (the parity test samples them)
+    assert len(master_cells(stages=(3,))) == 3 * 3 * 3 * 2
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_parity_bf16_master_zero3_two_ranks(data: st.DataObject) -> None:
+    """ZeRO-3 (FSDP2) with bf16 master weights, against fp32 torch, at the tolerances of the
+    stage 0-2 bf16-master cells: the update and its rounding are the same code on local shards
+    instead of chunks (see test_parity_bf16_master_cells_two_ranks for the bound)."""
+    cases = [draw_case(data, point) for point in _zero3_master_cells()]
+    per_rank = spawn(run_cases, 2, cases, timeout_s=400)
+    assert_replicas_equal(per_rank)
+    check(per_rank[0], cases)
+
+
+def test_single_process_zero3_bf16_masters_runs_the_flat_sharded_optimizer() -> None:
+    """Without torch.distributed, ZeRO-3 with bf16 masters runs the flat sharded optimizer
+    (single_process_implementation), with the same rounding, at the bf16 tolerances."""
+    for master in ("bf16_sr", "bf16_kahan"):
+        point = {
+            "params": "bf16",
+            "accum": "fp32",
+            "sharded": True,
+            "stage": 3,
+            "pipeline": False,
+            "comm": "fp32",
+            "reduction": "collective",
+            "master": master,
+            "states": "bf16",
+        }
+        extras = {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "clip": 0.0,
+            "reduction": "collective",
+            "bucket": 500,
+        }
+        case = {"name": master, "point": point, "config": config_for(point, extras), "steps": 3}
+        plan = dtypeplan.resolve(case["config"])
+        assert plan.status == "OK" and plan.single_process_implementation == "sharded"
+        result = run_case(case, 0, 1)
+        check([result], [case])
+
+
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_parity_four_ranks(data: st.DataObject) -> None:

@@ -8,6 +8,7 @@ plain fp32 ``torch.optim`` run on the full batch.
 
 from __future__ import annotations
 
+import dtypeplan
 from dtypeplan.launch import spawn
 from tests._helpers import assert_parity, ok_cells
 from tests.workers.pipeline import run_pipeline_cases
@@ -51,6 +52,46 @@ def _cases() -> list[dict]:
     return cases
 
 
+# bf16 master weights: each rounding once, the stages rotated, bf16 moments in one case, both
+# schedules. (stage, rounding, bf16 optimizer states, schedule)
+_MASTER_CELLS = [
+    (0, "nearest", False, "1f1b"),
+    (1, "stochastic", True, "gpipe"),
+    (2, "kahan", False, "1f1b"),
+    (3, "kahan", True, "gpipe"),
+]
+
+
+def _master_cases() -> list[dict]:
+    """A few bf16-master cells under the pipeline (the update is the one tested without it)."""
+    cases = []
+    for stage, rounding, states, schedule in _MASTER_CELLS:
+        config = {
+            "bf16": {"enabled": True, "bf16_optimizer_states": states},
+            "master_weights": {"dtype": "bf16", "rounding": rounding},
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        }
+        bf16_states = "-bf16-states" if states else ""
+        cases.append(
+            {
+                "name": f"stage{stage}-bf16-masters-{rounding}{bf16_states}-{schedule}",
+                "config": config,
+                "micro_batches": 4,
+                "schedule": schedule,
+                "steps": 2,
+                "exact": False,
+            }
+        )
+    return cases
+
+
+def test_master_cases_are_ok_cells() -> None:
+    for case in _master_cases():
+        plan = dtypeplan.resolve(case["config"], pipeline_parallel=True)
+        assert plan.status == "OK", (case["name"], plan.explain())
+
+
 def test_pipeline_cases_cover_the_whole_grid() -> None:
     cases = _cases()
     # 4 stages x 3 parameter dtypes x 3 accumulation dtypes, all OK in the table.
@@ -64,10 +105,18 @@ def test_pipeline_cases_cover_the_whole_grid() -> None:
 
 
 def test_pipeline_parity_pp2_dp2() -> None:
-    cases = _cases()
-    per_rank = spawn(run_pipeline_cases, 4, cases, timeout_s=500)
+    # One spawned group for the grid, the bf16-master and the autocast cells. The bf16-master
+    # cells take the bf16 tolerances (as tests/test_parity.py's bf16-master cells): over 2 steps
+    # a bf16 master
+    # adds at most 2 roundings of half an ulp (nearest, Kahan) or one ulp (stochastic) per
+    # weight, 2 * 2**-8 = 8e-3 relative per element at worst, about 2**-8 / sqrt(6) = 1.6e-3
+    # as a norm: inside 2e-2, beside the bf16 forward's ~1e-3 on the loss.
+    # The autocast cases (after them) check themselves: tests/workers/pipeline.py.
+    cases, autocast_cases = _cases() + _master_cases(), _autocast_cases()
+    per_rank = spawn(run_pipeline_cases, 4, cases + autocast_cases, timeout_s=500)
     for results in per_rank:
-        for result, case in zip(results, cases, strict=True):
+        check_autocast_cases(results[len(cases) :], autocast_cases)
+        for result, case in zip(results[: len(cases)], cases, strict=True):
             result["param_dtype_ok"] = True
             if case["exact"]:
                 assert_parity(result, 1e-5, 1e-5)
@@ -78,3 +127,45 @@ def test_pipeline_parity_pp2_dp2() -> None:
                 # ZeRO-3 under the schedule still reduce-scatters every micro-batch (into the
                 # sharded accumulator): 4 micro-batches x 2 sharded Linear layers per stage.
                 assert result["backward_reduce_scatters"] == 4 * 2, result
+
+
+def _autocast_cases() -> list[dict]:
+    """torch_autocast (fp32 parameters) under the schedule: every ZeRO stage in bf16 and fp16,
+    both schedules, and a bf16 wire. The stage module gets autocast only from prepare_model."""
+    cases = []
+    for stage in (0, 1, 2, 3):
+        for index, dtype in enumerate(("bf16", "fp16")):
+            schedule = ("gpipe", "1f1b")[(index + stage) % 2]
+            config: dict = {
+                "torch_autocast": {"enabled": True, "dtype": dtype},
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            }
+            name = f"autocast-stage{stage}-{dtype}-{schedule}"
+            if stage in (1, 3) and dtype == "bf16":
+                config["communication_data_type"] = "bf16"
+                name += "-bf16wire"
+            cases.append(
+                {
+                    "name": name,
+                    "config": config,
+                    "micro_batches": 4,
+                    "schedule": schedule,
+                    "steps": 2,
+                }
+            )
+    return cases
+
+
+def check_autocast_cases(results: list[dict], cases: list[dict]) -> None:
+    """The reference runs the whole batch under torch.autocast, the pipeline 4 micro-batches per
+    data-parallel rank: each weight gradient is a matmul rounded to the autocast dtype, over
+    the whole batch there and per micro-batch here (2**-8 relative per element, bf16), so the
+    bounds are those of the 16-bit cells. The stage's output dtype shows that the schedule's
+    calls of the module ran under autocast."""
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+    for result, case in zip(results, cases, strict=True):
+        result["param_dtype_ok"] = True
+        assert_parity(result, 1e-2, 2e-2)
+        assert result["skipped_steps"] == 0, result
+        assert result["output_dtypes"] == [dtype[case["config"]["torch_autocast"]["dtype"]]]

@@ -32,6 +32,7 @@ KNOWN_DIMENSIONS = {"params", "accum", "sharded", "stage", "pipeline", "comm", "
 # configs() draws no DeepSpeed feature (point_of() puts each at its "not used" value); their
 # config keys are read by the config side of issue 11, and drawing them belongs with it.
 MEMORY_KEYS = {"params", "grads", "accumulator", "master", "optimizer_states", "total"}
+HOST_MEMORY_KEYS = {"host_master", "host_optimizer_states", "host_total"}
 TABLE = dtypeplan.load_rules()
 EXAMPLES = settings.default.max_examples
 # Building an optimizer costs ~10x a resolve; a quarter of the profile keeps the ci run short.
@@ -395,9 +396,12 @@ def test_memory_keys_and_total(
 ) -> None:
     plan = dtypeplan.resolve(config, pipeline_parallel=pipeline)
     figures = plan.memory(num_params, world_size)
-    assert set(figures) == MEMORY_KEYS
+    assert set(figures) == MEMORY_KEYS | HOST_MEMORY_KEYS
     assert all(isinstance(v, int) and v >= 0 for v in figures.values())
-    assert figures["total"] == sum(v for k, v in figures.items() if k != "total")
+    device = {k: v for k, v in figures.items() if k in MEMORY_KEYS}
+    assert figures["total"] == sum(v for k, v in device.items() if k != "total")
+    # Nothing is offloaded in these configs: no host bytes.
+    assert figures["host_total"] == figures["host_master"] == figures["host_optimizer_states"] == 0
     # More ranks never cost a rank more memory.
     assert figures["total"] <= plan.memory(num_params, 1)["total"]
     assert plan.memory(0, world_size)["total"] == 0
@@ -442,6 +446,27 @@ def test_memory_anchor_stage1_whole_accumulator() -> None:
 
 def test_memory_sgd_without_momentum_has_no_state() -> None:
     assert _bf16_plan(0, optimizer="SGD").memory(1000, 1)["optimizer_states"] == 0
+
+
+@pytest.mark.parametrize("params", ["bf16", "fp32"])
+def test_memory_anchor_offloaded_optimizer(params: str) -> None:
+    """ZeRO-Offload: the device keeps parameters and accumulator, the host this rank's fp32
+    master shard (fp32 parameters get a host copy too) and its 8 bytes of Adam states."""
+    n, w = 4_000_000, 4
+    plan = dtypeplan.resolve(
+        {
+            **({"bf16": {"enabled": True}} if params == "bf16" else {}),
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+    )
+    assert plan.status == "OK", plan.explain()
+    figures = plan.memory(n, w)
+    p = 2 if params == "bf16" else 4
+    assert (figures["master"], figures["optimizer_states"]) == (0, 0)
+    assert figures["total"] == p * n + 4 * n // w  # bf16 sums in fp32
+    assert (figures["host_master"], figures["host_optimizer_states"]) == (4 * n // w, 8 * n // w)
+    assert figures["host_total"] == 12 * n // w
 
 
 # --- arbitrary input -------------------------------------------------------------------------

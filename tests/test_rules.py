@@ -179,22 +179,59 @@ def test_lookup_is_the_one_matching_rule() -> None:
 
 
 def _implemented_feature(point: dict, name: str, value: object) -> bool:
-    """The feature values dtypeplan implements (each with its parity test), at ZeRO 0-2
-    without pipeline parallelism: bf16 master weights of bf16 parameters, and every
-    optimizer-state dtype (fp32 masters) of any parameter dtype."""
-    zero_0_to_2 = not point["pipeline"] and (point["stage"], point["sharded"]) in (
+    """The feature values dtypeplan implements (each with its parity test): bf16 master
+    weights of bf16 parameters at ZeRO 0-3 (not with ZeRO-3's unsupported fp32_sum), with or
+    without pipeline parallelism; autocast of fp32 parameters wherever fp32 parameters are OK;
+    optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism; every
+    optimizer-state dtype (fp32 masters) of any parameter dtype at ZeRO 0-2 without pipeline
+    parallelism."""
+    offload = (
+        name == "offload_optimizer"
+        and value == "cpu"
+        and not point["pipeline"]
+        and (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
+    )
+    states = name == "states" and _zero_0_to_2(point)
+    return (
+        offload
+        or states
+        or _implemented_autocast(point, name, value)
+        or (
+            name == "master"
+            and value in ("bf16", "bf16_sr", "bf16_kahan")
+            and point["params"] == "bf16"
+            and (point["stage"], point["sharded"]) in ((0, False), (1, False), (1, True), (2, True))
+        )
+        or (
+            name == "master"
+            and value in ("bf16", "bf16_sr", "bf16_kahan")
+            and point["params"] == "bf16"
+            and (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+        )
+    )
+
+
+def _zero_0_to_2(point: dict) -> bool:
+    """ZeRO 0-2 without pipeline parallelism, where every optimizer-state dtype is proven."""
+    return not point["pipeline"] and (point["stage"], point["sharded"]) in (
         (0, False),
         (1, False),
         (1, True),
         (2, True),
     )
-    if name == "states":
-        return zero_0_to_2
+
+
+def _implemented_autocast(point: dict, name: str, value: object) -> bool:
+    """torch_autocast in bf16 or fp16 with fp32 parameters: every ZeRO stage with or without
+    pipeline parallelism (tests/test_autocast.py, tests/test_pipeline.py), except what fp32
+    parameters cannot do either (the accumulator's sharding, fp32_sum at ZeRO-3)."""
     return (
-        name == "master"
-        and value in ("bf16", "bf16_sr", "bf16_kahan")
-        and point["params"] == "bf16"
-        and zero_0_to_2
+        name == "autocast"
+        and value in ("bf16", "fp16")
+        and point["params"] == "fp32"
+        and (point["stage"], point["sharded"])
+        in ((0, False), (1, False), (1, True), (2, True), (3, True))
+        and not (point["stage"] == 3 and point["reduction"] == "fp32_sum")
     )
 
 
@@ -213,11 +250,13 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                     implemented = _implemented_feature(point, name, value)
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
                     assert rule.reason and dim.name in rule.when, (name, rule.id)
-                    if implemented:
-                        # Every optimizer-state dtype rides on bf16 masters (one update path).
+                    if implemented and name == "master":
+                        # Optimizer states ride on bf16 masters (one update path): bf16
+                        # everywhere, int8 / fp8 / mixed at ZeRO 0-2 without pipeline.
                         for states in STATES.values:
                             cell = table.lookup({**point, name: value, "states": states})
-                            assert cell.status == "OK", (value, states, cell.id)
+                            expected = states in ("fp32", "bf16") or _zero_0_to_2(point)
+                            assert (cell.status == "OK") == expected, (value, states, cell.id)
 
 
 def test_shipped_table_by_explicit_path_equals_default() -> None:

@@ -155,3 +155,12 @@ def test_export_rank0_only_gathers_one_parameter_at_a_time(
     for got in (rank0, rank1):
         # one gather per unique parameter (the tie gathered once), each of one parameter
         assert len(got["gathers"]) == got["unique_params"]
+
+
+def test_bf16_master_gradients_are_summed_uncast(two_ranks: list[dict[str, Any]]) -> None:
+    # FSDP2 casts each reduced shard to the sharded parameters' dtype (bf16 with bf16 masters);
+    # the accumulation hook reads the fp32 reduce-scatter output instead: no extra rounding.
+    for got in _ok(two_ranks, "bf16_masters_sum_uncast"):
+        assert got["dtypes"] == ["torch.float32"], got
+        assert got["wider_than_bf16"], got
+        assert got["same"], got

@@ -13,13 +13,18 @@
 # 3. kernel   python3 -m benchmarks.gpu.bench_fused_step (the Triton kernel at 2^30 parameters).
 # 4. engine   python3 -m benchmarks.gpu.bench_engine_step (the engine's whole step on a 1B
 #             stack against torch.optim.AdamW(fused=True) and the bytes floor).
+# 5. offload  python3 -m benchmarks.bench_offload --device cuda (optimizer offload: the step of a
+#             100M-parameter stack with masters and states in pinned host memory against the
+#             same step on the device, and how much of the copy time the host update hides).
 #
 # Each step runs under `timeout`; a failing step is recorded and the next one runs. The results
 # go to DIR (default benchmarks/results) with dates; the summary is printed at the end and
 # written to DIR/gpu_run_all-<date>.md. The exit status is 0 only when every step passed.
 #
+# Step limits add up to 475 s (install 60, tests 120, kernel 110, engine 140, offload 45).
+#
 # --dry-run checks the script itself on a CPU in under a minute: no install, the tests are only
-# collected, both benchmarks run their --dry-run (tiny sizes on CPU), and DIR defaults to a new
+# collected, the benchmarks run their --dry-run (tiny sizes on CPU), and DIR defaults to a new
 # temporary folder so that no result of the repository is overwritten.
 
 set -uo pipefail
@@ -143,6 +148,7 @@ if ((dry_run)); then
     run_step tests 60 "$python" -m pytest -q --collect-only "${cuda_tests[@]}"
     run_step kernel 60 "$python" -m benchmarks.gpu.bench_fused_step --dry-run --out "$out"
     run_step engine 60 "$python" -m benchmarks.gpu.bench_engine_step --dry-run --out "$out"
+    run_step offload 60 "$python" -m benchmarks.bench_offload --device cpu --dry-run --out "$out"
 else
     if ((skip_install)); then
         skip_step install "--skip-install"
@@ -157,6 +163,7 @@ else
         "$python" "$tests_log" "${cuda_tests[@]}"
     run_step kernel 110 "$python" -m benchmarks.gpu.bench_fused_step --out "$out"
     run_step engine 140 "$python" -m benchmarks.gpu.bench_engine_step --out "$out"
+    run_step offload 45 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
 fi
 
 summary="$out/gpu_run_all-$date_utc.md"
@@ -171,7 +178,7 @@ summary="$out/gpu_run_all-$date_utc.md"
     echo "| --- | --- | --- |"
     printf '%s\n' "${summary_rows[@]}"
     echo
-    echo "Results in this folder: gpu_fused_step*-$date_utc.{json,md}, gpu_engine_step*-$date_utc.{json,md}."
+    echo "Results in this folder: gpu_fused_step*-$date_utc.{json,md}, gpu_engine_step*-$date_utc.{json,md}, gpu_offload*-$date_utc.{json,md}."
 } >"$summary"
 echo
 echo "=== summary ($summary)"

@@ -14,12 +14,15 @@ the class the plan names, and no constructor swaps itself for another.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtypeplan._autocast import forward_under_autocast, params_without_autocast
+from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._registry import get_implementation
@@ -67,12 +70,15 @@ def prepare_model(
     loses no precision (``_prepare.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
     sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
-    there and is ignored at the other stages (``_shard_units.py``).
+    there and is ignored at the other stages (``_shard_units.py``). With ``torch_autocast`` the
+    model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
     """
     if plan.status != Status.OK:
         return model
     cls = implementation_class(plan, process_group)
-    return cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
+    prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
+    forward_under_autocast(prepared, plan.autocast_dtype)
+    return prepared
 
 
 def build_optimizer(
@@ -83,4 +89,26 @@ def build_optimizer(
     """The optimizer of ``plan`` for ``params`` on ``process_group`` (default: the default
     group when torch.distributed is initialized, else one process)."""
     cls = implementation_class(plan, process_group)
-    return cls(params, plan=plan, process_group=process_group)
+    optimizer = cls(params, plan=plan, process_group=process_group)
+    _warn_if_forward_not_under_autocast(plan, optimizer)
+    return optimizer
+
+
+def _warn_if_forward_not_under_autocast(
+    plan: PrecisionPlan, optimizer: MixedPrecisionOptimizer
+) -> None:
+    """``torch_autocast`` without ``prepare_model``: forward would run in fp32 unless the
+    program enters ``plan.autocast()`` itself, so say so once, at build."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = params_without_autocast(params, plan.autocast_dtype)
+    if missing and plan.autocast_dtype is not None:
+        warnings.warn(
+            f"torch_autocast is {DTYPE_NAMES[plan.autocast_dtype]} but {len(missing)} of "
+            f"{len(params)} parameters belong to no model that plan.prepare_model(model) "
+            "readied: their forward runs in fp32 unless it is entered under "
+            "`with plan.autocast():`. Call plan.prepare_model(model) before plan.build (it "
+            "runs the model's forward under autocast, as DeepSpeed's engine does), or ignore "
+            "this if the program enters plan.autocast() itself.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -10,6 +10,8 @@ Design (one param group shown; every group has its own flat buffer, see ``_layou
                                 so are bf16 master weights (``_low_precision_update.py``)
     optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
                                 (bf16 with ``bf16_optimizer_states``)
+    with offload_optimizer cpu  masters and states in host memory; the update runs there, a
+                                bucket chunk at a time, between copies (``_host_offload.py``)
 
 Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the rest is
 ``step()``'s, one method each):
@@ -91,9 +93,9 @@ from dtypeplan.optimizers._flat_update import (
     scale_into_inner_step,
 )
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
+from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
-from dtypeplan.optimizers._master_rounding import kahan_store
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -161,6 +163,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
         self._check_ranks_agree(self.comm)
         self._make_replicas_equal(self.comm)
+        self.offload = self._host_offload(plan)
         self.groups: list[GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -179,6 +182,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     accum_dtype=plan.grad_accum_dtype,
                     sharded_accumulator=sharded_accumulator,
                     master_dtype=plan.master_dtype,
+                    offload=self.offload,
                 )
             )
         self._inner = self._build_inner_optimizer()
@@ -186,19 +190,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
         )
-        self._low_precision: LowPrecisionAdamUpdate | None = None
-        if plan.master_dtype != torch.float32 or plan.optimizer_states != "fp32":
-            self._check_low_precision_masters()
-            self._low_precision = LowPrecisionAdamUpdate(
-                self._inner,
-                plan.optimizer.torch_class,
-                rounding=plan.master_rounding,
-                exp_avg_dtype=plan.exp_avg_dtype,
-                exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
-                shard_rank=self.shard_rank,
-            )
+        self._low_precision = LowPrecisionAdamUpdate.for_plan(
+            plan, self._inner, [m for s in self.groups for m in s.masters], self.shard_rank
+        )
+        if self._low_precision is not None:
             self._adam_update = self._low_precision
-            self._low_precision.conform([m for s in self.groups for m in s.masters])
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
@@ -218,31 +214,25 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._prepared: PreparedStep | None = None
         self._take_ownership()
 
-    def _check_low_precision_masters(self) -> None:
-        """16-bit masters and low-precision moments are updated by torch's fused Adam/AdamW
-        on fp32 copies, nothing else."""
-        torch_class = self.plan.optimizer.torch_class
-        if not FlatAdamUpdate.supports(self._inner, torch_class) and (
-            self.plan.optimizer_states != "fp32"
-        ):
+    def _host_offload(self, plan: PrecisionPlan) -> HostOffload | None:
+        """The host side of ``offload_optimizer: cpu`` (fp32 masters and states only)."""
+        if plan.offload_optimizer == "none":
+            return None
+        if plan.offload_optimizer != "cpu" or plan.master_dtype != torch.float32:
             raise NotSupportedError(
-                f"optimizer_states {self.plan.optimizer_states} (exp_avg "
-                f"{self.plan.exp_avg_dtype}, exp_avg_sq {self.plan.exp_avg_sq_dtype}) name "
-                "Adam's two moments, which dtypeplan stores in those dtypes around torch's fused "
-                f"Adam/AdamW computed in fp32; {torch_class.__name__} (or amsgrad, maximize, "
-                "differentiable, or a device without fused kernels) keeps other states, which "
-                "it would update in their storage dtype. Use Adam or AdamW, or remove "
-                "optimizer_states / exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states "
-                "(fp32 states)"
+                f"offload_optimizer {plan.offload_optimizer} with "
+                f"{DTYPE_NAMES[plan.master_dtype]} master weights: the flat engine offloads "
+                "fp32 master weights and fp32 optimizer states to host memory (device cpu) "
+                "only; use offload_optimizer device cpu with fp32 masters and states"
             )
-        if not FlatAdamUpdate.supports(self._inner, torch_class):
+        if plan.optimizer_states != "fp32":
             raise NotSupportedError(
-                f"{DTYPE_NAMES[self.plan.master_dtype]} master weights are updated by torch's "
-                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
-                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
-                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
-                "master weights (remove master_weights / bf16_master_weights_and_grads)"
+                f"offload_optimizer with {plan.optimizer_states} optimizer states: the host "
+                "update keeps fp32 states; remove optimizer_states / exp_avg_dtype / "
+                "exp_avg_sq_dtype / bf16_optimizer_states / fp32_optimizer_states: false"
             )
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        return HostOffload(params[0].device if params else torch.device("cpu"))
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         torch_class = self.plan.optimizer.torch_class
@@ -269,6 +259,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     # --- the public view of the tensors -------------------------------------------------------
     def held_tensors(self) -> HeldTensors:
         return HeldTensors(
+            # Offloaded: the masters and every state live in host memory.
+            on_host=frozenset(("master", "optimizer_states") if self.offload else ()),
             params=tuple(state.flat.buffer for state in self.groups),
             grads=tuple(
                 p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
@@ -312,12 +304,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """A master chunk as the fp32 values it stands for: with Kahan-compensated bf16 masters,
         the bf16 weights plus their compensation. What a checkpoint stores, whatever the
         master dtype, so that it loads into any other."""
-        slot = self.inner.state.get(master, {})
-        if KAHAN_COMPENSATION not in slot:
+        if self._low_precision is None:
             return master.float()  # fp32 masters: the chunk itself
-        values = master.to(torch.float32, copy=True)
-        values.add_(slot[KAHAN_COMPENSATION])
-        return values
+        return self._low_precision.master_values(master)
 
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         if self._low_precision is None:
@@ -328,12 +317,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
         """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
         or with Kahan masters split into the bf16 weights and their compensation."""
-        if master.dtype == torch.float32 or self.plan.master_rounding != "kahan":
+        if self._low_precision is None:
             master.copy_(values)
             return
-        slot = self.inner.state[master]
-        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
-        kahan_store(values.to(torch.float32, copy=True), master, compensation)
+        self._low_precision.load_master_(master, values)
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -394,6 +381,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # Working copies live only inside the step, so that what the rank holds between
             # steps is what plan.memory() says (the allocator may keep the memory cached).
             self._adam_update.release_scratch()
+            if self.offload is not None:
+                self.offload.release()
         return loss
 
     @property
@@ -543,6 +532,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         update and only then written back.
         """
         self._sync_hyperparameters()
+        if self.offload is not None:
+            # The host-side update divides by the factor: bring it over once (one wait).
+            on_host = self.offload.factor_to_host(torch.stack(factor))
+            factor = (on_host[0], on_host[1])
         if any(untouched):
             # Quantized moments are restored per parameter as fp32 values (the rare path).
             with self.fp32_states(), keep_untouched(self.groups, self.inner, untouched):
@@ -559,7 +552,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         """The update on the fastest path that serves the optimizer; ``gather``: also write
         the parameters and all-gather them (else the caller writes back)."""
-        if self._use_fused_kernel():
+        if self.offload is not None:
+            self._offloaded_update(grads_by_group, factor, gather)
+        elif self._use_fused_kernel():
             self._fused_kernel_update(grads_by_group, factor[0], gather)
         elif FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
             self._torch_update(grads_by_group, factor[1], gather)
@@ -574,6 +569,56 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 undo()
             if gather:
                 self._write_back(cast=True)
+
+    def _offloaded_update(
+        self,
+        grads_by_group: list[list[torch.Tensor]],
+        factor: tuple[torch.Tensor, torch.Tensor],
+        gather: bool,
+    ) -> None:
+        """The update on the host (``_host_offload.py``); ``factor`` is already there.
+
+        Adam/AdamW step each bucket chunk with torch's fused CPU kernel as its gradient arrives
+        (the next chunk's copy runs meanwhile), and each chunk's parameters go back and are
+        all-gathered at once. Other optimizers step once over every chunk on the host (their
+        ``inner.step()``), after all gradients have arrived.
+        """
+        assert self.offload is not None
+        offload = self.offload
+        if not FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
+            masters = [m for state in self.groups for m in state.masters]
+            grads = offload.gradients_to_host(self._flat_grads(grads_by_group))
+            undo = scale_into_inner_step(self.inner, masters, grads, *factor)
+            try:
+                self.inner.step()
+            finally:
+                undo()
+            if gather:
+                self._write_back(cast=True)
+            return
+        chunks: list[OffloadedChunk] = []
+        places: list[tuple[GroupState, dict[str, Any], Any]] = []
+        for state, group, per_bucket in zip(
+            self.groups, self.inner.param_groups, grads_by_group, strict=True
+        ):
+            flat = state.flat
+            for bucket, master, grad in zip(flat.buckets, state.masters, per_bucket, strict=True):
+                param = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
+                chunks.append(OffloadedChunk(grad=grad, master=master, param=param))
+                places.append((state, group, bucket))
+        gathers: list[Callable[[], None]] = []
+
+        def update(k: int, host_grad: torch.Tensor) -> None:
+            _, group, _ = places[k]
+            self._adam_update.bucket(group, chunks[k].master, host_grad, None, factor[1])
+
+        def written(k: int) -> None:
+            state, _, bucket = places[k]
+            gathers.append(self._start_gather(state, bucket))
+
+        offload.step(chunks, update, written, upload=gather)
+        for finish in gathers:
+            finish()
 
     def _torch_update(
         self, grads_by_group: list[list[torch.Tensor]], grad_scale: torch.Tensor, gather: bool
@@ -609,6 +654,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._fused_kernel = (
                 os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
                 and self._low_precision is None  # the kernel keeps fp32 masters
+                and self.offload is None  # the kernel runs on the device
                 and is_adam(self.plan.optimizer.torch_class)
                 and not unsupported
                 and kernel.fused_kernel_available(device)
@@ -778,7 +824,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for bucket, chunk in zip(flat.buckets, chunks, strict=True):
             target = flat.bucket_view(full, bucket)
             if self.shards > 1:
-                self.comm.all_gather(target, chunk.float().contiguous(), torch.float32)
+                # An offloaded chunk lives on the host; the collective runs on the device.
+                self.comm.all_gather(
+                    target, chunk.to(target.device, torch.float32).contiguous(), torch.float32
+                )
             else:
                 target.copy_(chunk)
         return full

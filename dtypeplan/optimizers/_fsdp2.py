@@ -4,7 +4,10 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) owns the parameter life cycle; th
 owns the precision plan around it::
 
     sharded parameters (fp32)   this rank's shard of every parameter, a DTensor. These are
-                                the master weights: nothing else holds an fp32 copy
+                                the master weights: nothing else holds an fp32 copy. With
+                                bf16 master weights they are bf16, updated in fp32 and
+                                rounded back (``_low_precision_update.py``: to nearest,
+                                stochastically, or with a Kahan compensation per shard)
     compute parameters          gathered in the parameter dtype (MixedPrecisionPolicy.param_dtype)
                                 before each forward and backward, released after
     accumulator (sharded)       FSDP2 reduce-scatters every micro-batch's gradient in the
@@ -14,8 +17,14 @@ owns the precision plan around it::
                                 post-accumulate-grad hook on each sharded parameter (FSDP2 runs
                                 it after every reduce-scatter) adds the fp32 shard into a 16-bit
                                 accumulator and frees ``.grad``, so the sum is rounded to the
-                                accumulation dtype at every micro-batch, as the plan says
+                                accumulation dtype at every micro-batch, as the plan says.
+                                bf16 masters: FSDP2 casts each reduced shard to the sharded
+                                parameters' dtype (bf16); the hook instead reads the
+                                reduce-scatter's output as it came off the wire (kept by
+                                ``_NamedReduceScatter`` until backward ends) into an
+                                accumulator of the accumulation dtype: no extra rounding
     optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters
+                                (bf16 with ``bf16_optimizer_states`` and bf16 masters)
 
 What FSDP2 does not offer and this module adds: accumulation in a dtype other than that of
 the sharded parameters (the hook above), and pipeline parallelism with a sharded accumulator:
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
@@ -62,6 +72,7 @@ from dtypeplan.optimizers._base import (
     make_replicas_equal,
 )
 from dtypeplan.optimizers._group_state import ShardPiece
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
@@ -70,6 +81,9 @@ if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["FSDP2Optimizer", "mesh_device", "mesh_device_type"]
+
+_REDUCE_SCATTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Sharded parameter -> the reduce-scatter of its model (``prepare_model`` sets it)."""
 
 
 def _current_accelerator() -> str | None:
@@ -126,6 +140,25 @@ def _row_numel(shape: torch.Size) -> int:
     return numel
 
 
+def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:
+    """``fully_shard``'s offload argument for ``offload_param: cpu``: FSDP2's CPUOffloadPolicy
+    keeps the fp32 shards (the master weights) and their gradients in host memory (pinned on
+    CUDA), copies each unit's shards to the device for its all-gather and the reduced
+    gradients back, so the optimizer steps on the host too (its states are created like the
+    shards). It moves parameters, gradients and states together: offload_param and
+    offload_optimizer at once."""
+    if plan.offload_param == "none":
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if plan.offload_param != "cpu":
+        raise NotSupportedError(
+            f"offload_param {plan.offload_param}: FSDP2 offloads to host memory only "
+            "(CPUOffloadPolicy); use offload_param device cpu"
+        )
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+
+
 def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
     with torch.no_grad():
@@ -135,13 +168,14 @@ def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None
     cast_floating_buffers(model, dtype)
 
 
-def _masters_to_fp32(unit: torch.nn.Module) -> None:
-    """The trainable parameters of ``unit`` not sharded yet to fp32, just before sharding."""
+def _masters_to(unit: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The trainable parameters of ``unit`` not sharded yet to the master dtype, just before
+    sharding (fp32; bf16 master weights round to nearest, as at stages 0-2)."""
     with torch.no_grad():
         for param in unit.parameters():
             if param.requires_grad and not isinstance(param, DTensor):
-                if param.is_floating_point() and param.dtype != torch.float32:
-                    param.data = param.data.to(torch.float32)
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
 
 
 class _NamedAllGather(DefaultAllGather):
@@ -166,10 +200,41 @@ class _NamedAllGather(DefaultAllGather):
 
 
 class _NamedReduceScatter(DefaultReduceScatter):
-    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError."""
+    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError.
 
-    def __init__(self, comm: Communicator) -> None:
+    With ``keep_output`` it also keeps the last tensor it allocated (the reduced shards in
+    the communication dtype, before FSDP2 casts them to the sharded parameters' dtype) until
+    the end of the backward pass, for the 16-bit-master accumulation hook
+    (:meth:`FSDP2Optimizer._fold`). FSDP2 allocates that output last, right before the
+    collective (or, on one rank, the copy standing for it), and runs the hooks of its
+    parameters before the next reduce-scatter allocates anything.
+    """
+
+    def __init__(self, comm: Communicator, keep_output: bool = False) -> None:
         self.comm = comm
+        self.keep_output = keep_output
+        self.last_output: torch.Tensor | None = None
+        self._release_queued = False
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = super().allocate(size, dtype=dtype, device=device)
+        if self.keep_output:
+            self.last_output = tensor
+            if not self._release_queued:
+                # Dropped when backward ends, so that between steps no gradient buffer of
+                # FSDP2's outlives the accumulator (what plan.memory() counts). A reduction
+                # outside backward keeps it until the optimizer's zero_grad or step.
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.release)
+                    self._release_queued = True
+                except RuntimeError:
+                    pass
+        return tensor
+
+    def release(self) -> None:
+        """Drop the kept output (at the end of backward; at ``zero_grad`` and ``step``)."""
+        self.last_output = None
+        self._release_queued = False
 
     def __call__(
         self,
@@ -222,6 +287,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         device = mesh_device(dist.get_backend(group), model)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
+        low_precision_masters = plan.master_dtype != torch.float32
         # Replicas equal by construction (as DDP): every rank shards the first rank's weights.
         make_replicas_equal(Communicator(group), model.parameters())
         own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
@@ -246,10 +312,16 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                     "one module, or pass wrap= so that one unit holds each"
                 )
         _cast_frozen_and_buffers(model, plan.param_dtype)
+        offload = _offload_policy(plan, device)
         for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
-            _masters_to_fp32(unit)
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            _masters_to(unit, plan.master_dtype)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
         comm = Communicator(group)
+        # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
+        reduce_scatter = _NamedReduceScatter(comm, keep_output=low_precision_masters)
+        for param in model.parameters():
+            if isinstance(param, DTensor):
+                _REDUCE_SCATTER_OF[param] = reduce_scatter
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # NCCL averages natively (no divide kernel); elsewhere SUM and an explicit
@@ -257,7 +329,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 module.set_force_sum_reduction_for_comms(comm.backend != "nccl")
                 # FSDP2's own collectives fail as CollectiveError naming them, like ours.
                 module.set_custom_all_gather(_NamedAllGather(comm))
-                module.set_custom_reduce_scatter(_NamedReduceScatter(comm))
+                module.set_custom_reduce_scatter(reduce_scatter)
         return model
 
     def __init__(
@@ -274,8 +346,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 "ZeRO-3 needs the model sharded before the optimizer is built: call "
                 "model = plan.prepare_model(model) and then plan.build(model.parameters())"
             )
-        if any(p.dtype != torch.float32 for p in trainable):
-            raise ValueError("ZeRO-3 expects fp32 sharded parameters (they are the master weights)")
+        if any(p.dtype != plan.master_dtype for p in trainable):
+            raise ValueError(
+                "ZeRO-3 expects sharded parameters in the master dtype (they are the master "
+                "weights): build on the model plan.prepare_model returned"
+            )
         self.comm = Communicator(process_group)
         self._check_ranks_agree(self.comm)
         # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
@@ -289,10 +364,15 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
         self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
-        # 16-bit accumulation: FSDP2 hands each micro-batch's fp32 shard to a hook.
+        # bf16 masters: the local shards are updated in fp32 and rounded back into them.
+        self._low_precision = LowPrecisionAdamUpdate.for_plan(
+            plan, self._inner, self._locals(), self.comm.rank
+        )
+        # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
+        # dtype): FSDP2 hands each micro-batch's reduced shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None
         self._fresh: list[bool] = []
-        if plan.grad_accum_dtype != torch.float32:
+        if plan.grad_accum_dtype != torch.float32 or self._low_precision is not None:
             self.accumulators = [
                 torch.zeros_like(t, dtype=plan.grad_accum_dtype) for t in self._locals()
             ]
@@ -307,11 +387,12 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return self._inner
 
     def held_tensors(self) -> HeldTensors:
-        """Local shards only; the sharded fp32 parameters are the master weights.
+        """Local shards only; the sharded parameters are the master weights.
 
-        So ``master`` is empty and ``params`` holds the shards. The gathered compute
-        parameters live only during forward and backward and are not listed. fp32
-        accumulation: the sharded ``.grad`` is the accumulator.
+        So ``master`` is empty (bf16 masters with Kahan rounding: the compensation buffers)
+        and ``params`` holds the shards. The gathered compute parameters live only during
+        forward and backward and are not listed. fp32 accumulation with fp32 masters: the
+        sharded ``.grad`` is the accumulator.
         """
         sharded_grads = tuple(_local(p.grad) for p in self._params() if p.grad is not None)
         return HeldTensors(
@@ -323,17 +404,24 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 if p.grad is not None and not isinstance(p, DTensor)
             ),
             accumulator=sharded_grads + tuple(self.accumulators or ()),
-            master=(),
+            master=tuple(
+                slot[KAHAN_COMPENSATION]
+                for slot in self.inner.state.values()
+                if KAHAN_COMPENSATION in slot
+            ),
             optimizer_states=tuple(
                 v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
             ),
         )
 
     def _fold(self, index: int, param: torch.Tensor) -> None:
-        """16-bit accumulation: add this micro-batch's fp32 shard into the accumulator."""
+        """Add this micro-batch's reduced shard into the accumulator (16-bit accumulation, or
+        16-bit masters)."""
         assert self.accumulators is not None
         with torch.no_grad():
             shard = _local(param.grad)
+            if self._low_precision is not None:
+                shard = _as_reduced(shard, _REDUCE_SCATTER_OF.get(param))
             if self._fresh[index]:
                 self.accumulators[index].copy_(shard)
             else:
@@ -366,11 +454,16 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if factor is None:
             self.zero_grad()
             return loss
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+        if self._low_precision is not None:
+            self._low_precision_update(local_grads, factor, touched)
+            self.zero_grad()
+            self.scaler.update(overflow=False)
+            return loss
         local_grads = [g if g.dtype == torch.float32 else g.float() for g in local_grads]
         if factor != 1.0:
             torch._foreach_mul_(local_grads, factor)
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
-            inner_group.update({k: v for k, v in group.items() if k != "params"})
         # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
         # its weights and states, as in torch (DeepSpeed would treat the gradient as zero).
         for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True):
@@ -381,6 +474,30 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         self.zero_grad()
         self.scaler.update(overflow=False)
         return loss
+
+    def _low_precision_update(
+        self, local_grads: list[torch.Tensor], factor: float, touched: list[bool]
+    ) -> None:
+        """Each bf16 local shard updated in fp32 from ``grad * factor`` and rounded back.
+
+        A parameter no rank gave a gradient keeps its weights and states, as in torch.
+        """
+        assert self._low_precision is not None
+        grad_scale = torch.full((), 1.0 / factor, dtype=torch.float32, device=self._device())
+        grads = iter(zip(local_grads, touched, strict=True))
+        try:
+            for inner_group, locals_ in zip(self.inner.param_groups, self.locals, strict=True):
+                for local in locals_:
+                    grad, got_one = next(grads)
+                    if got_one:
+                        self._low_precision.bucket(inner_group, local, grad, None, grad_scale)
+        finally:
+            # Working copies live only inside the step (plan.memory() counts between steps).
+            self._low_precision.release_scratch()
+
+    def _device(self) -> torch.device:
+        locals_ = self._locals()
+        return locals_[0].device if locals_ else torch.device("cpu")
 
     def _touched(self) -> list[bool]:
         """Per sharded parameter: got a gradient on this rank since ``zero_grad``."""
@@ -432,6 +549,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self._params():
             param.grad = None
+            reduce_scatter = _REDUCE_SCATTER_OF.get(param)
+            if reduce_scatter is not None:
+                reduce_scatter.release()
         self._fresh = [True] * len(self._fresh)
         self._pending = None
 
@@ -494,13 +614,41 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return pieces
 
     def state_names(self) -> list[str]:
-        """``master`` and the optimizer states laid out like the local shards (``exp_avg``...)."""
+        """``master`` and the optimizer states laid out like the local shards (``exp_avg``...).
+
+        A Kahan compensation is no name of its own: it is folded into the master's values.
+        """
         names = [keys.MASTER]
         for local in self._locals():
             for name, value in self.inner.state.get(local, {}).items():
-                if is_element_state(value, local) and name not in names:
+                if (
+                    is_element_state(value, local)
+                    and name not in names
+                    and name != KAHAN_COMPENSATION
+                ):
                     names.append(name)
         return names
+
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """A local shard as the fp32 values it stands for (Kahan: plus its compensation)."""
+        if self._low_precision is None:
+            return master.float()
+        return self._low_precision.master_values(master)
+
+    @torch.no_grad()
+    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set a local shard from fp32 ``values`` (bf16 masters: rounded as the plan says)."""
+        if self._low_precision is None:
+            master.copy_(values)
+            return
+        self._low_precision.load_master_(master, values)
+
+    def reset_update_state(
+        self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        super().reset_update_state(names, scalars)
+        if self._low_precision is not None:
+            self._low_precision.conform(self._locals())
 
     def refresh_params(self) -> None:
         """Nothing to write: the sharded parameters are the master weights (FSDP2 gathers them)."""
@@ -515,17 +663,19 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         """
         result: dict[str, torch.Tensor | float | int] = {}
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-            result[keys.param_key(index, keys.MASTER)] = param.full_tensor().float().cpu()
+            values = {keys.MASTER: self.master_values(local)}
             for name, value in self.inner.state.get(local, {}).items():
-                if is_element_state(value, local):
-                    whole = DTensor.from_local(
-                        value,
-                        param.device_mesh,
-                        param.placements,
-                        shape=param.shape,
-                        stride=param.stride(),
-                    )
-                    result[keys.param_key(index, name)] = whole.full_tensor().float().cpu()
+                if is_element_state(value, local) and name != KAHAN_COMPENSATION:
+                    values[name] = value
+            for name, value in values.items():
+                whole = DTensor.from_local(
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                result[keys.param_key(index, name)] = whole.full_tensor().float().cpu()
         result.update(self._scalar_state())
         return result
 
@@ -541,9 +691,32 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 assert isinstance(saved, torch.Tensor), "full_state holds tensors per parameter"
                 full = saved.to(param.device, torch.float32)
                 shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
-                target = local if name == keys.MASTER else self.inner.state[local][name]
-                target.copy_(shard)
+                if name == keys.MASTER:
+                    self.load_master_(local, shard)
+                else:
+                    self.inner.state[local][name].copy_(shard)
         self._load_scalar_state(state)
+
+
+def _as_reduced(shard: torch.Tensor, reduce_scatter: _NamedReduceScatter | None) -> torch.Tensor:
+    """``shard`` (a micro-batch's sharded gradient, cast by FSDP2 to the sharded parameter's
+    dtype) as the reduce-scatter produced it, in the communication dtype.
+
+    FSDP2 casts its whole reduce-scatter output at once and hands each parameter a view of
+    the cast copy at the same offset, so the same view of the kept output is the uncast value.
+    """
+    output = reduce_scatter.last_output if reduce_scatter is not None else None
+    if output is not None and output.dtype == shard.dtype:
+        return shard  # nothing was cast
+    if output is None or shard.untyped_storage().nbytes() != output.numel() * shard.element_size():
+        raise NotSupportedError(
+            "ZeRO-3 with 16-bit master weights reads each reduced gradient shard before FSDP2 "
+            "casts it to the masters' dtype, and this torch's FSDP2 handed the gradient hook a "
+            "shard that is not a view of its reduce-scatter output. Use "
+            "communication_data_type equal to the master dtype (nothing is cast then), or "
+            "stage 2 with bf16 masters"
+        )
+    return torch.as_strided(output, shard.size(), shard.stride(), shard.storage_offset())
 
 
 def _make_fold_hook(

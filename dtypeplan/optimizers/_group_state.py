@@ -6,7 +6,8 @@ Built once per param group from its :class:`FlatGroup` (see ``_layout.py`` for t
     accumulator        whole:   laid out like the buffer, with one view per parameter
                        sharded: this rank's chunk of every bucket, concatenated
     masters            one per bucket: this rank's chunk, fp32; views of the buffer itself
-                       when the parameters are fp32, or bf16 with bf16 master weights
+                       when the parameters are fp32, or bf16 with bf16 master weights; in
+                       host memory with optimizer offload (``_host_offload.py``), never views
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from dtypeplan.optimizers._host_offload import HostOffload
 from dtypeplan.optimizers._layout import FlatGroup
 
 __all__ = ["GroupState", "ShardPiece"]
@@ -50,6 +52,7 @@ class GroupState:
         accum_dtype: torch.dtype,
         sharded_accumulator: bool,
         master_dtype: torch.dtype = torch.float32,
+        offload: HostOffload | None = None,
     ) -> None:
         self.flat = flat
         self.shard_rank = shard_rank
@@ -57,11 +60,13 @@ class GroupState:
         device = flat.buffer.device
         self.masters: list[torch.Tensor] = []
         # fp32 parameters, and bf16 ones with bf16 master weights, are their own masters.
-        alias_master = flat.dtype == master_dtype
+        alias_master = flat.dtype == master_dtype and offload is None
         if not alias_master:
             # Master chunks take the parameters' values before they are cast down.
             self.masters = [
                 torch.zeros(b.chunk_numel(shards), dtype=torch.float32, device=device)
+                if offload is None
+                else offload.host_zeros(b.chunk_numel(shards))
                 for b in flat.buckets
             ]
             for index, begin, end, bucket, offset in self._pieces():

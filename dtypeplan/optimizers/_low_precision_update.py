@@ -16,28 +16,36 @@ is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scr
 3. store: a bf16 master rounded as ``plan.master_rounding`` says (``_master_rounding.py``),
    an fp32 master cast into the parameters' chunk; each moment rounded or quantized back.
 
-The moments and the Kahan compensation (``kahan_compensation``, bf16, laid out like the master
-chunk) live in ``inner.state[master]``. Quantized moments are torchao tensors padded to whole
-blocks, which the generic state code (checkpoints, ``state_dict``, the restoring of parameters
-without a gradient) cannot slice per parameter: it runs inside :meth:`fp32_view`, which holds
-every state as fp32 values while it runs and stores them back after. Stochastic rounding draws
-from one ``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every
-rank updates every chunk and draws the same bits, so the replicas stay equal; a run is
-reproducible from the same seed, and a resumed run draws other bits than an uninterrupted one
-(the generator is not checkpointed), which changes nothing in expectation.
+A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
+parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
+the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
+``inner.state[master]``. Quantized moments (flat engine only: ZeRO-3 keeps fp32 or bf16) are
+torchao tensors padded to whole blocks, which the generic state code (checkpoints,
+``state_dict``, the restoring of parameters without a gradient) cannot slice per parameter: it
+runs inside :meth:`fp32_view`, which holds every state as fp32 values while it runs and stores
+them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
+``SEED + shard rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the
+replicas stay equal; a run is reproducible from the same seed, and a resumed run draws other
+bits than an uninterrupted one (the generator is not checkpointed), which changes nothing in
+expectation.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers import _state_storage as storage
-from dtypeplan.optimizers._flat_update import CPU_CHUNK, fused_adam_kernel
+from dtypeplan.optimizers._flat_update import CPU_CHUNK, FlatAdamUpdate, fused_adam_kernel
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["KAHAN_COMPENSATION", "MOMENTS", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
 
@@ -87,11 +95,78 @@ class LowPrecisionAdamUpdate:
 
     def _stored(self, values: torch.Tensor, name: str) -> torch.Tensor:
         """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
-        :meth:`fp32_view`."""
+        :meth:`fp32_view`; plain results keep ``values``' shape."""
         want = "fp32" if self._fp32_depth else self.moment_dtypes[name]
         if storage.state_dtype_name(values) == want:
             return values
-        return storage.to_storage(values, want, signed=name == "exp_avg")
+        stored = storage.to_storage(values.reshape(-1), want, signed=name == "exp_avg")
+        return stored if storage.is_quantized(stored) else stored.view(values.shape)
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: PrecisionPlan,
+        inner: torch.optim.Optimizer,
+        masters: list[torch.Tensor],
+        shard_rank: int,
+    ) -> LowPrecisionAdamUpdate | None:
+        """The update of ``plan``'s ``masters`` (keys of ``inner``), their states made, for
+        16-bit masters or moments other than fp32; None for fp32 masters with fp32 moments.
+        Refuses an optimizer other than torch's fused Adam/AdamW."""
+        states = plan.optimizer_states
+        if plan.master_dtype == torch.float32 and states == "fp32":
+            return None
+        torch_class = plan.optimizer.torch_class
+        if not FlatAdamUpdate.supports(inner, torch_class):
+            if states != "fp32":
+                raise NotSupportedError(
+                    f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
+                    f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
+                    "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
+                    f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
+                    "without fused kernels) keeps other states, which it would update in their "
+                    "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
+                    "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
+                )
+            raise NotSupportedError(
+                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
+                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
+                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
+                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
+                "master weights (remove master_weights / bf16_master_weights_and_grads)"
+            )
+        update = cls(
+            inner,
+            torch_class,
+            rounding=plan.master_rounding,
+            exp_avg_dtype=plan.exp_avg_dtype,
+            exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
+            shard_rank=shard_rank,
+        )
+        update.conform(masters)
+        return update
+
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """``master`` as the fp32 values it stands for: with Kahan rounding, the bf16 weights
+        plus their compensation. What a checkpoint stores, so that it loads into any master
+        dtype."""
+        slot = self.inner.state.get(master, {})
+        values = master.to(torch.float32, copy=True)
+        if KAHAN_COMPENSATION in slot:
+            values.add_(slot[KAHAN_COMPENSATION])
+        return values
+
+    @torch.no_grad()
+    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Set ``master`` from fp32 ``values``: copied (fp32), rounded to nearest, or with
+        Kahan rounding split into the bf16 weights and their compensation (so no bit of
+        ``values`` is lost beyond the pair's ~16 mantissa bits)."""
+        if self.rounding != "kahan" or master.dtype == torch.float32:
+            master.copy_(values)
+            return
+        slot = self.inner.state[master]
+        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
+        kahan_store(values.to(torch.float32, copy=True), master, compensation)
 
     def slot(self, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s state in the inner optimizer, created (zeroed, step 0) if missing."""
@@ -100,9 +175,11 @@ class LowPrecisionAdamUpdate:
             slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
             for name in MOMENTS:
                 dtype = "fp32" if self._fp32_depth else self.moment_dtypes[name]
-                slot[name] = storage.new_state(
+                state = storage.new_state(
                     dtype, master.numel(), master.device, signed=name == "exp_avg"
                 )
+                # Plain states are laid out like the master (a ZeRO-3 shard has its shape).
+                slot[name] = state if storage.is_quantized(state) else state.view(master.shape)
         if self.rounding == "kahan" and KAHAN_COMPENSATION not in slot:
             slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
         return slot
@@ -122,7 +199,7 @@ class LowPrecisionAdamUpdate:
                 if value is None:
                     continue
                 if storage.is_quantized(value) and self._fp32_depth:
-                    values = storage.state_values(value, master.numel())
+                    values = storage.state_values(value, master.numel()).view(master.shape)
                     self._viewed[(id(slot), name)] = (value, values, values._version)
                     slot[name] = values
                 elif not storage.is_quantized(value):
@@ -169,14 +246,24 @@ class LowPrecisionAdamUpdate:
         param_chunk: torch.Tensor | None,
         grad_scale: torch.Tensor,
     ) -> None:
-        """Update one master chunk from ``grad / grad_scale``; cast an fp32 master into
-        ``param_chunk`` (None where the master is the parameters' own chunk)."""
+        """Update one master (chunk or local shard) from ``grad / grad_scale``, laid out like
+        it; cast an fp32 master into ``param_chunk`` (None where the master is the
+        parameters' own memory)."""
         slot = self.slot(master)
         step = slot["step"]
         step += 1
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         device = master.device
         fp32_master = master.dtype == torch.float32
+        # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
+        # keyed by the master itself. Quantized states are flat already.
+        master, grad = master.view(-1), grad.reshape(-1)
+        slot = {
+            name: value.view(-1)
+            if torch.is_tensor(value) and value.dim() and not storage.is_quantized(value)
+            else value
+            for name, value in slot.items()
+        }
         for begin in range(0, master.numel(), PIECE):
             end = min(begin + PIECE, master.numel())
             n = end - begin

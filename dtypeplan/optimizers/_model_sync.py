@@ -104,13 +104,14 @@ class ModelSync:
             if index not in changed:
                 continue
             piece = master[offset : offset + end - begin]
-            if master.dtype == flat.dtype:
+            if master.untyped_storage().data_ptr() == flat.buffer.untyped_storage().data_ptr():
                 # The parameters are the masters (fp32, or bf16 master weights); a Kahan
                 # compensation belonged to the old values and is dropped with them.
                 compensation = optimizer_state.get(master, {}).get(KAHAN_COMPENSATION)
                 if compensation is not None:
                     compensation[offset : offset + end - begin].zero_()
                 continue
-            value = flat.params[index].detach().reshape(-1)[begin:end]
+            # An offloaded master lives on the host: compare there.
+            value = flat.params[index].detach().reshape(-1)[begin:end].to(piece.device)
             differs = value != piece.to(value.dtype)
             piece.copy_(torch.where(differs, value.float(), piece))

@@ -163,6 +163,9 @@ class PrecisionConfig:
     offload, where DeepSpeed's CPU Adam keeps the moments in the parameter dtype)."""
     autocast: str = "none"
     """``"bf16"`` / ``"fp16"``: ``torch_autocast`` enabled with that dtype; ``"none"``."""
+    autocast_dtype_given: bool = False
+    """Whether ``torch_autocast.dtype`` was given (without it dtypeplan picks one; DeepSpeed
+    passes None on to ``torch.autocast``: see ``_differences.py``)."""
     offload_optimizer: str = "none"
     """``"cpu"`` / ``"nvme"``: ``zero_optimization.offload_optimizer.device`` (or
     ``cpu_offload``); ``"none"``."""
@@ -702,6 +705,14 @@ def load_config(
     ]
     master = _master_weights(document, bf16, fp16)
     states = _optimizer_states(document, bf16)
+    if low_precision_states and offload_optimizer != "none" and model_dtype == "fp16":
+        path = "$.optimizer.params.fp32_optimizer_states"
+        raise PrecisionConfigError(
+            f"{path} false with fp16 parameters: DeepSpeed's CPU Adam would keep fp16 moments, "
+            "and the table has no fp16 optimizer states (fp16's range cannot hold Adam's second "
+            "moment); remove the key to keep fp32 states",
+            path,
+        )
     if low_precision_states and offload_optimizer != "none" and model_dtype != "fp32":
         states = model_dtype
     autocast_doc = document.get("torch_autocast", {})
@@ -758,6 +769,7 @@ def load_config(
         master_weights_dtype=master,
         optimizer_states_dtype=states,
         autocast=autocast,
+        autocast_dtype_given=bool(autocast_doc.get("dtype")),
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         quantized_communication=(

@@ -16,7 +16,13 @@ each stated by ``explain()`` for the configs it touches:
   AdamW with lr 1e-3;
 - ``gradient_accumulation_steps``: DeepSpeed's ``engine.backward`` divides each micro-batch's
   loss by it; dtypeplan sums micro-batch gradients as they come (as documented for
-  ``opt.backward``) and uses the key only to know the step boundary.
+  ``opt.backward``) and uses the key only to know the step boundary;
+- ``torch_autocast``: DeepSpeed reduces the gradients of its ``lower_precision_safe_modules``
+  (Linear, Conv1d-3d) in the autocast dtype and the rest in fp32, gathers those modules'
+  ZeRO-3 parameters in the autocast dtype, and scales fp16 autocast with
+  ``torch.amp.GradScaler``; dtypeplan sends every gradient in ``communication_data_type``,
+  gathers fp32 shards (autocast casts them per op, to the same values) and scales with the
+  fp16 block's DeepSpeed loss scaler (see :func:`_autocast_differences`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def deepspeed_differences(
             "TrainingArguments.learning_rate, 5e-5 by default); dtypeplan's default is AdamW "
             "with lr 1e-3. Give an optimizer block, or pass your optimizer to plan.build"
         )
+    found += _autocast_differences(config, point)
     steps = config.gradient_accumulation_steps
     if steps is not None and steps > 1:
         found.append(
@@ -79,5 +86,42 @@ def deepspeed_differences(
             f"they come (it only learns the step boundary from the key: the reduction starts "
             f"inside the last of the {steps} backward passes). For DeepSpeed's behaviour "
             f"divide the loss by {steps} before backward"
+        )
+    return found
+
+
+def _autocast_differences(config: PrecisionConfig, point: dict[str, Any]) -> list[str]:
+    """What DeepSpeed's ``torch_autocast`` (``runtime/torch_autocast.py``) does otherwise."""
+    if config.autocast == "none":
+        return []
+    dtype = config.autocast
+    found = [
+        f"torch_autocast gradients: {DEEPSPEED} reduces the gradients of "
+        "torch_autocast.lower_precision_safe_modules (default Linear, Conv1d, Conv2d, Conv3d) "
+        f"in {dtype} and every other gradient in the parameter dtype, whatever "
+        f"communication_data_type says; dtypeplan reduces every gradient in {point['comm']} "
+        "(communication_data_type, else the accumulation dtype). The nearest to DeepSpeed's: "
+        f'"communication_data_type": "{dtype}" (norms and embeddings then travel in {dtype} too)'
+    ]
+    if point["stage"] == 3:
+        found.append(
+            f"torch_autocast at ZeRO-3: {DEEPSPEED} all-gathers those modules' parameters in "
+            f"{dtype}; dtypeplan's FSDP2 gathers the fp32 shards and autocast casts them at each "
+            "op, to the same values: the numbers agree, the gathers move twice the bytes"
+        )
+    if dtype == "fp16":
+        found.append(
+            f"fp16 autocast loss scaling: {DEEPSPEED} uses torch.amp.GradScaler (2**16, doubled "
+            "after 2000 clean steps, halved at every overflow, no minimum) and ignores the fp16 "
+            "block; dtypeplan scales with the fp16 block's DeepSpeed loss scaler (defaults: "
+            "2**16, window 1000, hysteresis 2, min 1). For GradScaler's schedule set "
+            '"fp16": {"enabled": false, "loss_scale_window": 2000, "hysteresis": 1}'
+        )
+    if not config.autocast_dtype_given:
+        found.append(
+            f"torch_autocast.dtype absent: {DEEPSPEED} passes None on to torch.autocast, which "
+            "then takes the device's default (fp16 on CUDA, bf16 on CPU); dtypeplan uses "
+            f"{dtype} (the fp16 parameters' dtype with fp16.enabled, else bf16). Set "
+            f'"torch_autocast": {{"dtype": "{dtype}"}} to make both agree'
         )
     return found

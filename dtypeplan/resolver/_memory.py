@@ -5,8 +5,9 @@ parameter and accumulation dtypes and ``S`` the optimizer's fp32 state bytes per
 (AdamW and Adam 8, SGD with momentum 4, plain SGD 0):
 
 ============  =====================================================================
-params        ``P * N``; at stage 3 ``4 * N / W``: FSDP2's fp32 shards, gathered in the
-              parameter dtype only while a layer runs
+params        ``P * N``; at stage 3 ``M * N / W``: FSDP2's shards in the master dtype
+              (``M`` = 4, or 2 for bf16 master weights), gathered in the parameter dtype
+              only while a layer runs
 grads         ``0``: the parameters' own ``.grad`` is consumed by a hook the moment
               autograd produces it (DeepSpeed counts ``P * N`` here; in dtypeplan those
               bytes are the accumulator when ``A == P``)
@@ -22,9 +23,16 @@ states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
               ``state_bytes``
 ============  =====================================================================
 
+With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
+parameters get a host copy too) and the states live in host memory: they count under
+``host_master`` and ``host_optimizer_states`` (and ``host_total``), and ``master`` and
+``optimizer_states`` are 0. The six device keys mean device bytes for every plan; the host keys
+are 0 when nothing is offloaded.
+
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
 per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
-``W * 64`` elements per bucket) and transient buffers during ``step()`` are not counted.
+``W * 64`` elements per bucket) and transient buffers during ``step()`` (with offload: the two
+host gradient slots of at most one bucket chunk each) are not counted.
 ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimizer instead of
 FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "HOST_MEMORY_KEYS",
     "INT8_CODE_TABLE_BYTES",
     "MEMORY_KEYS",
     "QUANTIZED_BLOCK",
@@ -42,6 +51,9 @@ __all__ = [
 ]
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
+"""Device bytes (shared/API.md)."""
+HOST_MEMORY_KEYS = ("host_master", "host_optimizer_states", "host_total")
+"""Host bytes of an offloaded optimizer; 0 without offload."""
 
 QUANTIZED_BLOCK = 256
 """Values per fp32 scale in int8 and fp8 states (torchao's default block for both)."""
@@ -79,19 +91,20 @@ def memory_model(
     master_rounding: str = "nearest",
     exp_avg_dtype: str = "fp32",
     exp_avg_sq_dtype: str = "fp32",
+    offload_optimizer: bool = False,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
     n, w = num_params, world_size
     state_divisor = w if zero_stage >= 1 else 1
     if zero_stage >= 3:
-        # FSDP2 keeps the fp32 shards, which are also the master weights; the parameter-dtype
-        # copies exist only while a layer runs.
-        params = 4 * n // w
+        # FSDP2 keeps the shards in the master dtype: they are the master weights; the
+        # parameter-dtype copies exist only while a layer runs.
+        params = master_dtype.itemsize * n // w
     else:
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
-    aliased = param_dtype == master_dtype or zero_stage >= 3
+    aliased = (param_dtype == master_dtype and not offload_optimizer) or zero_stage >= 3
     master = 0 if aliased else 4 * n // state_divisor
     if master_dtype != torch.float32 and master_rounding == "kahan":
         master = master_dtype.itemsize * n // state_divisor
@@ -110,5 +123,11 @@ def memory_model(
         "master": master,
         "optimizer_states": states,
     }
+    host = {"host_master": 0, "host_optimizer_states": 0}
+    if offload_optimizer:
+        host = {"host_master": master, "host_optimizer_states": states}
+        figures["master"] = figures["optimizer_states"] = 0
     figures["total"] = sum(figures.values())
+    figures.update(host)
+    figures["host_total"] = sum(host.values())
     return figures

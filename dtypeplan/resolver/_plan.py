@@ -11,6 +11,7 @@ package root, which imports both, is the one place the two layers are joined.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from dtypeplan import schedulers
+from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
@@ -140,7 +142,10 @@ class PrecisionPlan:
     exp_avg_sq_dtype: str = "fp32"
     """How Adam's second moment is stored (the same choices as :attr:`exp_avg_dtype`)."""
     autocast_dtype: torch.dtype | None = None
-    """``torch_autocast``'s dtype; None without it (the only OK value today)."""
+    """``torch_autocast``'s dtype (bf16 or fp16); None without it. With it the parameters,
+    their gradients and the master weights stay fp32 and forward runs under
+    :meth:`autocast` (``prepare_model`` installs it around the model's forward); fp16 autocast
+    scales the loss with :attr:`loss_scaling`."""
     offload_optimizer: str = "none"
     """``"none"``, ``"cpu"`` or ``"nvme"`` (only ``"none"`` is OK today)."""
     offload_param: str = "none"
@@ -158,7 +163,8 @@ class PrecisionPlan:
     zero_stage: int
     pipeline_parallel: bool
     loss_scaling: LossScaleConfig | None
-    """fp16 loss scaling; None without fp16, where nothing is scaled."""
+    """fp16 loss scaling (fp16 parameters or fp16 autocast); None otherwise, where nothing is
+    scaled."""
     optimizer: OptimizerConfig
     gradient_clipping: float
     reduce_bucket_size: int | None
@@ -291,8 +297,14 @@ class PrecisionPlan:
     def memory(self, num_params: int, world_size: int) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
 
-        Raises :class:`NotSupportedError` for a plan that offloads: the model counts device
-        bytes, and an offloaded optimizer or offloaded parameters are not on the device.
+        The six keys of shared/API.md are device bytes; ``host_master``,
+        ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
+        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload, for
+        ``offload_param`` and for an offloaded optimizer at ZeRO-3, which dtypeplan does not
+        implement: no figure would be true.
+        Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
+        copies of weights and activations live only during forward and backward, like the
+        activations themselves, and are not optimizer memory.
         """
         offloaded = [
             f"{what} to {where}"
@@ -301,13 +313,14 @@ class PrecisionPlan:
                 ("offload_param", self.offload_param),
             )
             if where != "none"
+            and not (what == "offload_optimizer" and where == "cpu" and self.zero_stage < 3)
         ]
         if offloaded:
             raise NotSupportedError(
                 f"memory(): the plan asks for {' and '.join(offloaded)}, which dtypeplan does "
                 "not implement, so no device figure would be true: the device would not hold "
-                "what is offloaded, and dtypeplan cannot offload it. Remove the offload "
-                "settings to see what the device holds with everything on it."
+                "what is offloaded, and dtypeplan cannot offload it. Remove the setting (or "
+                "use offload_optimizer device cpu) to see what the device and host hold."
             )
         return memory_model(
             num_params=num_params,
@@ -321,6 +334,7 @@ class PrecisionPlan:
             master_rounding=self.master_rounding,
             exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype,
+            offload_optimizer=self.offload_optimizer == "cpu",
         )
 
     def explain(self) -> str:
@@ -422,6 +436,14 @@ class PrecisionPlan:
             lines.append(
                 f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
             )
+        if self.autocast_dtype is not None and self.status == Status.OK:
+            name = DTYPE_NAMES[self.autocast_dtype]
+            lines.append(
+                f"  autocast: forward runs under torch.autocast(dtype={name}) (prepare_model "
+                "installs it around the model; plan.autocast() for other code); parameters, "
+                "gradients and master weights stay fp32"
+                + ("; the loss is scaled as for fp16" if self.loss_scaling is not None else "")
+            )
         if self.scheduler is not None:
             kind, params = self.scheduler.get("type"), self.scheduler.get("params", {})
             lines.append(
@@ -453,6 +475,19 @@ class PrecisionPlan:
                 lines.append(f"  - {changes}  -> OK ({alt.implementation}, rule {alt.rule_id})")
         return "\n".join(lines)
 
+    # --- running ------------------------------------------------------------------------------
+    def autocast(self, device: DeviceLike = None) -> contextlib.AbstractContextManager[Any]:
+        """The ``torch.autocast`` context of ``torch_autocast``, or one that does nothing
+        without it (so a training loop can use it whatever the config says).
+
+        ``device``: a device type (``"cuda"``), a ``torch.device``, or a module (the device of
+        its parameters); by default the current accelerator, else the CPU. The model's own
+        forward needs no call: :meth:`prepare_model` runs it under this context (a pipeline
+        stage's too). Use it for code outside the model that should run under autocast as
+        well, such as the loss; backward needs none.
+        """
+        return autocast_context(self.autocast_dtype, device)
+
     # --- building (delegated: see the module docstring) ---------------------------------------
     def prepare_model(
         self,
@@ -467,8 +502,10 @@ class PrecisionPlan:
         floating-point buffers; the trainable parameters' fp32 values are kept for the master
         weights that ``build`` takes). ZeRO-3 also shards it with FSDP2, one unit per block;
         ``wrap`` (a set of module classes, or a callable ``module -> bool``) chooses the units
-        and is ignored at other stages. Call it before ``build`` and before the model is
-        handed to a pipeline stage.
+        and is ignored at other stages. With ``torch_autocast`` the parameters stay fp32 and
+        every call of ``model`` runs under :meth:`autocast` (forward hooks: names and class are
+        kept), as DeepSpeed's engine runs forward. Call it before ``build`` and before the
+        model is handed to a pipeline stage.
         """
         return _installed().prepare_model(self, model, process_group, wrap=wrap)
 

@@ -86,6 +86,9 @@ def resolve_config(
     # Both 16-bit modes on is an Error plan; its other defaults follow fp16 (DeepSpeed's order).
     param_name = "fp16" if params == "fp16+bf16" else params
     fp16 = param_name == "fp16"
+    # fp16 autocast computes backward in fp16 from fp32 parameters: its gradients underflow
+    # without a loss scale, so it is scaled as fp16 parameters are (the fp16 block's scaler).
+    scaled = fp16 or config.autocast == "fp16"
 
     stage = config.zero_stage if config.zero_stage is not None else STAGE.default_value
     origins["zero_stage"] = (
@@ -141,7 +144,13 @@ def resolve_config(
         "(resolver/_optimizer_kind.py)"
     )
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
-    origins["loss_scaling"] = "$.fp16" if fp16 else "off without fp16"
+    origins["loss_scaling"] = (
+        "$.fp16"
+        if fp16
+        else "$.fp16 block's scaler, for fp16 autocast (torch_autocast.dtype)"
+        if scaled
+        else "off without fp16"
+    )
     origins["optimizer"] = (
         "the program's optimizer (build(optimizer=...) or wrap())"
         if isinstance(config.optimizer, ClientOptimizerConfig)
@@ -155,6 +164,8 @@ def resolve_config(
     origins["check_nonfinite"] = (
         "always on for fp16"
         if fp16
+        else "always on for fp16 autocast"
+        if scaled
         else ("$.check_nonfinite" if config.check_nonfinite else "default (off)")
     )
 
@@ -195,10 +206,8 @@ def resolve_config(
         comm_reduction=config.comm_reduction,
         master_dtype=DTYPES[MASTER_ROUNDING[features["master"]][0]],
         master_rounding=MASTER_ROUNDING[features["master"]][1],
-        # DeepSpeed's CPU Adam with fp32_optimizer_states false keeps fp16 moments for fp16
-        # parameters: not a states value; only the offload rules, which refuse it, see it.
-        exp_avg_dtype=STATE_PAIRS.get(features["states"], (features["states"],) * 2)[0],
-        exp_avg_sq_dtype=STATE_PAIRS.get(features["states"], (features["states"],) * 2)[1],
+        exp_avg_dtype=STATE_PAIRS[features["states"]][0],
+        exp_avg_sq_dtype=STATE_PAIRS[features["states"]][1],
         autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
         offload_optimizer=config.offload_optimizer,
         offload_param=config.offload_param,
@@ -209,11 +218,11 @@ def resolve_config(
         optimizer_kind=features["optimizer"],
         zero_stage=stage,
         pipeline_parallel=bool(pipeline_parallel),
-        loss_scaling=config.loss_scaling if fp16 else None,
+        loss_scaling=config.loss_scaling if scaled else None,
         optimizer=config.optimizer,
         gradient_clipping=config.gradient_clipping,
         reduce_bucket_size=config.reduce_bucket_size,
-        check_nonfinite=config.check_nonfinite or fp16,
+        check_nonfinite=config.check_nonfinite or scaled,
         collective_timeout_s=config.collective_timeout_s,
         origins=FrozenDict(origins),
         warnings=tuple(_warnings(point, config)),

@@ -101,11 +101,17 @@ class Rule:
         if not self.when:
             return "any"
         parts = []
-        for name, dim in DIMENSIONS.items():
+        for name in DIMENSIONS:
             if name in self.when:
-                values = [v for v in dim.values if _member(v, self.when[name])]
+                values = self.matched_values(name)
                 parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
         return ", ".join(parts)
+
+    def matched_values(self, name: str) -> list[Any]:
+        """The values of dimension ``name`` this rule matches, in the dimension's order."""
+        allowed = self.when.get(name)
+        values = DIMENSIONS[name].values
+        return list(values) if allowed is None else [v for v in values if _member(v, allowed)]
 
 
 @dataclass(frozen=True, kw_only=True)

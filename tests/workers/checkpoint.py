@@ -340,6 +340,57 @@ def four_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _bf16_master_optimizer(
+    stage: int, master: dict[str, Any] | None, bf16_states: bool = False
+) -> tuple[torch.nn.Module, dtypeplan.MixedPrecisionOptimizer]:
+    config: dict[str, Any] = {
+        "bf16": {"enabled": True, "bf16_optimizer_states": bf16_states},
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    }
+    if master is not None:
+        config["master_weights"] = master
+    plan = dtypeplan.resolve(config)
+    assert plan.status == "OK", plan.explain()
+    model = plan.prepare_model(make_model(0))
+    return model, plan.build(model.parameters())
+
+
+KAHAN = {"dtype": "bf16", "rounding": "kahan"}
+
+
+def zero3_bf16_master_conversions(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """ZeRO-3 with Kahan bf16 masters and bf16 moments: saved, then loaded at ZeRO-3 with fp32
+    masters, at ZeRO-1 with the same masters, and (from the fp32 run) at ZeRO-3 with bf16
+    masters rounded to nearest. Returns the snapshots (full states) for the parent to compare,
+    and the path of the first checkpoint, which the parent loads on one process."""
+    model, opt = _bf16_master_optimizer(3, KAHAN, bf16_states=True)
+    train(model, opt, range(3))
+    saved = snapshot(opt)
+    dtypeplan.checkpoint.save(opt, path)
+    model, fp32 = _bf16_master_optimizer(3, None)
+    dtypeplan.checkpoint.load(fp32, path)
+    as_fp32 = snapshot(fp32)
+    train(model, fp32, range(3, 4))
+    trained_fp32 = snapshot(fp32)
+    dtypeplan.checkpoint.save(fp32, path + "-fp32")
+    _model, zero1 = _bf16_master_optimizer(1, KAHAN, bf16_states=True)
+    dtypeplan.checkpoint.load(zero1, path)
+    model, nearest = _bf16_master_optimizer(3, {"dtype": "bf16"})
+    dtypeplan.checkpoint.load(nearest, path + "-fp32")
+    as_nearest = snapshot(nearest)
+    train(model, nearest, range(4, 5))
+    return {
+        "path": path,
+        "saved": saved,
+        "as_fp32": as_fp32,
+        "as_zero1_kahan": snapshot(zero1),
+        "trained_fp32": trained_fp32,
+        "as_nearest": as_nearest,
+        "nearest_shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+
+
 def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[float]]:
     """Save a ZeRO-3 (FSDP2) run; resume it at ZeRO-3 and at ZeRO-1; run it uninterrupted.
 
@@ -384,6 +435,7 @@ def zero3_round_trip(rank: int, world_size: int, path: str) -> dict[str, list[fl
         return norms
 
     return {
+        "bf16_masters": zero3_bf16_master_conversions(rank, world_size, path + "-bf16"),
         "saved": run(3, range(0, 3), load=False, save=True),
         "resumed_zero3": run(3, range(3, 6), load=True, save=False),
         "gathered": list(gathered),

@@ -161,6 +161,8 @@ def accumulation_cases(
 def fsdp2_memory_cases(
     rank: int, world_size: int, configs: list[dict[str, Any]], width: int
 ) -> list[Any]:
+    from dtypeplan.optimizers._fsdp2 import _REDUCE_SCATTER_OF
+
     results = []
     for config in configs:
         plan = dtypeplan.resolve(config)
@@ -175,9 +177,15 @@ def fsdp2_memory_cases(
             for _ in range(2):
                 optimizer.backward(model(torch.randn(4, width)).float().square().mean())
             at_boundary = optimizer.held_tensors().nbytes()
+            # bf16 masters: the reduce-scatter output kept for the hook is gone after backward.
+            kept = {id(_REDUCE_SCATTER_OF[p].last_output) for p in model.parameters()}
             optimizer.step()
             optimizer.zero_grad()
         results.append(
-            {"at_boundary": at_boundary, "predicted": plan.memory(num_params, world_size)}
+            {
+                "at_boundary": at_boundary,
+                "predicted": plan.memory(num_params, world_size),
+                "reduce_scatter_output_kept": kept != {id(None)},
+            }
         )
     return results

@@ -92,8 +92,9 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         for i, p in enumerate(ref_params)
     )
     size = sum(float(p.detach().square().sum()) for p in ref_params)
-    # ZeRO-3 keeps fp32 shards and computes in plan.param_dtype on gathered copies.
-    stored = torch.float32 if plan.zero_stage == 3 else plan.param_dtype
+    # ZeRO-3 keeps shards in the master dtype (fp32, or bf16 masters) and computes in
+    # plan.param_dtype on gathered copies.
+    stored = plan.master_dtype if plan.zero_stage == 3 else plan.param_dtype
     param_dtype_ok = all(p.dtype == stored for p in model.parameters())
     digest = hashlib.sha256()
     for param in model.parameters():

@@ -56,6 +56,10 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     ref_opt = plan.optimizer.torch_class(reference.parameters(), **plan.optimizer.params)
     stage_module = plan.prepare_model(stage_module, process_group=dp_group)
     optimizer = plan.build(stage_module.parameters(), process_group=dp_group)
+    # What the schedule's calls of the stage computed in (torch_autocast: the autocast dtype,
+    # which only prepare_model can have installed: the schedule calls the module itself).
+    output_dtypes: set[str] = set()
+    stage_module.register_forward_hook(lambda m, a, out: output_dtypes.add(str(out.dtype)))
 
     stage = PipelineStage(
         stage_module, pp_rank, pp_size, torch.device("cpu"), group=mesh["pp"].get_group()
@@ -75,7 +79,9 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         x = torch.randn(batch, WIDTH, generator=generator)
         y = torch.randn(batch, WIDTH, generator=generator)
         ref_opt.zero_grad()
-        ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+        with reference_autocast(plan):
+            ref_out = reference(x)
+        ref_loss = torch.nn.functional.mse_loss(ref_out.float(), y)
         ref_loss.backward()
         ref_opt.step()
         ref_losses.append(float(ref_loss.detach()))
@@ -90,12 +96,8 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
             else:
                 schedule.step(target=mine_y, losses=step_losses)
         optimizer.clear_lp_grads()  # what a pipeline engine calls; must exist and be harmless
+        scale = optimizer.loss_scale  # what loss_fn multiplied by (step() may change it)
         optimizer.step()
-        scale = (
-            case["config"].get("fp16", {}).get("loss_scale", 1.0)
-            if plan.param_dtype == torch.float16
-            else 1.0
-        )
         total = torch.tensor([sum(float(part.detach()) for part in step_losses) / scale])
         dist.all_reduce(total)  # only the last stage contributes
         losses.append(float(total) / dp_size)
@@ -112,7 +114,15 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         "backward_reduce_scatters": reduce_scatters[0],
         "master_rel_error": math.sqrt(diff / size),
         "skipped_steps": optimizer.skipped_steps,
+        "output_dtypes": sorted(output_dtypes),
     }
+
+
+def reference_autocast(plan: dtypeplan.PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
+    """Plain torch's forward for the reference: under ``torch.autocast`` with torch_autocast."""
+    if plan.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=plan.autocast_dtype)
 
 
 @contextlib.contextmanager

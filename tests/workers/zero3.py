@@ -84,7 +84,39 @@ def export_rank0_only(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def bf16_masters_sum_uncast(rank: int, world: int) -> dict[str, Any]:
+    """bf16 masters, fp32 on the wire and in the accumulator: the sums are FSDP2's fp32
+    reduce-scatter outputs, never cast to the bf16 shards' dtype on the way.
+
+    At the first step the gathered bf16 weights are the same with fp32 and with bf16 masters
+    (the fp32 masters rounded to nearest), so the accumulated gradients must be bitwise those
+    of an fp32-master run, whose accumulator is FSDP2's fp32 ``.grad``.
+    """
+    sums = {}
+    wire = {"gradient_accumulation_dtype": "fp32", "communication_data_type": "fp32"}
+    bf16_masters = {"master_weights": {"dtype": "bf16", "rounding": "kahan"}}
+    for master, extra in (("fp32", {}), ("bf16", bf16_masters)):
+        config = {**CONFIG, **wire, **extra}
+        plan = dtypeplan.resolve(config)
+        model = plan.prepare_model(tied_lm(0))
+        opt = plan.build(model.parameters())
+        for micro in range(2):
+            opt.backward(lm_loss(model, token_batch(micro, 4 * world).chunk(world)[rank]) / 2)
+        held = opt.held_tensors().accumulator
+        sums[master] = [t.detach().clone() for t in held]
+        opt.step()
+    return {
+        "same": len(sums["fp32"]) == len(sums["bf16"])
+        and all(torch.equal(a, b) for a, b in zip(sums["fp32"], sums["bf16"], strict=True)),
+        "dtypes": sorted({str(t.dtype) for t in sums["bf16"]}),
+        "wider_than_bf16": any(
+            not torch.equal(t, t.to(torch.bfloat16).float()) for t in sums["bf16"]
+        ),
+    }
+
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "bf16_masters_sum_uncast": bf16_masters_sum_uncast,
     "fp32_unsharded_never_whole": fp32_unsharded_never_whole,
     "wrap_classes_choose_units": wrap_classes_choose_units,
     "export_rank0_only": export_rank0_only,
