@@ -107,17 +107,26 @@ def reference_adamw(params: Any, lr: float = LR) -> torch.optim.Optimizer:
 
 
 @contextmanager
-def fused_kernel_env(enabled: bool) -> Iterator[None]:
-    """``DTYPEPLAN_FUSED_KERNEL`` for the optimizers built inside (the documented switch)."""
-    before = os.environ.get("DTYPEPLAN_FUSED_KERNEL")
-    os.environ["DTYPEPLAN_FUSED_KERNEL"] = "1" if enabled else "0"
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` inside (None: left as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("DTYPEPLAN_FUSED_KERNEL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["DTYPEPLAN_FUSED_KERNEL"] = before
+            os.environ[name] = before
+
+
+@contextmanager
+def fused_kernel_env(enabled: bool) -> Iterator[None]:
+    """``DTYPEPLAN_FUSED_KERNEL`` (Triton, CUDA) for the optimizers built or stepped inside:
+    the documented switch."""
+    with _env("DTYPEPLAN_FUSED_KERNEL", "1" if enabled else "0"):
+        yield
 
 
 def sync(device: torch.device) -> None:
@@ -131,22 +140,25 @@ def time_steps(
     device: torch.device,
     iters: int,
     warmup: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[float]:
     """Milliseconds of ``step()`` alone, ``iters`` times, each after an untimed ``prepare()``.
 
     Wall time between two device synchronizations: on a GPU this includes the step's host
     work and any host syncs inside it (what the caller waits for at the boundary), which CUDA
-    events recorded behind a queue of backward kernels would hide.
+    events recorded behind a queue of backward kernels would hide. ``clock=time.thread_time``
+    counts only the CPU time of the calling thread: for a one-thread CPU step on a shared
+    machine, it leaves out the time the thread waited for a core.
     """
     times: list[float] = []
     for index in range(warmup + iters):
         prepare()
         sync(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         sync(device)
         if index >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((clock() - start) * 1e3)
     return times
 
 
@@ -233,14 +245,24 @@ def dtypeplan_case(
     )
 
 
-def reference_case(name: str, model: torch.nn.Module, inputs: torch.Tensor) -> StepCase:
+def reference_case(
+    name: str, model: torch.nn.Module, inputs: torch.Tensor, *, clip: float = 0.0
+) -> StepCase:
     """``torch.optim.AdamW(fused=True)`` on ``model`` in fp32: a bare step, no clipping.
 
     Each ``prepare()`` is ``zero_grad`` and one ``loss.backward()``, so ``.grad`` holds one
-    fresh gradient, as the accumulator does in :func:`dtypeplan_case`.
+    fresh gradient, as the accumulator does in :func:`dtypeplan_case`. With ``clip`` > 0 the
+    step is what a torch user who clips runs: ``clip_grad_norm_(foreach=True)`` (a norm pass
+    and a scaling pass over the gradients) and then the fused step.
     """
     opt = reference_adamw(model.parameters())
     x = inputs.float()
+    params = list(model.parameters())
+
+    def step() -> None:
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        opt.step()
 
     def prepare() -> None:
         opt.zero_grad(set_to_none=True)
@@ -254,7 +276,7 @@ def reference_case(name: str, model: torch.nn.Module, inputs: torch.Tensor) -> S
         num_params=sum(p.numel() for p in model.parameters()),
         bytes_per_param=REFERENCE_BYTES_PER_PARAM,
         prepare=prepare,
-        step=opt.step,
+        step=step,
         skipped_steps=lambda: 0,
         release=release,
     )

@@ -8,14 +8,21 @@ accumulation dtype) pair, dtypeplan's ``opt.step()`` is timed alone: before ever
 untimed ``opt.zero_grad(); opt.backward(loss)`` fills the accumulator, so the step sees
 gradients already accumulated, as at any accumulation boundary. The baseline is
 ``torch.optim.AdamW(fused=True)`` on an fp32 copy of the model, its ``.grad`` filled the same way
-by ``loss.backward()``, stepped bare (no clipping, no scaling or zeroing pass).
+by ``loss.backward()``, stepped bare (no clipping, no scaling or zeroing pass). dtypeplan clips
+(``--clip``, 1.0): the global norm must be known before any element is updated, so a clipping
+step reads the gradients twice, one pass more than the bare baseline (4 B/param for an fp32
+accumulator, 2 for a 16-bit one). The like-for-like row is the second baseline: the same torch
+optimizer after ``torch.nn.utils.clip_grad_norm_(foreach=True)`` (a norm pass and a scaling
+pass), what a torch user who clips runs.
 
 Columns:
 
-* ``ms``: median ms of ``step()``; methods are interleaved in rounds so that a change of load on
-  the machine hits all of them alike;
+* ``ms``: median ms of ``step()`` (wall time; ``--clock thread``: the thread's CPU time, for a
+  loaded machine); methods are interleaved in rounds so that a change of load on the machine
+  hits all of them alike;
 * ``x fused AdamW``: ``ms`` over the baseline's median (the target of issue 14: <= 1.3 for every
   pair);
+* ``x clipped``: ``ms`` over the clipping baseline's median (like for like);
 * ``B/param``: bytes a bare step must move (see ``benchmarks/_optimizer_step.py``: 30 for a
   16-bit parameter with an fp32 accumulator, 28 for a 16-bit accumulator or fp32 throughout;
   28 for the baseline);
@@ -49,9 +56,11 @@ from benchmarks._optimizer_step import (
 )
 
 BASELINE = "torch AdamW fused fp32"
+CLIPPED = "torch clip_grad_norm_ + AdamW fused fp32"
 COPY = "copy"  # at least 64 MiB a buffer, so that it streams from memory and not from cache
 ALL_PAIRS = [f"{p}/{a}" for p in ("bf16", "fp16", "fp32") for a in ("fp32", "bf16", "fp16")]
 TARGET_RATIO = 1.3
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 CPU = torch.device("cpu")
 
 
@@ -65,6 +74,9 @@ def linear_stack(width: int, layers: int, seed: int) -> torch.nn.Module:
 def build_cases(args: Any) -> list[StepCase]:
     inputs = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(1))
     cases = [reference_case(BASELINE, linear_stack(args.width, args.layers, 0), inputs)]
+    if args.clip > 0:
+        model = linear_stack(args.width, args.layers, 0)
+        cases.append(reference_case(CLIPPED, model, inputs, clip=args.clip))
     for pair in args.pairs:
         param, accum = pair.split("/")
         config = adamw_config(param, accum, clip=args.clip)
@@ -83,10 +95,15 @@ def measure(cases: list[StepCase], args: Any) -> tuple[dict[str, list[float]], d
     src = torch.empty(max(cases[0].num_params, 1 << 24)).normal_()
     dst = torch.empty_like(src)
     times[COPY] = []
+    clock = CLOCKS[args.clock]
     for _ in range(args.rounds):
-        times[COPY] += time_steps(lambda: None, lambda: dst.copy_(src), CPU, args.steps_per_round)
+        times[COPY] += time_steps(
+            lambda: None, lambda: dst.copy_(src), CPU, args.steps_per_round, clock=clock
+        )
         for case in cases:
-            times[case.name] += time_steps(case.prepare, case.step, CPU, args.steps_per_round)
+            times[case.name] += time_steps(
+                case.prepare, case.step, CPU, args.steps_per_round, clock=clock
+            )
     times[COPY + " bytes"] = [2.0 * src.numel() * src.element_size()]
     return times, {case.name: skipped[case.name] + case.skipped_steps() for case in cases}
 
@@ -95,6 +112,7 @@ def summarize(
     cases: list[StepCase], times: dict[str, list[float]], skipped: dict[str, int], copy_bps: float
 ) -> list[dict[str, Any]]:
     base = statistics.median(times[BASELINE])
+    clipped = statistics.median(times[CLIPPED]) if CLIPPED in times else None
     rows = []
     for case in cases:
         ms = statistics.median(times[case.name])
@@ -107,6 +125,7 @@ def summarize(
                 "p10 ms": _quantile(times[case.name], 0.1),
                 "p90 ms": _quantile(times[case.name], 0.9),
                 "x fused AdamW": ms / base if valid else None,
+                "x clipped": ms / clipped if valid and clipped else None,
                 "B/param": case.bytes_per_param,
                 "floor ratio": case.bytes_per_param / REFERENCE_BYTES_PER_PARAM,
                 "x copy floor": ms / floor_ms if valid else None,
@@ -135,6 +154,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps-per-round", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile one step of each method")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or the stepping thread's CPU time (with --threads 1 on a loaded "
+        "machine: leaves out the waits for a core)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.rounds, args.steps_per_round, args.warmup = 512, 2, 3, 2
@@ -159,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "method",
             "ms",
             "x fused AdamW",
+            "x clipped",
             "B/param",
             "floor ratio",
             "x copy floor",
@@ -174,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.threads} thread(s); copy bandwidth {copy['bytes_per_s'] / 1e9:.2f} GB/s"
     )
     print(table)
-    ratios = {r["method"]: r["x fused AdamW"] for r in rows if r["method"] != BASELINE}
+    ratios = {
+        r["method"]: r["x fused AdamW"] for r in rows if r["method"] not in (BASELINE, CLIPPED)
+    }
     valid = [r for r in ratios.values() if r is not None]
     summary = {
         "benchmark": "optimizer_step",
@@ -211,19 +240,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "steps_per_round": args.steps_per_round,
                 "warmup": args.warmup,
                 "quick": args.quick,
+                "clock": args.clock,
             },
             sections=sections,
             data={"rows": rows, "copy": copy, "profiles": profiles, "summary": summary},
             notes=[
-                "ms = median wall time of opt.step() alone over all timed steps; an untimed "
-                "zero_grad + backward of one micro-batch precedes every step.",
+                f"ms = median {'wall' if args.clock == 'wall' else 'thread CPU'} time of "
+                "opt.step() alone over all timed steps; an untimed zero_grad + backward of one "
+                "micro-batch precedes every step.",
                 f"x fused AdamW = ms over that of {BASELINE} (fp32 model, bare step, same "
                 "hyperparameters, no clipping); issue 14's target is <= 1.3 for every pair.",
                 "floor ratio = B/param over 28 (the baseline's bytes): the ratio a step at the "
                 "baseline's bandwidth would show. x copy floor = ms over numel * B/param / the "
                 "measured copy bandwidth.",
                 "dtypeplan rows clip at gradient_clipping (the norm is a read of the "
-                "accumulator the floor does not count); the baseline does not clip.",
+                "accumulator the floor does not count); the first baseline does not clip. "
+                f"x clipped = ms over that of {CLIPPED} (like for like).",
             ],
         )
     finish(summary)
