@@ -48,6 +48,7 @@ __all__ = [
     "render_markdown",
     "render_readme_block",
     "feature_rows",
+    "feature_statuses",
     "render_feature_grid",
     "render_features",
     "render_rules",
@@ -171,20 +172,18 @@ def _status_text(status: str) -> str:
     return f"**{status}**" if status == "OK" else status
 
 
-def render_feature_grid(table: RuleTable, feature: Dimension) -> str | None:
-    """Parameter dtype x value of ``feature`` against the grid's columns, the feature the only
-    one in use (other dimensions at the rules file's defaults); None when no cell is OK. Rows
-    that are an Error in every column are left out."""
+def feature_statuses(table: RuleTable, feature: Dimension) -> dict[tuple[Any, Any], list[str]]:
+    """``{(parameter dtype, value of feature): [status per grid column]}``, the feature the only
+    one in use (other dimensions at the rules file's defaults), as ``resolve`` answers."""
     columns = _cells(GRID_COLUMNS, advisable=False)
-    rows = []
-    any_ok = False
+    statuses: dict[tuple[Any, Any], list[str]] = {}
     for params in PARAMS.choices:
         for value in feature.values:
             # A value no config selects (a shaped optimizer comes from build's argument) has
             # no row: a config without it would show the "not used" value's status.
             if value == feature.default_value or not feature.config_for(value):
                 continue
-            statuses = []
+            row = statuses[(params, value)] = []
             for column in columns:
                 # The parameter dtype last: a feature's config may enable a 16-bit mode itself.
                 values = {feature.name: value, PARAMS.name: params}
@@ -193,19 +192,37 @@ def render_feature_grid(table: RuleTable, feature: Dimension) -> str | None:
                 plan = resolve_config(
                     load_config(config_for(values)), pipeline_parallel=pipeline, table=table
                 )
-                statuses.append(str(plan.status))
-            any_ok = any_ok or "OK" in statuses
-            # A row that is an Error everywhere (bf16 masters for fp32 parameters) is a
-            # contradiction, which the features table states once.
-            if set(statuses) != {"Error"}:
-                cells = [value_text(params), value_text(value)]
-                cells.extend(_status_text(status) for status in statuses)
-                rows.append("| " + " | ".join(cells) + " |")
-    if not any_ok:
+                row.append(str(plan.status))
+    return statuses
+
+
+def render_feature_grid(table: RuleTable, feature: Dimension) -> str | None:
+    """:func:`feature_statuses` as a markdown table; None when no cell is OK.
+
+    Rows with the same statuses are one row (their values listed together, then their
+    parameter dtypes), and rows that are an Error in every column (a contradiction, such as
+    bf16 masters for fp32 parameters, which the features table states once) are left out.
+    """
+    statuses = feature_statuses(table, feature)
+    if not any("OK" in row for row in statuses.values()):
         return None
+    values_by_params: dict[tuple[Any, tuple[str, ...]], list[Any]] = {}
+    for (params, value), row in statuses.items():
+        if set(row) != {"Error"}:
+            values_by_params.setdefault((params, tuple(row)), []).append(value)
+    params_by_values: dict[tuple[tuple[Any, ...], tuple[str, ...]], list[Any]] = {}
+    for (params, row), values in values_by_params.items():
+        params_by_values.setdefault((tuple(values), row), []).append(params)
+    lines = []
+    for (values, row), params in params_by_values.items():
+        cells = [", ".join(value_text(p) for p in params)]
+        cells.append(", ".join(value_text(v) for v in values))
+        cells.extend(_status_text(status) for status in row)
+        lines.append("| " + " | ".join(cells) + " |")
+    columns = _cells(GRID_COLUMNS, advisable=False)
     header = [PARAMS.title, feature.title] + [_heading(column) for column in columns]
     return "\n".join(
-        ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |", *rows]
+        ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |", *lines]
     )
 
 
@@ -269,9 +286,10 @@ def render_markdown(table: RuleTable) -> str:
         + render_grid(table)
         + "\n\n### Status of each feature that has OK cells\n\n"
         + "One grid per feature: that feature's value is the only one set beside the parameter "
-        + "dtype and the ZeRO stage; everything else takes the defaults above. Rows that are an "
+        + "dtype and the ZeRO stage; everything else takes the defaults above. Values (and then "
+        + "parameter dtypes) with the same status everywhere share a row; rows that are an "
         + "Error in every column (a contradiction, such as bf16 master weights for fp32 "
-        + "parameters) are left out; the next table gives their reasons.\n\n"
+        + "parameters) are left out, and the next table gives their reasons.\n\n"
         + render_feature_grids(table)
         + "\n\n### DeepSpeed features, each alone\n\n"
         + 'The grid above is every feature\'s "not used" value. Each other value, as the only '

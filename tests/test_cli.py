@@ -350,23 +350,29 @@ def test_table_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_table_feature_grid_matches_resolve(capsys: pytest.CaptureFixture[str]) -> None:
-    """The master-weights grid: each cell is resolve's status for a config a user writes."""
+    """The master-weights grid: each cell is resolve's status for a config a user writes, and
+    every (parameter dtype, value) pair that is not an Error everywhere has exactly one row."""
     assert main(["table"]) == 0
     rows = _table_rows(capsys.readouterr().out, "| params | master weights |")
-    assert ("bf16", "bf16_sr") in {(r[0], r[1]) for r in rows}
     master = DIMENSIONS["master"]
     cells = list(itertools.product(range(4), (False, True)))
+    seen = []
     for row in rows:
-        params, value = row[0], row[1]
-        for column, (stage, pipeline) in enumerate(cells, 2):
-            config = master.config_for(value)
-            for block, keys in PARAMS.config_for(params).items():
-                config.setdefault(block, {}).update(keys)
-            config["zero_optimization"] = {"stage": stage}
-            expected = str(dtypeplan.resolve(config, pipeline_parallel=pipeline).status)
-            assert row[column].strip("*") == expected, (params, value, stage, pipeline)
-        # Rows that are an Error everywhere are left out.
-        assert {cell.strip("*") for cell in row[2:]} != {"Error"}
+        for params, value in itertools.product(row[0].split(", "), row[1].split(", ")):
+            seen.append((params, value))
+            expected = []
+            for stage, pipeline in cells:
+                config = master.config_for(value)
+                for block, keys in PARAMS.config_for(params).items():
+                    config.setdefault(block, {}).update(keys)
+                config["zero_optimization"] = {"stage": stage}
+                expected.append(str(dtypeplan.resolve(config, pipeline_parallel=pipeline).status))
+            assert [cell.strip("*") for cell in row[2:]] == expected, (params, value)
+            assert set(expected) != {"Error"}  # rows that are an Error everywhere are left out
+    assert len(seen) == len(set(seen))
+    assert {("bf16", "bf16"), ("bf16", "bf16_sr"), ("bf16", "bf16_kahan"), ("fp16", "fp16")} == set(
+        seen
+    )
 
 
 def test_table_grid_applies_the_rules_file_defaults(
