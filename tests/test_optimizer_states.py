@@ -342,11 +342,12 @@ def test_low_precision_states_refuse_optimizers_other_than_adam() -> None:
         plan.build(_models.two_heads(0).parameters())
 
 
-def test_zero3_and_pipeline_refuse_with_reasons() -> None:
+def test_zero3_refuses_with_a_reason() -> None:
     zero3 = dtypeplan.resolve({"optimizer_states": "int8", "zero_optimization": {"stage": 3}})
     assert zero3.status == "NotSupported" and "ZeRO-3" in zero3.reason
+    # Under pipeline parallelism (tests/test_pipeline.py proves a cell per stage) it is OK.
     pipeline = dtypeplan.resolve({"optimizer_states": "fp8"}, pipeline_parallel=True)
-    assert pipeline.status == "NotSupported" and "pipeline" in pipeline.reason
+    assert pipeline.status == "OK", pipeline.explain()
     assert math.isclose(_eps("int8/fp8"), EPS["int8"] + EPS["fp8"] / 2)
 
 

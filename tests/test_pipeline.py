@@ -11,6 +11,7 @@ from __future__ import annotations
 import dtypeplan
 from dtypeplan.launch import spawn
 from tests._helpers import assert_parity, ok_cells
+from tests.test_optimizer_states import _eps
 from tests.workers.pipeline import run_pipeline_cases
 
 _MODEL_KEYS = {
@@ -86,6 +87,66 @@ def _master_cases() -> list[dict]:
     return cases
 
 
+# Optimizer-state dtypes under the pipeline: the update is the one of
+# tests/test_optimizer_states.py (the flat engine's, fed by the same gradient hooks). Each
+# ZeRO stage once, both schedules, fp32 and bf16 masters. (stage, model dtype, master rounding
+# or None for fp32 masters, states, schedule)
+_STATES_CELLS = [
+    (0, "fp32", None, "int8", "gpipe"),
+    (1, "bf16", None, "fp8/bf16", "1f1b"),
+    (2, "fp32", None, "bf16", "1f1b"),
+    (2, "bf16", "stochastic", "int8", "gpipe"),
+]
+_STATES_STEPS, _STATES_LR = 2, 1e-2
+# The smallest RMS of a stage's parameters (weights N(0, 0.4^2), biases N(0, 0.1^2)): ~0.39.
+_STATES_WEIGHT_RMS = 0.39
+
+
+def _states_master_rtol(states: str) -> float:
+    """tests/test_optimizer_states.py's bound: step 1 is exact (the moments are computed in
+    fp32 from zero), each later step reads moments rounded by at most eps (``_eps``) and so
+    moves a weight by at most lr * eps * |u| (|u| <= 2) more or less than fp32, over the
+    weights' RMS."""
+    return 2 * (_STATES_STEPS - 1) * _STATES_LR * _eps(states) / _STATES_WEIGHT_RMS
+
+
+def _states_cases() -> list[dict]:
+    cases = []
+    for stage, model, rounding, states, schedule in _STATES_CELLS:
+        exp_avg, _, exp_avg_sq = states.partition("/")
+        config: dict = {
+            **_MODEL_KEYS[model],
+            "optimizer_states": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq or exp_avg},
+            "zero_optimization": {"stage": stage},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": _STATES_LR, "weight_decay": 0.01},
+            },
+        }
+        masters = "fp32-masters"
+        if rounding is not None:
+            config["master_weights"] = {"dtype": "bf16", "rounding": rounding}
+            masters = f"bf16-masters-{rounding}"
+        cases.append(
+            {
+                "name": f"stage{stage}-{model}-{masters}-{states}-states-{schedule}",
+                "config": config,
+                "micro_batches": 4,
+                "schedule": schedule,
+                "steps": _STATES_STEPS,
+                "exact": False,
+                "states_rtol": _states_master_rtol(states),
+            }
+        )
+    return cases
+
+
+def test_states_cases_are_ok_cells() -> None:
+    for case in _states_cases():
+        plan = dtypeplan.resolve(case["config"], pipeline_parallel=True)
+        assert plan.status == "OK", (case["name"], plan.explain())
+
+
 def test_master_cases_are_ok_cells() -> None:
     for case in _master_cases():
         plan = dtypeplan.resolve(case["config"], pipeline_parallel=True)
@@ -112,7 +173,12 @@ def test_pipeline_parity_pp2_dp2() -> None:
     # weight, 2 * 2**-8 = 8e-3 relative per element at worst, about 2**-8 / sqrt(6) = 1.6e-3
     # as a norm: inside 2e-2, beside the bf16 forward's ~1e-3 on the loss.
     # The autocast cases (after them) check themselves: tests/workers/pipeline.py.
-    cases, autocast_cases = _cases() + _master_cases(), _autocast_cases()
+    # The optimizer-state cells take test_optimizer_states.py's bound (_states_master_rtol:
+    # int8 8e-3, fp8/bf16 2.6e-3, bf16 1e-4 relative on the masters) on top of the 16-bit
+    # cells' bounds where the model is 16-bit; fp32 models get that bound alone (the loss, a
+    # smooth function of the weights, too).
+    cases = _cases() + _master_cases() + _states_cases()
+    autocast_cases = _autocast_cases()
     per_rank = spawn(run_pipeline_cases, 4, cases + autocast_cases, timeout_s=500)
     for results in per_rank:
         check_autocast_cases(results[len(cases) :], autocast_cases)
@@ -120,6 +186,13 @@ def test_pipeline_parity_pp2_dp2() -> None:
             result["param_dtype_ok"] = True
             if case["exact"]:
                 assert_parity(result, 1e-5, 1e-5)
+            elif "states_rtol" in case:
+                rtol = case["states_rtol"]
+                fp32_model = not {"bf16", "fp16"} & set(case["config"])
+                if fp32_model:
+                    assert_parity(result, rtol, rtol)
+                else:
+                    assert_parity(result, 1e-2 + rtol, 2e-2 + rtol)
             else:
                 assert_parity(result, 1e-2, 2e-2)
             assert result["skipped_steps"] == 0, result
