@@ -176,6 +176,16 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
             ("kahan", True, "bf16"),
         )
     ]
+    # Quantized moments on the local shards: codes, one fp32 scale per 256 and code tables.
+    configs += [
+        {"optimizer_states": "int8", "zero_optimization": {"stage": 3}},
+        {
+            "bf16": {"enabled": True},
+            "master_weights": {"dtype": "bf16", "rounding": "kahan"},
+            "optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "int8"},
+            "zero_optimization": {"stage": 3},
+        },
+    ]
     for config, result in zip(
         configs, spawn(fsdp2_memory_cases, 2, configs, WIDTH)[0], strict=True
     ):

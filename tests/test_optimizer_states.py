@@ -24,7 +24,7 @@ from dtypeplan.resolver._dimensions import STATE_PAIRS
 from tests import _models
 from tests._helpers import PARAMS_KEYS, assert_parity, assert_replicas_equal, make_model
 from tests.workers import checkpoint as checkpoint_cases
-from tests.workers.optimizer_states import CHECKPOINT_CONFIG, states_group
+from tests.workers.optimizer_states import CHECKPOINT_CONFIG, ZERO3_CONFIG, states_group
 
 EPS = {
     "fp32": 0.0,
@@ -62,6 +62,10 @@ CELLS = [
     ("fp16-z0-bf16/fp32", "fp16", 0, False, None, "bf16/fp32", "Adam"),
     ("bf16-z1-sr-int8", "bf16", 1, False, "stochastic", "int8", "AdamW"),
     ("bf16-z2-kahan-fp8", "bf16", 2, True, "kahan", "fp8", "AdamW"),
+    # ZeRO-3 (FSDP2): the same update on each local shard, its moments padded per shard.
+    ("fp32-z3-int8", "fp32", 3, True, None, "int8", "AdamW"),
+    ("bf16-z3-fp8/bf16", "bf16", 3, True, None, "fp8/bf16", "Adam"),
+    ("bf16-z3-sr-int8/fp8", "bf16", 3, True, "stochastic", "int8/fp8", "AdamW"),
 ]
 
 
@@ -116,10 +120,90 @@ def _memory_configs() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    directory = str(tmp_path_factory.mktemp("states") / "int8-fp8")
+    root = tmp_path_factory.mktemp("states")
+    directory, fp32_directory, zero3_directory = (
+        str(root / name) for name in ("int8-fp8", "zero2-fp32", "zero3-int8")
+    )
+    fp32_saved = _save_zero2_fp32_on_one_process(fp32_directory)
     cases = [_parity_case(cell) for cell in CELLS]
-    per_rank = spawn(states_group, 2, cases, _memory_configs(), WIDTH, directory, timeout_s=600)
-    return {"per_rank": per_rank, "directory": directory}
+    per_rank = spawn(
+        states_group,
+        2,
+        cases,
+        _memory_configs(),
+        WIDTH,
+        directory,
+        fp32_directory,
+        zero3_directory,
+        timeout_s=600,
+    )
+    return {
+        "per_rank": per_rank,
+        "directory": directory,
+        "fp32_saved": fp32_saved,
+        "zero3_directory": zero3_directory,
+    }
+
+
+ZERO2_FP32_CONFIG = {**ZERO3_CONFIG, "optimizer_states": "fp32", "zero_optimization": {"stage": 2}}
+
+
+def _save_zero2_fp32_on_one_process(directory: str) -> dict[str, Any]:
+    plan = dtypeplan.resolve(ZERO2_FP32_CONFIG)
+    model = plan.prepare_model(make_model(0))
+    optimizer = plan.build(model.parameters())
+    checkpoint_cases.train(model, optimizer, range(3))
+    checkpoint.save(optimizer, directory)
+    return checkpoint_cases.snapshot(optimizer)
+
+
+def _assert_int8_of(value: torch.Tensor, ref: torch.Tensor, key: str) -> None:
+    """``value`` is ``ref`` quantized to int8: each value within the format's eps of its
+    block's absmax (bounded here by the largest value of the whole state)."""
+    eps = EPS["int8_unsigned" if key.endswith("_sq") else "int8"]
+    assert float((value - ref).abs().max()) <= eps * float(ref.abs().max()) + 1e-12, key
+
+
+def test_zero3_int8_checkpoint_round_trip_with_zero2_fp32(group: dict[str, Any]) -> None:
+    """ZeRO-2 fp32 states saved on one process load into ZeRO-3 int8 states on 2 ranks
+    (masters exact, moments quantized within int8's eps) and train on; ZeRO-3 int8 states
+    saved on 2 ranks are stored as the fp32 values they stand for, so one process at ZeRO-2
+    with fp32 states loads them exactly."""
+    zero3 = group["per_rank"][0]["zero3"]
+    saved, loaded = group["fp32_saved"], zero3["loaded"]
+    assert loaded["step"] == saved["step"] == 3
+    for mine, ref in zip(loaded["masters"], saved["masters"], strict=True):
+        assert torch.equal(mine, ref)
+    assert loaded["states"].keys() == saved["states"].keys()
+    for key, ref in saved["states"].items():
+        _assert_int8_of(loaded["states"][key], ref, key)
+    assert all(math.isfinite(loss) for loss in zero3["losses_after_load"])
+    # state_dict / load_state_dict at ZeRO-3 on the same layout: masters and second moments
+    # bitwise (the unsigned map ends at 1.0: a block's largest value is held exactly), first
+    # moments within int8's eps (the signed map ends at -0.993, see the test below).
+    again = zero3["state_dict_loaded"]
+    assert zero3["holds_int8_codes"]
+    for mine, ref in zip(again["masters"], zero3["saved"]["masters"], strict=True):
+        assert torch.equal(mine, ref)
+    for key, ref in zero3["saved"]["states"].items():
+        if key.endswith("_sq"):
+            assert torch.equal(again["states"][key], ref), key
+        else:
+            _assert_int8_of(again["states"][key], ref, key)
+    # And back: ZeRO-3 int8 (2 ranks) -> ZeRO-2 fp32 (one process), exact.
+    plan = dtypeplan.resolve(ZERO2_FP32_CONFIG)
+    model = plan.prepare_model(make_model(1))
+    optimizer = plan.build(model.parameters())
+    checkpoint.load(optimizer, group["zero3_directory"])
+    back, ref = checkpoint_cases.snapshot(optimizer), zero3["saved"]
+    assert back["step"] == ref["step"] == 3
+    for mine, theirs in zip(back["masters"], ref["masters"], strict=True):
+        assert torch.equal(mine, theirs)
+    assert back["states"].keys() == ref["states"].keys()
+    for key, value in ref["states"].items():
+        assert torch.equal(back["states"][key], value), key
+    checkpoint_cases.train(model, optimizer, range(3, 5))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_parity_two_ranks(group: dict[str, Any]) -> None:
@@ -342,9 +426,18 @@ def test_low_precision_states_refuse_optimizers_other_than_adam() -> None:
         plan.build(_models.two_heads(0).parameters())
 
 
-def test_zero3_refuses_with_a_reason() -> None:
+def test_zero3_fp32_sum_refuses_with_a_reason() -> None:
     zero3 = dtypeplan.resolve({"optimizer_states": "int8", "zero_optimization": {"stage": 3}})
-    assert zero3.status == "NotSupported" and "ZeRO-3" in zero3.reason
+    assert zero3.status == "OK", zero3.explain()
+    fp32_sum = dtypeplan.resolve(
+        {
+            "optimizer_states": "int8",
+            "zero_optimization": {"stage": 3},
+            "communication_data_type": "bf16",
+            "communication_reduction": "fp32_sum",
+        }
+    )
+    assert fp32_sum.status == "NotSupported" and "FSDP2" in fp32_sum.reason
     # Under pipeline parallelism (tests/test_pipeline.py proves a cell per stage) it is OK.
     pipeline = dtypeplan.resolve({"optimizer_states": "fp8"}, pipeline_parallel=True)
     assert pipeline.status == "OK", pipeline.explain()

@@ -88,14 +88,16 @@ def _master_cases() -> list[dict]:
 
 
 # Optimizer-state dtypes under the pipeline: the update is the one of
-# tests/test_optimizer_states.py (the flat engine's, fed by the same gradient hooks). Each
-# ZeRO stage once, both schedules, fp32 and bf16 masters. (stage, model dtype, master rounding
+# tests/test_optimizer_states.py (the flat engine's, fed by the same gradient hooks; at ZeRO-3
+# FSDP2's, on each local shard). Every ZeRO stage, both schedules, fp32 and bf16 masters. (stage, model dtype, master rounding
 # or None for fp32 masters, states, schedule)
 _STATES_CELLS = [
     (0, "fp32", None, "int8", "gpipe"),
     (1, "bf16", None, "fp8/bf16", "1f1b"),
     (2, "fp32", None, "bf16", "1f1b"),
     (2, "bf16", "stochastic", "int8", "gpipe"),
+    (3, "fp32", None, "int8/fp8", "1f1b"),
+    (3, "bf16", "kahan", "fp8", "gpipe"),
 ]
 _STATES_STEPS, _STATES_LR = 2, 1e-2
 # The smallest RMS of a stage's parameters (weights N(0, 0.4^2), biases N(0, 0.1^2)): ~0.39.

@@ -183,15 +183,15 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
     weights of bf16 parameters at ZeRO 0-3 (not with ZeRO-3's unsupported fp32_sum), with or
     without pipeline parallelism; autocast of fp32 parameters wherever fp32 parameters are OK;
     optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism; every
-    optimizer-state dtype (fp32 masters) of any parameter dtype at ZeRO 0-2 without pipeline
-    parallelism."""
+    optimizer-state dtype (fp32 masters) of any parameter dtype at ZeRO 0-3 (not with ZeRO-3's
+    unsupported fp32_sum), with or without pipeline parallelism."""
     offload = (
         name == "offload_optimizer"
         and value == "cpu"
         and not point["pipeline"]
         and (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
     )
-    states = name == "states" and _zero_0_to_2(point)
+    states = name == "states" and _states_proven(point)
     return (
         offload
         or states
@@ -211,14 +211,16 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
     )
 
 
-def _zero_0_to_2(point: dict) -> bool:
-    """ZeRO 0-2 without pipeline parallelism, where every optimizer-state dtype is proven."""
-    return not point["pipeline"] and (point["stage"], point["sharded"]) in (
+def _states_proven(point: dict) -> bool:
+    """Where every optimizer-state dtype is proven (tests/test_optimizer_states.py,
+    tests/test_pipeline.py): ZeRO 0-2, and ZeRO-3 with collective reduction, with or without
+    pipeline parallelism."""
+    return (point["stage"], point["sharded"]) in (
         (0, False),
         (1, False),
         (1, True),
         (2, True),
-    )
+    ) or (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
 
 
 def _implemented_autocast(point: dict, name: str, value: object) -> bool:
@@ -251,11 +253,11 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
                     assert rule.reason and dim.name in rule.when, (name, rule.id)
                     if implemented and name == "master":
-                        # Optimizer states ride on bf16 masters (one update path): bf16
-                        # everywhere, int8 / fp8 / mixed at ZeRO 0-2 without pipeline.
+                        # Optimizer states ride on bf16 masters (one update path): every
+                        # state dtype wherever bf16 masters are OK.
                         for states in STATES.values:
                             cell = table.lookup({**point, name: value, "states": states})
-                            expected = states in ("fp32", "bf16") or _zero_0_to_2(point)
+                            expected = _states_proven(point)
                             assert (cell.status == "OK") == expected, (value, states, cell.id)
 
 

@@ -23,8 +23,11 @@ owns the precision plan around it::
                                 reduce-scatter's output as it came off the wire (kept by
                                 ``_NamedReduceScatter`` until backward ends) into an
                                 accumulator of the accumulation dtype: no extra rounding
-    optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters
-                                (bf16 with ``bf16_optimizer_states`` and bf16 masters)
+    optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters;
+                                with ``optimizer_states`` other than fp32, or bf16 masters,
+                                ``_low_precision_update.py`` keeps each moment of a local shard
+                                in its dtype (bf16, or torchao's int8 / fp8 blocks over the
+                                flattened shard padded to whole blocks) and computes in fp32
 
 What FSDP2 does not offer and this module adds: accumulation in a dtype other than that of
 the sharded parameters (the hook above), and pipeline parallelism with a sharded accumulator:
@@ -45,6 +48,7 @@ Use: ``model = plan.prepare_model(model)`` (shards it; a no-op at other stages),
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -76,6 +80,7 @@ from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPr
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
+from dtypeplan.optimizers._state_storage import state_tensors
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -364,15 +369,17 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
         self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
-        # bf16 masters: the local shards are updated in fp32 and rounded back into them.
+        # bf16 masters (updated in fp32 and rounded back into the local shards), or moments
+        # stored in other dtypes than fp32.
         self._low_precision = LowPrecisionAdamUpdate.for_plan(
             plan, self._inner, self._locals(), self.comm.rank
         )
+        self._low_precision_masters = plan.master_dtype != torch.float32
         # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
         # dtype): FSDP2 hands each micro-batch's reduced shard to a hook.
         self.accumulators: list[torch.Tensor] | None = None
         self._fresh: list[bool] = []
-        if plan.grad_accum_dtype != torch.float32 or self._low_precision is not None:
+        if plan.grad_accum_dtype != torch.float32 or self._low_precision_masters:
             self.accumulators = [
                 torch.zeros_like(t, dtype=plan.grad_accum_dtype) for t in self._locals()
             ]
@@ -409,8 +416,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 for slot in self.inner.state.values()
                 if KAHAN_COMPENSATION in slot
             ),
+            # Quantized moments count as their codes, scales and code table.
             optimizer_states=tuple(
-                v for slot in self.inner.state.values() for v in slot.values() if torch.is_tensor(v)
+                t
+                for slot in self.inner.state.values()
+                for v in slot.values()
+                if torch.is_tensor(v)
+                for t in state_tensors(v)
             ),
         )
 
@@ -420,7 +432,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         assert self.accumulators is not None
         with torch.no_grad():
             shard = _local(param.grad)
-            if self._low_precision is not None:
+            if self._low_precision_masters:
                 shard = _as_reduced(shard, _REDUCE_SCATTER_OF.get(param))
             if self._fresh[index]:
                 self.accumulators[index].copy_(shard)
@@ -572,8 +584,20 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def _layout_facts(self) -> dict[str, Any]:
         return {"world_size": self.comm.world_size, "rank": self.comm.rank}
 
+    def fp32_states(self) -> contextlib.AbstractContextManager[None]:
+        """Quantized (int8 / fp8) moments held as fp32 values shaped like their local shards
+        while the block runs, stored back in their dtypes after (untouched ones keep their
+        codes): what the per-parameter state code below and the checkpoint adapters read."""
+        if self._low_precision is None:
+            return contextlib.nullcontext()
+        return self._low_precision.fp32_view(self._locals())
+
     def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         """This rank's shard of each parameter: ``master`` and each state, and ``step``."""
+        with self.fp32_states():
+            return self._param_state_fp32(index_of)
+
+    def _param_state_fp32(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         state: dict[int, dict[str, Any]] = {}
         for param, local in zip(self._params(), self._locals(), strict=True):
             entry: dict[str, Any] = {keys.MASTER: local.detach().clone()}
@@ -583,10 +607,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return state
 
     def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
-        for param, local in zip(self._params(), self._locals(), strict=True):
-            entry = state[index_of[id(param)]]
-            local.copy_(entry[keys.MASTER])
-            load_slot(self.inner.state.get(local, {}), entry)
+        with self.fp32_states():
+            for param, local in zip(self._params(), self._locals(), strict=True):
+                entry = state[index_of[id(param)]]
+                local.copy_(entry[keys.MASTER])
+                load_slot(self.inner.state.get(local, {}), entry)
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -619,14 +644,15 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         A Kahan compensation is no name of its own: it is folded into the master's values.
         """
         names = [keys.MASTER]
-        for local in self._locals():
-            for name, value in self.inner.state.get(local, {}).items():
-                if (
-                    is_element_state(value, local)
-                    and name not in names
-                    and name != KAHAN_COMPENSATION
-                ):
-                    names.append(name)
+        with self.fp32_states():  # a quantized moment is laid out like its shard in there
+            for local in self._locals():
+                for name, value in self.inner.state.get(local, {}).items():
+                    if (
+                        is_element_state(value, local)
+                        and name not in names
+                        and name != KAHAN_COMPENSATION
+                    ):
+                        names.append(name)
         return names
 
     def master_values(self, master: torch.Tensor) -> torch.Tensor:
@@ -661,6 +687,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         so a GPU holds the local shards plus one full tensor. ``dtypeplan.checkpoint`` does
         not call this at ZeRO-3: it saves the local shards (:meth:`shard_pieces`).
         """
+        with self.fp32_states():
+            return self._full_state_fp32()
+
+    def _full_state_fp32(self) -> dict[str, torch.Tensor | float | int]:
         result: dict[str, torch.Tensor | float | int] = {}
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
             values = {keys.MASTER: self.master_values(local)}
@@ -681,6 +711,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        with self.fp32_states():
+            self._load_full_state_fp32(state)
+
+    def _load_full_state_fp32(self, state: dict[str, torch.Tensor | float | int]) -> None:
         names = keys.param_state_names(state)
         self.reset_update_state(
             [n for n in names if n != keys.MASTER], self.group_scalars_from(state)

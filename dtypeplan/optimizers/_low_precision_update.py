@@ -19,8 +19,8 @@ is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scr
 A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
 parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
-``inner.state[master]``. Quantized moments (flat engine only: ZeRO-3 keeps fp32 or bf16) are
-torchao tensors padded to whole blocks, which the generic state code (checkpoints,
+``inner.state[master]``. Quantized moments are torchao tensors over the flattened chunk or
+shard padded to whole blocks, which the generic state code (checkpoints,
 ``state_dict``, the restoring of parameters without a gradient) cannot slice per parameter: it
 runs inside :meth:`fp32_view`, which holds every state as fp32 values while it runs and stores
 them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
