@@ -89,8 +89,8 @@ def _master_cases() -> list[dict]:
 
 # Optimizer-state dtypes under the pipeline: the update is the one of
 # tests/test_optimizer_states.py (the flat engine's, fed by the same gradient hooks; at ZeRO-3
-# FSDP2's, on each local shard). Every ZeRO stage, both schedules, fp32 and bf16 masters. (stage, model dtype, master rounding
-# or None for fp32 masters, states, schedule)
+# FSDP2's, on each local shard). Every ZeRO stage, both schedules, fp32 and bf16 masters.
+# (stage, model dtype, master rounding or None for fp32 masters, states, schedule)
 _STATES_CELLS = [
     (0, "fp32", None, "int8", "gpipe"),
     (1, "bf16", None, "fp8/bf16", "1f1b"),
