@@ -157,7 +157,7 @@ def mode_config(mode: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-DEEPSPEED_SOURCE = "DeepSpeed master edaa72212 (version.txt 0.19.6; same code paths as 0.19.8)"
+DEEPSPEED_SOURCE = "DeepSpeed master edaa722 (2026-08-22, 0.19.6.dev)"
 
 
 def deepspeed_formula(mode: dict[str, Any], world: int) -> tuple[str, float, float] | None:
