@@ -215,9 +215,9 @@ def deepspeed_formula(mode: dict[str, Any], world: int) -> tuple[str, float, flo
         if (master, states, mode["accum"]) != ("fp32", "fp32", "bf16"):
             return None
         if mode["stage"] == 1 and not mode["sharded"]:
-            return "ZeRO-1 Offload 4 | host 20/N", 4.0, 20 / world
+            return "ZeRO-1 Offload 4; host 20/N", 4.0, 20 / world
         if mode["stage"] == 2:
-            return "ZeRO-2 Offload 2 | host 20/N", 2.0, 20 / world
+            return "ZeRO-2 Offload 2; host 20/N", 2.0, 20 / world
         return None
     if states not in ("fp32", "bf16"):
         return None  # int8 / fp8: no DeepSpeed option
@@ -235,11 +235,11 @@ def deepspeed_formula(mode: dict[str, Any], world: int) -> tuple[str, float, flo
                 return f"ZeRO-3 bf16 master+states 8/N{note}", 8 / world, 0.0
             return None
         if whole_z1:
-            return f"ZeRO-1 bf16 master, offload 4 | host 14/N{note}", 4.0, 14 / world
+            return f"ZeRO-1 bf16 master, offload 4; host 14/N{note}", 4.0, 14 / world
         if mode["stage"] == 2:
-            return f"ZeRO-2 bf16 master, offload 2 | host 14/N{note}", 2.0, 14 / world
+            return f"ZeRO-2 bf16 master, offload 2; host 14/N{note}", 2.0, 14 / world
         if mode["stage"] == 3:
-            return f"ZeRO-3 bf16 master, offload 2/N | host 12/N{note}", 2 / world, 12 / world
+            return f"ZeRO-3 bf16 master, offload 2/N; host 12/N{note}", 2 / world, 12 / world
         return None
     if states != "fp32":
         return None
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "grads + 1 B a value and an fp32 scale per 256 for each moment) and no fp32 masters "
             "with bf16 states.",
             "Changed from the 2026-11-29 / first 2026-12-01 run: DeepSpeed's bf16-master rows "
-            "with fp32 states are now split device | host and count DeepSpeed's bf16 staging "
+            "with fp32 states are now split device; host and count DeepSpeed's bf16 staging "
             "buffer (param_buffer_of_bit16_for_cpu_offload_groups, 2/N) that the earlier "
             "device + host figure 4+12/N / 2+12/N left out.",
             *[f"not measured: {s}" for s in skipped],
