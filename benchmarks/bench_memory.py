@@ -533,8 +533,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "grads + 1 B a value and an fp32 scale per 256 for each moment) and no fp32 masters "
             "with bf16 states.",
             "Changed from the 2026-11-29 / first 2026-12-01 run: DeepSpeed's bf16-master rows "
-            "with fp32 states are now split into device and host bytes and count DeepSpeed's bf16 staging "
-            "buffer (param_buffer_of_bit16_for_cpu_offload_groups, 2/N) that the earlier "
+            "with fp32 states are now split into device and host bytes and count DeepSpeed's "
+            "bf16 staging buffer (param_buffer_of_bit16_for_cpu_offload_groups, 2/N) that the "
+            "earlier "
             "device + host figure 4+12/N / 2+12/N left out.",
             *[f"not measured: {s}" for s in skipped],
         ]
