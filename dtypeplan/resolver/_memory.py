@@ -34,7 +34,9 @@ per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
 ``W * 64`` elements per bucket) and transient buffers during ``step()`` (with offload: the two
 host gradient slots of at most one bucket chunk each) are not counted.
 ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimizer instead of
-FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master.
+FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master;
+``W = 1`` at stage 3 is counted so. (A one-rank process group would run FSDP2 and hold
+``M * N``, 2 bytes per parameter less for 16-bit parameters with fp32 masters.)
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def memory_model(
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
     n, w = num_params, world_size
     state_divisor = w if zero_stage >= 1 else 1
+    if zero_stage >= 3 and w == 1:
+        zero_stage = 2  # one process: the flat sharded optimizer, not FSDP2
     if zero_stage >= 3:
         # FSDP2 keeps the shards in the master dtype: they are the master weights; the
         # parameter-dtype copies exist only while a layer runs.
