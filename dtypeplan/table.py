@@ -211,13 +211,13 @@ def render_feature_grid(table: RuleTable, feature: Dimension) -> str | None:
         if set(row) != {"Error"}:
             values_by_params.setdefault((params, tuple(row)), []).append(value)
     params_by_values: dict[tuple[tuple[Any, ...], tuple[str, ...]], list[Any]] = {}
-    for (params, row), values in values_by_params.items():
-        params_by_values.setdefault((tuple(values), row), []).append(params)
+    for (params, pattern), values in values_by_params.items():
+        params_by_values.setdefault((tuple(values), pattern), []).append(params)
     lines = []
-    for (values, row), params in params_by_values.items():
-        cells = [", ".join(value_text(p) for p in params)]
-        cells.append(", ".join(value_text(v) for v in values))
-        cells.extend(_status_text(status) for status in row)
+    for (shared_values, pattern), params_list in params_by_values.items():
+        cells = [", ".join(value_text(p) for p in params_list)]
+        cells.append(", ".join(value_text(v) for v in shared_values))
+        cells.extend(_status_text(status) for status in pattern)
         lines.append("| " + " | ".join(cells) + " |")
     columns = _cells(GRID_COLUMNS, advisable=False)
     header = [PARAMS.title, feature.title] + [_heading(column) for column in columns]
