@@ -250,6 +250,12 @@ class LowPrecisionAdamUpdate:
         it; cast an fp32 master into ``param_chunk`` (None where the master is the
         parameters' own memory)."""
         slot = self.slot(master)
+        if self._fp32_depth:
+            # Inside fp32_view this update writes the fp32 moments, so they must be quantized
+            # anew on exit; torch's fused kernels write in place without bumping the version
+            # counter that tells an untouched view from a written one.
+            for name in MOMENTS:
+                self._viewed.pop((id(slot), name), None)
         step = slot["step"]
         step += 1
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
