@@ -4,11 +4,13 @@ raises, a micro-batch that reaches no parameter."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 import dtypeplan
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers._reduction_scheduler import InFlightReduction
 from tests._helpers import make_batch, make_model, mse
@@ -140,3 +142,40 @@ def test_a_second_gradient_in_one_backward_is_added_or_refused() -> None:
             else:
                 assert isinstance(outcome, str) and "second gradient" in outcome, (case, outcome)
                 assert "use_reentrant=False" in outcome, outcome
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}},
+        {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+        {
+            "torch_autocast": {"enabled": True, "dtype": "float16"},
+            "zero_optimization": {"stage": 1},
+        },  # noqa: E501
+    ],
+)
+def test_bare_backward_under_fp16_loss_scaling_is_refused(config: dict) -> None:
+    """Under fp16 loss scaling, step() divides by the loss scale: an unscaled loss.backward()
+    would give gradients 65536 times too small without a word. It is refused at the backward;
+    with pipeline_parallel=True (a schedule scales the loss itself) it is taken."""
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(make_model(0))
+    optimizer = plan.build(model.parameters())
+    x, y = make_batch(0, 8)
+    loss = mse(model, x, y)
+    with pytest.raises(OptimizerUsageError, match=r"outside opt.backward\(loss\)"):
+        loss.backward()
+    optimizer.zero_grad()
+    optimizer.backward(mse(model, x, y))
+    optimizer.step()
+    assert optimizer.skipped_steps == 0 and optimizer.grad_norm > 1e-3
+    optimizer.close()
+    pipeline = dtypeplan.resolve(config, pipeline_parallel=True)
+    model = pipeline.prepare_model(make_model(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer = pipeline.build(model.parameters())
+    (mse(model, x, y) * optimizer.loss_scale).backward()
+    optimizer.step()
+    assert optimizer.skipped_steps == 0

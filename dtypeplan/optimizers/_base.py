@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HeldTensors",
+    "bare_backward_refusal",
     "MixedPrecisionOptimizer",
     "inner_optimizer",
     "is_adam",
@@ -41,6 +42,23 @@ __all__ = [
     "load_slot",
     "make_replicas_equal",
 ]
+
+
+def bare_backward_refusal(plan: PrecisionPlan) -> str | None:
+    """Why a ``loss.backward()`` that ``opt.backward`` did not begin is refused, or None where
+    it is fine: under fp16 loss scaling the step divides the gradients by the loss scale, so
+    an unscaled backward would make them that many times too small, without an error. A
+    pipeline schedule runs backward itself and multiplies the loss by ``opt.loss_scale``."""
+    if plan.loss_scaling is None or plan.pipeline_parallel:
+        return None
+    return (
+        "loss.backward() ran outside opt.backward(loss) under fp16 loss scaling (fp16 "
+        "parameters or fp16 torch_autocast): step() divides the gradients by opt.loss_scale, "
+        "so gradients of an unscaled loss would come out that many times too small. Call "
+        "opt.backward(loss), which scales the loss first; a pipeline schedule that runs "
+        "backward itself needs dtypeplan.resolve(..., pipeline_parallel=True) and a loss "
+        "multiplied by opt.loss_scale (README: Pipeline parallelism)"
+    )
 
 
 def is_element_state(value: Any, master: torch.Tensor) -> bool:

@@ -80,6 +80,7 @@ from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
+    bare_backward_refusal,
     inner_optimizer,
     is_adam,
     is_element_state,
@@ -209,6 +210,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # DeepSpeed's gradient_accumulation_steps: the boundary reduction starts inside the
             # last backward of a step without the caller marking it.
             accumulation_steps=plan.gradient_accumulation_steps,
+            bare_backward_refusal=bare_backward_refusal(plan),
         )
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None

@@ -65,11 +65,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
+    bare_backward_refusal,
     inner_optimizer,
     is_element_state,
     load_slot,
@@ -386,7 +387,19 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             self._fresh = [True] * len(self.accumulators)
             for index, param in enumerate(self._params()):
                 self.hooks.add(param, _make_fold_hook(weakref.ref(self), index))
+        self._in_backward = False
+        refusal = bare_backward_refusal(plan)
+        if refusal is not None:
+            for param in self._params():
+                self.hooks.add(param, _make_bare_backward_check(weakref.ref(self), refusal))
         self._take_ownership()
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
+        self._in_backward = True
+        try:
+            super().backward(loss, last_micro_batch=last_micro_batch)
+        finally:
+            self._in_backward = False
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -751,6 +764,19 @@ def _as_reduced(shard: torch.Tensor, reduce_scatter: _NamedReduceScatter | None)
             "stage 2 with bf16 masters"
         )
     return torch.as_strided(output, shard.size(), shard.stride(), shard.storage_offset())
+
+
+def _make_bare_backward_check(
+    optimizer: weakref.ReferenceType[FSDP2Optimizer], refusal: str
+) -> Callable[[torch.Tensor], None]:
+    """A hook that refuses a backward ``opt.backward`` did not begin (fp16 loss scaling)."""
+
+    def check(param: torch.Tensor) -> None:
+        owner = optimizer()
+        if owner is not None and not owner._in_backward:
+            raise OptimizerUsageError(refusal)
+
+    return check
 
 
 def _make_fold_hook(

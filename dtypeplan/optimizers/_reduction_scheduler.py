@@ -148,8 +148,11 @@ class ReductionScheduler:
         sharded_accumulator: bool,
         hooks: HookSet,
         accumulation_steps: int | None = None,
+        bare_backward_refusal: str | None = None,
     ) -> None:
         self.groups = groups
+        self.bare_backward_refusal = bare_backward_refusal
+        """Why a backward that ``opt.backward`` did not begin is refused (None: allowed)."""
         self.accumulation_steps = accumulation_steps
         """Backward passes per step, where known: the last one starts the step's reduction."""
         self._passes = 0
@@ -288,6 +291,8 @@ class ReductionScheduler:
         """The first hook of a backward: queue the end-of-backward flush."""
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
+            if self.bare_backward_refusal is not None:
+                raise OptimizerUsageError(self.bare_backward_refusal)
             self._refuse_after_last()
             self._pass = self._begin_pass(last_micro_batch=False)
         self.phase = Phase.BACKWARD
