@@ -71,3 +71,28 @@ def test_a_skipped_fp16_step_does_not_advance_the_schedule() -> None:
         lrs.append(optimizer.param_groups[0]["lr"])
     assert optimizer.skipped_steps == 1
     assert lrs == [0.0, 0.0, 2.5e-4]
+
+
+def test_param_groups_hold_every_hyperparameter_as_torch_does() -> None:
+    """betas, eps... are in param_groups (torch's own layout), so OneCycleLR's momentum cycle
+    runs and what it sets reaches the update."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+    plan = dtypeplan.resolve(config)
+    model = torch.nn.Linear(3, 3)
+    optimizer = plan.build(model.parameters())
+    reference = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters(), lr=1e-3, weight_decay=0.0)
+    assert optimizer.param_groups[0].keys() - {"initial_lr"} >= {"betas", "eps", "amsgrad"}
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        assert optimizer.param_groups[0][key] == reference.param_groups[0][key], key
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=10)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+        schedule.step()
+    betas = optimizer.param_groups[0]["betas"]
+    assert betas[0] < 0.95  # cycled down from max_momentum 0.95
+    optimizer.zero_grad()
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()  # the next step takes the group's values into the update
+    assert optimizer.inner.param_groups[0]["betas"] == betas

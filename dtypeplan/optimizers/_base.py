@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HeldTensors",
     "bare_backward_refusal",
+    "hyperparameter_defaults",
     "MixedPrecisionOptimizer",
     "inner_optimizer",
     "is_adam",
@@ -42,6 +43,29 @@ __all__ = [
     "load_slot",
     "make_replicas_equal",
 ]
+
+
+_IMPLEMENTATION_SWITCHES = frozenset({"foreach", "fused", "capturable", "differentiable"})
+"""Arguments of torch optimizers that choose a code path, not the numbers: the inner optimizer's
+own (dtypeplan picks its path), never the user-facing param groups'."""
+
+
+def hyperparameter_defaults(plan: PrecisionPlan) -> dict[str, Any]:
+    """The param groups' defaults: every hyperparameter of the torch class with the config's
+    values over the class's own defaults, so that ``param_groups`` hold ``betas``, ``eps``,
+    ``momentum``... as in torch (``OneCycleLR(cycle_momentum=True)`` and code that reads or
+    sets them rely on it)."""
+    torch_class = plan.optimizer.torch_class
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(torch_class.__init__).parameters.items()
+        if name not in ("self", "params")
+        and name not in _IMPLEMENTATION_SWITCHES
+        and parameter.default is not inspect.Parameter.empty
+        and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    defaults.update(plan.optimizer.params)
+    return defaults
 
 
 def bare_backward_refusal(plan: PrecisionPlan) -> str | None:
@@ -258,7 +282,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         groups = _param_group_dicts(params)
         _refuse_duplicates(groups)
         _refuse_non_real(groups)
-        super().__init__(groups, dict(plan.optimizer.params))
+        super().__init__(groups, hyperparameter_defaults(plan))
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
