@@ -82,7 +82,8 @@ def sync_case(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, A
     ``loss.backward()`` pair (the pipeline-schedule way). Also counts the syncs of reading
     ``grad_norm`` twice after the last step.
     """
-    plan = dtypeplan.resolve(config)
+    # A pipeline plan: under fp16 it takes a bare backward of a loss scaled by hand.
+    plan = dtypeplan.resolve(config, pipeline_parallel=True)
     model = plan.prepare_model(make_model(0))
     optimizer = plan.build(model.parameters())
     # The non-finite probe reads each norm on the CPU, where that waits for nothing; on an
