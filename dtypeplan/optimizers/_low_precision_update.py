@@ -19,11 +19,16 @@ is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scr
 A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
 parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
-``inner.state[master]``. Quantized moments are torchao tensors over the flattened chunk or
-shard padded to whole blocks, which the generic state code (checkpoints,
-``state_dict``, the restoring of parameters without a gradient) cannot slice per parameter: it
-runs inside :meth:`fp32_view`, which holds every state as fp32 values while it runs and stores
-them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
+``inner.state[master]``. Quantized moments are torchao tensors over the master's
+:class:`~dtypeplan.optimizers._state_storage.BlockLayout`: each parameter piece of a flat chunk
+(and each stretch of bucket padding) starts on a block boundary and is padded to whole blocks,
+so no block holds values of two parameters and a small parameter's moments keep their own
+absmax (a ZeRO-3 local shard is one segment). The update goes over the master in pieces of
+whole segments (a segment longer than ``PIECE`` alone, in block-aligned parts); a piece of
+several segments is gathered from and scattered to its stored blocks. The generic state code
+(checkpoints, ``state_dict``, the restoring of parameters without a gradient) cannot slice
+such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
+values in the master's own layout while it runs and stores them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
 ``SEED + shard rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the
 replicas stay equal; a run is reproducible from the same seed, and a resumed run draws other
 bits than an uninterrupted one (the generator is not checkpointed), which changes nothing in
@@ -53,7 +58,8 @@ KAHAN_COMPENSATION = "kahan_compensation"
 """The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
 
 PIECE = CPU_CHUNK
-"""Elements per fused call: bounds the fp32 scratch (five buffers of 4 MiB) on any device."""
+"""Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
+(five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
 
 SEED = 0x5EED
 """The stochastic-rounding generator's seed (plus the shard rank)."""
@@ -113,7 +119,7 @@ class LowPrecisionAdamUpdate:
     def layout(self, master: torch.Tensor) -> storage.BlockLayout:
         """``master``'s block layout: its segments, or one segment."""
         layout = self._layouts.get(id(master))
-        if layout is None:
+        if layout is None or layout.numel != master.numel():
             layout = storage.BlockLayout.whole(master.numel())
             self._layouts[id(master)] = layout
         return layout
