@@ -28,11 +28,12 @@ whole segments (a segment longer than ``PIECE`` alone, in block-aligned parts); 
 several segments is gathered from and scattered to its stored blocks. The generic state code
 (checkpoints, ``state_dict``, the restoring of parameters without a gradient) cannot slice
 such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
-values in the master's own layout while it runs and stores them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
-``SEED + shard rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the
-replicas stay equal; a run is reproducible from the same seed, and a resumed run draws other
-bits than an uninterrupted one (the generator is not checkpointed), which changes nothing in
-expectation.
+values in the master's own layout while it runs and stores them back after.
+
+Stochastic rounding draws from one ``torch.Generator`` per device, seeded with ``SEED + shard
+rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the replicas stay
+equal; a run is reproducible from the same seed, and a resumed run draws other bits than an
+uninterrupted one (the generator is not checkpointed), which changes nothing in expectation.
 """
 
 from __future__ import annotations
