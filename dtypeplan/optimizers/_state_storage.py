@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtypeplan.resolver._memory import QUANTIZED_BLOCK
+from dtypeplan.resolver._memory import QUANTIZED, QUANTIZED_BLOCK
 
 __all__ = [
     "QUANTIZED",
@@ -50,9 +50,6 @@ __all__ = [
     "store_piece",
     "to_storage",
 ]
-
-QUANTIZED = ("int8", "fp8")
-"""The state dtypes stored as torchao's blockwise codes."""
 
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -173,8 +170,8 @@ class BlockLayout:
 
     def piece_index(self, piece: LayoutPiece, device: torch.device) -> torch.Tensor:
         """Where each value of a multi-segment ``piece`` sits in its stored span (relative to
-        ``stored_begin``): made on the step, from two small per-segment tensors kept per
-        device."""
+        ``stored_begin``): made on the step (nothing waits for the device) from two small
+        per-segment tensors kept per device (:meth:`held_tensors`)."""
         assert piece.shifts is not None and piece.lengths is not None
         key = (piece.begin, torch.device(device))
         pair = self._index.get(key)
@@ -184,6 +181,11 @@ class BlockLayout:
         n = piece.end - piece.begin
         shifts = torch.repeat_interleave(pair[0], pair[1], output_size=n)
         return shifts.add_(torch.arange(n, dtype=torch.int64, device=device))
+
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The per-segment tensors :meth:`piece_index` keeps (16 bytes a segment of a piece
+        of several segments), counted with the optimizer states."""
+        return tuple(self._index.values())
 
     def gather(self, stored: torch.Tensor) -> torch.Tensor:
         """fp32 values in this layout's stored order (``stored_numel``) in master order, as a
@@ -329,11 +331,12 @@ def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) 
 
 
 def load_piece(
-    stored: torch.Tensor, piece: LayoutPiece, layout: BlockLayout, scratch: torch.Tensor
+    stored: torch.Tensor, piece: LayoutPiece, index: torch.Tensor | None, scratch: torch.Tensor
 ) -> torch.Tensor:
     """Values ``[piece.begin, piece.end)`` of ``stored`` in fp32, in master order: the state's
     own view when it is fp32, else written into ``scratch`` (fp32, :func:`scratch_numel` long
-    at least) and returned. A quantized state is read from ``piece``'s stored span."""
+    at least) and returned. A quantized state is read from ``piece``'s stored span; ``index``:
+    ``BlockLayout.piece_index`` of a piece of several segments (else None)."""
     begin, end = piece.begin, piece.end
     n = end - begin
     if not is_quantized(stored):
@@ -345,9 +348,10 @@ def load_piece(
     if piece.shifts is None:
         _dequantize(stored, piece.stored_begin, piece.stored_end, scratch[:span])
         return scratch[:n]
+    assert index is not None
     staging = scratch[n : n + span]
     _dequantize(stored, piece.stored_begin, piece.stored_end, staging)
-    torch.index_select(staging, 0, layout.piece_index(piece, staging.device), out=scratch[:n])
+    torch.index_select(staging, 0, index, out=scratch[:n])
     return scratch[:n]
 
 
@@ -355,7 +359,7 @@ def store_piece(
     values: torch.Tensor,
     stored: torch.Tensor,
     piece: LayoutPiece,
-    layout: BlockLayout,
+    index: torch.Tensor | None,
     scratch: torch.Tensor,
 ) -> None:
     """Write back what :func:`load_piece` returned (``values``, updated), rounding or
@@ -371,7 +375,8 @@ def store_piece(
         scratch[n:span].zero_()
         _quantize(scratch[:span], stored, piece.stored_begin, piece.stored_end)
         return
+    assert index is not None
     staging = scratch[n : n + span]
-    staging.zero_()
-    staging.index_copy_(0, layout.piece_index(piece, staging.device), values)
+    staging.zero_()  # the padding after each segment joins its last block's absmax
+    staging.index_copy_(0, index, values)
     _quantize(staging, stored, piece.stored_begin, piece.stored_end)
