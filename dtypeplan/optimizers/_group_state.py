@@ -105,8 +105,8 @@ class GroupState:
         holds, and each stretch of bucket padding between or after them (block layout of
         quantized states, ``_state_storage.BlockLayout``)."""
         held: list[list[tuple[int, int]]] = [[] for _ in self.flat.buckets]
-        for _, begin, end, bucket, offset in self._pieces():
-            held[bucket].append((offset, end - begin))
+        for _, begin, end, number, offset in self._pieces():
+            held[number].append((offset, end - begin))
         segments = []
         for pieces, bucket in zip(held, self.flat.buckets, strict=True):
             lengths, at = [], 0
