@@ -309,8 +309,8 @@ def test_quantized_states_count_per_parameter_block_padding_given_the_sizes() ->
         padded = plan.memory(sum(sizes), 1, param_numels=sizes)["optimizer_states"]
         unpadded = plan.memory(sum(sizes), 1)["optimizer_states"]
         # Left out: bucket padding (under 64 values a bucket: one block of codes and its
-        # scale per moment, 16 bytes of layout) and the 4-byte step counter.
-        assert padded <= held <= padded + 2 * (256 + 4) + 16 + 4, (stage, held, padded)
+        # scale per moment) and the 4-byte step counter.
+        assert padded <= held <= padded + 2 * (256 + 4) + 4, (stage, held, padded)
         assert held > 1.5 * unpadded, (stage, held, unpadded)
     with pytest.raises(ValueError, match="param_numels"):
         plan.memory(10, 1, param_numels=[3, 4])

@@ -317,17 +317,36 @@ def test_blocks_never_span_two_parameters() -> None:
         bound = EPS["int8_unsigned" if dtype == "int8" else dtype] * float(small.max())
         assert float((back[200:240] - small).abs().max()) <= bound, dtype
         assert torch.equal(back[240:], torch.zeros(3)), dtype
-    # Pieces: whole segments together under the limit, a longer segment alone, in parts.
-    pieces = storage.BlockLayout([100, 600, 30, 40]).pieces(512)
-    assert [(p.begin, p.end, p.stored_begin, p.stored_end) for p in pieces] == [
-        (0, 100, 0, 256),
-        (100, 612, 256, 768),
-        (612, 700, 768, 1024),
-        (700, 770, 1024, 1536),
+    # Pieces: short segments together under the limit, one over a quarter of it alone (in
+    # parts of at most the limit).
+    layout = storage.BlockLayout([100, 600, 30, 40, 5000])
+    pieces = layout.pieces(2048)
+    assert [(p.begin, p.end, p.stored_begin, p.stored_end, p.splits) for p in pieces] == [
+        (0, 100, 0, 256, None),
+        (100, 700, 256, 1024, None),
+        (700, 770, 1024, 1536, (30, 256 - 30, 40, 256 - 40)),
+        (770, 2818, 1536, 3584, None),
+        (2818, 4866, 3584, 5632, None),
+        (4866, 5770, 5632, 6656, None),
     ]
-    assert pieces[0].shifts is None and pieces[3].shifts == (0, 256 - 30)
-    index = storage.BlockLayout([100, 600, 30, 40]).piece_index(pieces[3], torch.device("cpu"))
-    assert index.tolist() == list(range(30)) + list(range(256, 296))
+    # A piece of several segments round-trips through its stored blocks, padding kept zero.
+    values = torch.arange(1.0, 5771.0)
+    stored = storage.to_storage(values, "fp8", signed=False, layout=layout)
+    scratch = torch.empty(storage.scratch_numel(pieces[2]))
+    loaded = storage.load_piece(stored, pieces[2], scratch)
+    before = storage.state_values(stored, 5770, layout)
+    assert torch.equal(loaded, before[700:770])
+    storage.store_piece(loaded * 2, stored, pieces[2], scratch)
+    again = storage.state_values(stored, 5770, layout)
+    # Each value within e4m3's eps of its own segment's absmax (twice the loaded values).
+    for part in (slice(700, 730), slice(730, 770)):
+        bound = EPS["fp8"] * 2 * float(before[part].abs().max())
+        assert float((again[part] - 2 * before[part]).abs().max()) <= bound
+    others = torch.cat([again[:700], again[770:]]), torch.cat([before[:700], before[770:]])
+    assert torch.equal(*others)  # the other pieces' blocks are untouched
+    codes = stored.codes  # type: ignore[attr-defined]
+    assert not codes[1024 + 30 : 1024 + 256].float().any()  # padding after the 30
+    assert not codes[1280 + 40 : 1536].float().any()  # and after the 40
 
 
 class _StraddlingNet(torch.nn.Module):

@@ -281,16 +281,14 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 for slot in self.inner.state.values()
                 if KAHAN_COMPENSATION in slot
             ),
-            # Quantized moments count as their codes, scales and code table (and the index
-            # pieces of their block layouts).
+            # Quantized moments count as their codes, scales and code table.
             optimizer_states=tuple(
                 t
                 for slot in self.inner.state.values()
                 for v in slot.values()
                 if torch.is_tensor(v)
                 for t in state_tensors(v)
-            )
-            + (self._low_precision.held_tensors() if self._low_precision is not None else ()),
+            ),
         )
 
     def shard_pieces(self) -> list[ShardPiece]:

@@ -125,10 +125,6 @@ class LowPrecisionAdamUpdate:
             self._layouts[id(master)] = layout
         return layout
 
-    def held_tensors(self) -> tuple[torch.Tensor, ...]:
-        """What the block layouts keep between steps (counted with the optimizer states)."""
-        return tuple(t for layout in self._layouts.values() for t in layout.held_tensors())
-
     def _stored(self, values: torch.Tensor, name: str, master: torch.Tensor) -> torch.Tensor:
         """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
         :meth:`fp32_view`; plain results keep ``values``' shape."""
@@ -324,9 +320,6 @@ class LowPrecisionAdamUpdate:
         for span in layout.pieces(PIECE):
             begin, end = span.begin, span.end
             n = end - begin
-            index = None
-            if span.shifts is not None and self.quantized:
-                index = layout.piece_index(span, device)
             if fp32_master:
                 weights = master[begin:end]
             else:
@@ -342,7 +335,7 @@ class LowPrecisionAdamUpdate:
             moments = []
             for name in MOMENTS:
                 scratch = self._scratch_for(device, name, storage.scratch_numel(span))
-                moments.append(storage.load_piece(slot[name], span, index, scratch))
+                moments.append(storage.load_piece(slot[name], span, scratch))
             fused([weights], [piece], [moments[0]], [moments[1]], [], [step], **kwargs)
             if fp32_master:
                 if param_chunk is not None:
@@ -356,7 +349,7 @@ class LowPrecisionAdamUpdate:
                 master[begin:end].copy_(weights)
             for name, values in zip(MOMENTS, moments, strict=True):
                 scratch = self._scratch_for(device, name, storage.scratch_numel(span))
-                storage.store_piece(values, slot[name], span, index, scratch)
+                storage.store_piece(values, slot[name], span, scratch)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

@@ -79,16 +79,15 @@ def padded(numel: int) -> int:
 
 class LayoutPiece(NamedTuple):
     """Values ``[begin, end)`` of a master, stored at ``[stored_begin, stored_end)`` (whole
-    blocks) of its quantized states; ``shifts`` / ``lengths``: per segment the piece covers,
-    stored minus master position (relative to the piece) and its length, or None when the piece
-    lies in one segment (stored contiguously from ``stored_begin``)."""
+    blocks) of its quantized states. ``splits``: for a piece of several segments, the stored
+    span cut into segment, padding, segment, padding, ... (the even parts are the values, in
+    master order); None when the piece lies in one segment (stored contiguously)."""
 
     begin: int
     end: int
     stored_begin: int
     stored_end: int
-    shifts: tuple[int, ...] | None
-    lengths: tuple[int, ...] | None
+    splits: tuple[int, ...] | None
 
 
 class BlockLayout:
@@ -111,7 +110,6 @@ class BlockLayout:
             begin += n
             stored += padded(n)
         self.numel, self.stored_numel = begin, stored
-        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._pieces: dict[int, list[LayoutPiece]] = {}
 
     @classmethod
@@ -121,7 +119,8 @@ class BlockLayout:
 
     def pieces(self, limit: int) -> list[LayoutPiece]:
         """The master in pieces of at most ``limit`` stored values (a multiple of the block):
-        whole segments together, a longer segment alone in block-aligned parts."""
+        short segments together, one over ``limit / 4`` alone (in block-aligned parts of at
+        most ``limit``)."""
         cached = self._pieces.get(limit)
         if cached is None:
             cached = self._pieces[limit] = self._make_pieces(limit)
@@ -139,26 +138,27 @@ class BlockLayout:
             end = self.starts[last] + self.lengths[last]
             stored_end = self.stored_starts[last] + padded(self.lengths[last])
             if len(group) == 1:
-                out.append(LayoutPiece(begin, end, stored_begin, stored_end, None, None))
+                out.append(LayoutPiece(begin, end, stored_begin, stored_end, None))
             else:
-                shifts = tuple(
-                    (self.stored_starts[j] - stored_begin) - (self.starts[j] - begin) for j in group
+                splits = tuple(
+                    size
+                    for j in group
+                    for size in (self.lengths[j], padded(self.lengths[j]) - self.lengths[j])
                 )
-                lengths = tuple(self.lengths[j] for j in group)
-                out.append(LayoutPiece(begin, end, stored_begin, stored_end, shifts, lengths))
+                out.append(LayoutPiece(begin, end, stored_begin, stored_end, splits))
             group.clear()
 
         stored_in_group = 0
         for j, n in enumerate(self.lengths):
-            if padded(n) > limit:
+            if padded(n) > limit // 4:
+                # Alone: read and written in place, where gathering it would cost more than
+                # the extra fused call.
                 flush()
                 stored_in_group = 0
                 for part in range(0, n, limit):
                     m = min(limit, n - part)
                     begin, stored = self.starts[j] + part, self.stored_starts[j] + part
-                    out.append(
-                        LayoutPiece(begin, begin + m, stored, stored + padded(m), None, None)
-                    )
+                    out.append(LayoutPiece(begin, begin + m, stored, stored + padded(m), None))
                 continue
             if stored_in_group + padded(n) > limit:
                 flush()
@@ -167,25 +167,6 @@ class BlockLayout:
             stored_in_group += padded(n)
         flush()
         return out
-
-    def piece_index(self, piece: LayoutPiece, device: torch.device) -> torch.Tensor:
-        """Where each value of a multi-segment ``piece`` sits in its stored span (relative to
-        ``stored_begin``): made on the step (nothing waits for the device) from two small
-        per-segment tensors kept per device (:meth:`held_tensors`)."""
-        assert piece.shifts is not None and piece.lengths is not None
-        key = (piece.begin, torch.device(device))
-        pair = self._index.get(key)
-        if pair is None:
-            pair = torch.tensor([piece.shifts, piece.lengths], dtype=torch.int64, device=device)
-            self._index[key] = pair
-        n = piece.end - piece.begin
-        shifts = torch.repeat_interleave(pair[0], pair[1], output_size=n)
-        return shifts.add_(torch.arange(n, dtype=torch.int64, device=device))
-
-    def held_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The per-segment tensors :meth:`piece_index` keeps (16 bytes a segment of a piece
-        of several segments), counted with the optimizer states."""
-        return tuple(self._index.values())
 
     def gather(self, stored: torch.Tensor) -> torch.Tensor:
         """fp32 values in this layout's stored order (``stored_numel``) in master order, as a
@@ -292,7 +273,7 @@ def scratch_numel(piece: LayoutPiece) -> int:
     blocks, since a quantized state is read and written a block at a time), and the piece's
     values besides when it spans several segments."""
     span = piece.stored_end - piece.stored_begin
-    return span if piece.shifts is None else span + piece.end - piece.begin
+    return span if piece.splits is None else span + piece.end - piece.begin
 
 
 def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
@@ -330,13 +311,10 @@ def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) 
     quantized.scale[first:last].copy_(scale)
 
 
-def load_piece(
-    stored: torch.Tensor, piece: LayoutPiece, index: torch.Tensor | None, scratch: torch.Tensor
-) -> torch.Tensor:
+def load_piece(stored: torch.Tensor, piece: LayoutPiece, scratch: torch.Tensor) -> torch.Tensor:
     """Values ``[piece.begin, piece.end)`` of ``stored`` in fp32, in master order: the state's
     own view when it is fp32, else written into ``scratch`` (fp32, :func:`scratch_numel` long
-    at least) and returned. A quantized state is read from ``piece``'s stored span; ``index``:
-    ``BlockLayout.piece_index`` of a piece of several segments (else None)."""
+    at least) and returned. A quantized state is read from ``piece``'s stored span."""
     begin, end = piece.begin, piece.end
     n = end - begin
     if not is_quantized(stored):
@@ -345,22 +323,17 @@ def load_piece(
         scratch[:n].copy_(stored[begin:end])
         return scratch[:n]
     span = piece.stored_end - piece.stored_begin
-    if piece.shifts is None:
+    if piece.splits is None:
         _dequantize(stored, piece.stored_begin, piece.stored_end, scratch[:span])
         return scratch[:n]
-    assert index is not None
     staging = scratch[n : n + span]
     _dequantize(stored, piece.stored_begin, piece.stored_end, staging)
-    torch.index_select(staging, 0, index, out=scratch[:n])
+    torch.cat(staging.split(piece.splits)[::2], out=scratch[:n])  # one call, no index
     return scratch[:n]
 
 
 def store_piece(
-    values: torch.Tensor,
-    stored: torch.Tensor,
-    piece: LayoutPiece,
-    index: torch.Tensor | None,
-    scratch: torch.Tensor,
+    values: torch.Tensor, stored: torch.Tensor, piece: LayoutPiece, scratch: torch.Tensor
 ) -> None:
     """Write back what :func:`load_piece` returned (``values``, updated), rounding or
     quantizing it into ``piece`` of ``stored``."""
@@ -370,13 +343,13 @@ def store_piece(
             stored[begin:end].copy_(values)
         return  # fp32: updated in place
     n, span = end - begin, piece.stored_end - piece.stored_begin
-    if piece.shifts is None:
+    if piece.splits is None:
         # The padding beyond the segment joins its last block's absmax: it must stay zero.
         scratch[n:span].zero_()
         _quantize(scratch[:span], stored, piece.stored_begin, piece.stored_end)
         return
-    assert index is not None
-    staging = scratch[n : n + span]
-    staging.zero_()  # the padding after each segment joins its last block's absmax
-    staging.index_copy_(0, index, values)
-    _quantize(staging, stored, piece.stored_begin, piece.stored_end)
+    parts = scratch[n : n + span].split(piece.splits)  # segment, padding, segment, ...
+    # The padding after each segment joins its last block's absmax: it must stay zero.
+    torch._foreach_zero_(list(parts[1::2]))
+    torch._foreach_copy_(list(parts[::2]), list(values.split(piece.splits[::2])))
+    _quantize(scratch[n : n + span], stored, piece.stored_begin, piece.stored_end)

@@ -22,8 +22,7 @@ states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
               (``1 + 4/256``), and 1 KiB per int8 moment for its code table; see
               ``state_bytes``. Quantized blocks never span two parameters: each
               parameter's values are padded to whole blocks (up to 255 zero values each),
-              counted when ``param_numels`` gives the parameter sizes (with 16 bytes a
-              parameter piece of ZeRO 0-2 for where its values sit)
+              counted when ``param_numels`` gives the parameter sizes
 ============  =====================================================================
 
 With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
@@ -52,7 +51,6 @@ import torch
 __all__ = [
     "HOST_MEMORY_KEYS",
     "INT8_CODE_TABLE_BYTES",
-    "LAYOUT_BYTES_PER_PARAM",
     "MEMORY_KEYS",
     "QUANTIZED_BLOCK",
     "memory_model",
@@ -72,10 +70,6 @@ INT8_CODE_TABLE_BYTES = 256 * 4
 
 QUANTIZED = ("int8", "fp8")
 """The ``states`` dtypes stored as blockwise codes."""
-
-LAYOUT_BYTES_PER_PARAM = 16
-"""What a flat chunk's block layout keeps per parameter piece for quantized moments: its
-stored shift and length (int64), from which each step gathers the piece's values."""
 
 
 def state_bytes(dtype: str, numel: int) -> int:
@@ -154,9 +148,6 @@ def memory_model(
     states = sum(_moment_bytes(dtype, shard, param_numels, zero_stage, w) for dtype in moments)
     # One int8 code table per moment's sign (the first moment's is signed), shared by chunks.
     states += INT8_CODE_TABLE_BYTES * sum(dtype == "int8" for dtype in moments)
-    if param_numels is not None and zero_stage < 3 and any(d in QUANTIZED for d in moments):
-        # The flat chunks' block layouts keep 16 bytes a parameter piece (where its values sit).
-        states += LAYOUT_BYTES_PER_PARAM * len(param_numels) // state_divisor
     states += max(state_bytes_per_param - 4 * len(moments), 0) * shard
     figures = {
         "params": params,
