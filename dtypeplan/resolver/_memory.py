@@ -52,6 +52,7 @@ __all__ = [
     "HOST_MEMORY_KEYS",
     "INT8_CODE_TABLE_BYTES",
     "MEMORY_KEYS",
+    "QUANTIZED",
     "QUANTIZED_BLOCK",
     "memory_model",
     "state_bytes",
