@@ -192,7 +192,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._inner, plan.optimizer.torch_class
         )
         self._low_precision = LowPrecisionAdamUpdate.for_plan(
-            plan, self._inner, [m for s in self.groups for m in s.masters], self.shard_rank
+            plan,
+            self._inner,
+            [m for s in self.groups for m in s.masters],
+            self.shard_rank,
+            segments=[lengths for s in self.groups for lengths in s.master_segments()],
         )
         if self._low_precision is not None:
             self._adam_update = self._low_precision

@@ -100,6 +100,27 @@ class GroupState:
                 out.append((index, begin, end, bucket, shard_offset - shard_offsets[bucket]))
         return out
 
+    def master_segments(self) -> list[list[int]]:
+        """Per master chunk, the lengths of its segments in order: each parameter piece it
+        holds, and each stretch of bucket padding between or after them (block layout of
+        quantized states, ``_state_storage.BlockLayout``)."""
+        held: list[list[tuple[int, int]]] = [[] for _ in self.flat.buckets]
+        for _, begin, end, number, offset in self._pieces():
+            held[number].append((offset, end - begin))
+        segments = []
+        for pieces, bucket in zip(held, self.flat.buckets, strict=True):
+            lengths, at = [], 0
+            for offset, length in sorted(pieces):
+                if offset > at:
+                    lengths.append(offset - at)  # padding
+                lengths.append(length)
+                at = offset + length
+            numel = bucket.chunk_numel(self.flat.shards)
+            if numel > at:
+                lengths.append(numel - at)
+            segments.append(lengths)
+        return segments
+
     def shard_pieces(self, first: int) -> list[ShardPiece]:
         """The pieces of this group's parameters held here; ``first`` numbers its first one."""
         return [

@@ -19,21 +19,27 @@ is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scr
 A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
 parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
-``inner.state[master]``. Quantized moments are torchao tensors over the flattened chunk or
-shard padded to whole blocks, which the generic state code (checkpoints,
-``state_dict``, the restoring of parameters without a gradient) cannot slice per parameter: it
-runs inside :meth:`fp32_view`, which holds every state as fp32 values while it runs and stores
-them back after. Stochastic rounding draws from one ``torch.Generator`` per device, seeded with
-``SEED + shard rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the
-replicas stay equal; a run is reproducible from the same seed, and a resumed run draws other
-bits than an uninterrupted one (the generator is not checkpointed), which changes nothing in
-expectation.
+``inner.state[master]``. Quantized moments are torchao tensors over the master's
+:class:`~dtypeplan.optimizers._state_storage.BlockLayout`: each parameter piece of a flat chunk
+(and each stretch of bucket padding) starts on a block boundary and is padded to whole blocks,
+so no block holds values of two parameters and a small parameter's moments keep their own
+absmax (a ZeRO-3 local shard is one segment). The update goes over the master in pieces of
+whole segments (a segment longer than ``PIECE`` alone, in block-aligned parts); a piece of
+several segments is gathered from and scattered to its stored blocks. The generic state code
+(checkpoints, ``state_dict``, the restoring of parameters without a gradient) cannot slice
+such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
+values in the master's own layout while it runs and stores them back after.
+
+Stochastic rounding draws from one ``torch.Generator`` per device, seeded with ``SEED + shard
+rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the replicas stay
+equal; a run is reproducible from the same seed, and a resumed run draws other bits than an
+uninterrupted one (the generator is not checkpointed), which changes nothing in expectation.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,7 +59,8 @@ KAHAN_COMPENSATION = "kahan_compensation"
 """The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
 
 PIECE = CPU_CHUNK
-"""Elements per fused call: bounds the fp32 scratch (five buffers of 4 MiB) on any device."""
+"""Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
+(five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
 
 SEED = 0x5EED
 """The stochastic-rounding generator's seed (plus the shard rank)."""
@@ -84,6 +91,9 @@ class LowPrecisionAdamUpdate:
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fp32_depth = 0
+        self._layouts: dict[int, storage.BlockLayout] = {}
+        """Each master's block layout for quantized moments, by ``id(master)`` (the masters
+        live as long as the optimizer); a master not here is one segment."""
         self._viewed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
         """Inside :meth:`fp32_view`: each quantized moment, the fp32 tensor that stands in for
         it, and that tensor's version counter when made (to tell whether it was written)."""
@@ -93,13 +103,37 @@ class LowPrecisionAdamUpdate:
         """Whether a moment is stored as torchao codes (then :meth:`fp32_view` matters)."""
         return any(d in storage.QUANTIZED for d in self.moment_dtypes.values())
 
-    def _stored(self, values: torch.Tensor, name: str) -> torch.Tensor:
+    def set_segments(
+        self, masters: Sequence[torch.Tensor], segments: Sequence[Sequence[int]]
+    ) -> None:
+        """Lay each master's quantized moments out by its segments (the lengths of its
+        parameter pieces and bucket padding, in order): each starts on a block boundary, so no
+        block's absmax mixes two parameters. Before any state is made."""
+        for master, lengths in zip(masters, segments, strict=True):
+            layout = storage.BlockLayout(lengths)
+            if layout.numel != master.numel():
+                raise ValueError(
+                    f"segments of {layout.numel} values for a master of {master.numel()}"
+                )
+            self._layouts[id(master)] = layout
+
+    def layout(self, master: torch.Tensor) -> storage.BlockLayout:
+        """``master``'s block layout: its segments, or one segment."""
+        layout = self._layouts.get(id(master))
+        if layout is None or layout.numel != master.numel():
+            layout = storage.BlockLayout.whole(master.numel())
+            self._layouts[id(master)] = layout
+        return layout
+
+    def _stored(self, values: torch.Tensor, name: str, master: torch.Tensor) -> torch.Tensor:
         """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
         :meth:`fp32_view`; plain results keep ``values``' shape."""
         want = "fp32" if self._fp32_depth else self.moment_dtypes[name]
         if storage.state_dtype_name(values) == want:
             return values
-        stored = storage.to_storage(values.reshape(-1), want, signed=name == "exp_avg")
+        stored = storage.to_storage(
+            values.reshape(-1), want, signed=name == "exp_avg", layout=self.layout(master)
+        )
         return stored if storage.is_quantized(stored) else stored.view(values.shape)
 
     @classmethod
@@ -109,9 +143,12 @@ class LowPrecisionAdamUpdate:
         inner: torch.optim.Optimizer,
         masters: list[torch.Tensor],
         shard_rank: int,
+        segments: Sequence[Sequence[int]] | None = None,
     ) -> LowPrecisionAdamUpdate | None:
         """The update of ``plan``'s ``masters`` (keys of ``inner``), their states made, for
         16-bit masters or moments other than fp32; None for fp32 masters with fp32 moments.
+        ``segments``: per master, the lengths of its parameter pieces (and padding) in order
+        (:meth:`set_segments`); None: each master holds one parameter (ZeRO-3 local shards).
         Refuses an optimizer other than torch's fused Adam/AdamW."""
         states = plan.optimizer_states
         if plan.master_dtype == torch.float32 and states == "fp32":
@@ -143,6 +180,8 @@ class LowPrecisionAdamUpdate:
             exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
             shard_rank=shard_rank,
         )
+        if segments is not None and update.quantized:
+            update.set_segments(masters, segments)
         update.conform(masters)
         return update
 
@@ -176,7 +215,11 @@ class LowPrecisionAdamUpdate:
             for name in MOMENTS:
                 dtype = "fp32" if self._fp32_depth else self.moment_dtypes[name]
                 state = storage.new_state(
-                    dtype, master.numel(), master.device, signed=name == "exp_avg"
+                    dtype,
+                    master.numel(),
+                    master.device,
+                    signed=name == "exp_avg",
+                    layout=self.layout(master),
                 )
                 # Plain states are laid out like the master (a ZeRO-3 shard has its shape).
                 slot[name] = state if storage.is_quantized(state) else state.view(master.shape)
@@ -199,7 +242,8 @@ class LowPrecisionAdamUpdate:
                 if value is None:
                     continue
                 if storage.is_quantized(value) and self._fp32_depth:
-                    values = storage.state_values(value, master.numel()).view(master.shape)
+                    values = storage.state_values(value, master.numel(), self.layout(master))
+                    values = values.view(master.shape)
                     self._viewed[(id(slot), name)] = (value, values, values._version)
                     slot[name] = values
                 elif not storage.is_quantized(value):
@@ -209,7 +253,7 @@ class LowPrecisionAdamUpdate:
                         # (which is not exact: torchao's signed map ends at -0.993, not -1).
                         slot[name] = kept[0]
                     else:
-                        slot[name] = self._stored(value, name)
+                        slot[name] = self._stored(value, name, master)
             if self.rounding == "kahan" and KAHAN_COMPENSATION not in slot:
                 slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
         if not self._fp32_depth:
@@ -261,6 +305,7 @@ class LowPrecisionAdamUpdate:
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
         device = master.device
         fp32_master = master.dtype == torch.float32
+        layout = self.layout(master)
         # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
         # keyed by the master itself. Quantized states are flat already.
         master, grad = master.view(-1), grad.reshape(-1)
@@ -270,8 +315,10 @@ class LowPrecisionAdamUpdate:
             else value
             for name, value in slot.items()
         }
-        for begin in range(0, master.numel(), PIECE):
-            end = min(begin + PIECE, master.numel())
+        # Pieces of whole segments (a long one alone, in parts): a quantized moment's piece is
+        # then whole blocks of its own storage, whose values belong to this piece only.
+        for span in layout.pieces(PIECE):
+            begin, end = span.begin, span.end
             n = end - begin
             if fp32_master:
                 weights = master[begin:end]
@@ -287,8 +334,8 @@ class LowPrecisionAdamUpdate:
                 piece.copy_(grad[begin:end])
             moments = []
             for name in MOMENTS:
-                scratch = self._scratch_for(device, name, storage.scratch_numel(n))
-                moments.append(storage.load_piece(slot[name], begin, end, scratch))
+                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
+                moments.append(storage.load_piece(slot[name], span, scratch))
             fused([weights], [piece], [moments[0]], [moments[1]], [], [step], **kwargs)
             if fp32_master:
                 if param_chunk is not None:
@@ -301,8 +348,8 @@ class LowPrecisionAdamUpdate:
             else:
                 master[begin:end].copy_(weights)
             for name, values in zip(MOMENTS, moments, strict=True):
-                scratch = self._scratch_for(device, name, storage.scratch_numel(n))
-                storage.store_piece(values, slot[name], begin, end, scratch)
+                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
+                storage.store_piece(values, slot[name], span, scratch)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

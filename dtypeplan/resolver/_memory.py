@@ -20,7 +20,9 @@ states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
               4 bytes a value in fp32, 2 in bf16, and for int8 / fp8 (torchao's
               blockwise codes) 1 byte a value plus one fp32 scale per 256 values
               (``1 + 4/256``), and 1 KiB per int8 moment for its code table; see
-              ``state_bytes``
+              ``state_bytes``. Quantized blocks never span two parameters: each
+              parameter's values are padded to whole blocks (up to 255 zero values each),
+              counted when ``param_numels`` gives the parameter sizes
 ============  =====================================================================
 
 With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
@@ -31,7 +33,8 @@ are 0 when nothing is offloaded.
 
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
 per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
-``W * 64`` elements per bucket) and transient buffers during ``step()`` (with offload: the two
+``W * 64`` elements per bucket), without ``param_numels`` the per-parameter block padding of
+int8 / fp8 states, and transient buffers during ``step()`` (with offload: the two
 host gradient slots of at most one bucket chunk each) are not counted.
 ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimizer instead of
 FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master;
@@ -41,12 +44,15 @@ FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
     "HOST_MEMORY_KEYS",
     "INT8_CODE_TABLE_BYTES",
     "MEMORY_KEYS",
+    "QUANTIZED",
     "QUANTIZED_BLOCK",
     "memory_model",
     "state_bytes",
@@ -63,14 +69,17 @@ QUANTIZED_BLOCK = 256
 INT8_CODE_TABLE_BYTES = 256 * 4
 """torchao's 8-bit dynamic-tree map: 256 fp32 values, one table per sign, shared by chunks."""
 
+QUANTIZED = ("int8", "fp8")
+"""The ``states`` dtypes stored as blockwise codes."""
+
 
 def state_bytes(dtype: str, numel: int) -> int:
     """Bytes of one optimizer state of ``numel`` values stored as ``dtype`` (a ``states`` name).
 
     int8 and fp8 states are torchao tensors over ``numel`` padded to whole blocks: one code
-    byte a value and one fp32 scale a block. The flat engine keeps one state tensor per master
-    chunk, each padded to whole blocks (under 256 values a chunk, left out here as bucket
-    padding is); ``memory_model`` adds the int8 code tables (1 KiB per moment).
+    byte a value and one fp32 scale a block. Each parameter's values start a block of their
+    own (``_state_storage.BlockLayout``), so a state of several parameters is the sum of this
+    over their sizes; ``memory_model`` adds the int8 code tables (1 KiB per moment).
     """
     if dtype == "fp32":
         return 4 * numel
@@ -78,6 +87,22 @@ def state_bytes(dtype: str, numel: int) -> int:
         return 2 * numel
     blocks = -(-numel // QUANTIZED_BLOCK)
     return blocks * QUANTIZED_BLOCK + 4 * blocks
+
+
+def _moment_bytes(
+    dtype: str, shard: int, param_numels: Sequence[int] | None, zero_stage: int, w: int
+) -> int:
+    """One moment's bytes on a rank holding ``shard`` values. With the parameter sizes, a
+    quantized moment pads each parameter to whole blocks: at ZeRO-3 every parameter's local
+    shard (``numel / W``, one state each); else each parameter's share of the flat chunks
+    (exact on one rank; on ``W`` ranks a parameter split between ranks is padded on each, which
+    adds under 256 values per split)."""
+    if dtype not in QUANTIZED or param_numels is None:
+        return state_bytes(dtype, shard)
+    if zero_stage >= 3:
+        return sum(state_bytes(dtype, -(-n // w)) for n in param_numels)
+    total = sum(state_bytes(dtype, n) for n in param_numels)
+    return total * shard // max(sum(param_numels), 1)
 
 
 def memory_model(
@@ -94,9 +119,14 @@ def memory_model(
     exp_avg_dtype: str = "fp32",
     exp_avg_sq_dtype: str = "fp32",
     offload_optimizer: bool = False,
+    param_numels: Sequence[int] | None = None,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
+    if param_numels is not None and sum(param_numels) != num_params:
+        raise ValueError(
+            f"memory(): param_numels sum to {sum(param_numels)}, not num_params {num_params}"
+        )
     n, w = num_params, world_size
     state_divisor = w if zero_stage >= 1 else 1
     if zero_stage >= 3 and w == 1:
@@ -116,7 +146,7 @@ def memory_model(
     # which is stored like a first moment. A third state (amsgrad's max_exp_avg_sq) stays fp32.
     shard = n // state_divisor
     moments = (exp_avg_dtype, exp_avg_sq_dtype)[: min(state_bytes_per_param // 4, 2)]
-    states = sum(state_bytes(dtype, shard) for dtype in moments)
+    states = sum(_moment_bytes(dtype, shard, param_numels, zero_stage, w) for dtype in moments)
     # One int8 code table per moment's sign (the first moment's is signed), shared by chunks.
     states += INT8_CODE_TABLE_BYTES * sum(dtype == "int8" for dtype in moments)
     states += max(state_bytes_per_param - 4 * len(moments), 0) * shard

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -294,8 +294,15 @@ class PrecisionPlan:
         """A hash of :meth:`rank_facts`."""
         return hashlib.sha256(json.dumps(self.rank_facts(), sort_keys=True).encode()).hexdigest()
 
-    def memory(self, num_params: int, world_size: int) -> dict[str, int]:
+    def memory(
+        self, num_params: int, world_size: int, *, param_numels: Sequence[int] | None = None
+    ) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
+
+        ``param_numels``: the size of each parameter (summing to ``num_params``), optional.
+        int8 / fp8 optimizer states pad every parameter to whole blocks of 256 values (no block
+        spans two parameters); without the sizes that padding is left out, like bucket
+        padding, which matters only for models with many small parameters.
 
         The six keys of shared/API.md are device bytes; ``host_master``,
         ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
@@ -335,6 +342,7 @@ class PrecisionPlan:
             exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype,
             offload_optimizer=self.offload_optimizer == "cpu",
+            param_numels=param_numels,
         )
 
     def explain(self) -> str:
