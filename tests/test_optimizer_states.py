@@ -440,12 +440,12 @@ def test_parameters_without_gradient_keep_quantized_states() -> None:
 DRIFT_STEPS = 200
 # Final-loss bound against plain fp32 torch after DRIFT_STEPS AdamW steps (lr 1e-3) of the tiny
 # tied-embedding LM (tests/_models.py), which brings the loss from 3.58 to 2.24. Measured
-# deviations: bf16 2e-4, fp8/bf16 3e-4 (a first moment's error averages out), int8 1.1e-2,
-# fp8 6.2e-2. fp8's second moment is the weak one: e4m3 spans 2**18 below a block's absmax,
+# deviations: bf16 2e-4, fp8/bf16 3e-4 (a first moment's error averages out), int8 3.6e-3,
+# fp8 5.3e-2 (1.1e-2 and 6.2e-2 while quantization blocks spanned parameters). fp8's second moment is the weak one: e4m3 spans 2**18 below a block's absmax,
 # squared gradients span more, and a second moment flushed to zero turns Adam's step for that
 # value into m / eps (the run then goes faster than fp32, not slower). Each bound is 3-5x the
 # measured deviation; a broken state (stalled, or diverging) exceeds them all.
-DRIFT_LOSS_RTOL = {"bf16": 1e-3, "fp8/bf16": 2e-3, "int8": 4e-2, "fp8": 2e-1}
+DRIFT_LOSS_RTOL = {"bf16": 1e-3, "fp8/bf16": 2e-3, "int8": 1.5e-2, "fp8": 2e-1}
 
 
 def _lm_tokens(step: int) -> torch.Tensor:
