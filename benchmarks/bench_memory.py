@@ -354,7 +354,8 @@ def run_mode(mode: dict[str, Any], widths: list[int], world: int, rank: int) -> 
     if plan.status != "OK":
         return {"status": str(plan.status), "reason": plan.reason}
     model = make_model(widths)
-    num_params = sum(p.numel() for p in model.parameters())
+    param_numels = [p.numel() for p in model.parameters()]
+    num_params = sum(param_numels)
     # ZeRO-3 shards the model with FSDP2 here; torch_autocast installs its forward context.
     model = plan.prepare_model(model)
     opt = plan.build(model.parameters())
@@ -373,7 +374,8 @@ def run_mode(mode: dict[str, Any], widths: list[int], world: int, rank: int) -> 
     for _ in range(MICRO_BATCHES):
         micro_step()
     measured = measure(opt, model)
-    predicted = plan.memory(num_params, world)
+    # The sizes: int8 / fp8 moments pad each parameter to whole blocks, which this counts.
+    predicted = plan.memory(num_params, world, param_numels=param_numels)
     padded = sum(buffer.numel() for buffer in opt.held_tensors().params)
     return {
         "status": "OK",
@@ -491,7 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes = [
             "Measured = distinct storages reachable from the optimizer at the accumulation "
             "boundary of the 2nd step (Adam states exist), so bucket padding is included; "
-            "plan.memory() leaves padding out.",
+            "plan.memory() leaves bucket padding out and is given the parameter sizes "
+            "(param_numels), so it counts the per-parameter block padding of int8 / fp8 moments.",
             "Rows report the rank with the most bytes (ranks differ only by padding).",
             "Offload rows: 'measured B/param' and 'plan.memory B/param' are device bytes; "
             "'host measured' / 'host plan' the host bytes (held_tensors().on_host; "
