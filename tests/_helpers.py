@@ -106,6 +106,27 @@ def feature_config(point: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+MEMORY_KEYS = ("params", "accumulator", "master", "optimizer_states", "total")
+"""The device keys of plan.memory() that the memory tests compare with what is held."""
+
+
+def assert_memory_close(
+    measured: dict[str, int],
+    predicted: dict[str, int],
+    context: object,
+    keys: tuple[str, ...] = MEMORY_KEYS,
+) -> None:
+    """``plan.memory()`` within 10% (plus 1 KiB: step counters, code tables) of the bytes held,
+    for each of ``keys``."""
+    for key in keys:
+        assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
+            key,
+            measured,
+            predicted,
+            context,
+        )
+
+
 def assert_parity(result: dict[str, Any], loss_rtol: float, master_rtol: float) -> None:
     assert "error" not in result, result["error"]
     assert result["param_dtype_ok"], result["name"]

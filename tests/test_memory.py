@@ -9,7 +9,7 @@ import pytest
 import dtypeplan
 from benchmarks.bench_memory import measure
 from dtypeplan.launch import spawn
-from tests._helpers import PARAMS_KEYS, make_batch, make_model, mse
+from tests._helpers import PARAMS_KEYS, assert_memory_close, make_batch, make_model, mse
 from tests.workers.optimizer import memory_cases
 
 WIDTH = 256  # ~130k parameters: bucket padding is well under 1%
@@ -38,13 +38,7 @@ def _configs() -> list[dict]:
 
 
 def _assert_close(measured: dict, predicted: dict, context: object) -> None:
-    for key in ("params", "accumulator", "master", "total"):
-        assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-            key,
-            measured,
-            predicted,
-            context,
-        )
+    assert_memory_close(measured, predicted, context, ("params", "accumulator", "master", "total"))
     # Adam's state appears at the first step, SGD's momentum too: before it, none is held.
     assert measured["grads"] == 0, (measured, context)
 
@@ -77,13 +71,7 @@ def test_bf16_master_memory_matches_model_two_ranks() -> None:
     results = spawn(memory_cases, 2, configs, WIDTH)[0]
     for config, result in zip(configs, results, strict=True):
         predicted, measured = result["predicted"], result["after_step"]
-        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
+        assert_memory_close(measured, predicted, config)
         # The Kahan buffer exists from build on, like the masters it replaces.
         assert result["after_build"]["master"] == measured["master"], (result, config)
         n, shards = result["num_params"], 2 if config["zero_optimization"]["stage"] else 1
@@ -116,20 +104,9 @@ def test_offloaded_memory_matches_model_two_ranks() -> None:
         predicted, measured = result["predicted"], result["after_step"]
         assert predicted["master"] == predicted["optimizer_states"] == 0, predicted
         assert predicted["host_master"] == 4 * result["num_params"] // 2, predicted
-        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
-        for key in ("host_master", "host_optimizer_states", "host_total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
+        assert_memory_close(measured, predicted, config)
+        host_keys = ("host_master", "host_optimizer_states", "host_total")
+        assert_memory_close(measured, predicted, config, host_keys)
         # From build on (before the first step creates the states) the masters are host bytes.
         built = result["after_build"]
         assert built["master"] == 0 and built["host_master"] == measured["host_master"], built
@@ -191,13 +168,7 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
     ):
         measured, predicted = result["at_boundary"], result["predicted"]
         assert not result["reduce_scatter_output_kept"], config
-        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
+        assert_memory_close(measured, predicted, config)
 
 
 def test_zero3_memory_in_one_process_is_the_flat_optimizers() -> None:
@@ -235,13 +206,7 @@ def test_zero3_memory_in_one_process_is_the_flat_optimizers() -> None:
         optimizer.zero_grad()
         optimizer.backward(mse(model, x, y))
         measured, predicted = measure(optimizer, model), plan.memory(num_params, 1)
-        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
+        assert_memory_close(measured, predicted, config)
 
 
 @pytest.mark.parametrize(

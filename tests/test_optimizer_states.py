@@ -22,7 +22,13 @@ from dtypeplan.launch import spawn
 from dtypeplan.optimizers import _state_storage as storage
 from dtypeplan.resolver._dimensions import STATE_PAIRS
 from tests import _models
-from tests._helpers import PARAMS_KEYS, assert_parity, assert_replicas_equal, make_model
+from tests._helpers import (
+    PARAMS_KEYS,
+    assert_memory_close,
+    assert_parity,
+    assert_replicas_equal,
+    make_model,
+)
 from tests.workers import checkpoint as checkpoint_cases
 from tests.workers.optimizer_states import CHECKPOINT_CONFIG, ZERO3_CONFIG, states_group
 
@@ -231,13 +237,7 @@ def test_memory_matches_held_tensors_two_ranks(group: dict[str, Any]) -> None:
     code tables counted as they are."""
     for config, result in zip(_memory_configs(), group["per_rank"][0]["memory"], strict=True):
         predicted, measured = result["predicted"], result["after_step"]
-        for key in ("params", "accumulator", "master", "optimizer_states", "total"):
-            assert abs(measured[key] - predicted[key]) <= 0.1 * predicted[key] + 1024, (
-                key,
-                measured,
-                predicted,
-                config,
-            )
+        assert_memory_close(measured, predicted, config)
         n = result["num_params"] // (2 if config["zero_optimization"]["stage"] else 1)
         exp_avg, exp_avg_sq = STATE_PAIRS[
             dtypeplan.resolve(config).optimizer_states  # the table's spelling
@@ -441,10 +441,11 @@ DRIFT_STEPS = 200
 # Final-loss bound against plain fp32 torch after DRIFT_STEPS AdamW steps (lr 1e-3) of the tiny
 # tied-embedding LM (tests/_models.py), which brings the loss from 3.58 to 2.24. Measured
 # deviations: bf16 2e-4, fp8/bf16 3e-4 (a first moment's error averages out), int8 3.6e-3,
-# fp8 5.3e-2 (1.1e-2 and 6.2e-2 while quantization blocks spanned parameters). fp8's second moment is the weak one: e4m3 spans 2**18 below a block's absmax,
-# squared gradients span more, and a second moment flushed to zero turns Adam's step for that
-# value into m / eps (the run then goes faster than fp32, not slower). Each bound is 3-5x the
-# measured deviation; a broken state (stalled, or diverging) exceeds them all.
+# fp8 5.3e-2 (1.1e-2 and 6.2e-2 while quantization blocks spanned parameters). fp8's second
+# moment is the weak one: e4m3 spans 2**18 below a block's absmax, squared gradients span more,
+# and a second moment flushed to zero turns Adam's step for that value into m / eps (the run
+# then goes faster than fp32, not slower). Each bound is 4-7x the measured deviation; a broken
+# state (stalled, or diverging) exceeds them all.
 DRIFT_LOSS_RTOL = {"bf16": 1e-3, "fp8/bf16": 2e-3, "int8": 1.5e-2, "fp8": 2e-1}
 
 
