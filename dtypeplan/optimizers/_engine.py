@@ -96,11 +96,15 @@ from dtypeplan.optimizers._flat_update import (
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
 from dtypeplan.optimizers._layout import FlatGroup
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
+from dtypeplan.optimizers._low_precision_update import (
+    KAHAN_COMPENSATION,
+    LowPrecisionAdamUpdate,
+    held_compensations,
+    held_states,
+)
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
-from dtypeplan.optimizers._state_storage import state_tensors
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -276,19 +280,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # With bf16 masters these are the parameters (counted there) and the Kahan
             # compensation, which plan.memory() counts as part of the master weights.
             master=tuple(m for state in self.groups for m in state.masters)
-            + tuple(
-                slot[KAHAN_COMPENSATION]
-                for slot in self.inner.state.values()
-                if KAHAN_COMPENSATION in slot
-            ),
-            # Quantized moments count as their codes, scales and code table.
-            optimizer_states=tuple(
-                t
-                for slot in self.inner.state.values()
-                for v in slot.values()
-                if torch.is_tensor(v)
-                for t in state_tensors(v)
-            ),
+            + held_compensations(self.inner),
+            optimizer_states=held_states(self.inner),
         )
 
     def shard_pieces(self) -> list[ShardPiece]:

@@ -77,11 +77,15 @@ from dtypeplan.optimizers._base import (
     make_replicas_equal,
 )
 from dtypeplan.optimizers._group_state import ShardPiece
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
+from dtypeplan.optimizers._low_precision_update import (
+    KAHAN_COMPENSATION,
+    LowPrecisionAdamUpdate,
+    held_compensations,
+    held_states,
+)
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
-from dtypeplan.optimizers._state_storage import state_tensors
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -424,19 +428,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 if p.grad is not None and not isinstance(p, DTensor)
             ),
             accumulator=sharded_grads + tuple(self.accumulators or ()),
-            master=tuple(
-                slot[KAHAN_COMPENSATION]
-                for slot in self.inner.state.values()
-                if KAHAN_COMPENSATION in slot
-            ),
-            # Quantized moments count as their codes, scales and code table.
-            optimizer_states=tuple(
-                t
-                for slot in self.inner.state.values()
-                for v in slot.values()
-                if torch.is_tensor(v)
-                for t in state_tensors(v)
-            ),
+            master=held_compensations(self.inner),
+            optimizer_states=held_states(self.inner),
         )
 
     def _fold(self, index: int, param: torch.Tensor) -> None:

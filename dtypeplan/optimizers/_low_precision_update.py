@@ -53,7 +53,15 @@ from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["KAHAN_COMPENSATION", "MOMENTS", "LowPrecisionAdamUpdate", "PIECE", "SEED"]
+__all__ = [
+    "KAHAN_COMPENSATION",
+    "MOMENTS",
+    "LowPrecisionAdamUpdate",
+    "PIECE",
+    "SEED",
+    "held_compensations",
+    "held_states",
+]
 
 KAHAN_COMPENSATION = "kahan_compensation"
 """The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
@@ -68,6 +76,26 @@ SEED = 0x5EED
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's moments under torch's names; the first is signed, the second is not."""
+
+
+def held_compensations(inner: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
+    """The Kahan compensation buffers in ``inner``'s states (``plan.memory()`` counts them with
+    the master weights)."""
+    return tuple(
+        slot[KAHAN_COMPENSATION] for slot in inner.state.values() if KAHAN_COMPENSATION in slot
+    )
+
+
+def held_states(inner: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
+    """Every tensor ``inner``'s states hold, quantized moments as their codes, scales and code
+    table (the bytes really held)."""
+    return tuple(
+        t
+        for slot in inner.state.values()
+        for value in slot.values()
+        if torch.is_tensor(value)
+        for t in storage.state_tensors(value)
+    )
 
 
 class LowPrecisionAdamUpdate:
