@@ -3,7 +3,8 @@
 Counted with a dispatch mode (``.item()``, ``float()``/``int()``/``bool()`` of a tensor, any
 copy from an accelerator to the host) plus patches of ``.tolist()``, ``.cpu()`` and
 ``.numpy()``, over two steps of two micro-batches (``opt.backward`` and bare
-``loss.backward()``), at ZeRO stages 0-2, on one process and on two gloo ranks. Allowed per
+``loss.backward()``), at ZeRO stages 0-3, on one process and on two gloo ranks (ZeRO-3 on
+one process is the flat engine; on two, FSDP2). Allowed per
 step: none, or one where the step may be skipped (fp16's overflow check, or
 ``check_nonfinite``): the loss scaler decides on the host. ``grad_norm`` syncs once when read.
 """
@@ -44,6 +45,9 @@ _CASES = [
     ("fp16", 0, False, {}, 1),
     ("fp16", 2, True, {}, 1),
     ("bf16", 1, False, {"check_nonfinite": True}, 1),
+    ("bf16", 3, True, {}, 0),
+    ("fp32", 3, True, {}, 0),
+    ("fp16", 3, True, {}, 1),
 ]
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
+from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._ownership import HookSet, claim, release
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
@@ -291,7 +292,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.last_step_skipped = False
         """Whether the last ``step()`` skipped the update (fp16 overflow, or a non-finite
         gradient with ``check_nonfinite``). A scheduler should not step then."""
-        self.grad_norm: float | None = None
+        self._grad_norm: float | None = None
+        self._pending_norm: torch.Tensor | None = None
+        """The last step's norm while still on the device (read by :attr:`grad_norm`)."""
+        self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
         self._clip_request: float | None = None
@@ -460,6 +464,43 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         taken from them; so the replicas are equal by construction whatever each rank's init.
         """
         make_replicas_equal(comm, [p for g in self.param_groups for p in g["params"]])
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (NaN if not finite); read, it syncs once."""
+        if self._pending_norm is not None:
+            self._grad_norm = float(self._pending_norm)
+            self._pending_norm = None
+        return self._grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
+        self._pending_norm = None
+
+    def _check_and_clip(
+        self, sq_norm: torch.Tensor, divisor: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The factor that unscales, averages and clips the gradients, and its inverse.
+
+        ``sq_norm``: the global squared norm of the gradients as summed (0-dim, on the
+        device); ``divisor``: what they must still be divided by (see :meth:`_gradient_factor`).
+        Returns 0-dim fp32 device tensors; None skips the step. Only a step that may be skipped
+        (fp16, or the non-finite check on) brings the norm to the host: one sync per step.
+        Otherwise the norm stays on the device, and a non-finite one is reported by
+        :attr:`norm_probe` without waiting for it.
+        """
+        if self.check_nonfinite:
+            host = self._gradient_factor(float(sq_norm), divisor)
+            if host is None:
+                return None
+            factor = torch.full((), host, dtype=torch.float32, device=sq_norm.device)
+            return factor, factor.reciprocal()
+        device = device_gradient_factor(sq_norm, divisor, self._effective_clip())
+        self.last_step_skipped = False
+        self._pending_norm = device.norm
+        self.norm_probe.post(device.norm)
+        return device.factor, device.inverse
 
     def _gradient_factor(self, sq_norm: float, divisor: float) -> float | None:
         """Record the step's global norm and return what to multiply the gradients by.

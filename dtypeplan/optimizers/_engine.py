@@ -87,7 +87,7 @@ from dtypeplan.optimizers._base import (
     is_scalar_state,
     load_slot,
 )
-from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor, local_sq_norm
+from dtypeplan.optimizers._clip import local_sq_norm
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
@@ -148,9 +148,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     shard_state: bool = False
     """Whether master weights and optimizer states are sharded (ZeRO >= 1)."""
-    _grad_norm: float | None
-    _pending_norm: torch.Tensor | None
-    """The last step's norm while still on the device (read by :attr:`grad_norm`)."""
 
     def __init__(
         self,
@@ -207,7 +204,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
-        self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self.reductions = ReductionScheduler(
             self.groups,
             self.comm,
@@ -368,7 +364,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         prepared, self._prepared = self._prepared or self._prepare(), None
         try:
-            factor = self._check_and_clip(prepared.sq_norm)
+            divisor = self.scaler.scale * self.comm.reduction_divisor
+            factor = self._check_and_clip(prepared.sq_norm, divisor)
             if factor is None:
                 return loss
             if prepared.any_touched:
@@ -384,46 +381,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 self.offload.release()
         return loss
 
-    @property
-    def grad_norm(self) -> float | None:
-        """The last step's global gradient norm (NaN if not finite); read, it syncs once."""
-        if self._pending_norm is not None:
-            self._grad_norm = float(self._pending_norm)
-            self._pending_norm = None
-        return self._grad_norm
-
-    @grad_norm.setter
-    def grad_norm(self, value: float | None) -> None:
-        self._grad_norm = value
-        self._pending_norm = None
-
     def _prepare_grad_norm(self) -> float:
         if self._prepared is None:
             self._prepared = self._prepare()
         sq_norm = float(self._prepared.sq_norm)  # clip_grad_norm_ returns it: one sync
         divisor = self.scaler.scale * self.comm.reduction_divisor
         return math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
-
-    def _check_and_clip(self, sq_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The factor that unscales, averages and clips the gradients, and its inverse.
-
-        0-dim fp32 device tensors; None skips the step. Only a step that may be skipped (fp16,
-        or the non-finite check on) brings the norm to the host: one sync per step. Otherwise
-        the norm stays on the device, and a non-finite one is reported by :attr:`norm_probe`
-        without waiting for it.
-        """
-        divisor = self.scaler.scale * self.comm.reduction_divisor
-        if self.check_nonfinite:
-            host = self._gradient_factor(float(sq_norm), divisor)
-            if host is None:
-                return None
-            factor = torch.full((), host, dtype=torch.float32, device=self.device)
-            return factor, factor.reciprocal()
-        device = device_gradient_factor(sq_norm, divisor, self._effective_clip())
-        self.last_step_skipped = False
-        self._pending_norm = device.norm
-        self.norm_probe.post(device.norm)
-        return device.factor, device.inverse
 
     def _prepare(self) -> PreparedStep:
         """Everything before the update: model changes, hand-set grads, reduction, summary."""
@@ -509,12 +472,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     @staticmethod
     def _flat_grads(grads_by_group: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [g for per_bucket in grads_by_group for g in per_bucket]
-
-    def _global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        local = local_sq_norm(grads) if grads else torch.zeros((), device=self.device)
-        if self.shards > 1:
-            local = self.comm.all_reduce_scalars(local.reshape(1))[0]
-        return local
 
     def _update(
         self,

@@ -76,6 +76,7 @@ from dtypeplan.optimizers._base import (
     load_slot,
     make_replicas_equal,
 )
+from dtypeplan.optimizers._flat_update import scale_into_inner_step
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._low_precision_update import (
     KAHAN_COMPENSATION,
@@ -364,7 +365,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         self.comm = Communicator(process_group)
         self._check_ranks_agree(self.comm)
         # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
-        self._pending: tuple[float, list[bool]] | None = None
+        self._pending: tuple[torch.Tensor, list[bool]] | None = None
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # The update runs on the local shards as plain tensors: fused kernels have no DTensor
         # sharding rules (SGD's has none at all), and a local update needs no communication.
@@ -468,40 +469,43 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             local_grads = self._local_gradients()
             sq_norm, touched = self._step_summary(local_grads, touched)
         # FSDP2 already divided by the world size; only the loss scale is left.
-        factor = self._gradient_factor(sq_norm, self.scaler.scale)
+        factor = self._check_and_clip(sq_norm, self.scaler.scale)
         if factor is None:
             self.zero_grad()
             return loss
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self._low_precision is not None:
-            self._low_precision_update(local_grads, factor, touched)
+            self._low_precision_update(local_grads, factor[1], touched)
             self.zero_grad()
             self.scaler.update(overflow=False)
             return loss
-        local_grads = [g if g.dtype == torch.float32 else g.float() for g in local_grads]
-        if factor != 1.0:
-            torch._foreach_mul_(local_grads, factor)
         # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
         # its weights and states, as in torch (DeepSpeed would treat the gradient as zero).
-        for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True):
-            local.grad = grad if got_one else None
-        self.inner.step()
-        for local in self._locals():
-            local.grad = None
+        stepped = [
+            (local, grad)
+            for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True)
+            if got_one
+        ]
+        undo = scale_into_inner_step(
+            self.inner, [local for local, _ in stepped], [grad for _, grad in stepped], *factor
+        )
+        try:
+            self.inner.step()
+        finally:
+            undo()
         self.zero_grad()
         self.scaler.update(overflow=False)
         return loss
 
     def _low_precision_update(
-        self, local_grads: list[torch.Tensor], factor: float, touched: list[bool]
+        self, local_grads: list[torch.Tensor], grad_scale: torch.Tensor, touched: list[bool]
     ) -> None:
-        """Each bf16 local shard updated in fp32 from ``grad * factor`` and rounded back.
+        """Each bf16 local shard updated in fp32 from ``grad / grad_scale`` and rounded back.
 
         A parameter no rank gave a gradient keeps its weights and states, as in torch.
         """
         assert self._low_precision is not None
-        grad_scale = torch.full((), 1.0 / factor, dtype=torch.float32, device=self._device())
         grads = iter(zip(local_grads, touched, strict=True))
         try:
             for inner_group, locals_ in zip(self.inner.param_groups, self.locals, strict=True):
@@ -525,23 +529,30 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
     def _step_summary(
         self, local_grads: list[torch.Tensor], touched: list[bool]
-    ) -> tuple[float, list[bool]]:
-        """One all-reduce of ``[squared norm, touched flag per parameter...]``."""
-        norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32) if local_grads else []
-        device = self._locals()[0].device if self._locals() else torch.device("cpu")
-        if norms:
+    ) -> tuple[torch.Tensor, list[bool]]:
+        """One all-reduce of ``[squared norm, touched flag per parameter...]``.
+
+        Returns the global squared norm (0-dim, on the device) and per parameter whether some
+        rank gave it a gradient. The flags are read on the host (a sync) only by a rank where
+        some parameter got none locally, the rare case: one touched here is touched everywhere.
+        """
+        device = self._device()
+        if local_grads:
+            norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32)
             sq = torch.stack(list(norms)).double().square().sum().float().reshape(1)
         else:  # on the parameters' device: the all-reduce may be NCCL's
             sq = torch.zeros(1, device=device)
-        flags = torch.tensor([float(t) for t in touched], device=device)
-        values = self.comm.all_reduce_scalars(torch.cat([sq, flags])).tolist()
-        return values[0], [flag > 0 for flag in values[1:]]
+        flags = torch.tensor([float(t) for t in touched], dtype=torch.float32)
+        summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
+        if all(touched):
+            return summary[0], touched
+        return summary[0], [count > 0 for count in summary[1:].tolist()]
 
     def _prepare_grad_norm(self) -> float:
         if self._pending is None:
             touched = self._touched()  # before _local_gradients fills missing ones with zeros
             self._pending = self._step_summary(self._local_gradients(), touched)
-        sq_norm = self._pending[0]
+        sq_norm = float(self._pending[0])  # clip_grad_norm_ returns it: one sync
         return math.sqrt(sq_norm) / self.scaler.scale if math.isfinite(sq_norm) else math.inf
 
     def _local_gradients(self) -> list[torch.Tensor]:
