@@ -141,6 +141,7 @@ def time_steps(
     iters: int,
     warmup: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    prepare_times: list[float] | None = None,
 ) -> list[float]:
     """Milliseconds of ``step()`` alone, ``iters`` times, each after an untimed ``prepare()``.
 
@@ -148,10 +149,13 @@ def time_steps(
     work and any host syncs inside it (what the caller waits for at the boundary), which CUDA
     events recorded behind a queue of backward kernels would hide. ``clock=time.thread_time``
     counts only the CPU time of the calling thread: for a one-thread CPU step on a shared
-    machine, it leaves out the time the thread waited for a core.
+    machine, it leaves out the time the thread waited for a core. ``prepare_times``, if given,
+    gets the milliseconds of each timed ``prepare()`` (the backward before the step).
     """
     times: list[float] = []
     for index in range(warmup + iters):
+        sync(device)
+        begin = clock()
         prepare()
         sync(device)
         start = clock()
@@ -159,6 +163,8 @@ def time_steps(
         sync(device)
         if index >= warmup:
             times.append((clock() - start) * 1e3)
+            if prepare_times is not None:
+                prepare_times.append((start - begin) * 1e3)
     return times
 
 
@@ -202,12 +208,16 @@ def dtypeplan_case(
     config: dict[str, Any],
     *,
     fused_kernel: bool = True,
+    boundary_known: bool = False,
 ) -> StepCase:
     """dtypeplan on ``model`` (given in fp32): each ``prepare()`` is one ``opt.backward``.
 
     The accumulator then holds one micro-batch's gradient, as at any accumulation boundary,
     and ``step()`` is the whole boundary step: reduction (none on one process), norm and
-    clipping, the update, and the write-back to the parameters.
+    clipping, the update, and the write-back to the parameters. ``boundary_known``: the
+    backward is told it is the last of the window (``last_micro_batch=True``, what a config's
+    ``gradient_accumulation_steps`` also gives), so it takes each bucket's gradient norm as
+    the bucket completes and the step does not; time the backward too to see both.
     """
     plan = dtypeplan.resolve(config)
     with fused_kernel_env(fused_kernel):
@@ -217,7 +227,7 @@ def dtypeplan_case(
     def prepare() -> None:
         with fused_kernel_env(fused_kernel):
             opt.zero_grad()
-            opt.backward(_loss(model, x))
+            opt.backward(_loss(model, x), last_micro_batch=boundary_known)
 
     def step() -> None:
         # The switch is read when the engine decides (today at its first step): hold it set

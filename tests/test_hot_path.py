@@ -23,7 +23,7 @@ from dtypeplan.comm._collectives import mean_reduction
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers._flat_update import decoupled_weight_decay
 from tests._helpers import make_batch, make_model, mse
-from tests.workers.hot_path import hot_path_cases
+from tests.workers.hot_path import SHARDED_BOUNDARY_RUNS, boundary_case, hot_path_cases
 
 # --- W1: which weight decay -------------------------------------------------------------------
 
@@ -166,12 +166,26 @@ def _boundary_configs() -> list[dict]:
     ]
 
 
+def _sharded_boundary_config() -> dict:
+    return {
+        **_boundary_configs()[0],
+        "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": True},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300},
+    }
+
+
 def test_two_ranks_devices_and_boundary() -> None:
     # With two GPUs the ranks run on them over NCCL, where a stray CPU tensor would fail;
     # elsewhere on CPU over gloo (the same wiring, and the boundary checks).
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     results = spawn(
-        hot_path_cases, 2, _device_configs(), _boundary_configs(), backend=backend, timeout_s=300
+        hot_path_cases,
+        2,
+        _device_configs(),
+        _boundary_configs(),
+        _sharded_boundary_config(),
+        backend=backend,
+        timeout_s=300,
     )
     for rank in results:
         for config, case in zip(_device_configs(), rank["devices"], strict=True):
@@ -189,7 +203,47 @@ def test_two_ranks_devices_and_boundary() -> None:
                 assert steps["collectives_after_backward"][step][1] > 0
                 assert flag["collectives_after_backward"][step][1] > 0
                 assert nothing["collectives_after_backward"][step] == [0, 0]
-            # The same collectives in the same order: bit-identical parameters.
+            # Told the boundary, the backward took the norms of the chunks it finished (all
+            # but the last MAX_IN_FLIGHT, finished by the step); untold, the step takes all.
+            assert all(0 < n < steps["buckets"] for n in steps["norms_known_at_step"]), steps
+            assert all(0 < n < flag["buckets"] for n in flag["norms_known_at_step"]), flag
+            assert nothing["norms_known_at_step"] == [0, 0, 0]
+            # The same collectives in the same order, the same norms to the bit: bit-identical
+            # parameters.
+            assert steps["grad_norms"] == flag["grad_norms"] == nothing["grad_norms"]
             for a, b, c in zip(steps["params"], flag["params"], nothing["params"], strict=True):
                 assert torch.equal(a, b) and torch.equal(a, c)
             assert "gradient_accumulation_steps" in steps["third_backward_error"]
+        _check_sharded_boundary(rank["sharded_boundary"])
+
+
+def _check_sharded_boundary(runs: list[dict]) -> None:
+    """ZeRO-2: told the boundary, the last backward takes every chunk's norm as its
+    reduce-scatter lands; a backward after the one counted last drops them (the chunks
+    changed), and the step takes them all again. Norms and parameters as untold, to the bit."""
+    by_run = dict(zip(SHARDED_BOUNDARY_RUNS, runs, strict=True))
+    steps, flag, nothing = by_run[("steps", 2)], by_run[("flag", 2)], by_run[("nothing", 2)]
+    assert steps["norms_known_at_step"] == [steps["buckets"]] * 3, steps
+    assert flag["norms_known_at_step"] == [flag["buckets"]] * 3, flag
+    assert nothing["norms_known_at_step"] == [0, 0, 0]
+    assert steps["grad_norms"] == flag["grad_norms"] == nothing["grad_norms"]
+    for a, b, c in zip(steps["params"], flag["params"], nothing["params"], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    miscounted, untold = by_run[("steps", 3)], by_run[("nothing", 3)]
+    assert miscounted["norms_known_at_step"] == [0, 0, 0], miscounted
+    assert miscounted["grad_norms"] == untold["grad_norms"]
+    for a, b in zip(miscounted["params"], untold["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_process_boundary_takes_every_norm_in_backward() -> None:
+    """Without a group nothing is in flight: told the boundary, the last backward takes every
+    bucket's norm, and the step's norm and update are those of an untold run, to the bit."""
+    config = _boundary_configs()[0]
+    told = boundary_case(0, 1, config, "flag")
+    untold = boundary_case(0, 1, config, "nothing")
+    assert told["norms_known_at_step"] == [told["buckets"]] * 3, told
+    assert untold["norms_known_at_step"] == [0, 0, 0]
+    assert told["grad_norms"] == untold["grad_norms"]
+    for a, b in zip(told["params"], untold["params"], strict=True):
+        assert torch.equal(a, b)

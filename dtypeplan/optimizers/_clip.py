@@ -17,37 +17,59 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DeviceGradientFactor", "NormProbe", "device_gradient_factor", "local_sq_norm"]
+__all__ = [
+    "DeviceGradientFactor",
+    "NormProbe",
+    "chunk_sq_norms",
+    "device_gradient_factor",
+    "sum_sq_norms",
+]
 
 _CPU_NORM_CHUNK = 1 << 20
 """Elements of a 16-bit gradient converted at a time on CPU (into a 4 MiB fp32 scratch)."""
 
 
-def local_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The squared 2-norm of ``grads`` together, as a 0-dim fp32 tensor on their device.
+def chunk_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's squared 2-norm, a 0-dim fp64 tensor on its device.
 
-    Each tensor's norm is taken in fp32 and the squares are summed in fp64. 16-bit gradients
-    on CPU are converted a piece at a time into one scratch that stays in cache: the CPU
-    kernel of ``_foreach_norm(..., dtype=float32)`` on 16-bit input runs several times slower
-    than a conversion followed by an fp32 norm (measured on AMD EPYC, one core).
+    The norm is taken in fp32 and squared in fp64 (fp32 tensors, and all off the CPU, in one
+    ``_foreach_norm``). 16-bit gradients on CPU are converted a piece at a time into one
+    scratch that stays in cache: the CPU kernel of ``_foreach_norm(..., dtype=float32)`` on
+    16-bit input runs several times slower than a conversion followed by an fp32 norm
+    (measured on AMD EPYC, one core). A tensor's value does not depend on which others it is
+    taken with, so a norm taken early (a bucket reduced inside backward) sums to the same bits.
     """
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    wide = [g for g in grads if g.dtype == torch.float32 or g.device.type != "cpu"]
-    norms = list(torch._foreach_norm(wide, 2.0, dtype=torch.float32)) if wide else []
-    narrow = [g for g in grads if g.dtype != torch.float32 and g.device.type == "cpu"]
-    if narrow:
-        scratch = torch.empty(
-            min(_CPU_NORM_CHUNK, max(g.numel() for g in narrow)), dtype=torch.float32
-        )
-        for grad in narrow:
-            flat = grad.reshape(-1)
-            for begin in range(0, flat.numel(), scratch.numel()):
-                piece = flat[begin : begin + scratch.numel()]
-                converted = scratch[: piece.numel()]
-                converted.copy_(piece)
-                norms.append(torch.linalg.vector_norm(converted))
-    return torch.stack(norms).double().square().sum().float()
+    wide = [g for g in grads if _is_wide(g)]
+    wide_norms = iter(torch._foreach_norm(wide, 2.0, dtype=torch.float32) if wide else [])
+    narrow = [g for g in grads if not _is_wide(g)]
+    scratch = torch.empty(
+        min(_CPU_NORM_CHUNK, max((g.numel() for g in narrow), default=0)), dtype=torch.float32
+    )
+    squares = []
+    for grad in grads:
+        if _is_wide(grad):
+            squares.append(next(wide_norms).double().square())
+            continue
+        pieces = []
+        flat = grad.reshape(-1)
+        for begin in range(0, flat.numel(), scratch.numel()):
+            piece = flat[begin : begin + scratch.numel()]
+            converted = scratch[: piece.numel()]
+            converted.copy_(piece)
+            pieces.append(torch.linalg.vector_norm(converted))
+        squares.append(torch.stack(pieces).double().square().sum())
+    return squares
+
+
+def sum_sq_norms(squares: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The sum of :func:`chunk_sq_norms` values as a 0-dim fp32 tensor (0 on ``device`` if none)."""
+    if not squares:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(squares).sum().float()
+
+
+def _is_wide(grad: torch.Tensor) -> bool:
+    return grad.dtype == torch.float32 or grad.device.type != "cpu"
 
 
 class DeviceGradientFactor(NamedTuple):

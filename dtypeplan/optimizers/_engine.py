@@ -46,16 +46,18 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    plan's ``gradient_accumulation_steps`` says which backward is the last. NCCL averages on
    the wire; gloo sums and leaves ``comm.reduction_divisor`` to divide. Then the gradients are
    checked and clipped through one scalar all-reduce of the squared norm (a non-finite sum
-   means some rank overflowed). The factor ``clip / (loss_scale * reduction_divisor)`` stays
-   a device tensor (``_clip.py``): no host sync unless the step may be skipped (fp16, or the
-   non-finite check), and no scaling pass, since torch's fused Adam/AdamW divide by it as
-   their ``grad_scale`` (``_flat_update.py``, chunk by chunk, 16-bit accumulators through a
-   reused fp32 scratch). Each bucket's chunk is cast to the parameter dtype and its
-   all-gather launched as soon as it is updated, while the next buckets update. On CUDA with
-   Triton, Adam and AdamW instead run one kernel launch per param group that reads the
-   accumulator as it is (no fp32 copy), updates master and moments and writes the 16-bit
-   parameters in a single pass (``_fused_adamw_triton.py``; ``DTYPEPLAN_FUSED_KERNEL=0``
-   turns it off).
+   means some rank overflowed). A backward that knows it is the boundary takes the squared norm
+   of each chunk it finishes reducing right then, while the chunk is in cache, so the step
+   reads the gradients once, not twice (``ReductionScheduler.final_sq_norms``). The factor
+   ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``_clip.py``): no host
+   sync unless the step may be skipped (fp16, or the non-finite check), and no scaling pass,
+   since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``_flat_update.py``,
+   chunk by chunk, 16-bit accumulators through a reused fp32 scratch). Each bucket's chunk is
+   cast to the parameter dtype and its all-gather launched as soon as it is updated, while the
+   next buckets update. On CUDA with Triton, Adam and AdamW instead run one kernel launch per
+   param group that reads the accumulator as it is (no fp32 copy), updates master and moments
+   and writes the 16-bit parameters in a single pass (``_fused_adamw_triton.py``;
+   ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
 
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 """
@@ -87,7 +89,7 @@ from dtypeplan.optimizers._base import (
     is_scalar_state,
     load_slot,
 )
-from dtypeplan.optimizers._clip import local_sq_norm
+from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
@@ -453,7 +455,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         flags = torch.tensor(
             [float(t) for per_group in local for t in per_group], dtype=torch.float32
         ).to(self.device, non_blocking=True)
-        summary = torch.cat([local_sq_norm(self._flat_grads(grads_by_group)).reshape(1), flags])
+        summary = torch.cat([self._local_sq_norm(grads_by_group).reshape(1), flags])
         if self.shards > 1:
             summary = self.comm.all_reduce_scalars(summary)
         elif len(summary) > 1:
@@ -468,6 +470,19 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             counts = counts[len(per_group) :]
         total = sum(len(per_group) for per_group in local)
         return summary[0], untouched, sum(len(u) for u in untouched) < total
+
+    def _local_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The squared norm of this rank's reduced chunks: those the boundary backward already
+        took (``ReductionScheduler.final_sq_norms``) and, in one pass, the rest."""
+        known = self.reductions.final_sq_norms
+        keys = [
+            (gi, b) for gi, per_bucket in enumerate(grads_by_group) for b in range(len(per_bucket))
+        ]
+        missing = iter(
+            chunk_sq_norms([grads_by_group[gi][b] for gi, b in keys if (gi, b) not in known])
+        )
+        squares = [known[key] if key in known else next(missing) for key in keys]
+        return sum_sq_norms(squares, self.device)
 
     @staticmethod
     def _flat_grads(grads_by_group: list[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -76,6 +76,7 @@ from dtypeplan.optimizers._base import (
     load_slot,
     make_replicas_equal,
 )
+from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import scale_into_inner_step
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._low_precision_update import (
@@ -537,11 +538,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         some parameter got none locally, the rare case: one touched here is touched everywhere.
         """
         device = self._device()
-        if local_grads:
-            norms = torch._foreach_norm(local_grads, 2.0, dtype=torch.float32)
-            sq = torch.stack(list(norms)).double().square().sum().float().reshape(1)
-        else:  # on the parameters' device: the all-reduce may be NCCL's
-            sq = torch.zeros(1, device=device)
+        # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
+        sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
         flags = torch.tensor([float(t) for t in touched], dtype=torch.float32)
         summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
         if all(touched):

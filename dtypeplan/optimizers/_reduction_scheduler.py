@@ -30,6 +30,13 @@ treats the last one as ``last_micro_batch=True``, so that a pipeline schedule's 
 loop's bare ``loss.backward()`` gets the same overlap as ``opt.backward(loss,
 last_micro_batch=True)``.
 
+Known, the boundary also takes the clipping norm off the step: each chunk final in the
+boundary backward (a whole accumulator's bucket once its step reduction is finished, a
+sharded accumulator's chunk once the last reduce-scatter is added in) has its squared norm
+taken at once (``final_sq_norms``), and the step takes only the others'. The values are the
+ones the step would compute, bit for bit. A pass after the one counted last (a sharded
+accumulator allows it) drops the norms of the chunks it changes.
+
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
 with zeros for parameters that got no gradient.
@@ -47,6 +54,7 @@ import torch
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.optimizers._clip import chunk_sq_norms
 from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._ownership import HookSet
 
@@ -100,6 +108,9 @@ class BackwardPass(NamedTuple):
     """The accumulator held nothing: gradients are copied, untouched parameters zeroed."""
     last_micro_batch: bool
     """A whole accumulator starts the step's reduction bucket by bucket during this pass."""
+    boundary: bool
+    """The last pass before the step, as far as the scheduler knows (``last_micro_batch=True``
+    or ``accumulation_steps``): a chunk final after it gets its squared norm taken at once."""
 
 
 class InFlightReduction(NamedTuple):
@@ -116,6 +127,10 @@ class InFlightReduction(NamedTuple):
     pooled: torch.Tensor | None = None
     """The pool buffer ``staging`` is a view of (back to the pool once the collective is done);
     None: ``staging`` is its own buffer."""
+    key: tuple[int, int] = (0, 0)
+    """(param group, bucket) of the chunk."""
+    boundary: bool = False
+    """Started by the boundary pass: the chunk is final once this reduction is added in."""
 
 
 class StepReduction(NamedTuple):
@@ -177,6 +192,10 @@ class ReductionScheduler:
         self._staging_numel = max((b.numel for s in groups for b in s.flat.buckets), default=0)
         self._in_flight: list[InFlightReduction] = []
         self._step_reductions: dict[tuple[int, int], StepReduction] = {}
+        self.final_sq_norms: dict[tuple[int, int], torch.Tensor] = {}
+        """Per (param group, bucket): the squared norm of this rank's reduced chunk, taken
+        inside the boundary backward as soon as the chunk was final (while it is still in
+        cache, and off the step's critical path). The step takes the norms of the others."""
         for gi, state in enumerate(groups):
             for pi, param in enumerate(state.flat.params):
                 hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
@@ -222,6 +241,7 @@ class ReductionScheduler:
             # A sharded accumulator is reduced every micro-batch anyway; a whole one can start
             # its boundary reduction bucket by bucket while the last backward goes on.
             last_micro_batch=(last_micro_batch or at_boundary) and not self.sharded_accumulator,
+            boundary=last_micro_batch or at_boundary,
         )
 
     def _refuse_after_last(self) -> None:
@@ -376,7 +396,14 @@ class ReductionScheduler:
                 target, staging, self.comm_dtype, self.comm_method
             )
             self._in_flight.append(
-                InFlightReduction(finish, chunk, target, *self._staging[gi].pop(bucket))
+                InFlightReduction(
+                    finish,
+                    chunk,
+                    target,
+                    *self._staging[gi].pop(bucket),
+                    key=(gi, bucket),
+                    boundary=self._pass.boundary,
+                )
             )
             while len(self._in_flight) > MAX_IN_FLIGHT:
                 self._complete_oldest()
@@ -386,6 +413,10 @@ class ReductionScheduler:
         work.finish()
         if work.target is not work.chunk:
             accumulate_(work.chunk, work.target)
+        if work.boundary:
+            self.final_sq_norms[work.key] = chunk_sq_norms([work.chunk])[0]
+        else:  # a pass after the one thought last: the chunk changed
+            self.final_sq_norms.pop(work.key, None)
         if work.pooled is not None:
             self._free_staging.append(work.pooled)
 
@@ -402,10 +433,15 @@ class ReductionScheduler:
             self._bound_step_reductions()
 
     def _bound_step_reductions(self) -> None:
-        """Finish the oldest step reductions beyond ``MAX_IN_FLIGHT`` (their wire copies go)."""
+        """Finish the oldest step reductions beyond ``MAX_IN_FLIGHT`` (their wire copies go),
+        and take their chunks' squared norms. Without a group (one process) nothing is in
+        flight: each is finished at once."""
         unfinished = [key for key, work in self._step_reductions.items() if not work.done[0]]
-        for key in unfinished[: max(0, len(unfinished) - MAX_IN_FLIGHT)]:
-            self._step_reductions[key].run()
+        allowed = MAX_IN_FLIGHT if self.comm.active else 0
+        for key in unfinished[: max(0, len(unfinished) - allowed)]:
+            work = self._step_reductions[key]
+            work.run()
+            self.final_sq_norms[key] = chunk_sq_norms([work.result])[0]
 
     def _start_step_reduction(self, state: GroupState, bucket: int) -> StepReduction:
         """Launch the reduction of one bucket of a whole accumulator.
@@ -445,6 +481,7 @@ class ReductionScheduler:
         with torch.no_grad():
             accumulate_(self.groups[gi].acc_param_views[pi], grad)
         self.window_touched[gi][pi] = True
+        self.final_sq_norms.pop((gi, self.groups[gi].flat.bucket_of[pi]), None)
 
     # --- the step -----------------------------------------------------------------------------
     def reduced_grads(self) -> list[list[torch.Tensor]]:
@@ -485,6 +522,7 @@ class ReductionScheduler:
         self._reset_window()
 
     def _reset_window(self) -> None:
+        self.final_sq_norms.clear()
         for touched in self.window_touched:
             touched[:] = [False] * len(touched)
 

@@ -197,36 +197,45 @@ def device_case(rank: int, world_size: int, config: dict[str, Any]) -> dict[str,
 # --- gradient_accumulation_steps: the boundary reduction inside the last backward --------------
 
 
-def boundary_case(rank: int, world_size: int, config: dict[str, Any], told: str) -> dict[str, Any]:
-    """Three steps of two bare ``loss.backward()`` micro-batches each.
+def boundary_case(
+    rank: int, world_size: int, config: dict[str, Any], told: str, per_step: int = 2
+) -> dict[str, Any]:
+    """Three steps of ``per_step`` bare ``loss.backward()`` micro-batches each.
 
     ``told``: ``"steps"`` gives the optimizer ``gradient_accumulation_steps = 2`` (the
     plan's field where it exists, else the scheduler's), ``"flag"`` marks the last micro-batch
     through ``opt.backward(last_micro_batch=True)`` instead, ``"nothing"`` tells nothing.
-    Returns the gradient collectives seen after each backward and the final parameters.
+    With ``per_step = 3`` and ``"steps"`` the count is wrong (only a sharded accumulator takes
+    the third backward). Returns the gradient collectives seen after each backward, how many
+    chunk norms the backward had taken when each step began, the steps' gradient norms and the
+    final parameters.
     """
-    device = _rank_device(rank)
+    device = _rank_device(rank) if dist.is_initialized() else torch.device("cpu")
     plan = dtypeplan.resolve(config)
     model = plan.prepare_model(make_model(0).to(device))
     optimizer = plan.build(model.parameters())
     if told == "steps" and getattr(plan, "gradient_accumulation_steps", None) is None:
         optimizer.reductions.accumulation_steps = 2
-    x, y = make_batch(rank, 12)
-    micro = list(zip(x.chunk(6), y.chunk(6), strict=True))
+    x, y = make_batch(rank, 6 * per_step)
+    micro = list(zip(x.chunk(3 * per_step), y.chunk(3 * per_step), strict=True))
     seen: list[list[int]] = []
+    known: list[int] = []
+    norms: list[float] = []
     with record_devices() as log:
         for step in range(3):
             after: list[int] = []
-            for index in range(2):
-                xm, ym = micro[2 * step + index]
-                loss = mse(model, xm.to(device), ym.to(device)) / 2
+            for index in range(per_step):
+                xm, ym = micro[per_step * step + index]
+                loss = mse(model, xm.to(device), ym.to(device)) / per_step
                 if told == "flag":
-                    optimizer.backward(loss, last_micro_batch=index == 1)
+                    optimizer.backward(loss, last_micro_batch=index == per_step - 1)
                 else:
                     loss.backward()
                 after.append(len(log))
             seen.append(after)
+            known.append(len(optimizer.reductions.final_sq_norms))
             optimizer.step()
+            norms.append(optimizer.grad_norm)
             optimizer.zero_grad()
             log.clear()
     error = ""
@@ -240,6 +249,9 @@ def boundary_case(rank: int, world_size: int, config: dict[str, Any], told: str)
         optimizer.zero_grad()
     return {
         "collectives_after_backward": seen,
+        "norms_known_at_step": known,
+        "buckets": sum(len(state.flat.buckets) for state in optimizer.groups),
+        "grad_norms": norms,
         "params": [p.detach().to("cpu", copy=True) for p in model.parameters()],
         "third_backward_error": error,
     }
@@ -251,8 +263,16 @@ def boundary_cases(
     return [boundary_case(rank, world_size, config, how) for config in configs for how in told]
 
 
+SHARDED_BOUNDARY_RUNS = [("steps", 2), ("flag", 2), ("nothing", 2), ("steps", 3), ("nothing", 3)]
+"""(told, micro-batches per step) of the sharded-accumulator boundary cases."""
+
+
 def hot_path_cases(
-    rank: int, world_size: int, device_configs: list[dict[str, Any]], boundary_configs: list[Any]
+    rank: int,
+    world_size: int,
+    device_configs: list[dict[str, Any]],
+    boundary_configs: list[Any],
+    sharded_config: dict[str, Any],
 ) -> dict[str, Any]:
     """The 2-rank cases of ``tests/test_hot_path.py`` in one spawned group."""
     return {
@@ -260,4 +280,8 @@ def hot_path_cases(
         "boundary": boundary_cases(
             rank, world_size, boundary_configs, ["steps", "flag", "nothing"]
         ),
+        "sharded_boundary": [
+            boundary_case(rank, world_size, sharded_config, told, per_step)
+            for told, per_step in SHARDED_BOUNDARY_RUNS
+        ],
     }
