@@ -16,6 +16,8 @@ data. The methods (each rank single-threaded, on 127.0.0.1 gloo):
 * ``dtypeplan``: bf16 params + fp32 accumulator + fp32 master at ZeRO 0, 1, 2, and fp32 at 1
   (gradients on the wire in the accumulation dtype, the default); and bf16 at ZeRO 1 and 2 with
   bf16 on the wire reduced by ``fp32_sum``;
+  each config has ``gradient_accumulation_steps`` (``--micro``) and the loop calls a bare
+  ``loss.backward()``: the optimizer starts the step's reduction inside the last one itself;
 * ``DeepSpeed``, when ``import deepspeed`` works in this interpreter (it is never a dependency:
   ``DS_BUILD_OPS=0 pip install deepspeed`` in a separate venv made with
   ``--system-site-packages``, then run this script with that venv's python): BF16_Optimizer
@@ -172,7 +174,9 @@ class DtypeplanRunner(Runner):
     def __init__(self, name: str, spec: Spec, config: dict[str, Any]) -> None:
         self.name = name
         self.micro = spec.micro
-        plan = dtypeplan.resolve(config)
+        # DeepSpeed's key: the optimizer counts the backward passes and starts the step's
+        # reduction inside the last one, with nothing passed at the backward.
+        plan = dtypeplan.resolve({**config, "gradient_accumulation_steps": spec.micro})
         if plan.status != "OK":
             raise RuntimeError(plan.explain())
         self.model = make_model(spec)
@@ -184,10 +188,9 @@ class DtypeplanRunner(Runner):
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         t0 = time.perf_counter()
-        for index, (x, y) in enumerate(batches):
+        for x, y in batches:
             loss = _loss(self.model(x.to(self.dtype)), y, self.micro)
-            # The last micro-batch starts the step's reduction inside its backward.
-            self.opt.backward(loss, last_micro_batch=index == len(batches) - 1)
+            loss.backward()  # a bare backward: the config's count tells the last one
         t1 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()
@@ -365,7 +368,37 @@ def _rank_worker(
         "failures": failures,
         "notes": {r.name: r.note for r in runners},
         "profile": profile,
+        "collectives": _collective_times(sum(p.numel() for p in make_model(spec).parameters())),
     }
+
+
+def _collective_times(numel: int, reps: int = 6) -> dict[str, float]:
+    """Median ms of each collective a method uses, on one fp32 buffer of the model's size.
+
+    What DDP needs (one all-reduce) against what ZeRO-1 needs (a reduce-scatter of the
+    gradients and an all-gather of the parameters), on this group's backend.
+    """
+    world = dist.get_world_size()
+    full = torch.randn(numel - numel % world)
+    shard = torch.empty(full.numel() // world)
+    gathered = torch.empty_like(full)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: reduce_scatter(shard, full),
+        "all_gather": lambda: all_gather(gathered, shard),
+    }
+    times: dict[str, float] = {}
+    for name, call in calls.items():
+        samples = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+        times[name] = 1e3 * statistics.median(samples[1:])
+    return times
 
 
 def _profile(
@@ -467,6 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     profile_text = None
+    collectives: dict[str, float] = {}
     for group, methods in groups:
         started = time.perf_counter()
         results = spawn(_rank_worker, world, methods, spec, timeout_s=1800)
@@ -474,6 +508,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows += group_rows
         failures.update({f"{group}: {k}": v for k, v in group_failures.items()})
         profile_text = profile_text or results[0]["profile"]
+        collectives = collectives or {
+            name: max(r["collectives"][name] for r in results) for name in results[0]["collectives"]
+        }
         print(f"[{group}: {time.perf_counter() - started:.0f} s]", flush=True)
     columns = [
         "group",
@@ -494,6 +531,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.micro} micro-batches x {args.rows} rows per rank; 2 gloo ranks, 1 thread each"
     )
     print(table)
+    collective_table = format_table(
+        [{"collective (fp32, the model's size)": k, "ms": v} for k, v in collectives.items()],
+        ["collective (fp32, the model's size)", "ms"],
+    )
+    print(collective_table)
     for name, error in failures.items():
         print(f"failed: {name}: {error}")
     if profile_text:
@@ -526,9 +568,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "failures": failures,
         "deepspeed": ds_note or "measured",
+        "collectives_ms": {k: round(v, 2) for k, v in collectives.items()},
     }
     if not args.no_write:
-        sections = [("Median time per step", table)]
+        sections = [
+            ("Median time per step", table),
+            ("Collectives on this group, alone (slowest rank, median)", collective_table),
+        ]
         if failures:
             sections.append(
                 (
@@ -551,6 +597,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "opt ms = the optimizer part: step() (for DDP the gradient all-reduce runs inside "
             "the last backward, so it is not in opt ms; for dtypeplan the reduction is in "
             "step()); for DeepSpeed, the engine.step() call of the last micro-batch.",
+            "ZeRO-1 moves the bytes of DDP's one all-reduce as a reduce-scatter plus an "
+            "all-gather of the parameters after the update, which overlaps only the update: "
+            "what each costs alone on this backend is in the collectives table.",
             "bf16 models compute their matmuls in bf16 (AMX/AVX512-BF16 on this CPU), so the "
             "forward/backward part differs between fp32 and bf16 methods.",
         ]
