@@ -60,6 +60,7 @@ def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None
     assert set(engine["cases"]) == {
         "torch AdamW fused fp32",
         "dtypeplan kernel",
+        "dtypeplan kernel, boundary told",
         "dtypeplan torch path",
     }
     assert engine["cases"]["dtypeplan kernel"]["bytes_per_param"] == 30
