@@ -162,7 +162,7 @@ else
     run_step tests 120 bash -o pipefail -c '"$0" -m pytest -q -rs "${@:2}" 2>&1 | tee "$1"' \
         "$python" "$tests_log" "${cuda_tests[@]}"
     run_step kernel 110 "$python" -m benchmarks.gpu.bench_fused_step --out "$out"
-    run_step engine 140 "$python" -m benchmarks.gpu.bench_engine_step --out "$out"
+    run_step engine 150 "$python" -m benchmarks.gpu.bench_engine_step --out "$out"
     run_step offload 45 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
 fi
 
