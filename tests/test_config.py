@@ -495,8 +495,6 @@ def test_yaml_config_with_integer_key_is_a_config_error(tmp_path: Path) -> None:
 
 # --- ignored DeepSpeed keys ------------------------------------------------------------------
 IGNORED = {
-    "train_batch_size": 32,
-    "train_micro_batch_size_per_gpu": 4,
     "steps_per_print": 10,
     "wall_clock_breakdown": False,
     "zero_optimization": {
@@ -508,8 +506,6 @@ IGNORED = {
     "bf16": {"enabled": True, "immediate_grad_update": True},
 }
 IGNORED_PATHS = [
-    "$.train_batch_size",
-    "$.train_micro_batch_size_per_gpu",
     "$.steps_per_print",
     "$.wall_clock_breakdown",
     "$.zero_optimization.overlap_comm",
@@ -554,12 +550,9 @@ def test_megatron_deepspeed_config_resolves(tmp_path: Path, name: str) -> None:
     assert plan.status == "OK" and plan.implementation == "sharded" and plan.rule_id == "zero1"
     assert plan.param_dtype == torch.bfloat16 and plan.grad_accum_dtype == torch.float32
     assert plan.zero_stage == 1 and plan.accumulator_sharded is False
-    assert set(plan.ignored_keys) == {
-        "$.train_batch_size",
-        "$.train_micro_batch_size_per_gpu",
-        "$.steps_per_print",
-        "$.wall_clock_breakdown",
-    }
+    assert set(plan.ignored_keys) == {"$.steps_per_print", "$.wall_clock_breakdown"}
+    # The batch sizes are read: at build they tell the micro-batches per step.
+    assert plan.train_batch_size == 256 and plan.train_micro_batch_size_per_gpu == 4
     assert "$.wall_clock_breakdown" in plan.explain()
 
 

@@ -195,7 +195,7 @@ def test_two_ranks_devices_and_boundary() -> None:
             assert not stray, (config, stray)
         boundary = rank["boundary"]
         for index in range(len(_boundary_configs())):
-            steps, flag, nothing = boundary[3 * index : 3 * index + 3]
+            steps, flag, nothing, batch = boundary[4 * index : 4 * index + 4]
             for step in range(3):
                 # Nothing goes out during the first backward of a step; told the boundary,
                 # the step's reduction starts inside the second; untold, it waits for step().
@@ -214,6 +214,14 @@ def test_two_ranks_devices_and_boundary() -> None:
             for a, b, c in zip(steps["params"], flag["params"], nothing["params"], strict=True):
                 assert torch.equal(a, b) and torch.equal(a, c)
             assert "gradient_accumulation_steps" in steps["third_backward_error"]
+            # DeepSpeed's batch sizes tell the same boundary: the same collectives, norms and
+            # parameters, and the error names where the count came from.
+            assert batch["collectives_after_backward"] == steps["collectives_after_backward"]
+            assert batch["norms_known_at_step"] == steps["norms_known_at_step"]
+            assert batch["grad_norms"] == steps["grad_norms"]
+            for a, b in zip(steps["params"], batch["params"], strict=True):
+                assert torch.equal(a, b)
+            assert "derived as DeepSpeed does" in batch["third_backward_error"], batch
         _check_sharded_boundary(rank["sharded_boundary"])
 
 

@@ -215,7 +215,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             hooks=self.hooks,
             # DeepSpeed's gradient_accumulation_steps: the boundary reduction starts inside the
             # last backward of a step without the caller marking it.
-            accumulation_steps=plan.gradient_accumulation_steps,
+            accumulation_steps=self.accumulation.micro_batches if self.accumulation else None,
+            accumulation_source=(
+                self.accumulation.source if self.accumulation else "gradient_accumulation_steps"
+            ),
             bare_backward_refusal=bare_backward_refusal(plan),
         )
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)

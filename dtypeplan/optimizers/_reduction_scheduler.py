@@ -163,6 +163,7 @@ class ReductionScheduler:
         sharded_accumulator: bool,
         hooks: HookSet,
         accumulation_steps: int | None = None,
+        accumulation_source: str = "gradient_accumulation_steps",
         bare_backward_refusal: str | None = None,
     ) -> None:
         self.groups = groups
@@ -170,6 +171,8 @@ class ReductionScheduler:
         """Why a backward that ``opt.backward`` did not begin is refused (None: allowed)."""
         self.accumulation_steps = accumulation_steps
         """Backward passes per step, where known: the last one starts the step's reduction."""
+        self.accumulation_source = accumulation_source
+        """Where ``accumulation_steps`` came from, for the error of a backward after the last."""
         self._passes = 0
         self.comm = comm
         self.comm_dtype = comm_dtype
@@ -247,7 +250,7 @@ class ReductionScheduler:
     def _refuse_after_last(self) -> None:
         if self.phase is Phase.REDUCING:
             told = (
-                f"the {self.accumulation_steps} micro-batches of gradient_accumulation_steps"
+                f"the {self.accumulation_steps} micro-batches of {self.accumulation_source}"
                 if self.accumulation_steps
                 else "the micro-batch marked last_micro_batch=True"
             )

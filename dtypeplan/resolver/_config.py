@@ -184,6 +184,10 @@ class PrecisionConfig:
     """DeepSpeed's ``scheduler`` block (``{"type", "params"}``), validated; None without one."""
     gradient_accumulation_steps: int | None = None
     """DeepSpeed's ``gradient_accumulation_steps`` (the caller runs the micro-batches)."""
+    train_batch_size: int | None = None
+    """DeepSpeed's ``train_batch_size``: samples per step over all data-parallel ranks."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """DeepSpeed's ``train_micro_batch_size_per_gpu``: samples per micro-batch on one rank."""
     auto_values: tuple[AutoValue, ...] = ()
     """Every ``"auto"`` of the config, the value used and where it came from."""
     config_warnings: tuple[str, ...] = ()
@@ -780,6 +784,8 @@ def load_config(
         fp8=bool(document.get("fp8", {}).get("enabled", False)),
         scheduler=freeze(scheduler) if scheduler is not None else None,
         gradient_accumulation_steps=int(steps) if steps is not None else None,
+        train_batch_size=document.get("train_batch_size"),
+        train_micro_batch_size_per_gpu=document.get("train_micro_batch_size_per_gpu"),
         auto_values=auto_values,
         config_warnings=tuple(config_warnings),
     )

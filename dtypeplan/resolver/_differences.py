@@ -16,7 +16,8 @@ each stated by ``explain()`` for the configs it touches:
   AdamW with lr 1e-3;
 - ``gradient_accumulation_steps``: DeepSpeed's ``engine.backward`` divides each micro-batch's
   loss by it; dtypeplan sums micro-batch gradients as they come (as documented for
-  ``opt.backward``) and uses the key only to know the step boundary;
+  ``opt.backward``) and uses the key only to know the step boundary (the same where DeepSpeed
+  derives the count from ``train_batch_size`` and ``train_micro_batch_size_per_gpu``);
 - ``torch_autocast``: DeepSpeed reduces the gradients of its ``lower_precision_safe_modules``
   (Linear, Conv1d-3d) in the autocast dtype and the rest in fp32, gathers those modules'
   ZeRO-3 parameters in the autocast dtype, and scales fp16 autocast with
@@ -86,6 +87,16 @@ def deepspeed_differences(
             f"they come (it only learns the step boundary from the key: the reduction starts "
             f"inside the last of the {steps} backward passes). For DeepSpeed's behaviour "
             f"divide the loss by {steps} before backward"
+        )
+    elif steps is None and config.train_batch_size and config.train_micro_batch_size_per_gpu:
+        found.append(
+            f"train_batch_size={config.train_batch_size} with train_micro_batch_size_per_gpu="
+            f"{config.train_micro_batch_size_per_gpu}: {DEEPSPEED} works the micro-batches per "
+            "step out (train_batch_size / (micro x data-parallel ranks)) and its "
+            "engine.backward divides each micro-batch's loss by that count; dtypeplan works the "
+            "same count out at build (to know the step boundary) but sums the micro-batches' "
+            "gradients as they come. For DeepSpeed's behaviour divide the loss by it before "
+            "backward"
         )
     return found
 

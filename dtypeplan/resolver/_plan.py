@@ -29,6 +29,7 @@ from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
+from dtypeplan.resolver._batch import AccumulationSteps, accumulation_steps
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._dimensions import states_value
 from dtypeplan.resolver._frozen import FrozenDict
@@ -183,6 +184,10 @@ class PrecisionPlan:
     one."""
     gradient_accumulation_steps: int | None = None
     """DeepSpeed's ``gradient_accumulation_steps``: micro-batches per step, run by the caller."""
+    train_batch_size: int | None = None
+    """DeepSpeed's ``train_batch_size`` (see :meth:`accumulation_steps`)."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """DeepSpeed's ``train_micro_batch_size_per_gpu`` (see :meth:`accumulation_steps`)."""
     auto_values: tuple[AutoValue, ...] = ()
     """Every ``"auto"`` of the config, the value used and where it came from."""
     config_warnings: tuple[str, ...] = ()
@@ -255,6 +260,8 @@ class PrecisionPlan:
             "check_nonfinite": self.check_nonfinite,
             "scheduler": None if self.scheduler is None else _jsonable(self.scheduler),
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
             "auto_values": [
                 {"path": a.path, "value": _jsonable(a.value), "source": a.source}
                 for a in self.auto_values
@@ -289,6 +296,20 @@ class PrecisionPlan:
         ):
             data.pop(key)
         return data
+
+    def accumulation_steps(self, ranks: int) -> AccumulationSteps | None:
+        """Micro-batches per step on ``ranks`` data-parallel ranks, where the config says or
+        DeepSpeed would work it out (``_batch.py``); None where it does not.
+
+        The optimizer calls it at build: raises :class:`PrecisionConfigError` where DeepSpeed
+        refuses the batch sizes at this world size.
+        """
+        return accumulation_steps(
+            self.gradient_accumulation_steps,
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            ranks,
+        )
 
     def digest(self) -> str:
         """A hash of :meth:`rank_facts`."""
@@ -461,6 +482,13 @@ class PrecisionPlan:
             lines.append(
                 f"  gradient accumulation steps: {self.gradient_accumulation_steps}"
                 "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
+            )
+        elif self.train_batch_size is not None and self.train_micro_batch_size_per_gpu:
+            lines.append(
+                f"  gradient accumulation steps: train_batch_size {self.train_batch_size} / "
+                f"(train_micro_batch_size_per_gpu {self.train_micro_batch_size_per_gpu} x "
+                "data-parallel ranks), worked out at build as DeepSpeed does  <- "
+                "$.train_batch_size, $.train_micro_batch_size_per_gpu"
             )
         if self.auto_values:
             lines += ["", '"auto" values (path = value used <- where it came from):']

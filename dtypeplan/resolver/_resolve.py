@@ -230,6 +230,8 @@ def resolve_config(
         alternatives=() if ok else _alternatives(point, table),
         scheduler=config.scheduler,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
+        train_batch_size=config.train_batch_size,
+        train_micro_batch_size_per_gpu=config.train_micro_batch_size_per_gpu,
         auto_values=config.auto_values,
         config_warnings=config.config_warnings,
         deepspeed_differences=tuple(deepspeed_differences(config, point, origins)),

@@ -203,7 +203,9 @@ def boundary_case(
     """Three steps of ``per_step`` bare ``loss.backward()`` micro-batches each.
 
     ``told``: ``"steps"`` gives the optimizer ``gradient_accumulation_steps = 2`` (the
-    plan's field where it exists, else the scheduler's), ``"flag"`` marks the last micro-batch
+    plan's field where it exists, else the scheduler's), ``"batch"`` gives DeepSpeed's batch
+    sizes instead (``train_batch_size`` = 2 micro-batches of 2 on every rank, from which the
+    optimizer works the 2 out), ``"flag"`` marks the last micro-batch
     through ``opt.backward(last_micro_batch=True)`` instead, ``"nothing"`` tells nothing.
     With ``per_step = 3`` and ``"steps"`` the count is wrong (only a sharded accumulator takes
     the third backward). Returns the gradient collectives seen after each backward, how many
@@ -211,6 +213,8 @@ def boundary_case(
     final parameters.
     """
     device = _rank_device(rank) if dist.is_initialized() else torch.device("cpu")
+    if told == "batch":
+        config = {**config, "train_batch_size": 4 * world_size, "train_micro_batch_size_per_gpu": 2}
     plan = dtypeplan.resolve(config)
     model = plan.prepare_model(make_model(0).to(device))
     optimizer = plan.build(model.parameters())
@@ -239,7 +243,7 @@ def boundary_case(
             optimizer.zero_grad()
             log.clear()
     error = ""
-    if told == "steps":
+    if told in ("steps", "batch"):
         for xm, ym in micro[:3]:
             try:
                 mse(model, xm.to(device), ym.to(device)).backward()
@@ -278,7 +282,7 @@ def hot_path_cases(
     return {
         "devices": [device_case(rank, world_size, config) for config in device_configs],
         "boundary": boundary_cases(
-            rank, world_size, boundary_configs, ["steps", "flag", "nothing"]
+            rank, world_size, boundary_configs, ["steps", "flag", "nothing", "batch"]
         ),
         "sharded_boundary": [
             boundary_case(rank, world_size, sharded_config, told, per_step)

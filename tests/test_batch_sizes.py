@@ -1,0 +1,93 @@
+"""DeepSpeed's batch sizes: the micro-batches per step worked out at build, or refused.
+
+DeepSpeed 0.19 (``runtime/config.py``, ``_set_batch_related_parameters`` / ``_batch_assertion``)
+completes ``train_batch_size = micro x gradient_accumulation_steps x data-parallel ranks`` from
+any two and refuses a triple that does not multiply out. dtypeplan takes the count where the
+config gives it or DeepSpeed derives it from both batch sizes, and refuses what DeepSpeed
+refuses, at build (where the world size is known).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.resolver._batch import accumulation_steps
+from tests._helpers import make_batch, make_model, mse
+
+# (gradient_accumulation_steps, train_batch_size, train_micro_batch_size_per_gpu, ranks) ->
+# micro-batches per step (None: not counted)
+_KNOWN = [
+    ((4, None, None, 8), 4),  # given
+    ((4, 64, 2, 8), 4),  # all three, consistent
+    ((4, 64, None, 8), 4),  # DeepSpeed derives micro = 64 // 8 // 4 = 2
+    ((None, 64, 2, 8), 4),  # DeepSpeed derives 64 // 2 // 8 = 4
+    ((None, 64, 2, 1), 32),
+    ((None, 256, 4, 16), 4),  # Megatron-DeepSpeed's ds_config on 16 data-parallel ranks
+    ((None, 64, None, 8), None),  # DeepSpeed takes 1 micro-batch of 8: the loop decides here
+    ((None, None, 2, 8), None),  # likewise
+    ((None, None, None, 8), None),
+]
+
+_REFUSED = [
+    (4, 60, 2, 8),  # 2 x 4 x 8 = 64
+    (None, 60, 2, 8),  # 60 // 2 // 8 = 3, and 2 x 3 x 8 = 48
+    (None, 8, 4, 4),  # 8 // 4 // 4 = 0 micro-batches per step
+    (2, 6, None, 4),  # micro = 6 // 4 // 2 = 0
+    (None, 6, None, 4),  # one micro-batch of 6 // 4 = 1 on each rank: 4 != 6
+]
+
+
+@pytest.mark.parametrize(("given", "expected"), _KNOWN)
+def test_micro_batches_per_step_as_deepspeed_works_them_out(
+    given: tuple[int | None, ...], expected: int | None
+) -> None:
+    found = accumulation_steps(*given)
+    assert (found.micro_batches if found else None) == expected
+
+
+@pytest.mark.parametrize("given", _REFUSED)
+def test_batch_sizes_deepspeed_refuses_are_refused(given: tuple[int | None, ...]) -> None:
+    with pytest.raises(PrecisionConfigError, match="train_batch_size .* is not"):
+        accumulation_steps(*given)
+
+
+def _config(**batch: int) -> dict:
+    return {
+        "bf16": {"enabled": True},
+        "gradient_accumulation_dtype": "fp32",
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        **batch,
+    }
+
+
+def test_the_optimizer_counts_the_derived_micro_batches() -> None:
+    plan = dtypeplan.resolve(_config(train_batch_size=6, train_micro_batch_size_per_gpu=2))
+    assert "train_batch_size 6 / (train_micro_batch_size_per_gpu 2" in plan.explain()
+    model = plan.prepare_model(make_model(0))
+    optimizer = plan.build(model.parameters())
+    assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 3
+    x, y = make_batch(0, 8)
+    for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+        try:
+            mse(model, xm.to(torch.bfloat16), ym).backward()
+        except RuntimeError as error:  # the fourth: the third started the step's reduction
+            assert "derived as DeepSpeed does: train_batch_size 6" in str(error)
+            break
+    else:
+        pytest.fail("a fourth backward in a step of three micro-batches was taken")
+    optimizer.zero_grad()
+
+
+def test_batch_sizes_that_do_not_multiply_out_fail_at_build() -> None:
+    plan = dtypeplan.resolve(
+        _config(
+            train_batch_size=10, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2
+        )
+    )
+    model = plan.prepare_model(make_model(0))
+    with pytest.raises(PrecisionConfigError, match=r"\(4 x 2 x 1 = 8\)"):
+        plan.build(model.parameters())
