@@ -115,9 +115,16 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
             },
         }
     )
+    steps = plan.accumulation_steps(args.world_size)
+    data["micro_batches_per_step"] = None if steps is None else steps.micro_batches
+    data["batch_size_mismatch"] = plan.batch_size_mismatch(args.world_size)
     if not args.json:
         print(plan.explain())
         print()
+        counted = "not counted: the loop decides" if steps is None else steps.micro_batches
+        print(f"micro-batches per step on {args.world_size} data-parallel ranks: {counted}")
+        if data["batch_size_mismatch"]:
+            print(f"warning: {data['batch_size_mismatch']}")
         if memory is None:
             print(f"memory: not estimated, {no_memory}")
         else:

@@ -1,10 +1,10 @@
-"""DeepSpeed's batch sizes: the micro-batches per step worked out at build, or refused.
+"""DeepSpeed's batch sizes: the micro-batches per step worked out at build, and mismatches.
 
 DeepSpeed 0.19 (``runtime/config.py``, ``_set_batch_related_parameters`` / ``_batch_assertion``)
 completes ``train_batch_size = micro x gradient_accumulation_steps x data-parallel ranks`` from
 any two and refuses a triple that does not multiply out. dtypeplan takes the count where the
-config gives it or DeepSpeed derives it from both batch sizes, and refuses what DeepSpeed
-refuses, at build (where the world size is known).
+config gives it or DeepSpeed derives it from both batch sizes (and they multiply out), and
+warns at build (where the world size is known) about sizes DeepSpeed would refuse.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import dtypeplan
-from dtypeplan.errors import PrecisionConfigError
-from dtypeplan.resolver._batch import accumulation_steps
+from dtypeplan.resolver._batch import accumulation_steps, batch_size_mismatch
 from tests._helpers import make_batch, make_model, mse
 
 # (gradient_accumulation_steps, train_batch_size, train_micro_batch_size_per_gpu, ranks) ->
@@ -31,12 +30,14 @@ _KNOWN = [
     ((None, None, None, 8), None),
 ]
 
-_REFUSED = [
-    (4, 60, 2, 8),  # 2 x 4 x 8 = 64
-    (None, 60, 2, 8),  # 60 // 2 // 8 = 3, and 2 x 3 x 8 = 48
-    (None, 8, 4, 4),  # 8 // 4 // 4 = 0 micro-batches per step
-    (2, 6, None, 4),  # micro = 6 // 4 // 2 = 0
-    (None, 6, None, 4),  # one micro-batch of 6 // 4 = 1 on each rank: 4 != 6
+# DeepSpeed refuses these: a warning names the mismatch; given steps are still counted,
+# derived ones are not (there is no sound count).
+_MISMATCHED = [
+    ((4, 60, 2, 8), 4),  # 2 x 4 x 8 = 64
+    ((None, 60, 2, 8), None),  # 60 // 2 // 8 = 3, and 2 x 3 x 8 = 48
+    ((None, 8, 4, 4), None),  # 8 // 4 // 4 = 0 micro-batches per step
+    ((2, 6, None, 4), 2),  # micro = 6 // 4 // 2 = 0
+    ((None, 6, None, 4), None),  # one micro-batch of 6 // 4 = 1 on each rank: 4 != 6
 ]
 
 
@@ -46,12 +47,17 @@ def test_micro_batches_per_step_as_deepspeed_works_them_out(
 ) -> None:
     found = accumulation_steps(*given)
     assert (found.micro_batches if found else None) == expected
+    assert batch_size_mismatch(*given) is None
 
 
-@pytest.mark.parametrize("given", _REFUSED)
-def test_batch_sizes_deepspeed_refuses_are_refused(given: tuple[int | None, ...]) -> None:
-    with pytest.raises(PrecisionConfigError, match="train_batch_size .* is not"):
-        accumulation_steps(*given)
+@pytest.mark.parametrize(("given", "expected"), _MISMATCHED)
+def test_batch_sizes_deepspeed_refuses_are_reported(
+    given: tuple[int | None, ...], expected: int | None
+) -> None:
+    found = accumulation_steps(*given)
+    assert (found.micro_batches if found else None) == expected
+    mismatch = batch_size_mismatch(*given)
+    assert mismatch is not None and "DeepSpeed would refuse" in mismatch, mismatch
 
 
 def _config(**batch: int) -> dict:
@@ -82,12 +88,13 @@ def test_the_optimizer_counts_the_derived_micro_batches() -> None:
     optimizer.zero_grad()
 
 
-def test_batch_sizes_that_do_not_multiply_out_fail_at_build() -> None:
+def test_batch_sizes_that_do_not_multiply_out_warn_at_build() -> None:
     plan = dtypeplan.resolve(
         _config(
             train_batch_size=10, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2
         )
     )
     model = plan.prepare_model(make_model(0))
-    with pytest.raises(PrecisionConfigError, match=r"\(4 x 2 x 1 = 8\)"):
-        plan.build(model.parameters())
+    with pytest.warns(UserWarning, match=r"\(4 x 2 x 1 = 8\).*counts the 2 micro-batches"):
+        optimizer = plan.build(model.parameters())
+    assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 2

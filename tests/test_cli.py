@@ -163,6 +163,9 @@ def test_check_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     plan = dtypeplan.resolve(config)
     memory = data.pop("memory")
+    # The example gives micro-batch size and steps, so DeepSpeed's batch holds on any ranks.
+    assert data.pop("micro_batches_per_step") == 4
+    assert data.pop("batch_size_mismatch") is None
     assert data == json.loads(json.dumps(plan.to_dict()))
     assert memory["num_params"] == 125_000_000 and memory["world_size"] == 4
     assert memory["bytes_per_rank"] == plan.memory(125_000_000, 4)

@@ -304,8 +304,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.accumulation = plan.accumulation_steps(ranks)
         """Micro-batches per step where known (``gradient_accumulation_steps``, or DeepSpeed's
         batch arithmetic on this group's ranks): the flat engine counts backward passes and
-        treats the last one as the boundary. Built on batch sizes DeepSpeed would refuse at
-        this world size, the optimizer raises here."""
+        treats the last one as the boundary."""
+        mismatch = plan.batch_size_mismatch(ranks)
+        if mismatch is not None:
+            warnings.warn(mismatch, UserWarning, stacklevel=3)
         self.scaler = LossScaler(plan.loss_scaling)
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""

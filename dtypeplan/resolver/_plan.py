@@ -29,7 +29,7 @@ from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
-from dtypeplan.resolver._batch import AccumulationSteps, accumulation_steps
+from dtypeplan.resolver._batch import AccumulationSteps, accumulation_steps, batch_size_mismatch
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._dimensions import states_value
 from dtypeplan.resolver._frozen import FrozenDict
@@ -299,16 +299,19 @@ class PrecisionPlan:
 
     def accumulation_steps(self, ranks: int) -> AccumulationSteps | None:
         """Micro-batches per step on ``ranks`` data-parallel ranks, where the config says or
-        DeepSpeed would work it out (``_batch.py``); None where it does not.
+        DeepSpeed would work it out (``_batch.py``); None where it does not."""
+        return accumulation_steps(*self._batch_sizes(), ranks)
 
-        The optimizer calls it at build: raises :class:`PrecisionConfigError` where DeepSpeed
-        refuses the batch sizes at this world size.
-        """
-        return accumulation_steps(
+    def batch_size_mismatch(self, ranks: int) -> str | None:
+        """Why DeepSpeed would refuse the config's batch sizes on ``ranks`` ranks (None: it
+        would not); the optimizer warns with it at build."""
+        return batch_size_mismatch(*self._batch_sizes(), ranks)
+
+    def _batch_sizes(self) -> tuple[int | None, int | None, int | None]:
+        return (
             self.gradient_accumulation_steps,
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
-            ranks,
         )
 
     def digest(self) -> str:
