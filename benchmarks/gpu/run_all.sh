@@ -21,7 +21,7 @@
 # go to DIR (default benchmarks/results) with dates; the summary is printed at the end and
 # written to DIR/gpu_run_all-<date>.md. The exit status is 0 only when every step passed.
 #
-# Step limits add up to 475 s (install 60, tests 120, kernel 110, engine 140, offload 45).
+# Step limits add up to 475 s (install 50, tests 120, kernel 110, engine 150, offload 45).
 #
 # --dry-run checks the script itself on a CPU in under a minute: no install, the tests are only
 # collected, the benchmarks run their --dry-run (tiny sizes on CPU), and DIR defaults to a new
@@ -155,7 +155,7 @@ else
     else
         from_wheels=()
         if [[ -n "$wheelhouse" ]]; then from_wheels=(--wheelhouse "$wheelhouse"); fi
-        run_step install 60 bash "${BASH_SOURCE[0]}" --install-only "${from_wheels[@]}"
+        run_step install 50 bash "${BASH_SOURCE[0]}" --install-only "${from_wheels[@]}"
     fi
     tests_log="$out/gpu_tests-$date_utc.log"
     # shellcheck disable=SC2016  # expanded by the inner bash, which gets them as arguments
