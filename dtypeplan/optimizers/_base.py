@@ -25,6 +25,7 @@ from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._loss_scaler import LossScaler
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
 from dtypeplan.optimizers._ownership import HookSet, claim, release
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
 
@@ -90,6 +91,18 @@ def is_element_state(value: Any, master: torch.Tensor) -> bool:
     """Whether ``value`` is a per-element state of ``master`` (a flat chunk or a local shard):
     a tensor laid out like it (``exp_avg``, ``sum``, ``ax``...), saved per parameter."""
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape
+
+
+def element_state_names(inner: torch.optim.Optimizer, tensors: Iterable[torch.Tensor]) -> list[str]:
+    """``master`` and the names of ``inner``'s per-element states of ``tensors`` (``exp_avg``...),
+    in the order first met. A Kahan compensation has no name of its own: it is folded into the
+    master's values."""
+    names = [keys.MASTER]
+    for tensor in tensors:
+        for name, value in inner.state.get(tensor, {}).items():
+            if is_element_state(value, tensor) and name not in names and name != KAHAN_COMPENSATION:
+                names.append(name)
+    return names
 
 
 def is_scalar_state(value: Any) -> bool:

@@ -83,6 +83,7 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     bare_backward_refusal,
+    element_state_names,
     inner_optimizer,
     is_adam,
     is_element_state,
@@ -93,13 +94,12 @@ from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
-    scale_into_inner_step,
+    inner_step_grads,
 )
 from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import (
-    KAHAN_COMPENSATION,
     LowPrecisionAdamUpdate,
     held_compensations,
     held_states,
@@ -534,13 +534,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._torch_update(grads_by_group, factor[1], gather)
         else:
             masters = [m for state in self.groups for m in state.masters]
-            undo = scale_into_inner_step(
-                self.inner, masters, self._flat_grads(grads_by_group), *factor
-            )
-            try:
+            with inner_step_grads(self.inner, masters, self._flat_grads(grads_by_group), *factor):
                 self.inner.step()
-            finally:
-                undo()
             if gather:
                 self._write_back(cast=True)
 
@@ -562,11 +557,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if not FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
             masters = [m for state in self.groups for m in state.masters]
             grads = offload.gradients_to_host(self._flat_grads(grads_by_group))
-            undo = scale_into_inner_step(self.inner, masters, grads, *factor)
-            try:
+            with inner_step_grads(self.inner, masters, grads, *factor):
                 self.inner.step()
-            finally:
-                undo()
             if gather:
                 self._write_back(cast=True)
             return
@@ -779,18 +771,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         The names the ``param.{i}.{name}`` keys of :meth:`full_state` take (the step counter
         is a scalar, ``scalar.step``).
         """
-        names = [keys.MASTER]
-        for state in self.groups:
-            for master in state.masters:
-                for name, value in self.inner.state.get(master, {}).items():
-                    # The Kahan compensation is folded into the master's values instead.
-                    if (
-                        is_element_state(value, master)
-                        and name not in names
-                        and name != KAHAN_COMPENSATION
-                    ):
-                        names.append(name)
-        return names
+        return element_state_names(self.inner, (m for s in self.groups for m in s.masters))
 
     def _gather_full(self, state: GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
         flat = state.flat

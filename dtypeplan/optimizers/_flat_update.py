@@ -24,7 +24,8 @@ Adam and AdamW take this path (their states are created here under torch's names
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ __all__ = [
     "FlatAdamUpdate",
     "decoupled_weight_decay",
     "fused_adam_kernel",
-    "scale_into_inner_step",
+    "inner_step_grads",
 ]
 
 CPU_CHUNK = 1 << 20
@@ -164,17 +165,19 @@ class FlatAdamUpdate:
         return scratch[:numel]
 
 
-def scale_into_inner_step(
+@contextlib.contextmanager
+def inner_step_grads(
     inner: torch.optim.Optimizer,
     masters: list[torch.Tensor],
     grads: list[torch.Tensor],
     factor: torch.Tensor,
     inverse: torch.Tensor,
-) -> Callable[[], None]:
-    """Give ``masters`` fp32 ``grads`` scaled by ``factor`` for ``inner.step()``; returns undo.
+) -> Iterator[None]:
+    """Inside, ``masters`` hold fp32 ``grads`` scaled by ``factor`` for ``inner.step()``.
 
     Optimizers that take ``grad_scale`` in their fused step get ``inverse`` there (no pass);
-    the others get one multiply by the device factor (still no host sync).
+    the others get one multiply by the device factor (still no host sync). On the way out the
+    masters' ``.grad`` and the scale are removed, whatever happened inside.
     """
     fp32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if getattr(inner, "_step_supports_amp_scaling", False) and all(
@@ -186,12 +189,11 @@ def scale_into_inner_step(
         torch._foreach_mul_(fp32, factor)
     for master, grad in zip(masters, fp32, strict=True):
         master.grad = grad
-
-    def undo() -> None:
+    try:
+        yield
+    finally:
         for master in masters:
             master.grad = None
         for name in ("grad_scale", "found_inf"):
             if hasattr(inner, name):
                 delattr(inner, name)
-
-    return undo

@@ -71,13 +71,14 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     bare_backward_refusal,
+    element_state_names,
     inner_optimizer,
     is_element_state,
     load_slot,
     make_replicas_equal,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
-from dtypeplan.optimizers._flat_update import scale_into_inner_step
+from dtypeplan.optimizers._flat_update import inner_step_grads
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._low_precision_update import (
     KAHAN_COMPENSATION,
@@ -488,13 +489,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True)
             if got_one
         ]
-        undo = scale_into_inner_step(
-            self.inner, [local for local, _ in stepped], [grad for _, grad in stepped], *factor
-        )
-        try:
+        locals_, grads = [local for local, _ in stepped], [grad for _, grad in stepped]
+        with inner_step_grads(self.inner, locals_, grads, *factor):
             self.inner.step()
-        finally:
-            undo()
         self.zero_grad()
         self.scaler.update(overflow=False)
         return loss
@@ -658,17 +655,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
         A Kahan compensation is no name of its own: it is folded into the master's values.
         """
-        names = [keys.MASTER]
         with self.fp32_states():  # a quantized moment is laid out like its shard in there
-            for local in self._locals():
-                for name, value in self.inner.state.get(local, {}).items():
-                    if (
-                        is_element_state(value, local)
-                        and name not in names
-                        and name != KAHAN_COMPENSATION
-                    ):
-                        names.append(name)
-        return names
+            return element_state_names(self.inner, self._locals())
 
     def master_values(self, master: torch.Tensor) -> torch.Tensor:
         """A local shard as the fp32 values it stands for (Kahan: plus its compensation)."""
