@@ -98,3 +98,23 @@ def test_batch_sizes_that_do_not_multiply_out_warn_at_build() -> None:
     with pytest.warns(UserWarning, match=r"\(4 x 2 x 1 = 8\).*counts the 2 micro-batches"):
         optimizer = plan.build(model.parameters())
     assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 2
+
+
+def test_an_auto_left_to_the_hf_default_is_not_counted() -> None:
+    """``"auto"`` without the caller's fill takes the HF Trainer's default (1 micro-batch): a
+    guess about the loop, so the optimizer does not count by it (a loop of two micro-batches
+    runs); filled by the caller, it is counted."""
+    config = {**_config(), "gradient_accumulation_steps": "auto"}
+    guessed = dtypeplan.resolve(config)
+    assert guessed.gradient_accumulation_steps == 1
+    assert 'default for "auto": not counted' in guessed.explain()
+    model = guessed.prepare_model(make_model(0))
+    optimizer = guessed.build(model.parameters())
+    assert optimizer.accumulation is None
+    x, y = make_batch(0, 8)
+    for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+        mse(model, xm.to(torch.bfloat16), ym).backward()
+    optimizer.step()
+    filled = dtypeplan.resolve(config, auto={"gradient_accumulation_steps": 2})
+    optimizer = filled.build(filled.prepare_model(make_model(0)).parameters())
+    assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 2

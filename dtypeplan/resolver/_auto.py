@@ -22,7 +22,7 @@ from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver import _hf_auto_defaults as hf
 from dtypeplan.resolver._deepspeed import closest_hint
 
-__all__ = ["AUTO", "AutoValue", "auto_paths", "auto_values_from", "fill_auto"]
+__all__ = ["AUTO", "FROM_CALLER", "AutoValue", "auto_paths", "auto_values_from", "fill_auto"]
 
 AUTO = "auto"
 FROM_CALLER = "auto="
