@@ -18,7 +18,7 @@ from torch import nn
 import dtypeplan
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._fsdp2 import mesh_device, mesh_device_type
+from dtypeplan.optimizers._fsdp2_sharding import mesh_device, mesh_device_type
 from dtypeplan.optimizers._shard_units import choose_units
 from tests._models import Block, norm_and_frozen, tied_lm
 from tests.workers.zero3 import run_cases

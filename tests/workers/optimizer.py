@@ -161,7 +161,7 @@ def accumulation_cases(
 def fsdp2_memory_cases(
     rank: int, world_size: int, configs: list[dict[str, Any]], width: int
 ) -> list[Any]:
-    from dtypeplan.optimizers._fsdp2 import _REDUCE_SCATTER_OF
+    from dtypeplan.optimizers._fsdp2_sharding import REDUCE_SCATTER_OF
 
     results = []
     for config in configs:
@@ -178,7 +178,7 @@ def fsdp2_memory_cases(
                 optimizer.backward(model(torch.randn(4, width)).float().square().mean())
             at_boundary = optimizer.held_tensors().nbytes()
             # bf16 masters: the reduce-scatter output kept for the hook is gone after backward.
-            kept = {id(_REDUCE_SCATTER_OF[p].last_output) for p in model.parameters()}
+            kept = {id(REDUCE_SCATTER_OF[p].last_output) for p in model.parameters()}
             optimizer.step()
             optimizer.zero_grad()
         results.append(
