@@ -25,9 +25,14 @@ from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._loss_scaler import LossScaler
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
 from dtypeplan.optimizers._ownership import HookSet, claim, release
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
+from dtypeplan.optimizers._state_values import (
+    is_scalar_state,
+    placed_scalar,
+    same_scalar,
+    scalar_dtype,
+)
 
 if TYPE_CHECKING:
     from dtypeplan.optimizers._shard_units import WrapPolicy
@@ -40,9 +45,6 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "inner_optimizer",
     "is_adam",
-    "is_element_state",
-    "is_scalar_state",
-    "load_slot",
     "make_replicas_equal",
 ]
 
@@ -85,88 +87,6 @@ def bare_backward_refusal(plan: PrecisionPlan) -> str | None:
         "backward itself needs dtypeplan.resolve(..., pipeline_parallel=True) and a loss "
         "multiplied by opt.loss_scale (README: Pipeline parallelism)"
     )
-
-
-def is_element_state(value: Any, master: torch.Tensor) -> bool:
-    """Whether ``value`` is a per-element state of ``master`` (a flat chunk or a local shard):
-    a tensor laid out like it (``exp_avg``, ``sum``, ``ax``...), saved per parameter."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape
-
-
-def element_state_names(inner: torch.optim.Optimizer, tensors: Iterable[torch.Tensor]) -> list[str]:
-    """``master`` and the names of ``inner``'s per-element states of ``tensors`` (``exp_avg``...),
-    in the order first met. A Kahan compensation has no name of its own: it is folded into the
-    master's values."""
-    names = [keys.MASTER]
-    for tensor in tensors:
-        for name, value in inner.state.get(tensor, {}).items():
-            if is_element_state(value, tensor) and name not in names and name != KAHAN_COMPENSATION:
-                names.append(name)
-    return names
-
-
-def is_scalar_state(value: Any) -> bool:
-    """Whether ``value`` is a per-chunk scalar state: a 0-dim tensor or a Python number
-    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group."""
-    if torch.is_tensor(value):
-        return value.dim() == 0
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _scalar_dtype() -> torch.dtype:
-    """The dtype ``torch.optim`` gives its step counters (``_get_scalar_dtype``)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _same_scalar(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return (
-            torch.is_tensor(a)
-            and torch.is_tensor(b)
-            and a.dtype == b.dtype
-            and torch.equal(a.detach().cpu(), b.detach().cpu())
-        )
-    return type(a) is type(b) and a == b
-
-
-def _placed_scalar(
-    name: str, value: Any, master: torch.Tensor, fused_or_capturable: bool
-) -> torch.Tensor | float | int:
-    """A new copy of scalar state ``value`` for ``master``, where ``torch.optim`` keeps it.
-
-    As ``Optimizer.load_state_dict`` places values: ``step`` on the master's device as float32
-    under ``fused``/``capturable``, else on the CPU; the others on the master's device. Each
-    keeps its saved dtype otherwise. A copy per chunk: torch increments ``step`` in place.
-    """
-    if not torch.is_tensor(value):
-        return value
-    value = value.detach()
-    if name == keys.STEP:
-        if fused_or_capturable:
-            return value.to(device=master.device, dtype=torch.float32, copy=True)
-        return value.to(device="cpu", copy=True)
-    return value.to(device=master.device, copy=True)
-
-
-def load_slot(slot: dict[str, Any], entry: Mapping[str, Any], where: slice | None = None) -> None:
-    """Copy ``entry``'s states into ``slot`` (made by ``reset_update_state``), in place.
-
-    Per-element states go into ``where`` of each (the whole tensor when None); scalar states
-    whole, keeping the device and dtype ``slot`` has. States ``entry`` lacks stay as they are.
-    """
-    for name, value in slot.items():
-        if name not in entry:
-            continue
-        given = entry[name]
-        if not torch.is_tensor(value):
-            slot[name] = given
-        elif value.dim() == 0:
-            if torch.is_tensor(given):
-                value.copy_(given)
-            else:
-                value.fill_(given)
-        else:
-            (value if where is None else value[where]).copy_(given)
 
 
 def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
@@ -627,7 +547,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                     found, first = scalars, position
                 elif check and (
                     scalars.keys() != found.keys()
-                    or not all(_same_scalar(scalars[n], found[n]) for n in scalars)
+                    or not all(same_scalar(scalars[n], found[n]) for n in scalars)
                 ):
                     raise NotSupportedError(
                         f"param group {group_index}: the optimizer's scalar states differ "
@@ -662,7 +582,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
             step = int(state.get(keys.scalar_key(keys.STEP), 0))
             if step > 0:
                 return [
-                    {keys.STEP: torch.tensor(float(step), dtype=_scalar_dtype())}
+                    {keys.STEP: torch.tensor(float(step), dtype=scalar_dtype())}
                     for _ in range(count)
                 ]
         return [found.get(g, {}) for g in range(count)]
@@ -700,7 +620,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 for name in names:
                     slot[name] = torch.zeros_like(master)
                 for name, value in values.items():
-                    slot[name] = _placed_scalar(name, value, master, on_device)
+                    slot[name] = placed_scalar(name, value, master, on_device)
 
     def _load_scalar_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0))

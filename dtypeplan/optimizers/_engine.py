@@ -83,12 +83,8 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     bare_backward_refusal,
-    element_state_names,
     inner_optimizer,
     is_adam,
-    is_element_state,
-    is_scalar_state,
-    load_slot,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import (
@@ -107,6 +103,12 @@ from dtypeplan.optimizers._low_precision_update import (
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
+from dtypeplan.optimizers._state_values import (
+    element_state_names,
+    is_element_state,
+    is_scalar_state,
+    load_slot,
+)
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

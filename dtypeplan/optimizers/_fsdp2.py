@@ -66,10 +66,7 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     bare_backward_refusal,
-    element_state_names,
     inner_optimizer,
-    is_element_state,
-    load_slot,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import inner_step_grads
@@ -83,6 +80,7 @@ from dtypeplan.optimizers._low_precision_update import (
 )
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy
+from dtypeplan.optimizers._state_values import element_state_names, is_element_state, load_slot
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

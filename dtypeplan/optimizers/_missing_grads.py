@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
-from dtypeplan.optimizers._base import is_element_state
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._state_values import is_element_state
 
 __all__ = ["keep_untouched"]
 
