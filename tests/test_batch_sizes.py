@@ -60,7 +60,7 @@ def test_batch_sizes_deepspeed_refuses_are_reported(
     assert mismatch is not None and "DeepSpeed would refuse" in mismatch, mismatch
 
 
-def _config(**batch: int) -> dict:
+def _config(**batch: object) -> dict:
     return {
         "bf16": {"enabled": True},
         "gradient_accumulation_dtype": "fp32",
@@ -118,3 +118,41 @@ def test_an_auto_left_to_the_hf_default_is_not_counted() -> None:
     filled = dtypeplan.resolve(config, auto={"gradient_accumulation_steps": 2})
     optimizer = filled.build(filled.prepare_model(make_model(0)).parameters())
     assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 2
+
+
+def test_an_hf_default_steps_leaves_the_batch_sizes_to_count() -> None:
+    """gradient_accumulation_steps "auto" left to the HF default, batch sizes given: the count
+    is worked out from the batch sizes, and explain(), the DeepSpeed differences and build
+    agree on it."""
+    config = {
+        **_config(train_batch_size=8, train_micro_batch_size_per_gpu=2),
+        "gradient_accumulation_steps": "auto",
+    }
+    plan = dtypeplan.resolve(config)
+    text = plan.explain()
+    assert "train_batch_size 8 / (train_micro_batch_size_per_gpu 2" in text
+    assert "not counted" not in text
+    assert any("train_batch_size=8" in d for d in plan.deepspeed_differences)
+    optimizer = plan.build(plan.prepare_model(make_model(0)).parameters())
+    assert optimizer.accumulation is not None and optimizer.accumulation.micro_batches == 4
+
+
+def test_null_and_whole_float_counts_read_as_deepspeed_reads_them() -> None:
+    """DeepSpeed reads a null batch key as absent, and 32.0 as 32."""
+    nulls = dtypeplan.resolve(
+        _config(train_batch_size=None, train_micro_batch_size_per_gpu=None)
+        | {"gradient_accumulation_steps": None}
+    )
+    assert nulls.accumulation_steps(2) is None and nulls.batch_size_mismatch(2) is None
+    floats = dtypeplan.resolve(_config(train_batch_size=32.0, train_micro_batch_size_per_gpu=4.0))
+    found = floats.accumulation_steps(2)
+    assert found is not None and found.micro_batches == 4 and isinstance(found.micro_batches, int)
+    assert "train_batch_size 32 /" in found.source
+
+
+def test_the_mismatch_warning_points_at_the_callers_build() -> None:
+    plan = dtypeplan.resolve(_config(train_batch_size=10, train_micro_batch_size_per_gpu=4))
+    model = plan.prepare_model(make_model(0))
+    with pytest.warns(UserWarning, match="DeepSpeed would refuse") as caught:
+        plan.build(model.parameters())
+    assert caught[0].filename == __file__

@@ -14,7 +14,11 @@ from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers._reduction_scheduler import InFlightReduction
 from tests._helpers import make_batch, make_model, mse
-from tests.workers.engine_edge_cases import empty_micro_batch_on_one_rank, twice_reached_parameter
+from tests.workers.engine_edge_cases import (
+    empty_micro_batch_on_one_rank,
+    reentrant_checkpoint_boundary,
+    twice_reached_parameter,
+)
 
 BF16_SGD = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 
@@ -142,6 +146,27 @@ def test_a_second_gradient_in_one_backward_is_added_or_refused() -> None:
             else:
                 assert isinstance(outcome, str) and "second gradient" in outcome, (case, outcome)
                 assert "use_reentrant=False" in outcome, outcome
+
+
+def _check_reentrant_boundary(results: dict) -> None:
+    for key, outcome in results.items():
+        assert not isinstance(outcome, str), (key, outcome)
+        stage, told, _ = key.split("/")
+        plain = results[f"{stage}/nothing/none"]
+        for a, b in zip(outcome, plain, strict=True):
+            assert torch.equal(a, b), key
+
+
+def test_a_reentrant_checkpoint_counts_one_backward_once() -> None:
+    """A reentrant ``torch.utils.checkpoint`` region runs a backward nested in the outer one;
+    its end is not the end of the micro-batch. Told the boundary (gradient_accumulation_steps,
+    DeepSpeed's batch sizes, last_micro_batch=True), each micro-batch counts once and the run
+    trains bit for bit as without the checkpoint, at ZeRO 0-2, in one process and on two ranks.
+    (A backward counted twice raised at the second micro-batch: the first pass had started the
+    step's reduction.)"""
+    _check_reentrant_boundary(reentrant_checkpoint_boundary(0, 1))
+    for per_rank in spawn(reentrant_checkpoint_boundary, 2):
+        _check_reentrant_boundary(per_rank)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._loss_scaler import LossScaler
-from dtypeplan.optimizers._ownership import HookSet, claim, release
+from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
 from dtypeplan.optimizers._state_values import (
     is_scalar_state,
@@ -240,7 +240,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         treats the last one as the boundary."""
         mismatch = plan.batch_size_mismatch(ranks)
         if mismatch is not None:
-            warnings.warn(mismatch, UserWarning, stacklevel=3)
+            warnings.warn(mismatch, UserWarning, stacklevel=user_stacklevel())
         self.scaler = LossScaler(plan.loss_scaling)
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""

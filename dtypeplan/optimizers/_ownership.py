@@ -27,7 +27,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HookSet", "claim", "release"]
+__all__ = ["HookSet", "claim", "release", "user_stacklevel"]
 
 
 class _Closable(Protocol):
@@ -53,7 +53,7 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
             f"a new optimizer was built on {moved} parameter(s) that {type(old).__name__} "
             f"at 0x{id(old):x} owned: the old optimizer is closed (its gradient hooks removed, "
             "any later step() raises) so that the new one receives the gradients",
-            stacklevel=_caller_level(),
+            stacklevel=user_stacklevel(),
         )
         old.close()
     ref = weakref.ref(owner)
@@ -61,7 +61,7 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
         _OWNERS[param] = ref
 
 
-def _caller_level() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside dtypeplan (the user's ``plan.build``)."""
     level = 1
     frame: FrameType | None = sys._getframe(1)

@@ -254,9 +254,15 @@ class ReductionScheduler:
                 if self.accumulation_steps
                 else "the micro-batch marked last_micro_batch=True"
             )
+            fix = (
+                "; if the loop runs more backward calls per step, set "
+                "gradient_accumulation_steps to that number"
+                if self.accumulation_steps
+                else ""
+            )
             raise RuntimeError(
                 f"a backward after {told}: the step's gradient reduction has started already; "
-                "call step() (or zero_grad()) first"
+                f"call step() (or zero_grad()) first{fix}"
             )
         if self.phase is Phase.REDUCED:
             raise OptimizerUsageError(
@@ -319,7 +325,25 @@ class ReductionScheduler:
             self._refuse_after_last()
             self._pass = self._begin_pass(last_micro_batch=False)
         self.phase = Phase.BACKWARD
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+    def _end_of_graph_task(self) -> None:
+        """The end of the autograd run that fired the pass's first hook: the end of backward,
+        unless that run was nested in another (a reentrant ``torch.utils.checkpoint`` region
+        runs its own backward inside the outer one, and the first hooks may fire in there).
+        Then the pass goes on: a post-hook on the outer node being executed queues this
+        callback again in the outer run, so that one backward is one pass, counted once."""
+        outer = torch._C._current_autograd_node()
+        if outer is None:
+            self._finish_backward()
+            return
+        handles: list[torch.utils.hooks.RemovableHandle] = []
+
+        def requeue(*_: object) -> None:
+            handles.pop().remove()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+        handles.append(outer.register_hook(requeue))
 
     def _finish_backward(self) -> None:
         assert self._pass is not None

@@ -17,9 +17,28 @@ would refuse are reported (:func:`batch_size_mismatch`), not refused: the caller
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
-__all__ = ["AccumulationSteps", "accumulation_steps", "batch_size_mismatch"]
+from dtypeplan.resolver._auto import FROM_CALLER, AutoValue
+
+__all__ = ["AccumulationSteps", "accumulation_steps", "batch_size_mismatch", "counted_sizes"]
+
+BATCH_KEYS = ("gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+def counted_sizes(
+    values: tuple[int | None, int | None, int | None], auto_values: Iterable[AutoValue]
+) -> tuple[int | None, int | None, int | None]:
+    """``(gradient_accumulation_steps, train_batch_size, train_micro_batch_size_per_gpu)`` as
+    counted: an ``"auto"`` that took the HF Trainer's default (not the caller's fill) is a guess
+    about the training loop, and a count from it would refuse a loop that runs another number
+    of micro-batches, so it counts as absent."""
+    guessed = {a.path for a in auto_values if a.source != FROM_CALLER}
+    steps, train, micro = (
+        None if key in guessed else value for key, value in zip(BATCH_KEYS, values, strict=True)
+    )
+    return steps, train, micro
 
 
 class AccumulationSteps(NamedTuple):

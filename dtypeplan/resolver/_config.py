@@ -352,6 +352,12 @@ def _marked_paths(
     return found
 
 
+def _count(value: Any) -> int | None:
+    """A batch count as DeepSpeed reads it: null is absent; 32.0 is 32 (the schema has checked
+    that it is a whole number >= 1)."""
+    return None if value is None else int(value)
+
+
 def _is_off(value: Any) -> bool:
     """A model-side block that is absent in effect: false, null, empty, or enabled false."""
     if value is None or value is False or value == {} or value == []:
@@ -783,9 +789,9 @@ def load_config(
         gradient_prescaling=prescaling,
         fp8=bool(document.get("fp8", {}).get("enabled", False)),
         scheduler=freeze(scheduler) if scheduler is not None else None,
-        gradient_accumulation_steps=int(steps) if steps is not None else None,
-        train_batch_size=document.get("train_batch_size"),
-        train_micro_batch_size_per_gpu=document.get("train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=_count(steps),
+        train_batch_size=_count(document.get("train_batch_size")),
+        train_micro_batch_size_per_gpu=_count(document.get("train_micro_batch_size_per_gpu")),
         auto_values=auto_values,
         config_warnings=tuple(config_warnings),
     )

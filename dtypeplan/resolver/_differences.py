@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtypeplan.resolver import _deepspeed_keys as ds
+from dtypeplan.resolver._batch import counted_sizes
 from dtypeplan.resolver._config import PrecisionConfig
 
 __all__ = ["deepspeed_differences"]
@@ -79,7 +80,14 @@ def deepspeed_differences(
             "with lr 1e-3. Give an optimizer block, or pass your optimizer to plan.build"
         )
     found += _autocast_differences(config, point)
-    steps = config.gradient_accumulation_steps
+    steps, train, micro = counted_sizes(
+        (
+            config.gradient_accumulation_steps,
+            config.train_batch_size,
+            config.train_micro_batch_size_per_gpu,
+        ),
+        config.auto_values,
+    )
     if steps is not None and steps > 1:
         found.append(
             f"gradient_accumulation_steps={steps}: {DEEPSPEED}'s engine.backward divides each "
@@ -88,15 +96,14 @@ def deepspeed_differences(
             f"inside the last of the {steps} backward passes). For DeepSpeed's behaviour "
             f"divide the loss by {steps} before backward"
         )
-    elif steps is None and config.train_batch_size and config.train_micro_batch_size_per_gpu:
+    elif steps is None and train is not None and micro is not None:
         found.append(
-            f"train_batch_size={config.train_batch_size} with train_micro_batch_size_per_gpu="
-            f"{config.train_micro_batch_size_per_gpu}: {DEEPSPEED} works the micro-batches per "
-            "step out (train_batch_size / (micro x data-parallel ranks)) and its "
-            "engine.backward divides each micro-batch's loss by that count; dtypeplan works the "
-            "same count out at build (to know the step boundary) but sums the micro-batches' "
-            "gradients as they come. For DeepSpeed's behaviour divide the loss by it before "
-            "backward"
+            f"train_batch_size={train} with train_micro_batch_size_per_gpu={micro}: "
+            f"{DEEPSPEED} works the micro-batches per step out (train_batch_size / (micro x "
+            "data-parallel ranks)) and, when that count is above 1, its engine.backward "
+            "divides each micro-batch's loss by it; dtypeplan works the same count out at "
+            "build (to know the step boundary) but sums the micro-batches' gradients as they "
+            "come. For DeepSpeed's behaviour divide the loss by it before backward"
         )
     return found
 

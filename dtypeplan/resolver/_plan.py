@@ -28,8 +28,13 @@ from dtypeplan import schedulers
 from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.errors import NotSupportedError
-from dtypeplan.resolver._auto import FROM_CALLER, AutoValue
-from dtypeplan.resolver._batch import AccumulationSteps, accumulation_steps, batch_size_mismatch
+from dtypeplan.resolver._auto import AutoValue
+from dtypeplan.resolver._batch import (
+    AccumulationSteps,
+    accumulation_steps,
+    batch_size_mismatch,
+    counted_sizes,
+)
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._dimensions import states_value
 from dtypeplan.resolver._frozen import FrozenDict
@@ -295,6 +300,8 @@ class PrecisionPlan:
             "deepspeed_differences",
         ):
             data.pop(key)
+        # What the optimizer counts by depends on where an "auto" came from (dropped above).
+        data["counted_batch_sizes"] = list(self._batch_sizes())
         return data
 
     def accumulation_steps(self, ranks: int) -> AccumulationSteps | None:
@@ -308,19 +315,13 @@ class PrecisionPlan:
         return batch_size_mismatch(*self._batch_sizes(), ranks)
 
     def _batch_sizes(self) -> tuple[int | None, int | None, int | None]:
-        """The batch sizes to count by: an ``"auto"`` that took the HF Trainer's default (not
-        the caller's fill) is a guess about the training loop, and a count from it would refuse
-        a loop that runs another number of micro-batches; it counts as absent."""
-        guessed = {a.path for a in self.auto_values if a.source != FROM_CALLER}
-        steps, train, micro = (
-            None if path in guessed else value
-            for path, value in (
-                ("gradient_accumulation_steps", self.gradient_accumulation_steps),
-                ("train_batch_size", self.train_batch_size),
-                ("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu),
-            )
+        """The batch sizes the optimizer counts by (``_batch.counted_sizes``)."""
+        given = (
+            self.gradient_accumulation_steps,
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
         )
-        return steps, train, micro
+        return counted_sizes(given, self.auto_values)
 
     def digest(self) -> str:
         """A hash of :meth:`rank_facts`."""
@@ -495,18 +496,18 @@ class PrecisionPlan:
                 f"  gradient accumulation steps: {steps}"
                 "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
             )
+        elif train is not None and micro is not None:
+            lines.append(
+                f"  gradient accumulation steps: train_batch_size {train} / "
+                f"(train_micro_batch_size_per_gpu {micro} x data-parallel ranks), worked out "
+                "at build as DeepSpeed does  <- $.train_batch_size, "
+                "$.train_micro_batch_size_per_gpu"
+            )
         elif self.gradient_accumulation_steps is not None:
             lines.append(
                 f"  gradient accumulation steps: {self.gradient_accumulation_steps}, the HF "
                 'Trainer\'s default for "auto": not counted (the loop decides; fill it with '
                 "auto={'gradient_accumulation_steps': N} to have the last backward known)"
-            )
-        elif train is not None and micro is not None:
-            lines.append(
-                f"  gradient accumulation steps: train_batch_size {train} / "
-                f"(train_micro_batch_size_per_gpu {micro} x "
-                "data-parallel ranks), worked out at build as DeepSpeed does  <- "
-                "$.train_batch_size, $.train_micro_batch_size_per_gpu"
             )
         if self.auto_values:
             lines += ["", '"auto" values (path = value used <- where it came from):']

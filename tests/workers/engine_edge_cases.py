@@ -90,3 +90,68 @@ def twice_reached_parameter(rank: int, world: int) -> dict[tuple[int, str], floa
         for stage in (0, 1, 2)
         for mode in ("plain", "last")
     }
+
+
+class _HalfInsideCheckpoint(torch.nn.Module):
+    """``a`` before a reentrant checkpoint, ``b`` and ``c`` inside it: autograd reaches ``b``
+    and ``c`` in a backward nested in the outer one, ``a`` after that one has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        inner = lambda t: self.c(torch.tanh(self.b(t)))  # noqa: E731
+        if mode == "none":
+            return inner(h)
+        return checkpoint(inner, h, use_reentrant=mode == "reentrant")
+
+
+def reentrant_checkpoint_boundary(rank: int, world: int) -> dict[str, list[torch.Tensor] | str]:
+    """Two steps of two micro-batches, told the boundary three ways, with and without a
+    reentrant checkpoint region: each backward must count once and train as without it."""
+    results: dict[str, list[torch.Tensor] | str] = {}
+    for stage in (0, 1, 2):
+        for told in ("steps", "batch", "last", "nothing"):
+            for mode in ("none", "reentrant"):
+                results[f"{stage}/{told}/{mode}"] = _boundary_run(rank, world, stage, told, mode)
+    return results
+
+
+def _boundary_run(
+    rank: int, world: int, stage: int, told: str, mode: str
+) -> list[torch.Tensor] | str:
+    config: dict = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.5,
+    }
+    if told == "steps":
+        config["gradient_accumulation_steps"] = 2
+    elif told == "batch":
+        config.update(train_batch_size=8 * world, train_micro_batch_size_per_gpu=4)
+    model = _HalfInsideCheckpoint()
+    optimizer = dtypeplan.resolve(config).build(model.parameters())
+    generator = torch.Generator().manual_seed(1 + rank)
+    try:
+        for _ in range(2):
+            for micro in range(2):
+                x, y = (
+                    torch.randn(4, 5, generator=generator),
+                    torch.randn(4, 3, generator=generator),
+                )
+                loss = torch.nn.functional.mse_loss(model(x, mode), y)
+                if told == "last":
+                    optimizer.backward(loss, last_micro_batch=micro == 1)
+                else:
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return [p.detach().clone() for p in model.parameters()]
