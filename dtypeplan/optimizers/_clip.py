@@ -50,6 +50,9 @@ def chunk_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if _is_wide(grad):
             squares.append(next(wide_norms).double().square())
             continue
+        if grad.numel() == 0:  # a rank's empty shard of a small parameter (ZeRO-3)
+            squares.append(torch.zeros((), dtype=torch.float64, device=grad.device))
+            continue
         pieces = []
         flat = grad.reshape(-1)
         for begin in range(0, flat.numel(), scratch.numel()):

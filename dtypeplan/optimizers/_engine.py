@@ -480,13 +480,13 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """The squared norm of this rank's reduced chunks: those the boundary backward already
         took (``ReductionScheduler.final_sq_norms``) and, in one pass, the rest."""
         known = self.reductions.final_sq_norms
-        keys = [
+        chunks = [
             (gi, b) for gi, per_bucket in enumerate(grads_by_group) for b in range(len(per_bucket))
         ]
         missing = iter(
-            chunk_sq_norms([grads_by_group[gi][b] for gi, b in keys if (gi, b) not in known])
+            chunk_sq_norms([grads_by_group[gi][b] for gi, b in chunks if (gi, b) not in known])
         )
-        squares = [known[key] if key in known else next(missing) for key in keys]
+        squares = [known[chunk] if chunk in known else next(missing) for chunk in chunks]
         return sum_sq_norms(squares, self.device)
 
     @staticmethod

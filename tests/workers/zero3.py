@@ -115,7 +115,34 @@ def bf16_masters_sum_uncast(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def empty_shards_with_16bit_accumulation(rank: int, world: int) -> dict[str, Any]:
+    """A parameter smaller than the world size leaves a rank an empty local shard; with a
+    16-bit accumulator that rank's squared norm goes through the CPU's 16-bit path, which must
+    count an empty shard as zero (it once raised: ``stack expects a non-empty TensorList``).
+    Every rank sees the same data, so the step's norm is the one-process norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    config = {
+        "bf16": {"enabled": True},
+        "gradient_accumulation_dtype": "bf16",
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(model)
+    opt = plan.build(model.parameters())
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).bfloat16()
+    opt.backward(model(x).float().square().mean())
+    opt.step()
+    return {
+        "local_numels": [p.to_local().numel() for p in model.parameters()],
+        "grad_norm": opt.grad_norm,
+    }
+
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "empty_shards_with_16bit_accumulation": empty_shards_with_16bit_accumulation,
     "bf16_masters_sum_uncast": bf16_masters_sum_uncast,
     "fp32_unsharded_never_whole": fp32_unsharded_never_whole,
     "wrap_classes_choose_units": wrap_classes_choose_units,
