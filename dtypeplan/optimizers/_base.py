@@ -233,7 +233,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self.clip = plan.gradient_clipping
         self._clip_request: float | None = None
         self.check_nonfinite = plan.check_nonfinite
-        ranks = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        distributed = dist.is_available() and dist.is_initialized()
+        ranks = dist.get_world_size(process_group) if distributed else 1
         self.accumulation = plan.accumulation_steps(ranks)
         """Micro-batches per step where known (``gradient_accumulation_steps``, or DeepSpeed's
         batch arithmetic on this group's ranks): the flat engine counts backward passes and
