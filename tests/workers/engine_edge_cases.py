@@ -92,19 +92,12 @@ def twice_reached_parameter(rank: int, world: int) -> dict[tuple[int, str], floa
     }
 
 
-class _HalfInsideCheckpoint(torch.nn.Module):
-    """``a`` before a reentrant checkpoint, ``b`` and ``c`` inside it: autograd reaches ``b``
-    and ``c`` in a backward nested in the outer one, ``a`` after that one has ended."""
+class _HalfInsideCheckpoint(_ReusedInsideCheckpoint):
+    """The same layers, ``a`` before a reentrant checkpoint and ``b``, ``c`` inside it only:
+    autograd reaches ``b`` and ``c`` in a backward nested in the outer one, ``a`` after that
+    one has ended."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.a, self.b, self.c = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
-        with torch.no_grad():
-            for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
-    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:  # type: ignore[override]
         h = torch.tanh(self.a(x))
         inner = lambda t: self.c(torch.tanh(self.b(t)))  # noqa: E731
         if mode == "none":
