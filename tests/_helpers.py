@@ -112,6 +112,24 @@ MEMORY_KEYS = ("params", "accumulator", "master", "optimizer_states", "total")
 """The device keys of plan.memory() that the memory tests compare with what is held."""
 
 
+def memory_mlp(width: int) -> torch.nn.Sequential:
+    """The memory tests' model: Linear, ReLU, Linear of ``width`` (seeded)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
+    )
+
+
+def master_rel_error(state: dict[str, Any], reference: list[torch.Tensor]) -> float:
+    """``||master - reference|| / ||reference||`` over every parameter: ``state`` is an
+    optimizer's ``full_state()``, ``reference`` the reference's parameters in torch order."""
+    diff = size = 0.0
+    for i, param in enumerate(reference):
+        diff += float((state[f"param.{i}.master"] - param.detach()).square().sum())
+        size += float(param.detach().square().sum())
+    return (diff / size) ** 0.5
+
+
 def assert_memory_close(
     measured: dict[str, int],
     predicted: dict[str, int],

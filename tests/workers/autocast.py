@@ -13,14 +13,13 @@ test: ``plan.prepare_model`` must install it, and the output dtype is recorded t
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import dtypeplan
-from tests._helpers import make_batch, make_model
+from tests._helpers import make_batch, make_model, master_rel_error, memory_mlp
 
 OVERFLOW_INPUT = 1e6
 """Put in one input of the overflow step: above fp16's 65504, so fp16 autocast's first matmul
@@ -102,11 +101,7 @@ def parity_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, A
         optimizer.step()
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
-    state = optimizer.full_state()
-    diff = size = 0.0
-    for i, param in enumerate(reference.parameters()):
-        diff += float((state[f"param.{i}.master"] - param.detach()).square().sum())
-        size += float(param.detach().square().sum())
+    master_error = master_rel_error(optimizer.full_state(), list(reference.parameters()))
     return {
         "name": case["name"],
         "losses": losses,
@@ -115,7 +110,7 @@ def parity_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, A
         "ref_loss_scales": ref_scales,
         "skipped_steps": optimizer.skipped_steps,
         "ref_skipped_steps": ref_skipped,
-        "master_rel_error": math.sqrt(diff / size),
+        "master_rel_error": master_error,
         "output_dtypes": sorted(out_dtypes),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "autocast_left_on": torch.is_autocast_enabled("cpu"),
@@ -126,10 +121,7 @@ def memory_case(config: dict[str, Any], world_size: int, width: int) -> dict[str
     """What the optimizer holds at the accumulation boundary and after a step, with the
     forward under autocast (tests/test_memory.py's measurement, through prepare_model)."""
     plan = dtypeplan.resolve(config)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
-    )
+    model = memory_mlp(width)
     num_params = sum(p.numel() for p in model.parameters())
     model = plan.prepare_model(model)
     optimizer = plan.build(model.parameters())

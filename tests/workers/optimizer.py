@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import dtypeplan
 from dtypeplan.comm import _collectives
-from tests._helpers import make_batch, make_model, mse
+from tests._helpers import make_batch, make_model, memory_mlp, mse
 
 # --- the dtype on the wire ---------------------------------------------------------------------
 
@@ -83,10 +83,7 @@ def wire_cases(rank: int, world_size: int, configs: list[dict[str, Any]]) -> lis
 
 def memory_case(rank: int, world_size: int, config: dict[str, Any], width: int) -> dict[str, Any]:
     plan = dtypeplan.resolve(config)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
-    )
+    model = memory_mlp(width)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = plan.build(model.parameters())
     after_build = optimizer.held_tensors().nbytes()
@@ -166,10 +163,7 @@ def fsdp2_memory_cases(
     results = []
     for config in configs:
         plan = dtypeplan.resolve(config)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
-        )
+        model = memory_mlp(width)
         num_params = sum(p.numel() for p in model.parameters())
         model = plan.prepare_model(model)
         optimizer = plan.build(model.parameters())

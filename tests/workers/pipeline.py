@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import dtypeplan
+from tests._helpers import master_rel_error
 
 WIDTH, LAYERS = 16, 4
 
@@ -101,18 +101,14 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         total = torch.tensor([sum(float(part.detach()) for part in step_losses) / scale])
         dist.all_reduce(total)  # only the last stage contributes
         losses.append(float(total) / dp_size)
-    state = optimizer.full_state()
     ref_stage = reference[pp_rank * per_stage : (pp_rank + 1) * per_stage]
-    diff = size = 0.0
-    for i, param in enumerate(ref_stage.parameters()):
-        diff += float((state[f"param.{i}.master"] - param.detach()).square().sum())
-        size += float(param.detach().square().sum())
+    master_error = master_rel_error(optimizer.full_state(), list(ref_stage.parameters()))
     return {
         "name": case["name"],
         "losses": losses,
         "ref_losses": ref_losses,
         "backward_reduce_scatters": reduce_scatters[0],
-        "master_rel_error": math.sqrt(diff / size),
+        "master_rel_error": master_error,
         "skipped_steps": optimizer.skipped_steps,
         "output_dtypes": sorted(output_dtypes),
     }
