@@ -268,3 +268,24 @@ def test_a_real_offload_file_trains_as_without_offload() -> None:
     assert losses[0] == losses[1]
     for offloaded, plain in zip(*finals, strict=True):
         assert torch.equal(offloaded, plain)
+
+
+# Public files that give both batch sizes and no gradient_accumulation_steps, with DeepSpeed
+# 0.19's count (train_batch // micro // ranks) at 1, 2 and 8 data-parallel ranks; None where
+# DeepSpeed refuses the sizes (micro x count x ranks != train_batch).
+_BATCH_FILES = {
+    "bigscience_megatron_ds__ds_config_bf16.json": {1: 16, 2: 8, 8: 2},  # 16 / 1
+    "deepspeed__hybrid_engine_config.json": {1: 16, 2: 8, 8: 2},  # 32 / 2
+    "dsexamples__pipeline_parallelism_ds_config.json": {1: 32, 2: 16, 8: 4},  # 256 / 8
+    "megatron_ds__universal_checkpointing_ds_config.json": {1: 1, 2: None, 8: None},  # 16 / 16
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BATCH_FILES))
+def test_public_batch_sizes_give_deepspeeds_micro_batches_per_step(name: str) -> None:
+    plan = dtypeplan.resolve(CORPUS / name)
+    for ranks, expected in _BATCH_FILES[name].items():
+        found = plan.accumulation_steps(ranks)
+        assert (found.micro_batches if found else None) == expected, (name, ranks)
+        mismatch = plan.batch_size_mismatch(ranks)
+        assert (mismatch is None) == (expected is not None), (name, ranks, mismatch)
