@@ -1,0 +1,355 @@
+"""Every precision cell's optimizer step against the library a user would pick for that cell.
+
+    python -m benchmarks.bench_precision_peers [--quick] [--cells NAME,...] [--threads N]
+
+One process, ``--layers`` x (``--width``, ``--width``) parameters (4 x 2048^2 = 16.8 M by
+default), AdamW without clipping, fixed gradients. For each precision cell (parameter dtype /
+master weights / optimizer states) dtypeplan's ``opt.step()`` is timed next to its peer:
+
+==============================  =====================================================
+cell                            peer
+==============================  =====================================================
+fp32 / fp32 / fp32              ``torch.optim.AdamW(fused=True)`` on fp32
+bf16 / fp32 / fp32              the same (fp32 masters and moments; bf16 parameters)
+bf16 / bf16 nearest / bf16      ``torch.optim.AdamW(fused=True)`` on bf16 parameters
+fp32 / - / bf16                 ``torch.optim.AdamW(fused=True)`` on fp32 (it moves more)
+bf16 / bf16 stochastic / bf16   torchao ``_AdamW(bf16_stochastic_round=True)``, compiled
+bf16 / bf16 kahan / bf16        the same
+fp32 / - / fp8                  torchao ``AdamWFp8``, compiled
+fp32 / - / int8                 torchao ``AdamW8bit``, compiled; bitsandbytes ``AdamW8bit``
+fp32 offloaded (ZeRO-1)         DeepSpeed's ``DeepSpeedCPUAdam``
+==============================  =====================================================
+
+A peer that is not installed (bitsandbytes, DeepSpeed) is left out with a note; torchao is a
+dependency. All cases are built first and then timed in interleaved rounds (one step of every
+case per round), so that a change of load on the machine hits every case alike. Before every
+timed step the case gets a fresh copy of the fixed gradients (untimed); after it, the copy is
+compared with the source: a case that wrote into its input gradients is flagged in the table
+(``grads kept``), and the shared source is checked at the end of every round, so a change is
+pinned on the case that made it.
+
+Columns: ``ms`` (median ms of ``step()``), ``x peer`` (ms over the first peer's median for the
+cell), ``B/param`` (bytes a step must move: read the gradient, read and write the master and
+each moment, write a 16-bit parameter that is not the master; int8 / fp8 blocks of 256 carry a
+4-byte scale each), ``x floor`` (ms over ``numel * B/param / copy bandwidth``, the copy timed in
+the same rounds).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import dtypeplan
+from benchmarks._common import (
+    base_parser,
+    environment,
+    finish,
+    format_table,
+    save_figure,
+    write_result,
+)
+from benchmarks._optimizer_step import BETAS, EPS, LR, WEIGHT_DECAY, time_steps
+
+CPU = torch.device("cpu")
+BLOCK_SCALE = 4 / 256
+"""Bytes per value of the fp32 scale that torchao's int8 / fp8 blocks (256 values) carry."""
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + BLOCK_SCALE, "fp8": 1 + BLOCK_SCALE}
+HYPER = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One precision cell: its dtypeplan config and the peers that do the same job."""
+
+    name: str
+    config: dict[str, Any]
+    peers: tuple[str, ...]
+
+
+def _config(**extra: Any) -> dict[str, Any]:
+    hyper = {**HYPER, "betas": list(BETAS)}
+    return {"optimizer": {"type": "AdamW", "params": hyper}, "gradient_clipping": 0.0, **extra}
+
+
+_BF16 = {"enabled": True}
+_BF16_STATES = {"enabled": True, "bf16_optimizer_states": True}
+CELLS = [
+    Cell(name="fp32 / fp32 / fp32", config=_config(), peers=("torch fused fp32",)),
+    Cell(name="bf16 / fp32 / fp32", config=_config(bf16=_BF16), peers=("torch fused fp32",)),
+    Cell(
+        name="bf16 / bf16 nearest / bf16",
+        config=_config(bf16=_BF16_STATES, master_weights={"dtype": "bf16", "rounding": "nearest"}),
+        peers=("torch fused bf16",),
+    ),
+    Cell(
+        name="fp32 / - / bf16",
+        config=_config(optimizer_states="bf16"),
+        peers=("torch fused fp32",),
+    ),
+    Cell(
+        name="bf16 / bf16 stochastic / bf16",
+        config=_config(
+            bf16=_BF16_STATES, master_weights={"dtype": "bf16", "rounding": "stochastic"}
+        ),
+        peers=("torchao AdamW bf16 stochastic",),
+    ),
+    Cell(
+        name="bf16 / bf16 kahan / bf16",
+        config=_config(bf16=_BF16_STATES, master_weights={"dtype": "bf16", "rounding": "kahan"}),
+        peers=("torchao AdamW bf16 stochastic",),
+    ),
+    Cell(name="fp32 / - / fp8", config=_config(optimizer_states="fp8"), peers=("torchao AdamWFp8",)),
+    Cell(
+        name="fp32 / - / int8",
+        config=_config(optimizer_states="int8"),
+        peers=("torchao AdamW8bit", "bitsandbytes AdamW8bit"),
+    ),
+    Cell(
+        name="fp32 offloaded (ZeRO-1)",
+        config=_config(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
+        peers=("DeepSpeedCPUAdam",),
+    ),
+]
+
+
+@dataclass
+class Case:
+    """One optimizer over its own copy of the parameters, ready to step on fixed gradients."""
+
+    name: str
+    params: list[torch.Tensor]
+    step: Callable[[], Any]
+    zero_grad: Callable[[], None]
+    bytes_per_param: float
+    grads_kept: bool = True
+
+
+def _params(shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(dtype))
+        for shape in shapes
+    ]
+
+
+def dtypeplan_case(cell: Cell, shapes: list[torch.Size]) -> Case:
+    plan = dtypeplan.resolve(cell.config)
+    params = _params(shapes, torch.float32)
+    opt = plan.build(params)
+    states = [plan.exp_avg_dtype, plan.exp_avg_sq_dtype]
+    state_bytes = sum(STATE_BYTES[_state_name(s)] for s in states)
+    master = plan.master_dtype.itemsize
+    kahan = 2 * 2 if plan.master_rounding == "kahan" else 0
+    param_write = plan.param_dtype.itemsize if plan.param_dtype != plan.master_dtype else 0
+    accumulate = plan.grad_accum_dtype.itemsize
+    return Case(
+        name=f"dtypeplan {cell.name}",
+        params=params,
+        step=opt.step,
+        zero_grad=opt.zero_grad,
+        bytes_per_param=accumulate + 2 * master + kahan + 2 * state_bytes + param_write,
+    )
+
+
+def _state_name(dtype: Any) -> str:
+    """The plan names a moment's storage as a torch dtype (fp32, bf16) or a string (int8, fp8)."""
+    if isinstance(dtype, torch.dtype):
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    return str(dtype)
+
+
+def _peer_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+    """The peer by name over ``params``, or None where its library is not installed."""
+    if name.startswith("torch fused"):
+        return torch.optim.AdamW(params, **HYPER, fused=True)
+    if name.startswith("torchao"):
+        from torchao.optim import AdamW8bit, AdamWFp8, _AdamW
+
+        if name == "torchao AdamW8bit":
+            return AdamW8bit(params, **HYPER)  # type: ignore[no-any-return]
+        if name == "torchao AdamWFp8":
+            return AdamWFp8(params, **HYPER)  # type: ignore[no-any-return]
+        return _AdamW(params, **HYPER, bf16_stochastic_round=True)  # type: ignore[no-any-return]
+    if name == "bitsandbytes AdamW8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            return None
+        return bitsandbytes.optim.AdamW8bit(params, **HYPER)  # type: ignore[no-any-return]
+    if name == "DeepSpeedCPUAdam":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except Exception:  # ImportError, or its op failing to build without a compiler
+            return None
+        return DeepSpeedCPUAdam(params, **HYPER, adamw_mode=True)  # type: ignore[no-any-return]
+    raise ValueError(f"unknown peer {name!r}")
+
+
+PEER_BYTES = {
+    "torch fused fp32": 4 + 8 + 16,
+    "torch fused bf16": 2 + 4 + 8,
+    "torchao AdamW bf16 stochastic": 2 + 4 + 8,
+    "torchao AdamWFp8": 4 + 8 + 4 * STATE_BYTES["fp8"],
+    "torchao AdamW8bit": 4 + 8 + 4 * STATE_BYTES["int8"],
+    "bitsandbytes AdamW8bit": 4 + 8 + 4 * STATE_BYTES["int8"],
+    "DeepSpeedCPUAdam": 4 + 8 + 16,
+}
+PEER_PARAM_DTYPE = {
+    "torch fused bf16": torch.bfloat16,
+    "torchao AdamW bf16 stochastic": torch.bfloat16,
+}
+
+
+def peer_case(name: str, shapes: list[torch.Size]) -> Case | None:
+    params = _params(shapes, PEER_PARAM_DTYPE.get(name, torch.float32))
+    opt = _peer_optimizer(name, params)
+    if opt is None:
+        return None
+    return Case(
+        name=name,
+        params=params,
+        step=opt.step,
+        zero_grad=lambda: opt.zero_grad(set_to_none=True),
+        bytes_per_param=PEER_BYTES[name],
+    )
+
+
+def run_case(case: Case, grads: list[torch.Tensor], iters: int, clock: Any) -> list[float]:
+    """``iters`` timed steps of ``case``, each on a fresh copy of ``grads``; flags the case if
+    it wrote into the copy it was given."""
+    given: list[torch.Tensor] = []
+
+    def prepare() -> None:
+        case.zero_grad()
+        given.clear()
+        for param, grad in zip(case.params, grads, strict=True):
+            param.grad = grad.to(param.dtype, copy=True)
+            given.append(param.grad)
+
+    times: list[float] = []
+    for _ in range(iters):
+        times += time_steps(prepare, case.step, CPU, 1, clock=clock)
+        for param, copy, grad in zip(case.params, given, grads, strict=True):
+            if not torch.equal(copy, grad.to(param.dtype)):
+                case.grads_kept = False
+    return times
+
+
+def main() -> None:
+    import time
+
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cells", default="", help="comma-separated cell names (default all)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.width, args.rounds, args.warmup = 2, 256, 3, 2
+    torch.set_num_threads(args.threads)
+    clock = {"wall": time.perf_counter, "thread": time.thread_time}[args.clock]
+    wanted = {c.strip() for c in args.cells.split(",") if c.strip()}
+    cells = [cell for cell in CELLS if not wanted or cell.name in wanted]
+    shapes = [torch.Size((args.width, args.width))] * args.layers
+    numel = sum(s.numel() for s in shapes)
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
+    source = [g.clone() for g in grads]
+
+    env = environment()
+    notes: list[str] = []
+    cases: dict[str, Case] = {}
+    for cell in cells:
+        case = dtypeplan_case(cell, shapes)
+        cases[case.name] = case
+        for peer in cell.peers:
+            if peer in cases:
+                continue
+            built = peer_case(peer, shapes)
+            if built is None:
+                notes.append(f"{peer}: not installed here, its rows are left out")
+            else:
+                cases[peer] = built
+    print(f"{len(cases)} cases, {numel / 1e6:.1f} M parameters, {args.threads} thread(s)", flush=True)
+    for case in cases.values():  # first steps make the states and compile the peers' kernels
+        run_case(case, grads, args.warmup, clock)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    copy_times: list[float] = []
+    src = torch.empty(max(numel, 1 << 24)).normal_()
+    dst = torch.empty_like(src)
+    for round_index in range(args.rounds):
+        copy_times += time_steps(lambda: None, lambda: dst.copy_(src), CPU, 1, clock=clock)
+        for name, case in cases.items():
+            times[name] += run_case(case, grads, 1, clock)
+            if not all(torch.equal(g, s) for g, s in zip(grads, source, strict=True)):
+                raise RuntimeError(f"{name} changed the shared source gradients (round {round_index})")
+        print(f"round {round_index + 1}/{args.rounds}", flush=True)
+    copy_bps = 2 * src.numel() * src.element_size() / (statistics.median(copy_times) * 1e-3)
+
+    rows: list[dict[str, Any]] = []
+    for cell in cells:
+        peers = [p for p in cell.peers if p in cases]
+        for name in [f"dtypeplan {cell.name}", *peers]:
+            case = cases[name]
+            ms = statistics.median(times[name])
+            floor_ms = numel * case.bytes_per_param / copy_bps * 1e3
+            peer_ms = statistics.median(times[peers[0]]) if peers else None
+            rows.append(
+                {
+                    "cell": cell.name,
+                    "method": name,
+                    "ms": round(ms, 2),
+                    "x peer": round(ms / peer_ms, 2) if peer_ms else None,
+                    "B/param": round(case.bytes_per_param, 2),
+                    "x floor": round(ms / floor_ms, 2),
+                    "grads kept": case.grads_kept,
+                }
+            )
+    columns = ["cell", "method", "ms", "x peer", "B/param", "x floor", "grads kept"]
+    table = format_table(rows, columns)
+    print(table)
+    config = {**vars(args), "numel": numel, "copy_bytes_per_s": copy_bps}
+    summary = {
+        row["cell"]: row["x peer"] for row in rows if row["method"].startswith("dtypeplan")
+    }
+    if not args.no_write:
+        out = write_result(
+            "precision_peers",
+            out=args.out,
+            env=env,
+            config=config,
+            sections=[("Step time by cell, against its peer", table)],
+            data={"rows": rows, "times_ms": times, "copy_ms": copy_times},
+            notes=notes,
+        )
+        _plot(rows, args, env)
+        print(f"wrote {out}.md", flush=True)
+    finish({"x_peer": summary, "notes": notes})
+
+
+def _plot(rows: list[dict[str, Any]], args: Any, env: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["method"].startswith("dtypeplan") and r["x peer"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(mine) + 1.5))
+    ax.barh([r["cell"] for r in mine], [r["x peer"] for r in mine], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("dtypeplan step time / peer step time (log; 1 = as fast as the peer)")
+    ax.invert_yaxis()
+    save_figure(fig, args.out, "precision_peers", env["date"])
+
+
+if __name__ == "__main__":
+    main()
