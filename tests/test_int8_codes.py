@@ -1,0 +1,94 @@
+"""The two-table int8 quantizer gives torchao's codes bit for bit (``_int8_codes.py``).
+
+torchao's own ``quantize_8bit_with_qmap`` is the oracle, on the values a block scaling can
+produce: every code value and its float neighbours, every rounding step (found from torchao's
+codes on a dense grid) and its neighbours, random values at several magnitudes, random bit
+patterns in ``[-1, 1]``, signed zeros, subnormals and NaN; both the signed and the unsigned
+code tables. A same-layout checkpoint resumes bitwise only if these codes are torchao's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtypeplan.optimizers import _int8_codes, _state_storage
+
+
+def _torchao_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
+    _, _, quant_utils = _state_storage._torchao()
+    qmap = _state_storage._code_table(torch.device("cpu"), signed)
+    return quant_utils.quantize_8bit_with_qmap(values, qmap)
+
+
+def _neighbours(values: torch.Tensor, ulps: int = 3) -> torch.Tensor:
+    """``values`` and their ``ulps`` nearest floats on each side."""
+    out, up, down = [values], values, values
+    for _ in range(ulps):
+        up = torch.nextafter(up, torch.tensor(2.0))
+        down = torch.nextafter(down, torch.tensor(-2.0))
+        out += [up, down]
+    return torch.cat(out)
+
+
+def _cases(signed: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    qmap = _state_storage._code_table(torch.device("cpu"), signed)
+    low = -1.0 if signed else 0.0
+    grid = torch.linspace(low, 1.0, 1 << 21)
+    codes = _torchao_codes(grid, signed)
+    steps = grid[1:][codes[1:] != codes[:-1]]
+    uniform = torch.rand(1 << 20, generator=generator) * (1.0 - low) + low
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 21,), generator=generator, dtype=torch.int32)
+    patterns = bits.view(torch.float32)
+    patterns = patterns[(patterns.abs() <= 1) | patterns.isnan()]
+    if not signed:
+        patterns = patterns[~(patterns < 0)]
+    special = torch.tensor([0.0, -0.0, 1.0, 1e-45, 1e-38, 1e-30, float("nan")])
+    if signed:
+        special = torch.cat([special, -special[:-1], torch.tensor([-1.0])])
+    return {
+        "code values": _neighbours(qmap),
+        "rounding steps": _neighbours(steps),
+        "uniform": uniform,
+        "1e-3": uniform * 1e-3,
+        "1e-6": uniform * 1e-6,
+        "1e-9": uniform * 1e-9,
+        "bit patterns": patterns,
+        "special": special,
+    }
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_codes_equal_torchao(signed: bool) -> None:
+    tables = _state_storage._int8_tables(torch.device("cpu"), signed)
+    for name, values in _cases(signed).items():
+        values = values.clamp(-1.0, 1.0) if name != "special" else values
+        expected = _torchao_codes(values, signed)
+        got = _int8_codes.quantize(values, tables)
+        differ = expected != got
+        assert not bool(differ.any()), (
+            f"{name}: {int(differ.sum())} codes differ from torchao's, e.g. values "
+            f"{values[differ][:4].tolist()} -> {got[differ][:4].tolist()} "
+            f"(torchao {expected[differ][:4].tolist()})"
+        )
+
+
+def test_a_table_with_two_steps_in_a_bucket_is_refused() -> None:
+    # Codes 0..2 with steps 1e-4 apart just above 0.5: both fall in one 16-bit bucket.
+    def crowded(values: torch.Tensor) -> torch.Tensor:
+        return (values >= 0.5001).to(torch.uint8) + (values >= 0.5002).to(torch.uint8)
+
+    with pytest.raises(ValueError, match="more than one code step"):
+        _int8_codes.build_tables(crowded)
+
+
+def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
+    """A stored int8 state holds torchao's codes (what its own ``copy_`` would write)."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e-2
+    for signed, data in ((True, values), (False, values.abs())):
+        stored: object = _state_storage.to_storage(data, "int8", signed=signed)
+        _, _, quant_utils = _state_storage._torchao()
+        scaled, _ = quant_utils.scale_tensor(data, 256)
+        expected = _torchao_codes(scaled, signed)
+        assert torch.equal(stored.codes, expected)  # type: ignore[attr-defined]
