@@ -9,6 +9,8 @@ code tables. A same-layout checkpoint resumes bitwise only if these codes are to
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -92,3 +94,13 @@ def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
         scaled, _ = quant_utils.scale_tensor(data, 256)
         expected = _torchao_codes(scaled, signed)
         assert torch.equal(stored.codes, expected)  # type: ignore[attr-defined]
+
+
+def test_dequantized_values_equal_torchao() -> None:
+    """Reading an int8 state back gives torchao's own dequantization, bit for bit."""
+    _, _, quant_utils = _state_storage._torchao()
+    values = torch.randn(8192, generator=torch.Generator().manual_seed(5)) * 1e-3
+    for signed, data in ((True, values), (False, values.abs())):
+        stored: Any = _state_storage.to_storage(data, "int8", signed=signed)
+        expected = quant_utils.dequant_with_qmap(stored.codes, stored.qmap, stored.scale)
+        assert torch.equal(_state_storage.state_values(stored, data.numel()), expected)

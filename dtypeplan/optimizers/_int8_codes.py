@@ -89,5 +89,8 @@ def build_tables(reference: Callable[[torch.Tensor], torch.Tensor]) -> CodeTable
 
 def quantize(scaled: torch.Tensor, tables: CodeTables) -> torch.Tensor:
     """uint8 codes of ``scaled`` (fp32 values in ``[-1, 1]`` or NaN), equal to torchao's."""
-    bucket = scaled.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF).long()
-    return tables.first[bucket].add_(tables.threshold[bucket] <= scaled)
+    # index_select takes int32 indices and is several times faster than tensor[index] on CPU.
+    bucket = scaled.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF).view(-1)
+    first = torch.index_select(tables.first, 0, bucket)
+    stepped = torch.index_select(tables.threshold, 0, bucket) <= scaled.view(-1)
+    return first.add_(stepped).view(scaled.shape)

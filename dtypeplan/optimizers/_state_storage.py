@@ -304,18 +304,18 @@ def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -
     """Values ``[begin, end)`` (whole blocks) of a quantized state into ``out``, with
     torchao's own dequantization applied to the codes and scales directly (the subclass's
     dispatch costs more than the arithmetic on small chunks)."""
-    subclass_8bit, _, quant_utils = _torchao()
+    subclass_8bit, _, _ = _torchao()
     first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
     quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
     codes, scale = quantized.codes[begin:end], quantized.scale[first:last]
     if isinstance(stored, subclass_8bit.OptimState8bit):
-        out.copy_(quant_utils.dequant_with_qmap(codes, quantized.qmap, scale))
+        # torchao's dequant_with_qmap (qmap[codes] * scale), with index_select for the lookup:
+        # the same values, several times faster than tensor[index] on CPU.
+        values = torch.index_select(quantized.qmap, 0, codes.int())
     else:
-        torch.mul(
-            codes.float().view(-1, QUANTIZED_BLOCK),
-            scale.view(-1, 1),
-            out=out.view(-1, QUANTIZED_BLOCK),
-        )
+        values = codes.float()
+    blocks = out.view(-1, QUANTIZED_BLOCK)
+    torch.mul(values.view(-1, QUANTIZED_BLOCK), scale.view(-1, 1), out=blocks)
 
 
 def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) -> None:
