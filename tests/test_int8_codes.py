@@ -104,3 +104,15 @@ def test_dequantized_values_equal_torchao() -> None:
         stored: Any = _state_storage.to_storage(data, "int8", signed=signed)
         expected = quant_utils.dequant_with_qmap(stored.codes, stored.qmap, stored.scale)
         assert torch.equal(_state_storage.state_values(stored, data.numel()), expected)
+
+
+def test_fp8_state_reads_back_as_torch_converts_it() -> None:
+    """The e4m3 lookup table gives torch's conversion of every code, NaN included."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    table = _state_storage._fp8_values(torch.device("cpu"))
+    assert torch.equal(table.isnan(), codes.float().isnan())
+    assert torch.equal(table.nan_to_num(), codes.float().nan_to_num())
+    values = torch.randn(8192, generator=torch.Generator().manual_seed(6)) * 1e-3
+    stored: Any = _state_storage.to_storage(values, "fp8", signed=True)
+    expected = (stored.codes.float().view(-1, 256) * stored.scale.view(-1, 1)).view(-1)
+    assert torch.equal(_state_storage.state_values(stored, values.numel()), expected)
