@@ -6,19 +6,16 @@ One process, ``--layers`` x (``--width``, ``--width``) parameters (4 x 2048^2 = 
 default), AdamW without clipping, fixed gradients. For each precision cell (parameter dtype /
 master weights / optimizer states) dtypeplan's ``opt.step()`` is timed next to its peer:
 
-==============================  =====================================================
-cell                            peer
-==============================  =====================================================
-fp32 / fp32 / fp32              ``torch.optim.AdamW(fused=True)`` on fp32
-bf16 / fp32 / fp32              the same (fp32 masters and moments; bf16 parameters)
-bf16 / bf16 nearest / bf16      ``torch.optim.AdamW(fused=True)`` on bf16 parameters
-fp32 / - / bf16                 ``torch.optim.AdamW(fused=True)`` on fp32 (it moves more)
-bf16 / bf16 stochastic / bf16   torchao ``_AdamW(bf16_stochastic_round=True)``, compiled
-bf16 / bf16 kahan / bf16        the same
-fp32 / - / fp8                  torchao ``AdamWFp8``, compiled
-fp32 / - / int8                 torchao ``AdamW8bit``, compiled; bitsandbytes ``AdamW8bit``
-fp32 offloaded (ZeRO-1)         DeepSpeed's ``DeepSpeedCPUAdam``
-==============================  =====================================================
+* fp32 / fp32 / fp32: ``torch.optim.AdamW(fused=True)`` on fp32;
+* bf16 / fp32 / fp32: the same (fp32 masters and moments, bf16 parameters);
+* bf16 / bf16 nearest / bf16 (bf16 accumulator): ``torch.optim.AdamW(fused=True)`` on bf16
+  parameters, which gives the same bits; also run with an fp32 accumulator;
+* fp32 / - / bf16: ``torch.optim.AdamW(fused=True)`` on fp32 (which moves more bytes);
+* bf16 / bf16 stochastic / bf16 and bf16 / bf16 kahan / bf16: torchao
+  ``_AdamW(bf16_stochastic_round=True)``, compiled;
+* fp32 / - / fp8: torchao ``AdamWFp8``, compiled;
+* fp32 / - / int8: torchao ``AdamW8bit``, compiled, and bitsandbytes ``AdamW8bit``;
+* fp32 offloaded (ZeRO-1): DeepSpeed's ``DeepSpeedCPUAdam``.
 
 A peer that is not installed (bitsandbytes, DeepSpeed) is left out with a note; torchao is a
 dependency. All cases are built first and then timed in interleaved rounds (one step of every
@@ -83,6 +80,15 @@ CELLS = [
     Cell(name="bf16 / fp32 / fp32", config=_config(bf16=_BF16), peers=("torch fused fp32",)),
     Cell(
         name="bf16 / bf16 nearest / bf16",
+        config=_config(
+            bf16=_BF16_STATES,
+            master_weights={"dtype": "bf16", "rounding": "nearest"},
+            gradient_accumulation_dtype="bf16",
+        ),
+        peers=("torch fused bf16",),
+    ),
+    Cell(
+        name="bf16 / bf16 nearest / bf16 (fp32 accumulator)",
         config=_config(bf16=_BF16_STATES, master_weights={"dtype": "bf16", "rounding": "nearest"}),
         peers=("torch fused bf16",),
     ),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+
+import dtypeplan
 
 from dtypeplan.optimizers._master_rounding import (
     kahan_load,
@@ -12,6 +15,7 @@ from dtypeplan.optimizers._master_rounding import (
     round_nearest,
     round_stochastic,
 )
+from tests._helpers import make_batch, make_model, mse
 
 ULP_AT_ONE = 2.0**-7  # bf16 keeps 7 explicit mantissa bits
 
@@ -78,3 +82,47 @@ def test_stochastic_rounding_tracks_small_updates_on_average() -> None:
         round_stochastic(weights.float() + delta, weights, generator)
     # Each weight is a random walk with mean 1 + steps * delta; the mean over n weights is tight.
     assert abs(float(weights.double().mean()) - (1.0 + steps * delta)) <= 0.02 * steps * delta
+
+
+def test_torch_fused_bf16_step_gives_the_bits_of_the_fp32_pieces(monkeypatch: Any) -> None:
+    """bf16 masters rounded to nearest, bf16 moments and a bf16 accumulator go to torch's
+    fused kernel on the bf16 tensors in one pass: the same bits as the fp32 pieces (upcast,
+    fused fp32 update, round each back), with and without clipping and weight decay."""
+    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
+
+    original = LowPrecisionAdamUpdate._torch_runs_it
+
+    def train(handed_off: bool, optimizer: str, clip: float) -> list[torch.Tensor]:
+        calls: list[bool] = []
+
+        def decide(self: Any, *args: Any) -> bool:
+            calls.append(original(self, *args))
+            return handed_off and calls[-1]
+
+        monkeypatch.setattr(LowPrecisionAdamUpdate, "_torch_runs_it", decide)
+        config = {
+            "bf16": {"enabled": True, "bf16_optimizer_states": True},
+            "master_weights": {"dtype": "bf16", "rounding": "nearest"},
+            "gradient_accumulation_dtype": "bf16",
+            "optimizer": {"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "gradient_clipping": clip,
+        }
+        model = make_model(0)
+        opt = dtypeplan.resolve(config).build(model.parameters())
+        for step in range(4):
+            x, y = make_batch(step, 8)
+            opt.backward(mse(model, x, y))
+            opt.step()
+            opt.zero_grad()
+        assert calls and all(calls), "the cell should qualify for torch's bf16 kernel"
+        states = [v for s in opt.state_dict()["state"].values() for v in s.values()]
+        return [p.detach().clone() for p in model.parameters()] + [
+            v for v in states if torch.is_tensor(v)
+        ]
+
+    for optimizer, clip in (("AdamW", 0.0), ("AdamW", 0.05), ("Adam", 1.0)):
+        fused = train(True, optimizer, clip)
+        pieces = train(False, optimizer, clip)
+        assert len(fused) == len(pieces)
+        for a, b in zip(fused, pieces, strict=True):
+            assert torch.equal(a, b), (optimizer, clip)

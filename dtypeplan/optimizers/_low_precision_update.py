@@ -331,6 +331,16 @@ class LowPrecisionAdamUpdate:
         step = slot["step"]
         step += 1
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
+        if self._torch_runs_it(master, grad, slot):
+            # bf16 weights, gradient and moments rounded to nearest: torch's fused kernel on
+            # bf16 tensors computes in fp32 and rounds each back, the same bits as the pieces
+            # below (tests/test_master_rounding.py), in one pass and no scratch.
+            moments = [slot[name].view(-1) for name in MOMENTS]
+            fused(
+                [master.view(-1)], [grad.reshape(-1)], [moments[0]], [moments[1]], [], [step],
+                **kwargs,
+            )
+            return
         device = master.device
         fp32_master = master.dtype == torch.float32
         layout = self.layout(master)
@@ -378,6 +388,21 @@ class LowPrecisionAdamUpdate:
             for name, values in zip(MOMENTS, moments, strict=True):
                 scratch = self._scratch_for(device, name, storage.scratch_numel(span))
                 storage.store_piece(values, slot[name], span, scratch)
+
+    def _torch_runs_it(
+        self, master: torch.Tensor, grad: torch.Tensor, slot: dict[str, Any]
+    ) -> bool:
+        """Whether torch's fused kernel does this update exactly as it is: 16-bit master,
+        gradient and moments all of one dtype, rounded to nearest (no Kahan, no noise)."""
+        return (
+            self.rounding == "nearest"
+            and master.dtype != torch.float32
+            and grad.dtype == master.dtype
+            and all(
+                not storage.is_quantized(slot[name]) and slot[name].dtype == master.dtype
+                for name in MOMENTS
+            )
+        )
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
