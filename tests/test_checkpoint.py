@@ -9,10 +9,13 @@ rank. A resumed run must continue with the losses of the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from typing import Any
 from unittest import mock
@@ -294,6 +297,77 @@ def test_damaged_checkpoint_is_refused_by_name(
     with pytest.raises(CheckpointError, match=expected) as info:
         _load_fresh(path)
     assert path in str(info.value) and info.value.path == path
+
+
+def _load_in_thread(path: str, fifos: list[str]) -> BaseException | None:
+    """``_load_fresh(path)`` with a deadline: a load blocked opening a FIFO is released by
+    opening the FIFO for writing (which ends the reader's wait), and reported as a hang."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            _load_fresh(path)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(10.0)
+    if worker.is_alive():
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(20.0)
+        pytest.fail(f"checkpoint.load blocked on a FIFO in {path}")
+    return outcome[0]
+
+
+def _replace_with_fifo(file: str) -> list[str]:
+    os.remove(file)
+    os.mkfifo(file)
+    return [file]
+
+
+def _replace_with_link(file: str, target: str) -> list[str]:
+    os.remove(file)
+    os.symlink(target, file)
+    return []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(p, "LATEST")),
+            r"cannot read LATEST \(is a FIFO \(named pipe\), not a regular file\)",
+        ),
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(s, "manifest.json")),
+            r"cannot read the manifest \(is a FIFO",
+        ),
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(s, "__0_0.distcp")),
+            r"__0_0.distcp: is a FIFO \(named pipe\), not a regular file",
+        ),
+        (
+            lambda p, s: _replace_with_link(os.path.join(p, "LATEST"), os.devnull),
+            r"cannot read LATEST \(is a character device",
+        ),
+    ],
+    ids=["latest-fifo", "manifest-fifo", "data-fifo", "latest-device"],
+)
+def test_checkpoint_files_that_are_not_regular_are_refused_without_blocking(
+    trained: tuple[str, Any, Any], make: Any, expected: str
+) -> None:
+    """A FIFO (open blocks until a writer comes) or a device as LATEST, the manifest or a data
+    file is refused by name, as a config path is, instead of hanging the load."""
+    path, _model, _opt = trained
+    fifos = make(path, _snapshot_dir(path))
+    error = _load_in_thread(path, fifos)
+    assert isinstance(error, CheckpointError), error
+    assert re.search(expected, str(error)), str(error)
 
 
 def test_manifest_with_wrong_version_or_fields_is_refused(trained: tuple[str, Any, Any]) -> None:
