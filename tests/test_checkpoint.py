@@ -443,6 +443,32 @@ def test_mismatched_model_and_optimizer_are_refused(trained: tuple[str, Any, Any
         checkpoint.load(adam, path)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_another_number_of_param_groups(tmp_path: Any, optimizer: str) -> None:
+    """A one-group checkpoint into a two-group optimizer: refused once it holds step counts
+    (AdamW after a step), loaded with a warning without them (SGD); as the docs say."""
+    model, opt = cases.build("fp32", stage=1, optimizer=optimizer)
+    cases.train(model, opt, range(2))
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(opt, path)
+    plan = dtypeplan.resolve(cases.config("fp32", stage=1, optimizer=optimizer))
+    two = make_model(4)
+    layers = list(two.parameters())
+    grouped = plan.build([{"params": layers[:2]}, {"params": layers[2:], "lr": 0.5}])
+    before = [p.detach().clone() for p in two.parameters()]
+    if optimizer == "adamw":
+        with pytest.raises(CheckpointMismatchError, match="the checkpoint has 1 param groups"):
+            checkpoint.load(grouped, path)
+        assert all(torch.equal(a, b) for a, b in zip(before, two.parameters(), strict=True))
+    else:
+        with pytest.warns(UserWarning, match="keeping the optimizer's hyperparameters"):
+            checkpoint.load(grouped, path)
+        assert grouped.param_groups[1]["lr"] == 0.5
+    doc = " ".join((checkpoint.__doc__ or "").split())
+    assert "another number of param groups once it holds per-group scalar states" in doc
+    assert "loads into another number of groups with a warning" in doc
+
+
 def test_fp32_checkpoint_resumes_in_bf16(trained: tuple[str, Any, Any]) -> None:
     """Masters are fp32 either way, so a change of parameter dtype is allowed."""
     path, model, opt = trained
