@@ -4,8 +4,8 @@
 (``checkpoint/_directory.py``): one place refuses what is not a regular file.
 
 A config, rules or checkpoint path may name anything: a FIFO (``open`` blocks forever),
-``/dev/zero`` (``read`` never ends), a directory, a file of another encoding. A document may be hostile in
-shape: 100k levels deep (the parsers and jsonschema recurse, so ``RecursionError``), an
+``/dev/zero`` (``read`` never ends), a directory, a file of another encoding. A document may be
+hostile in shape: 100k levels deep (the parsers and jsonschema recurse, so ``RecursionError``), an
 integer of 5000 digits (Python refuses to convert it, ``ValueError``), a YAML "billion laughs"
 whose aliases expand to more nodes than memory holds (and jsonschema formats its error messages
 from the expanded value). Every one of these is refused here, before or while parsing, with an
