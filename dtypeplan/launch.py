@@ -8,8 +8,10 @@ a FileStore in a private temporary directory, and a barrier before
 
 Timeouts. A collective waits for a stalled or dead peer as long as its group's timeout
 (torch's default: 30 minutes). The config key ``collective_timeout_s`` (default 600 s, carried
-as ``plan.collective_timeout_s``) is that timeout: pass it as ``spawn(...,
-group_timeout_s=plan.collective_timeout_s)``, or for a group you create yourself as
+as ``plan.collective_timeout_s``) is that timeout. The group :func:`spawn` creates takes it from
+the plan passed among ``fn``'s arguments (``spawn(fn, 2, plan, ...)``), unless
+``group_timeout_s`` says otherwise; without a plan it is the config's default. For a group you
+create yourself pass
 ``dist.init_process_group(..., timeout=datetime.timedelta(seconds=plan.collective_timeout_s))``
 (``dist.new_group`` takes the same ``timeout``). On gloo the timed-out collective raises, and
 dtypeplan reports it as a ``CollectiveError``. On NCCL torch's default
@@ -33,7 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtypeplan.resolver import PrecisionPlan
+
 __all__ = ["RankFailure", "spawn"]
+
+DEFAULT_GROUP_TIMEOUT_S = PrecisionPlan.collective_timeout_s
+"""A config without ``collective_timeout_s`` gives this; so does :func:`spawn` without a plan."""
 
 
 class RankFailure(RuntimeError):
@@ -80,15 +87,19 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 600.0,
-    group_timeout_s: float = 120.0,
+    group_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
-    ``group_timeout_s`` is the group's collective timeout (see the module docstring; a plan's
-    ``collective_timeout_s`` is meant for it). ``fn`` and ``args`` must be picklable (a
-    module-level function). Raises :class:`RankFailure`
-    with the failing rank's traceback if any rank raises, dies or outlives ``timeout_s``.
+    ``group_timeout_s`` is the group's collective timeout; by default the
+    ``collective_timeout_s`` of the :class:`PrecisionPlan` among ``args`` (plans that differ
+    in it are refused: say which with ``group_timeout_s``), else
+    :data:`DEFAULT_GROUP_TIMEOUT_S`. ``fn`` and ``args`` must be picklable (a module-level
+    function). Raises :class:`RankFailure` with the failing rank's traceback if any rank
+    raises, dies or outlives ``timeout_s``.
     """
+    if group_timeout_s is None:
+        group_timeout_s = _plan_timeout(args)
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dtypeplan-") as workdir:
         processes = [
@@ -128,3 +139,14 @@ def spawn(
         if failures:
             raise RankFailure("\n".join(failures))
         return results
+
+
+def _plan_timeout(args: tuple[Any, ...]) -> float:
+    """The ``collective_timeout_s`` of the plans among ``args``, or the default."""
+    timeouts = sorted({a.collective_timeout_s for a in args if isinstance(a, PrecisionPlan)})
+    if len(timeouts) > 1:
+        raise ValueError(
+            f"spawn(): the plans among the arguments have collective_timeout_s {timeouts}; "
+            "pass group_timeout_s to choose the group's timeout"
+        )
+    return timeouts[0] if timeouts else DEFAULT_GROUP_TIMEOUT_S

@@ -11,15 +11,19 @@ Step counting follows DeepSpeed, not torch: ``last_epoch`` is DeepSpeed's
 ``last_batch_iteration`` ``t``. It is -1 after construction (which sets the lr for ``t = -1``),
 and each ``step()`` adds one and then sets the lr for the new ``t``.
 
-Skipped steps: DeepSpeed's engine does not step the scheduler when fp16 overflow skipped the
-optimizer step. Every scheduler built here does that itself, so a training loop can call
-``scheduler.step()`` after every ``optimizer.step()``: ``step()`` reads the optimizer's
-``skipped_steps`` counter (every dtypeplan optimizer has one) and does nothing if it grew since
-the scheduler last looked. An optimizer without the counter but with a ``last_step_skipped``
-flag is judged by the flag; a plain torch optimizer, which never skips, always advances. Call
-``scheduler.step()`` once per ``optimizer.step()``, as with any per-step schedule. The counter
-value last seen is part of ``state_dict()``; restore the optimizer's state with the scheduler's
-(if the optimizer's counter restarts below it, the flag decides, or the step advances).
+Skipped steps, one rule: the scheduler decides, not the loop. DeepSpeed's engine does not step
+the scheduler when fp16 overflow skipped the optimizer step; every scheduler built here holds
+back by itself instead, so a training loop calls ``scheduler.step()`` after every
+``optimizer.step()``, as a plain torch loop does, and gets DeepSpeed's schedule. A ``step()``
+does nothing when the optimizer's last step was skipped (``last_step_skipped``) and that skip
+has not held the scheduler back yet (the optimizer's ``skipped_steps`` grew since the
+scheduler last looked; every dtypeplan optimizer has both). Each skip holds back one
+``step()`` at most, the one right after it, so a loop that also guards the call with ``if not
+optimizer.last_step_skipped`` (the HF Trainer's) gets the same schedule: it never calls
+``step()`` right after a skip, and the next call advances. An optimizer with the flag but no
+counter is judged by the flag; a plain torch optimizer, which never skips, always advances.
+The counter value last seen is part of ``state_dict()``; restore the optimizer's state with the
+scheduler's (if the optimizer's counter restarts below it, the flag decides).
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def _set_lrs(optimizer: Optimizer, lrs: Sequence[Any]) -> list[Any]:
 
 # --- skip awareness ----------------------------------------------------------------------------
 class _SkipAware:
-    """Mixin: ``step()`` does nothing when the optimizer skipped its step since the last one."""
+    """Mixin: ``step()`` does nothing right after a skipped optimizer step (module docstring)."""
 
     optimizer: Optimizer
     _skipped_steps_seen: int | None
@@ -145,15 +149,18 @@ class _SkipAware:
         self._skipped_steps_seen = int(count) if count is not None else None
 
     def _optimizer_skipped(self) -> bool:
+        """Whether this ``step()`` follows a skipped optimizer step that has not held the
+        scheduler back yet. Skips the loop already held back for (it did not call ``step()``
+        after them) are not counted again: that was the schedule falling two steps behind."""
         count = getattr(self.optimizer, "skipped_steps", None)
-        flag = getattr(self.optimizer, "last_step_skipped", None)
+        flag = bool(getattr(self.optimizer, "last_step_skipped", None))
         if count is None:
-            return bool(flag)
+            return flag
         seen, self._skipped_steps_seen = self._skipped_steps_seen, int(count)
         if seen is None or count < seen:
             # No baseline, or the optimizer's counter restarted (its state was not restored).
-            return bool(flag)
-        return count > seen
+            return flag
+        return flag and count > seen
 
 
 # --- the DeepSpeed schedules -------------------------------------------------------------------

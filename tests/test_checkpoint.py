@@ -9,10 +9,13 @@ rank. A resumed run must continue with the losses of the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from typing import Any
 from unittest import mock
@@ -296,6 +299,77 @@ def test_damaged_checkpoint_is_refused_by_name(
     assert path in str(info.value) and info.value.path == path
 
 
+def _load_in_thread(path: str, fifos: list[str]) -> BaseException | None:
+    """``_load_fresh(path)`` with a deadline: a load blocked opening a FIFO is released by
+    opening the FIFO for writing (which ends the reader's wait), and reported as a hang."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            _load_fresh(path)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(10.0)
+    if worker.is_alive():
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(20.0)
+        pytest.fail(f"checkpoint.load blocked on a FIFO in {path}")
+    return outcome[0]
+
+
+def _replace_with_fifo(file: str) -> list[str]:
+    os.remove(file)
+    os.mkfifo(file)
+    return [file]
+
+
+def _replace_with_link(file: str, target: str) -> list[str]:
+    os.remove(file)
+    os.symlink(target, file)
+    return []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(p, "LATEST")),
+            r"cannot read LATEST \(is a FIFO \(named pipe\), not a regular file\)",
+        ),
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(s, "manifest.json")),
+            r"cannot read the manifest \(is a FIFO",
+        ),
+        (
+            lambda p, s: _replace_with_fifo(os.path.join(s, "__0_0.distcp")),
+            r"__0_0.distcp: is a FIFO \(named pipe\), not a regular file",
+        ),
+        (
+            lambda p, s: _replace_with_link(os.path.join(p, "LATEST"), os.devnull),
+            r"cannot read LATEST \(is a character device",
+        ),
+    ],
+    ids=["latest-fifo", "manifest-fifo", "data-fifo", "latest-device"],
+)
+def test_checkpoint_files_that_are_not_regular_are_refused_without_blocking(
+    trained: tuple[str, Any, Any], make: Any, expected: str
+) -> None:
+    """A FIFO (open blocks until a writer comes) or a device as LATEST, the manifest or a data
+    file is refused by name, as a config path is, instead of hanging the load."""
+    path, _model, _opt = trained
+    fifos = make(path, _snapshot_dir(path))
+    error = _load_in_thread(path, fifos)
+    assert isinstance(error, CheckpointError), error
+    assert re.search(expected, str(error)), str(error)
+
+
 def test_manifest_with_wrong_version_or_fields_is_refused(trained: tuple[str, Any, Any]) -> None:
     path, _model, _opt = trained
     where = os.path.join(_snapshot_dir(path), "manifest.json")
@@ -367,6 +441,32 @@ def test_mismatched_model_and_optimizer_are_refused(trained: tuple[str, Any, Any
         CheckpointMismatchError, match="the checkpoint has AdamW, this optimizer is SGD"
     ):
         checkpoint.load(adam, path)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_another_number_of_param_groups(tmp_path: Any, optimizer: str) -> None:
+    """A one-group checkpoint into a two-group optimizer: refused once it holds step counts
+    (AdamW after a step), loaded with a warning without them (SGD); as the docs say."""
+    model, opt = cases.build("fp32", stage=1, optimizer=optimizer)
+    cases.train(model, opt, range(2))
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(opt, path)
+    plan = dtypeplan.resolve(cases.config("fp32", stage=1, optimizer=optimizer))
+    two = make_model(4)
+    layers = list(two.parameters())
+    grouped = plan.build([{"params": layers[:2]}, {"params": layers[2:], "lr": 0.5}])
+    before = [p.detach().clone() for p in two.parameters()]
+    if optimizer == "adamw":
+        with pytest.raises(CheckpointMismatchError, match="the checkpoint has 1 param groups"):
+            checkpoint.load(grouped, path)
+        assert all(torch.equal(a, b) for a, b in zip(before, two.parameters(), strict=True))
+    else:
+        with pytest.warns(UserWarning, match="keeping the optimizer's hyperparameters"):
+            checkpoint.load(grouped, path)
+        assert grouped.param_groups[1]["lr"] == 0.5
+    doc = " ".join((checkpoint.__doc__ or "").split())
+    assert "another number of param groups once it holds per-group scalar states" in doc
+    assert "loads into another number of groups with a warning" in doc
 
 
 def test_fp32_checkpoint_resumes_in_bf16(trained: tuple[str, Any, Any]) -> None:

@@ -18,6 +18,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import dtypeplan
+from dtypeplan import launch
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
 from dtypeplan.launch import RankFailure, spawn
@@ -537,6 +539,18 @@ def test_resumed_run_equals_uninterrupted_bitwise(
                 else (value == resumed["state"][key])
             )
             assert same, f"{name} rank {rank}: {key} differs"
+
+
+# The group spawn creates takes the plan's collective_timeout_s -------------------------------
+def test_spawn_gives_its_group_the_plans_collective_timeout() -> None:
+    plan = dtypeplan.resolve({"collective_timeout_s": 42.5})
+    assert spawn(reliability_cases.group_timeout, 1, plan, timeout_s=60) == [42.5]
+    # Without a plan the group gets the config's default (group_timeout_s, where given, wins:
+    # the stalled-rank tests below run on it).
+    assert launch._plan_timeout(("config.json", 3)) == dtypeplan.resolve({}).collective_timeout_s
+    other = dtypeplan.resolve({"collective_timeout_s": 1})
+    with pytest.raises(ValueError, match=r"collective_timeout_s \[1\.0, 42\.5\]"):
+        spawn(reliability_cases.group_timeout, 1, plan, other)
 
 
 # Item 5: a rank that dies or stalls ------------------------------------------------------------

@@ -56,13 +56,17 @@ with SHA instructions) and refuses bytes overwritten in place, sizes kept; ``loa
 verify=False)`` checks sizes only. The whole manifest (types, ranges, shapes, the loss scaler's
 state, hyperparameters that fit the optimizer's) and every file are checked before anything of
 the optimizer is changed. A checkpoint
-whose parameter count or shapes or optimizer type (AdamW, Adam, SGD) differ from the
-optimizer's raises
-:class:`CheckpointMismatchError` listing the differences. A different world size, ZeRO stage,
-implementation or parameter dtype is allowed: the masters are fp32 whatever the parameter
-dtype, so a run saved in fp32 resumes in bf16 and back. The loss scaler is restored only when
-both the checkpoint and the optimizer use fp16. Hyperparameters (``lr``, ``betas``, ...) are
-restored from the checkpoint when the number of param groups matches, as
+whose parameter count or shapes or ``torch.optim`` class (``AdamW``, ``RMSprop``, ...) differ
+from the optimizer's raises :class:`CheckpointMismatchError` listing the differences, and so
+does one with another number of param groups once it holds per-group scalar states (the
+step count of every class but SGD, after the first step): they cannot be assigned to other
+groups, and ``torch.optim.Optimizer.load_state_dict`` refuses another group count too. A
+checkpoint without them (SGD, or saved before the first step) loads into another number of
+groups with a warning and keeps the optimizer's hyperparameters. A different world size, ZeRO
+stage, implementation or parameter dtype is allowed: the masters are fp32 whatever the
+parameter dtype, so a run saved in fp32 resumes in bf16 and back. The loss scaler is restored
+only when both the checkpoint and the optimizer use fp16. With as many param groups as the
+optimizer, the hyperparameters (``lr``, ``betas``, ...) are restored from the checkpoint, as
 ``torch.optim.Optimizer.load_state_dict`` does. A load that fails leaves the optimizer as it
 was: pieces are read into staging tensors (one shard's worth) and copied in only at the end.
 

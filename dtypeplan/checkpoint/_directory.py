@@ -1,7 +1,10 @@
 """The checkpoint directory: snapshots, the ``LATEST`` pointer, atomic commit, size and digest
 checks (sha256 of every data file, computed and checked by the ranks in parallel, each a share).
 
-Rank 0 alone changes the directory here; the callers agree on the outcome across ranks.
+Rank 0 alone changes the directory here; the callers agree on the outcome across ranks. Every
+file a load reads must be a regular file: ``LATEST`` and the manifest are read as config files
+are (``resolver/_input.read_text``: checked before opening, opened without blocking), and a
+data file that is a FIFO, device or socket is refused by name, so no ``open`` waits forever.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.checkpoint._manifest import DIGEST, check_manifest
+from dtypeplan.resolver._input import InputError, InputLimits, read_text, regular_file
 
 __all__ = [
     "LATEST",
@@ -33,6 +37,9 @@ MANIFEST = "manifest.json"
 _SNAPSHOT = re.compile(r"^snapshot-[0-9a-f]{16}$")
 _CHUNK = 4 * 2**20
 _LEFTOVER = re.compile(r"^(snapshot-[0-9a-f]{16}\.tmp|LATEST\.tmp-[0-9a-f]{16})$")
+# LATEST holds one snapshot name; a manifest lists a few lines per parameter.
+_POINTER_LIMITS = InputLimits(max_bytes=4096)
+_MANIFEST_LIMITS = InputLimits(max_bytes=2**30)
 
 
 def _fsync_dir(path: str) -> None:
@@ -117,9 +124,8 @@ def discard_snapshot(path: str, name: str) -> None:
     """Rank 0, after a failed save: remove what it wrote, unless LATEST already names it."""
     shutil.rmtree(os.path.join(path, name + ".tmp"), ignore_errors=True)
     try:
-        with open(os.path.join(path, LATEST), encoding="utf-8") as handle:
-            current = handle.read().strip()
-    except (OSError, UnicodeDecodeError):
+        current: str | None = read_text(os.path.join(path, LATEST), _POINTER_LIMITS).strip()
+    except InputError:
         current = None
     if current != name:
         shutil.rmtree(os.path.join(path, name), ignore_errors=True)
@@ -164,36 +170,39 @@ def open_snapshot(path: str) -> tuple[str, dict[str, Any]]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no checkpoint directory there")
     pointer = os.path.join(path, LATEST)
-    try:
-        with open(pointer, encoding="utf-8") as handle:
-            name = handle.read().strip()
-    except FileNotFoundError:
+    if not os.path.lexists(pointer):
         raise CheckpointError(
             f"{path}: no {LATEST} file; not a dtypeplan checkpoint, or no save into it completed"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read {LATEST}: {exc}") from exc
+        )
+    try:
+        name = read_text(pointer, _POINTER_LIMITS).strip()
+    except InputError as exc:
+        raise CheckpointError(f"{path}: cannot read {LATEST} ({exc})") from None
     if not _SNAPSHOT.match(name):
         raise CheckpointError(f"{path}: {LATEST} holds {name[:80]!r}, not a snapshot name")
     snapshot = os.path.join(path, name)
     if not os.path.isdir(snapshot):
         raise CheckpointError(f"{path}: {LATEST} names {name}, which does not exist")
     where = os.path.join(snapshot, MANIFEST)
+    if not os.path.lexists(where):
+        raise CheckpointError(f"{where}: the manifest is missing")
     try:
-        with open(where, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}: the manifest is missing") from None
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(read_text(where, _MANIFEST_LIMITS))
+    except InputError as exc:
+        raise CheckpointError(f"{where}: cannot read the manifest ({exc})") from None
+    except ValueError as exc:
         raise CheckpointError(f"{where}: the manifest is not valid JSON: {exc}") from exc
     check_manifest(manifest, where)
     for entry, size in manifest["files"].items():
         file = os.path.join(snapshot, str(entry))
         if os.path.basename(str(entry)) != entry or not isinstance(size, int):
             raise CheckpointError(f"{where}: the manifest's file entry {entry!r} is not valid")
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise CheckpointError(f"{file}: missing from the checkpoint")
-        actual = os.path.getsize(file)
+        try:
+            actual = regular_file(file).st_size
+        except InputError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
         if actual != size:
             raise CheckpointError(
                 f"{file}: is {actual} bytes, the manifest recorded {size} "

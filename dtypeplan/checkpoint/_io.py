@@ -102,7 +102,8 @@ def load(
     """Load the checkpoint at ``path`` into ``opt`` and its model; collective over its group.
 
     The checkpoint may come from another world size, ZeRO stage or parameter dtype. Raises
-    :class:`CheckpointMismatchError` if its parameters or optimizer type differ from ``opt``'s,
+    :class:`CheckpointMismatchError` if its parameters, optimizer class or (once it holds
+    step counts) number of param groups differ from ``opt``'s,
     :class:`CheckpointError` if it is missing, incomplete or corrupt; ``opt`` is then unchanged:
     the manifest (types, ranges, shapes, hyperparameters) and every file are checked before
     anything is changed. ``verify`` checks each data file's sha256 against the manifest (the

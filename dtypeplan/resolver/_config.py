@@ -27,7 +27,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.resolver import _deepspeed_keys as ds_keys
 from dtypeplan.resolver._auto import FROM_CALLER, AutoValue, fill_auto
 from dtypeplan.resolver._deepspeed import (
@@ -45,6 +45,13 @@ from dtypeplan.resolver._input import (
     parse_json,
     parse_yaml_config,
     read_text,
+)
+from dtypeplan.resolver._optimizer_kind import (
+    canonical_name,
+    optimizer_class,
+    optimizer_kind,
+    shaped_reason,
+    state_bytes_per_param,
 )
 
 __all__ = [
@@ -64,11 +71,6 @@ _CALLER = "x-dtypeplan-caller"
 OptimizerClass = type[torch.optim.Optimizer]
 """A ``torch.optim`` class (an alias: ``OptimizerConfig.type`` shadows the builtin there)."""
 
-_OPTIMIZER_CLASSES: dict[str, OptimizerClass] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
 # A DeepSpeed config has a few hundred values; these bounds leave room and keep error
 # formatting (jsonschema quotes offending values whole) cheap.
 _CONFIG_LIMITS = InputLimits(max_bytes=4 * 2**20, max_nodes=100_000)
@@ -102,7 +104,9 @@ class OptimizerConfig:
     """Which ``torch.optim`` update the master weights get, with torch's argument names."""
 
     type: str = "AdamW"
-    """``"AdamW"``, ``"Adam"`` or ``"SGD"``."""
+    """The optimizer's name as dtypeplan spells it (``_optimizer_kind.canonical_name``): a
+    ``torch.optim`` class (``"AdamW"``, ``"RMSprop"``, ``"Adafactor"``...) or one of DeepSpeed's
+    own optimizers that ``torch.optim`` lacks (``"Lamb"``, ``"Lion"``...)."""
     params: FrozenDict[str, Any] = field(default_factory=lambda: FrozenDict({"lr": 1e-3}))
     """Keyword arguments of the torch optimizer (``lr``, ``betas``, ``weight_decay``, ...);
     lists given in the config are tuples here, so the config is hashable."""
@@ -112,14 +116,36 @@ class OptimizerConfig:
 
     @property
     def torch_class(self) -> OptimizerClass:
-        return _OPTIMIZER_CLASSES[self.type.lower()]
+        """The ``torch.optim`` class; :class:`NotSupportedError` with the reason for one of
+        DeepSpeed's own optimizers, which no ``torch.optim`` class runs."""
+        return optimizer_class(self.type)
+
+    def _class_or_none(self) -> OptimizerClass | None:
+        try:
+            return self.torch_class
+        except NotSupportedError:
+            return None
+
+    @property
+    def kind(self) -> str:
+        """The table's ``optimizer`` dimension: ``"elementwise"`` or ``"shaped"``."""
+        return optimizer_kind(self._class_or_none())
+
+    @property
+    def kind_reason(self) -> str:
+        """Why the optimizer is of its kind (for a shaped one: why flat shards cannot run it)."""
+        return shaped_reason(self.type, self._class_or_none())
 
     @property
     def state_bytes_per_param(self) -> int:
-        """fp32 optimizer-state bytes per parameter (Adam: m and v; SGD: momentum if any)."""
-        if self.type.lower() in ("adam", "adamw"):
-            return 8 + (4 if self.params.get("amsgrad") else 0)
-        return 4 if float(self.params.get("momentum", 0.0)) != 0.0 else 0
+        """fp32 optimizer-state bytes per parameter (Adam: m and v; SGD: momentum if any);
+        :class:`NotSupportedError` for a shaped optimizer, which dtypeplan does not run."""
+        if self.kind != "elementwise":
+            raise NotSupportedError(
+                f"the optimizer {self.type} is shaped ({self.kind_reason}): dtypeplan does not "
+                "run it, so no state bytes are counted for it"
+            )
+        return state_bytes_per_param(self.torch_class, self.params)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +272,11 @@ _Validator = jsonschema.validators.extend(
 
 def _schema_error(error: jsonschema.ValidationError) -> PrecisionConfigError:
     path = _json_path(error.absolute_path)
+    if path == "$.optimizer.type" and isinstance(error.instance, str):
+        try:
+            canonical_name(error.instance)  # raises naming the valid names
+        except PrecisionConfigError as exc:
+            return exc
     if isinstance(error.instance, float) and not math.isfinite(error.instance):
         return PrecisionConfigError(
             f"invalid value {error.instance} at {path}: must be a finite number", path
@@ -292,8 +323,17 @@ def _read_file(path: str) -> Any:
         raise PrecisionConfigError(f"cannot read config file {path}{line}: {exc}") from None
 
 
-def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
-    torch_class = _OPTIMIZER_CLASSES[kind.lower()]
+def _check_optimizer_params(name: str, params: dict[str, Any]) -> None:
+    """torch's argument names and values for the class named ``name`` (DeepSpeed's own
+    optimizers, which no torch class runs, keep DeepSpeed's params unchecked: they resolve
+    NotSupported)."""
+    if name == "Muon":
+        # DeepSpeed reads "muon" in any case as its own MuonWithAuxAdam, with its own params.
+        return
+    try:
+        torch_class = optimizer_class(name)
+    except NotSupportedError:
+        return
     accepted = [
         name
         for name in inspect.signature(torch_class.__init__).parameters
@@ -307,11 +347,16 @@ def _check_optimizer_params(kind: str, params: dict[str, Any]) -> None:
                 f"unknown {torch_class.__name__} argument {key!r} at {path}: {hint}", path
             )
     try:
-        torch_class([torch.zeros(1, requires_grad=True)], **params)
+        torch_class([_probe_tensor()], **params)
     except Exception as exc:  # torch raises several types for bad hyperparameters
         raise PrecisionConfigError(
             f"invalid optimizer params at $.optimizer.params: {exc}", "$.optimizer.params"
         ) from exc
+
+
+def _probe_tensor() -> torch.Tensor:
+    # A matrix: Muon refuses anything else; every other class takes any shape.
+    return torch.zeros(1, 1, requires_grad=True)
 
 
 def _resolve_ref(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
@@ -504,11 +549,11 @@ def _read_optimizer(document: dict[str, Any]) -> _OptimizerReading:
     params = dict(document.get("params", {}))
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
-    kind = document["type"].lower()
+    name = canonical_name(document["type"])
     notes: list[str] = []
     ignored: list[str] = []
     low_precision_states = False
-    if kind in ("adam", "adamw"):
+    if name in ("Adam", "AdamW"):
         for key in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states"):
             if key in params and not isinstance(params[key], bool):
                 path = f"$.optimizer.params.{key}"
@@ -530,22 +575,21 @@ def _read_optimizer(document: dict[str, Any]) -> _OptimizerReading:
             if key in params:
                 params.pop(key)
                 ignored.append(f"$.optimizer.params.{key}")
-        if kind == "adam" and adam_w_mode:
-            kind = "adamw"
+        if name == "Adam" and adam_w_mode:
+            name = "AdamW"
             notes.append(
                 'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
                 "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
                 "torch.optim.Adam (L2 weight decay)"
             )
-        elif kind == "adamw" and not adam_w_mode:
+        elif name == "AdamW" and not adam_w_mode:
             notes.append(
                 'optimizer.params.adam_w_mode false does not apply to type "AdamW", which '
                 'DeepSpeed always runs as AdamW; use type "Adam" for L2 weight decay'
             )
-    _check_optimizer_params(kind, params)
-    canonical = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[kind]
+    _check_optimizer_params(name, params)
     return _OptimizerReading(
-        config=OptimizerConfig(type=canonical, params=freeze(params)),
+        config=OptimizerConfig(type=name, params=freeze(params)),
         notes=tuple(notes),
         ignored=tuple(ignored),
         low_precision_states=low_precision_states,
@@ -556,7 +600,12 @@ def _check_scheduler(block: dict[str, Any], optimizer: OptimizerConfig) -> None:
     """Build the block once on a throwaway optimizer: DeepSpeed's checks, at resolve time."""
     from dtypeplan.schedulers import build_scheduler  # one-way: schedulers imports no resolver
 
-    probe = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.params)
+    try:
+        probe = optimizer.torch_class([_probe_tensor()], **optimizer.params)
+    except NotSupportedError:
+        # DeepSpeed's own optimizers have no torch class; an Adam-like one stands in (the plan
+        # is NotSupported, but a bad scheduler block is still an error).
+        probe = torch.optim.AdamW([_probe_tensor()])
     try:
         build_scheduler(block, probe)
     except PrecisionConfigError as error:

@@ -409,13 +409,17 @@ OPTIMIZER_KIND = Dimension(
     values=("elementwise", "shaped"),
     doc="whether the optimizer's update of an element depends only on that element "
     "(elementwise: Adam, SGD, ...) or on the parameter's shape (shaped: Adafactor, Muon, "
-    "LBFGS, SparseAdam, any class dtypeplan does not know)",
+    "LBFGS, SparseAdam, any class dtypeplan does not know, DeepSpeed's own Lamb, Lion and mup "
+    "optimizers)",
     config_key="optimizer.type / build(optimizer=...) / wrap(...)",
     default="elementwise (AdamW)",
     default_value="elementwise",
     choices=("elementwise",),
     title="optimizer",
-    value_configs={"elementwise": {"optimizer": {"type": "AdamW"}}, "shaped": {}},
+    value_configs={
+        "elementwise": {"optimizer": {"type": "AdamW"}},
+        "shaped": {"optimizer": {"type": "Adafactor"}},
+    },
 )
 
 CORE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(

@@ -1,8 +1,11 @@
 """Bounded reading and parsing of config and rules files (and checks of in-memory configs).
 
-A config or rules path may name anything: a FIFO (``open`` blocks forever), ``/dev/zero``
-(``read`` never ends), a directory, a file of another encoding. A document may be hostile in
-shape: 100k levels deep (the parsers and jsonschema recurse, so ``RecursionError``), an
+:func:`read_text` is also how a checkpoint's ``LATEST`` pointer and manifest are read
+(``checkpoint/_directory.py``): one place refuses what is not a regular file.
+
+A config, rules or checkpoint path may name anything: a FIFO (``open`` blocks forever),
+``/dev/zero`` (``read`` never ends), a directory, a file of another encoding. A document may be
+hostile in shape: 100k levels deep (the parsers and jsonschema recurse, so ``RecursionError``), an
 integer of 5000 digits (Python refuses to convert it, ``ValueError``), a YAML "billion laughs"
 whose aliases expand to more nodes than memory holds (and jsonschema formats its error messages
 from the expanded value). Every one of these is refused here, before or while parsing, with an
@@ -33,6 +36,7 @@ __all__ = [
     "parse_json",
     "parse_yaml_config",
     "read_text",
+    "regular_file",
     "check_yaml_events",
 ]
 
@@ -68,6 +72,7 @@ class InputError(ValueError):
 
 
 def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for an error message."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -81,12 +86,10 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_text(path: str, limits: InputLimits = DEFAULT_LIMITS) -> str:
-    """The UTF-8 text of the regular file ``path``, at most ``limits.max_bytes`` long.
-
-    The file is checked with ``stat`` before it is opened, and opened without blocking (a FIFO
-    swapped in between is caught by ``fstat`` on the open descriptor), so nothing here waits.
-    """
+def regular_file(path: str) -> os.stat_result:
+    """``os.stat(path)`` of a regular file; :class:`InputError` saying what ``path`` is
+    otherwise (missing, a directory, a FIFO, a device, a socket). Opens nothing, so never
+    blocks."""
     try:
         info = os.stat(path)
     except ValueError as exc:  # a NUL byte in the path
@@ -95,6 +98,16 @@ def read_text(path: str, limits: InputLimits = DEFAULT_LIMITS) -> str:
         raise InputError(exc.strerror or str(exc)) from None
     if not stat.S_ISREG(info.st_mode):
         raise InputError(f"is {_kind(info.st_mode)}, not a regular file")
+    return info
+
+
+def read_text(path: str, limits: InputLimits = DEFAULT_LIMITS) -> str:
+    """The UTF-8 text of the regular file ``path``, at most ``limits.max_bytes`` long.
+
+    The file is checked with ``stat`` before it is opened, and opened without blocking (a FIFO
+    swapped in between is caught by ``fstat`` on the open descriptor), so nothing here waits.
+    """
+    info = regular_file(path)
     _check_size(info.st_size, limits)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))

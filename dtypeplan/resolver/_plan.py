@@ -35,11 +35,12 @@ from dtypeplan.resolver._batch import (
     batch_size_mismatch,
     counted_sizes,
 )
+from dtypeplan.resolver._client_optimizer import client_optimizer_config
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._dimensions import states_value
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
-from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS, client_optimizer_config
+from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS
 from dtypeplan.resolver._rules import Status
 
 __all__ = ["Alternative", "PrecisionPlan", "Resolution", "install_builder"]

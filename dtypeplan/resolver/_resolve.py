@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
+from dtypeplan.resolver._client_optimizer import ClientOptimizerConfig
 from dtypeplan.resolver._config import PrecisionConfig, load_config
 from dtypeplan.resolver._differences import deepspeed_differences
 from dtypeplan.resolver._dimensions import (
@@ -21,7 +22,6 @@ from dtypeplan.resolver._dimensions import (
     STATE_PAIRS,
 )
 from dtypeplan.resolver._frozen import FrozenDict
-from dtypeplan.resolver._optimizer_kind import ClientOptimizerConfig, optimizer_kind
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
 from dtypeplan.resolver._rules import RuleTable, load_rules
 
@@ -140,7 +140,7 @@ def resolve_config(
         )
     # The optimizer's kind comes from its class, wherever the class came from.
     origins["optimizer_kind"] = (
-        f"{config.optimizer.torch_class.__name__} is {features['optimizer']} "
+        f"{config.optimizer.type} is {features['optimizer']}: {config.optimizer.kind_reason} "
         "(resolver/_optimizer_kind.py)"
     )
     origins["pipeline_parallel"] = f"resolve(pipeline_parallel={pipeline_parallel})"
@@ -264,7 +264,7 @@ def _features(config: PrecisionConfig) -> dict[str, Any]:
         "hierarchical_partitioning": config.hierarchical_partitioning,
         "gradient_prescaling": config.gradient_prescaling,
         "fp8": config.fp8,
-        "optimizer": optimizer_kind(config.optimizer.torch_class),
+        "optimizer": config.optimizer.kind,
     }
 
 

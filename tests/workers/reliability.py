@@ -338,3 +338,9 @@ def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> dict[s
         except Exception:  # report the case, keep the group alive for the others
             results[case["name"]] = {"error": traceback.format_exc()}
     return results
+
+
+def group_timeout(rank: int, world_size: int, *plans: Any) -> float:
+    """The collective timeout, in seconds, of the group that spawn created for this rank."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return float(backend.options._timeout.total_seconds())
