@@ -727,15 +727,17 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._low_precision.conform([m for s in self.groups for m in s.masters])
 
     def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
-        own = next((key for key, _ in self.own_histories.items()), None)
+        # A piece without a state yet, or with scalars of its own, cannot be one group's
+        # count (SGD's pieces keep no scalar state: nothing to lose).
+        own = next((key for key, scalars in self.own_histories.items() if scalars != {}), None)
         if check and own is not None:
             gi, index = own
             raise NotSupportedError(
                 f"param group {gi}: parameter {index} of the group keeps its own optimizer "
-                "step count (its first gradient came after the group's first step, or it "
-                "skipped a step), as in torch.optim, but a checkpoint keeps one value per "
-                "param group. Save with state_dict() and load it on the same world size "
-                "and stage instead"
+                "history (its own step count, or no state before its first gradient: it got "
+                "its first gradient after the group's first step, or skipped a step), as in "
+                "torch.optim, but a checkpoint keeps one value per param group. Save with "
+                "state_dict() and load it on the same world size and stage instead"
             )
         return super().group_scalar_state(check=check)
 

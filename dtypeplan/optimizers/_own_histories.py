@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
 from dtypeplan.optimizers._state_values import is_element_state, is_scalar_state
 
 __all__ = ["OwnHistories", "PendingPieces"]
@@ -93,10 +94,12 @@ class OwnHistories:
                 held.append(index)
                 master = state.masters[bucket]
                 if key not in self.scalars:
+                    # A Kahan compensation is the master's, not a state torch would create.
                     slot = inner.state.get(master, {})
+                    stepped = any(n != KAHAN_COMPENSATION for n in slot)
                     self.scalars[key] = (
                         {n: _copy(v) for n, v in slot.items() if is_scalar_state(v)}
-                        if slot
+                        if stepped
                         else None
                     )
                 if index in skipped_set:
@@ -132,8 +135,9 @@ class OwnHistories:
                     continue  # torch creates the state at this first gradient
                 state = {n: _copy(v) for n, v in own.items()}
                 for name, value in inner.state.get(master, {}).items():
-                    if is_element_state(value, master):
-                        state[name] = value[where]
+                    if is_element_state(value, master) and name != KAHAN_COMPENSATION:
+                        # torch computes in fp32; 16-bit moments are stored back rounded.
+                        state[name] = value[where].float()
                 optimizer.state[view] = state
             optimizer.step()
             for view, (index, master, where, _) in zip(views, pieces, strict=True):
