@@ -11,7 +11,9 @@ on a CPU group, ``differentiable``). No input may train to other numbers.
 
 Tolerance: fp32 on both sides; the only differences are the order of the sums (two ranks'
 slices, averaged, against the full batch; fused or foreach kernels against torch's default
-path), a few ulps per step. Over 3 steps, relative to the largest parameter: ``FP32_RTOL``.
+path), an ulp or two per step. Over 3 steps, relative to the largest parameter: ``FP32_RTOL``,
+8 fp32 eps (measured: 3.1e-7 in one process, 2.4e-7 on 2 ranks). A wrong step count or state
+is off by far more (Adagrad's dropped accumulator: 1.7e-2; a late head's step count: 0.19).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dtypeplan.launch import spawn
 from dtypeplan.resolver._optimizer_kind import ELEMENTWISE
 from tests.workers.optim_db import STEPS, run_cases
 
-FP32_RTOL = 1e-5
+FP32_RTOL = 8 * torch.finfo(torch.float32).eps
 LOW_PRECISION_RTOL = 2e-2
 """bf16 parameters and masters against fp32 torch (8 mantissa bits), as test_parity.py."""
 STAGES = (0, 1, 2, 3)
@@ -96,7 +98,11 @@ def _check(cases: list[dict[str, Any]], results: list[dict[str, Any]]) -> collec
             outcomes["differ"] += 1
         else:
             outcomes["match"] += 1
-    errors = [r["rel_error"] for r in results if r["outcome"] == "match"]
+    errors = [
+        r["rel_error"]
+        for c, r in zip(cases, results, strict=True)
+        if r["outcome"] == "match" and not c.get("low_precision")
+    ]
     print(dict(outcomes), "largest fp32 relative difference:", max(errors, default=0.0))
     assert not wrong, "\n".join(wrong[:20]) + f"\n({len(wrong)} in all)"
     return outcomes
