@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+
+import dtypeplan
 from torch.testing._internal.common_optimizers import (
     _get_optim_inputs_including_global_cliquey_kwargs,
     optim_db,
@@ -243,3 +245,24 @@ def test_optim_db_two_ranks_every_stage() -> None:
 def test_optim_db_two_ranks_every_stage_both_ways() -> None:
     cases = _two_rank_cases(full=True)
     _check(cases, _merged(spawn(run_cases, 2, cases, timeout_s=1500)))
+
+
+def test_switches_that_cannot_apply_are_refused_per_group() -> None:
+    """A param group's own ``capturable`` / ``differentiable`` (the optimizer's defaults say
+    False) is refused naming the group and the cause, through build and wrap alike; so is
+    ``capturable`` with the optimizer offloaded to the host."""
+    plan = dtypeplan.resolve({})
+    model = torch.nn.Linear(3, 2)
+    for switch, cause in (("capturable", "CPU group"), ("differentiable", "outside autograd")):
+        groups = [{"params": [model.weight]}, {"params": [model.bias], switch: True}]
+        with pytest.raises(dtypeplan.NotSupportedError, match=f"param group 1 sets {switch}"):
+            plan.build(groups, optimizer=torch.optim.Adam)
+        with pytest.raises(dtypeplan.NotSupportedError, match=cause):
+            plan.wrap(torch.optim.Adam(groups))
+    with pytest.raises(dtypeplan.NotSupportedError, match="capturable=True with parameters on"):
+        plan.build(model.parameters(), capturable=True)
+    offload = dtypeplan.resolve(
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    )
+    with pytest.raises(dtypeplan.NotSupportedError, match="capturable=True with offload"):
+        offload.build(model.parameters(), optimizer=torch.optim.AdamW, capturable=True)
