@@ -203,7 +203,7 @@ def _late_cases() -> list[dict[str, Any]]:
             }
         )
     for stage in STAGES:
-        for name in ("Adam", "AdamW"):
+        for name, rounding in (("Adam", "kahan"), ("AdamW", ("stochastic", "nearest")[stage % 2])):
             cases.append(
                 {
                     "optimizer": name,
@@ -212,11 +212,13 @@ def _late_cases() -> list[dict[str, Any]]:
                     "how": "build",
                     "late": 2,
                     "low_precision": True,
+                    "rounding": rounding,
                     "seed": 700 + stage,
                 }
             )
     for case in cases:
-        case["round_trip"] = True
+        # Stochastic rounding draws from a generator that a state dict does not hold.
+        case["round_trip"] = case.get("rounding") != "stochastic"
     return cases
 
 

@@ -102,7 +102,7 @@ from dtypeplan.optimizers._low_precision_update import (
     held_compensations,
     held_states,
 )
-from dtypeplan.optimizers._master_rounding import kahan_store
+from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
@@ -544,13 +544,17 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self.master_values(master)[where]
 
     def _write_master_piece(self, master: torch.Tensor, where: slice, values: torch.Tensor) -> None:
-        """Store fp32 ``values`` into a piece of a 16-bit master chunk, with its Kahan
-        compensation where the masters keep one (else rounded to nearest)."""
+        """Store fp32 ``values`` into a piece of a 16-bit master chunk, rounded as the plan
+        says (Kahan-compensated, stochastic or to nearest), as the chunk's update does."""
         if master.dtype == torch.float32:
             return  # updated in place
         compensation = self.inner.state.get(master, {}).get(KAHAN_COMPENSATION)
         if compensation is not None:
             kahan_store(values, master[where], compensation[where])
+        elif self.plan.master_rounding == "stochastic":
+            assert self._low_precision is not None, "16-bit masters have a low-precision update"
+            generator = self._low_precision._generator(master.device)
+            round_stochastic(values.clone(), master[where], generator)
         else:
             master[where].copy_(values)
 

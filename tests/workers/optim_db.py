@@ -74,6 +74,7 @@ def _config(case: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {"zero_optimization": zero}
     if case.get("low_precision"):
         config.update(LOW_PRECISION)
+        config["master_weights"] = {"dtype": "bf16", "rounding": case.get("rounding", "kahan")}
     return config
 
 
