@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HeldTensors",
     "bare_backward_refusal",
+    "constructor_arguments",
     "hyperparameter_defaults",
     "MixedPrecisionOptimizer",
     "inner_optimizer",
@@ -95,13 +96,33 @@ def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
 
 
 def inner_optimizer(
-    torch_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]], *, fused: bool
+    plan: PrecisionPlan, groups: list[dict[str, Any]], *, fused: bool
 ) -> torch.optim.Optimizer:
-    """``torch_class`` over ``groups``, fused where asked and the class has a fused path
-    (Adam, AdamW, SGD, Adagrad); the other elementwise classes run their default path."""
-    accepted = inspect.signature(torch_class.__init__).parameters
-    options: dict[str, Any] = {"fused": True} if fused and "fused" in accepted else {}
-    return torch_class(groups, **options)
+    """``plan``'s torch class over ``groups``, built with torch's constructor arguments, fused
+    where asked and the class has a fused path (Adam, AdamW, SGD, Adagrad); the other
+    elementwise classes run their default path.
+
+    The constructor arguments matter beyond the groups' defaults: a class may create state in
+    ``__init__`` from them (Adagrad fills ``state["sum"]`` with its constructor's
+    ``initial_accumulator_value``, for every param group alike). Of the elementwise classes
+    only Adagrad does; the others create their state at a parameter's first gradient.
+    """
+    torch_class = plan.optimizer.torch_class
+    arguments = constructor_arguments(plan)
+    if fused and "fused" in inspect.signature(torch_class.__init__).parameters:
+        arguments["fused"] = True
+    return torch_class(groups, **arguments)
+
+
+def constructor_arguments(plan: PrecisionPlan) -> dict[str, Any]:
+    """The arguments ``plan``'s torch class is constructed with (the config's or the program's
+    hyperparameters), without the implementation switches that dtypeplan chooses."""
+    accepted = inspect.signature(plan.optimizer.torch_class.__init__).parameters
+    return {
+        name: value
+        for name, value in plan.optimizer.params.items()
+        if name in accepted and name not in _IMPLEMENTATION_SWITCHES
+    }
 
 
 @torch.no_grad()
@@ -216,6 +237,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         groups = _param_group_dicts(params)
         _refuse_duplicates(groups)
         _refuse_non_real(groups)
+        _refuse_inapplicable_switches(groups, plan)
         super().__init__(groups, hyperparameter_defaults(plan))
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
@@ -769,6 +791,58 @@ def _param_group_dicts(
         listed = [listed] if isinstance(listed, torch.Tensor) else list(listed)
         groups.append({**group, "params": listed})
     return groups
+
+
+_SWITCHES_REFUSED_ON_CPU = ("capturable",)
+"""Switches that change what torch can run, not only how fast: torch refuses ``capturable``
+at the first step of a CPU group (its step counters must live on a CUDA-graph device)."""
+
+
+def _refuse_inapplicable_switches(groups: list[dict[str, Any]], plan: PrecisionPlan) -> None:
+    """Refuse, naming the group and the cause, a switch a param group sets that cannot apply
+    to where its update runs, and take every switch out of the groups (dtypeplan chooses the
+    inner optimizer's path itself, ``inner_optimizer``).
+
+    ``capturable=True`` keeps the step on the device so that it can be captured in a CUDA
+    graph: on a CPU group (or with the optimizer offloaded to the host) torch itself fails at
+    the first step, so it is refused here rather than dropped. Elsewhere dtypeplan's step does
+    its own host work between kernels, so it is not graph-capturable either: a warning says
+    the switch is ignored. ``differentiable=True`` would differentiate through the update;
+    the masters are updated outside autograd.
+    """
+    for index, group in enumerate(groups):
+        if group.pop("differentiable", False):
+            raise NotSupportedError(
+                f"param group {index} sets differentiable=True, which differentiates through "
+                "the optimizer's update; dtypeplan updates the master weights outside "
+                "autograd. Leave differentiable False"
+            )
+        if not group.pop("capturable", False):
+            continue
+        tensors = [t[1] if isinstance(t, tuple) else t for t in group["params"]]
+        devices = sorted({t.device.type for t in tensors})
+        if plan.offload_optimizer != "none" or "cpu" in devices or not devices:
+            where = (
+                f"offload_optimizer {plan.offload_optimizer} (the update runs on the host)"
+                if plan.offload_optimizer != "none"
+                else f"parameters on {', '.join(devices) or 'cpu'}"
+            )
+            raise NotSupportedError(
+                f"param group {index} sets capturable=True with {where}: capturable keeps the "
+                "step counters on a CUDA-graph device, and torch.optim itself fails at the "
+                "first step of a CPU group. Leave capturable False (dtypeplan chooses the "
+                "update's path)"
+            )
+        warnings.warn(
+            f"param group {index}: capturable=True is ignored; dtypeplan's step is not "
+            "captured in a CUDA graph (it chooses its own update path), and the numbers are "
+            "those of capturable=False",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    for group in groups:
+        for switch in _IMPLEMENTATION_SWITCHES:
+            group.pop(switch, None)
 
 
 def _refuse_non_real(groups: list[dict[str, Any]]) -> None:

@@ -83,6 +83,7 @@ from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
     bare_backward_refusal,
+    constructor_arguments,
     inner_optimizer,
     is_adam,
 )
@@ -96,18 +97,23 @@ from dtypeplan.optimizers._group_state import GroupState, ShardPiece
 from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import (
+    KAHAN_COMPENSATION,
     LowPrecisionAdamUpdate,
     held_compensations,
     held_states,
 )
+from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
+from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 from dtypeplan.optimizers._state_values import (
     element_state_names,
     is_element_state,
     is_scalar_state,
     load_slot,
+    placed_scalar,
+    same_scalar,
 )
 
 if TYPE_CHECKING:
@@ -192,6 +198,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 )
             )
         self._inner = self._build_inner_optimizer()
+        self.own_histories = OwnHistories(plan.optimizer.torch_class, constructor_arguments(plan))
+        """The parameter pieces whose state left their chunk's (``_own_histories.py``)."""
         self._fused_kernel: bool | None = None
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
@@ -248,13 +256,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return HostOffload(params[0].device if params else torch.device("cpu"))
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
-        torch_class = self.plan.optimizer.torch_class
         groups = []
         for group, state in zip(self.param_groups, self.groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": state.masters, **hyper})
         fused = all(m.device.type in ("cpu", "cuda") for s in self.groups for m in s.masters)
-        return inner_optimizer(torch_class, groups, fused=fused)
+        return inner_optimizer(self.plan, groups, fused=fused)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -512,13 +519,44 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # The host-side update divides by the factor: bring it over once (one wait).
             on_host = self.offload.factor_to_host(torch.stack(factor))
             factor = (on_host[0], on_host[1])
-        if any(untouched):
-            # Quantized moments are restored per parameter as fp32 values (the rare path).
-            with self.fp32_states(), keep_untouched(self.groups, self.inner, untouched):
-                self._apply_update(grads_by_group, factor, gather=False)
+        if any(untouched) or self.own_histories:
+            # The rare path: parameters that skip this step, or that keep their own history
+            # (_own_histories.py). Quantized moments are restored as fp32 values.
+            apart, pending = self.own_histories.held_apart(
+                self.groups, self.inner, untouched, grads_by_group, factor[0]
+            )
+            with self.fp32_states():
+                with keep_untouched(self.groups, self.inner, apart):
+                    self._apply_update(grads_by_group, factor, gather=False)
+                self.own_histories.step(
+                    self.inner, pending, self._read_master_piece, self._write_master_piece
+                )
+            self._kernel_step = None  # the chunks' step counters are read again
             self._write_back(cast=True)
             return
         self._apply_update(grads_by_group, factor, gather=True)
+
+    def _read_master_piece(self, master: torch.Tensor, where: slice) -> torch.Tensor:
+        """A piece of a master chunk as fp32 weights to update in place: the chunk's own view
+        (fp32 masters), else a copy of the values it stands for (16-bit masters)."""
+        if master.dtype == torch.float32:
+            return master[where]
+        return self.master_values(master)[where]
+
+    def _write_master_piece(self, master: torch.Tensor, where: slice, values: torch.Tensor) -> None:
+        """Store fp32 ``values`` into a piece of a 16-bit master chunk, rounded as the plan
+        says (Kahan-compensated, stochastic or to nearest), as the chunk's update does."""
+        if master.dtype == torch.float32:
+            return  # updated in place
+        compensation = self.inner.state.get(master, {}).get(KAHAN_COMPENSATION)
+        if compensation is not None:
+            kahan_store(values, master[where], compensation[where])
+        elif self.plan.master_rounding == "stochastic":
+            assert self._low_precision is not None, "16-bit masters have a low-precision update"
+            generator = self._low_precision._generator(master.device)
+            round_stochastic(values.clone(), master[where], generator)
+        else:
+            master[where].copy_(values)
 
     def _apply_update(
         self,
@@ -687,9 +725,25 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
     ) -> None:
         super().reset_update_state(names, scalars)
+        self.own_histories.clear()
         self._kernel_step = None
         if self._low_precision is not None:
             self._low_precision.conform([m for s in self.groups for m in s.masters])
+
+    def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
+        # A piece without a state yet, or with scalars of its own, cannot be one group's
+        # count (SGD's pieces keep no scalar state: nothing to lose).
+        own = next((key for key, scalars in self.own_histories.items() if scalars != {}), None)
+        if check and own is not None:
+            gi, index = own
+            raise NotSupportedError(
+                f"param group {gi}: parameter {index} of the group keeps its own optimizer "
+                "history (its own step count, or no state before its first gradient: it got "
+                "its first gradient after the group's first step, or skipped a step), as in "
+                "torch.optim, but a checkpoint keeps one value per param group. Save with "
+                "state_dict() and load it on the same world size and stage instead"
+            )
+        return super().group_scalar_state(check=check)
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -735,27 +789,32 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     @_with_fp32_states
     def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         """This rank's piece of each parameter: ``elements`` (begin, end of the flattened
-        parameter), ``master`` and each state over those elements, and Adam's ``step``."""
+        parameter), ``master`` and each state over those elements, and its scalar states
+        (its chunk's, or its own: ``_own_histories.py``; none before its first gradient)."""
         state: dict[int, dict[str, Any]] = {}
-        for group_state in self.groups:
+        for gi, group_state in enumerate(self.groups):
             params = group_state.flat.params
             for index, begin, end, bucket, offset in group_state._pieces():
                 master = group_state.masters[bucket]
                 where = slice(offset, offset + end - begin)
                 entry: dict[str, Any] = {"elements": (begin, end)}
                 entry[keys.MASTER] = master[where].detach().clone()
-                for name, value in self.inner.state.get(master, {}).items():
-                    if is_scalar_state(value):
+                apart, own = self.own_histories.of(gi, index)
+                if not (apart and own is None):
+                    for name, value in self.inner.state.get(master, {}).items():
+                        if is_scalar_state(value) and not apart:
+                            entry[name] = value.clone() if torch.is_tensor(value) else value
+                        elif is_element_state(value, master):
+                            entry[name] = value[where].clone()
+                    for name, value in (own or {}).items():
                         entry[name] = value.clone() if torch.is_tensor(value) else value
-                    elif is_element_state(value, master):
-                        entry[name] = value[where].clone()
                 state[index_of[id(params[index])]] = entry
         return state
 
     @_with_fp32_states
     def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
         self._kernel_step = None  # the loaded step counter is re-read at the next kernel step
-        for group_state in self.groups:
+        for gi, group_state in enumerate(self.groups):
             params = group_state.flat.params
             for index, begin, end, bucket, offset in group_state._pieces():
                 entry = state[index_of[id(params[index])]]
@@ -763,7 +822,23 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 master = group_state.masters[bucket]
                 where = slice(offset, offset + end - begin)
                 master[where].copy_(entry[keys.MASTER])
-                load_slot(self.inner.state.get(master, {}), entry, where)
+                slot = self.inner.state.get(master, {})
+                given = {n: v for n, v in entry.items() if n not in ("elements", keys.MASTER)}
+                if slot and not given:
+                    self.own_histories.set(gi, index, None)  # saved before its first gradient
+                    continue
+                scalars = {n: v for n, v in given.items() if is_scalar_state(v)}
+                ours = {n: v for n, v in slot.items() if is_scalar_state(v)}
+                if scalars.keys() == ours.keys() and all(
+                    same_scalar(scalars[n], ours[n]) for n in scalars
+                ):
+                    load_slot(slot, entry, where)
+                    continue
+                # A piece with its own history: its scalars stay out of the chunk's.
+                load_slot(slot, {n: v for n, v in given.items() if n not in scalars}, where)
+                on_device = _on_device(self.inner, gi)
+                own = {n: placed_scalar(n, v, master, on_device) for n, v in scalars.items()}
+                self.own_histories.set(gi, index, own)
         self._write_back()
 
     @_with_fp32_states
@@ -839,6 +914,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()
+
+
+def _on_device(inner: torch.optim.Optimizer, group: int) -> bool:
+    """Whether ``torch.optim`` keeps group ``group``'s step counters on the master's device."""
+    settings = inner.param_groups[group]
+    return bool(settings.get("fused") or settings.get("capturable"))
 
 
 def _nothing() -> None:

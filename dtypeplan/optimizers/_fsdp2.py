@@ -159,7 +159,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
             for g, local in zip(self.param_groups, self.locals, strict=True)
         ]
-        self._inner = inner_optimizer(plan.optimizer.torch_class, groups, fused=True)
+        self._inner = inner_optimizer(plan, groups, fused=True)
         # bf16 masters (updated in fp32 and rounded back into the local shards), or moments
         # stored in other dtypes than fp32.
         self._low_precision = LowPrecisionAdamUpdate.for_plan(
@@ -272,9 +272,15 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for local, grad, got_one in zip(self._locals(), local_grads, touched, strict=True)
             if got_one
         ]
-        locals_, grads = [local for local, _ in stepped], [grad for _, grad in stepped]
-        with inner_step_grads(self.inner, locals_, grads, *factor):
-            self.inner.step()
+        # A parameter whose first gradient comes now has no state yet: torch creates it in
+        # this step. Stepped apart from those that have one, since torch's fused SGD decides
+        # "first step" for a whole call from its first parameter.
+        fresh = [pair for pair in stepped if not self.inner.state.get(pair[0])]
+        held = [pair for pair in stepped if self.inner.state.get(pair[0])]
+        for part in [part for part in (fresh, held) if part]:
+            locals_, grads = [local for local, _ in part], [grad for _, grad in part]
+            with inner_step_grads(self.inner, locals_, grads, *factor):
+                self.inner.step()
         self.zero_grad()
         self.scaler.update(overflow=False)
         return loss

@@ -8,13 +8,11 @@ parameters that got no gradient in the accumulation window on *any* rank, it sav
 rank's elements of the master and of every optimizer state before the update and puts them
 back after. That is the rare path; when every parameter got a gradient nothing is copied.
 
-The optimizer's step counter is one per master chunk (a bucket holds many parameters), so it
-still counts a step that a parameter skipped: if that parameter trains again later, Adam's bias
-correction uses the chunk's count, not a count of the parameter's own steps. Likewise a state
-that the first update creates (SGD's momentum buffer) is created for the whole chunk and put
-back to zero for a parameter that skipped it, where torch would create it at that parameter's
-first gradient: with SGD's ``dampening`` != 0 that parameter's first momentum is then
-``(1 - dampening) * grad`` instead of torch's ``grad``.
+The optimizer's state is one per master chunk (a bucket holds many parameters), so a
+parameter that skips a step leaves its chunk's history there: ``_own_histories.py`` keeps its
+own scalar states (``step``...) from then on, or none where it never had a gradient, and
+steps it on its own, so that its state is created at its first gradient and counts its own
+steps, as in ``torch.optim``. The pieces held apart here are those and the untouched ones.
 """
 
 from __future__ import annotations

@@ -600,6 +600,10 @@ class PrecisionPlan:
         :meth:`with_optimizer` gives).
         """
         plan = self
+        # capturable may not apply where the parameters live: it goes with every param group,
+        # for the optimizer to refuse there with the reason (it knows the devices).
+        if hyperparameters.pop("capturable", False):
+            params = _with_group_defaults(params, {"capturable": True})
         if optimizer is not None:
             plan = self.with_optimizer(optimizer, hyperparameters)
         elif hyperparameters:
@@ -623,8 +627,10 @@ class PrecisionPlan:
                 "(moments, step counts) is kept per parameter, not in dtypeplan's layout, and "
                 "would be lost. Wrap the optimizer before its first step."
             )
+        # capturable / differentiable stay in the groups: the optimizer refuses them where
+        # they cannot apply (build refuses them in the defaults too).
         groups = [
-            {k: v for k, v in group.items() if k not in FAST_PATH_ARGS}
+            {k: v for k, v in group.items() if k not in FAST_PATH_ARGS or k in _GROUP_SWITCHES}
             for group in torch_optimizer.param_groups
         ]
         torch_class = type(torch_optimizer)
@@ -641,6 +647,21 @@ class PrecisionPlan:
         if self.scheduler is None:
             return None
         return schedulers.build_scheduler(_thaw(self.scheduler), optimizer)
+
+
+_GROUP_SWITCHES = ("capturable", "differentiable")
+"""torch.optim switches that change what can run, not only how fast; checked per param group
+by the optimizer, which knows where the update runs."""
+
+
+def _with_group_defaults(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], defaults: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """``params`` as param group dicts, each with ``defaults`` where it sets no value itself."""
+    items: list[Any] = list(params)
+    if not items or not isinstance(items[0], dict):
+        return [{**defaults, "params": items}]
+    return [{**defaults, **group} for group in items]
 
 
 def _stepped(slot: Mapping[str, Any]) -> bool:
