@@ -35,6 +35,7 @@ from dtypeplan.optimizers._state_values import (
 )
 
 if TYPE_CHECKING:
+    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
     from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
@@ -498,9 +499,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         """A master chunk or shard as the fp32 values a checkpoint stores (fp32 masters: as is)."""
         return master.float()
 
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
-        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load)."""
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
+        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load);
+        ``compensation``: the Kahan compensation ``values`` include, where saved."""
         master.copy_(values)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        """The update that keeps 16-bit masters or low-precision moments (their Kahan
+        compensations, quantized codes), or None where masters and states are fp32."""
+        return None
 
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         """A context in which every per-element optimizer state is a plain tensor laid out

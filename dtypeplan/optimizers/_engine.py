@@ -316,22 +316,30 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self._low_precision.fp32_view([m for s in self.groups for m in s.masters])
 
     @torch.no_grad()
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
         """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
         or with Kahan masters split into the bf16 weights and their compensation."""
         if self._low_precision is None:
             master.copy_(values)
             return
-        self._low_precision.load_master_(master, values)
+        self._low_precision.load_master_(master, values, compensation)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        return self._low_precision
 
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Write the master weights into the parameters on every rank (cast, all-gather).
 
         Call it after changing the master weights in place (a checkpoint load does); the call
-        is collective.
+        is collective. What was written into the parameters before is then no change to pick
+        up at the next step (``ModelSync.after_load``): the masters hold the values now.
         """
         self._write_back(cast=True)
+        self.model_sync.after_load()
 
     # --- backward -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
@@ -749,6 +757,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         entry[name] = value.clone() if torch.is_tensor(value) else value
                     elif is_element_state(value, master):
                         entry[name] = value[where].clone()
+                if self._low_precision is not None:
+                    self._low_precision.save_codes(entry, master, offset, end - begin)
                 state[index_of[id(params[index])]] = entry
         return state
 
@@ -764,7 +774,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 where = slice(offset, offset + end - begin)
                 master[where].copy_(entry[keys.MASTER])
                 load_slot(self.inner.state.get(master, {}), entry, where)
-        self._write_back()
+                if self._low_precision is not None:
+                    self._low_precision.load_codes(entry, master, offset, end - begin)
+        self.refresh_params()
 
     @_with_fp32_states
     def state_names(self) -> list[str]:
@@ -838,7 +850,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         self.inner.state[master][name].copy_(chunk)
             first += len(flat.params)
         self._load_scalar_state(state)
-        self._write_back()
+        self.refresh_params()
 
 
 def _nothing() -> None:

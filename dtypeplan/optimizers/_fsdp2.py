@@ -398,6 +398,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             entry: dict[str, Any] = {keys.MASTER: local.detach().clone()}
             for name, value in self.inner.state.get(local, {}).items():
                 entry[name] = value.clone() if torch.is_tensor(value) else value
+            if self._low_precision is not None:
+                self._low_precision.save_codes(entry, local, 0, local.numel())
             state[index_of[id(param)]] = entry
         return state
 
@@ -407,6 +409,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 entry = state[index_of[id(param)]]
                 local.copy_(entry[keys.MASTER])
                 load_slot(self.inner.state.get(local, {}), entry)
+                if self._low_precision is not None:
+                    self._low_precision.load_codes(entry, local, 0, local.numel())
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -448,12 +452,18 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return self._low_precision.master_values(master)
 
     @torch.no_grad()
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
         """Set a local shard from fp32 ``values`` (bf16 masters: rounded as the plan says)."""
         if self._low_precision is None:
             master.copy_(values)
             return
-        self._low_precision.load_master_(master, values)
+        self._low_precision.load_master_(master, values, compensation)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        return self._low_precision
 
     def reset_update_state(
         self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
