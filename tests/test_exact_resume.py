@@ -126,3 +126,18 @@ def test_two_ranks_kahan_survives_the_torch_load_order(group: list[dict[str, Any
         for key, result in results.items():
             if key.startswith("order/"):
                 assert result == {"losses": True, "params": []}, (rank, key, result)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
+    group: list[dict[str, Any]], stage: int
+) -> None:
+    for rank, results in enumerate(group):
+        result = results[f"lr/{stage}"]
+        assert not result["ok"], (rank, result)
+        assert result["type"] == "RankMismatchError", (rank, result)
+        message = result["message"]
+        assert "param group 1" in message and "lr" in message, message
+        assert "rank 1" in message and "rank 0" in message, message
+        # Failed before the update of the step that saw the difference: replicas still equal.
+        assert result["params_unchanged"], (rank, result)

@@ -199,6 +199,8 @@ class FlatAdapter:
         return flats
 
     def scalars(self) -> dict[str, Any]:
+        # A step's hyperparameter check still in flight (accelerators) is done before saving.
+        self.opt.hyperparameter_check.flush()
         return {
             "step": self.opt.step_count(),
             "loss_scale": float(self.opt.scaler.scale),

@@ -24,6 +24,7 @@ from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
+from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
@@ -229,6 +230,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self._grad_norm: float | None = None
         self._pending_norm: torch.Tensor | None = None
         """The last step's norm while still on the device (read by :attr:`grad_norm`)."""
+        self.hyperparameter_check = HyperparameterCheck(self.param_groups, (), 1, 0)
+        """The per-step check that the hyperparameters agree across ranks (made for the group
+        by :meth:`_check_ranks_agree`; inactive on one rank)."""
         self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
@@ -384,8 +388,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         Compared: what the flat buffers and collectives will hold. Per param group, every
         parameter's shape, dtype and whether it trains (one rank freezing a parameter the
         others train would pair collectives of other sizes), and the hyperparameters (a
-        per-rank ``lr`` would train the replicas apart).
+        per-rank ``lr`` would train the replicas apart). The hyperparameters are checked again
+        at every step, inside the step's summary all-reduce (:attr:`hyperparameter_check`).
         """
+        self.hyperparameter_check = HyperparameterCheck(
+            self.param_groups, list(self.defaults), comm.world_size, comm.rank
+        )
         comm.check_consistent(
             {
                 "plan": self.plan.rank_facts(),
@@ -651,6 +659,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         stages >= 1 a piece of it, so load it into the same world size and stage, or use
         ``dtypeplan.checkpoint`` to reshard.
         """
+        self.hyperparameter_check.flush()
         index_of = self._torch_indices()
         param_groups = []
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):

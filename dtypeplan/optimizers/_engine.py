@@ -465,8 +465,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         device tensor), per group the parameters no rank touched, and whether any was.
         """
         local = self.reductions.window_touched
+        check = self.hyperparameter_check
         flags = torch.tensor(
-            [float(t) for per_group in local for t in per_group], dtype=torch.float32
+            [float(t) for per_group in local for t in per_group] + check.slots(),
+            dtype=torch.float32,
         ).to(self.device, non_blocking=True)
         summary = torch.cat([self._local_sq_norm(grads_by_group).reshape(1), flags])
         if self.shards > 1:
@@ -474,6 +476,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         elif len(summary) > 1:
             # Stage 0: every rank reduced the whole gradient; only the flags need summing.
             self.comm.all_reduce_scalars(summary[1:])
+        if check.numel:
+            # The hyperparameters' fingerprint rides on this all-reduce; raises where ranks
+            # differ (before the update on the CPU, a step later on an accelerator).
+            check.post(summary[len(summary) - check.numel :])
+            summary = summary[: len(summary) - check.numel]
         if all(all(per_group) for per_group in local):
             return summary[0], [[] for _ in local], True
         counts = summary[1:].tolist()  # some parameter got no gradient here: ask the others

@@ -320,8 +320,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         device = self._device()
         # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
         sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
-        flags = torch.tensor([float(t) for t in touched], dtype=torch.float32)
+        check = self.hyperparameter_check
+        flags = torch.tensor([float(t) for t in touched] + check.slots(), dtype=torch.float32)
         summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
+        if check.numel:
+            # The hyperparameters' fingerprint rides on this all-reduce (_hyperparameter_check).
+            check.post(summary[len(summary) - check.numel :])
+            summary = summary[: len(summary) - check.numel]
         if all(touched):
             return summary[0], touched
         return summary[0], [count > 0 for count in summary[1:].tolist()]

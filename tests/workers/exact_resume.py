@@ -187,6 +187,8 @@ def group_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 out[f"order/{stage}/{how}/{order}"] = torch_order_resume(
                     config("bf16-kahan", "fp32", stage), how, order, directory
                 )
+    for stage in (0, 2, 3):
+        out[f"lr/{stage}"] = lr_changed_on_one_rank(config("fp32", "fp32", stage), 1)
     return out
 
 
