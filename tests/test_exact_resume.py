@@ -26,7 +26,9 @@ import pytest
 import torch
 
 from dtypeplan import checkpoint
+from dtypeplan.errors import RankMismatchError
 from dtypeplan.launch import spawn
+from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
 from tests.workers import exact_resume as cases
 
@@ -141,3 +143,43 @@ def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
         assert "rank 1" in message and "rank 0" in message, message
         # Failed before the update of the step that saw the difference: replicas still equal.
         assert result["params_unchanged"], (rank, result)
+
+
+def _summed_slots(groups_per_rank: list[list[dict[str, Any]]], keys: list[str]) -> torch.Tensor:
+    """What the step's all-reduce gives: the sum of every rank's slots (fp32, as sent)."""
+    world = len(groups_per_rank)
+    checks = [
+        HyperparameterCheck(groups, keys, world, rank)
+        for rank, groups in enumerate(groups_per_rank)
+    ]
+    total = torch.zeros(checks[0].numel, dtype=torch.float32)
+    for check in checks:
+        total += torch.tensor(check.slots(), dtype=torch.float32)
+    return total
+
+
+@pytest.mark.parametrize("world", [2, 3, 1000])
+def test_hyperparameter_fingerprint_names_group_keys_and_ranks(world: int) -> None:
+    """The sums stay exact in fp32 at any world size: equal groups pass, and a difference is
+    found with the group, the hyperparameters and the ranks that hold each value."""
+    keys = ["betas", "eps", "lr", "weight_decay"]
+
+    def groups(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999)) -> list[dict[str, Any]]:
+        return [
+            {"params": [], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+            {"params": [], "lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": 0.1},
+        ]
+
+    same = [groups() for _ in range(world)]
+    HyperparameterCheck(same[0], keys, world, 0).post(_summed_slots(same, keys))
+    changed = [groups() for _ in range(world)]
+    changed[world - 1] = groups(lr=5e-4, betas=(0.9, 0.99))
+    check = HyperparameterCheck(changed[world - 1], keys, world, world - 1)
+    with pytest.raises(RankMismatchError) as raised:
+        check.post(_summed_slots(changed, keys))
+    message = str(raised.value)
+    assert "param group 1: betas, lr differs" in message, message
+    assert "param group 0" not in message, message
+    others = {2: "rank 0", 3: "ranks 0, 1"}.get(world, f"ranks 0-{world - 2}")
+    assert others in message and f"rank {world - 1}" in message, message
+    assert f"rank {world - 1} has betas=(0.9, 0.99), lr=0.0005" in message, message

@@ -6,19 +6,22 @@ written under ``if rank == 0``) would train the replicas apart without a word: e
 updates its masters, or its shard of them, with its own ``lr``. So every step folds a
 fingerprint of each param group's hyperparameters into the step's one summary all-reduce (the
 squared norm and the touched flags, ``_engine.py`` / ``_fsdp2.py``): no collective is added,
-only ``world_size + 2 * keys`` fp32 values per param group.
+only ``world_size + 4 * keys * groups`` fp32 values.
 
-The fingerprint, per param group (the hyperparameters are the torch class's arguments, the
-param groups' keys at build: ``lr``, ``betas``, ``weight_decay``...; keys added later, such
-as a scheduler's ``initial_lr``, do not enter the update and are not compared):
+The fingerprint (the hyperparameters are the torch class's arguments, the param groups' keys
+at build: ``lr``, ``betas``, ``weight_decay``...; keys added later, such as a scheduler's
+``initial_lr``, do not enter the update and are not compared):
 
-* ``world_size`` slots: this rank writes a 24-bit digest of all the group's hyperparameters
+* ``world_size`` slots: this rank writes a 24-bit digest of every group's hyperparameters
   into its own slot and zero into the others, so the sum holds every rank's digest exactly
   (integers below 2**24 are exact in fp32): which ranks differ, by rank.
-* per hyperparameter, ``d`` and ``d * d`` for a small digest ``d`` of its value (in
-  ``[1, 2**b]``, ``b`` chosen so the sums stay exact in fp32 whatever the world size): the
-  sums satisfy ``world * sum(d*d) == sum(d)**2`` exactly when every rank has the same ``d``
-  (Cauchy-Schwarz), so every rank can name the hyperparameter that differs.
+* per param group and hyperparameter, two pairs ``d, d * d`` for small digests ``d`` of its
+  value (in ``[1, 2**b]``, ``b`` chosen so the sums stay exact in fp32 whatever the world
+  size): the sums satisfy ``world * sum(d*d) == sum(d)**2`` exactly when every rank has the
+  same ``d`` (Cauchy-Schwarz), so every rank can name the group and hyperparameter.
+
+Each group's values are hashed again only when one changed (compared by value; tensors by
+identity).
 
 Reading the sums never waits for the device: on the CPU they are there when the all-reduce
 returns, and the step raises before its update, on every rank alike (every rank reads the same
@@ -47,6 +50,10 @@ __all__ = ["HyperparameterCheck"]
 _EXACT = 1 << 24
 """fp32 holds every integer below this exactly: sums of the slots must stay below it."""
 
+_DIGITS = 2
+"""Independent digits per hyperparameter (from other bits of its digest): a differing value
+goes unnamed only if every digit collides (2**-22 on 2 ranks, 2**-12 on 4096)."""
+
 
 def _digest(value: Any) -> int:
     """A stable 64-bit digest of a hyperparameter value (floats by their exact repr)."""
@@ -57,6 +64,31 @@ def _digest(value: Any) -> int:
     else:
         text = repr(value)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0, 1`` or, for runs of three or more, ``0-998`` (a large group stays readable)."""
+    parts: list[str] = []
+    start = previous = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        if previous - start >= 2:
+            parts.append(f"{start}-{previous}")
+        else:
+            parts += [str(r) for r in range(start, previous + 1)]
+        if rank is not None:
+            start = previous = rank
+    return ", ".join(parts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a hyperparameter still has the value last fingerprinted (tensors: the same
+    object; comparing their values would read them)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return a is b
+    return type(a) is type(b) and bool(a == b)
 
 
 def _describe(value: Any) -> str:
@@ -84,28 +116,48 @@ class HyperparameterCheck:
         # Per-hyperparameter digits: world * (2**b)**2 must stay below 2**24.
         self._bits = max(1, (24 - math.ceil(math.log2(max(world_size, 2)))) // 2)
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._cache: list[tuple[list[Any], list[int]]] = []
+        """Per group: the values last fingerprinted and their digests (hashed again only when
+        a value changes: a scheduler changes ``lr``, the rest stay)."""
 
     @property
     def numel(self) -> int:
         """Slots this check adds to the summary (0 on one rank, or when off)."""
         if not (self.active and self.enabled):
             return 0
-        return len(self.param_groups) * (self.world_size + 2 * len(self.keys))
+        return self.world_size + len(self.param_groups) * len(self.keys) * 2 * _DIGITS
+
+    def _digests(self, index: int, group: dict[str, Any]) -> list[int]:
+        values = [group.get(key) for key in self.keys]
+        if index < len(self._cache):
+            cached, digests = self._cache[index]
+            if all(_same(a, b) for a, b in zip(values, cached, strict=True)):
+                return digests
+        digests = [_digest((key, value)) for key, value in zip(self.keys, values, strict=True)]
+        # A list changed in place must not look unchanged: keep a copy.
+        entry = ([list(v) if isinstance(v, list) else v for v in values], digests)
+        if index < len(self._cache):
+            self._cache[index] = entry
+        else:
+            self._cache.append(entry)
+        return digests
 
     def slots(self) -> list[float]:
-        """This rank's slots, in the summary's order (host floats, sent with the flags)."""
+        """This rank's slots, in the summary's order (host floats, sent with the flags):
+        ``world_size`` slots (this rank's digest of every group in its own, zeros elsewhere),
+        then per group, per hyperparameter, ``_DIGITS`` pairs ``d, d * d``."""
         if not self.numel:
             return []
-        out: list[float] = []
-        for group in self.param_groups:
-            digests = [_digest((key, group.get(key))) for key in self.keys]
-            whole = _digest(tuple(digests)) % (_EXACT - 1) + 1
-            mine = [0.0] * self.world_size
-            mine[self.rank] = float(whole)
-            out += mine
+        per_group = [self._digests(i, group) for i, group in enumerate(self.param_groups)]
+        mine = [0.0] * self.world_size
+        mine[self.rank] = float(_digest(tuple(map(tuple, per_group))) % (_EXACT - 1) + 1)
+        out = mine
+        mask = (1 << self._bits) - 1
+        for digests in per_group:
             for digest in digests:
-                d = digest % (1 << self._bits) + 1
-                out += [float(d), float(d * d)]
+                for digit in range(_DIGITS):
+                    d = (digest >> (digit * 16)) & mask
+                    out += [float(d + 1), float((d + 1) * (d + 1))]
         return out
 
     def post(self, reduced: torch.Tensor) -> None:
@@ -138,38 +190,46 @@ class HyperparameterCheck:
             self._check(values.tolist())
 
     def _check(self, sums: list[float]) -> None:
-        per_group = self.world_size + 2 * len(self.keys)
+        by_rank = [round(v) for v in sums[: self.world_size]]
+        if len(set(by_rank)) <= 1:
+            return
+        ranks: dict[int, list[int]] = {}
+        for rank, digest in enumerate(by_rank):
+            ranks.setdefault(digest, []).append(rank)
+        sets = " | ".join(
+            ("ranks " if len(members) > 1 else "rank ") + _ranges(members)
+            for members in sorted(ranks.values())
+        )
+        digits = [round(v) for v in sums[self.world_size :]]
+        per_key = 2 * _DIGITS
         problems = []
         for index, group in enumerate(self.param_groups):
-            part = [round(v) for v in sums[index * per_group : (index + 1) * per_group]]
-            by_rank, digits = part[: self.world_size], part[self.world_size :]
-            if len(set(by_rank)) <= 1:
-                continue
-            keys = [
-                key
-                for k, key in enumerate(self.keys)
-                if self.world_size * digits[2 * k + 1] != digits[2 * k] ** 2
-            ]
-            ranks: dict[int, list[int]] = {}
-            for rank, digest in enumerate(by_rank):
-                ranks.setdefault(digest, []).append(rank)
-            sets = " | ".join(
-                "ranks " + ", ".join(str(r) for r in members)
-                if len(members) > 1
-                else f"rank {members[0]}"
-                for members in sorted(ranks.values())
+            differing = []
+            for k, key in enumerate(self.keys):
+                at = (index * len(self.keys) + k) * per_key
+                pairs = digits[at : at + per_key]
+                # Cauchy-Schwarz: world * sum(d*d) == sum(d)**2 only when every d is the same.
+                if any(
+                    self.world_size * pairs[j + 1] != pairs[j] ** 2 for j in range(0, per_key, 2)
+                ):
+                    differing.append(key)
+            if differing:
+                mine = ", ".join(f"{key}={_describe(group.get(key))}" for key in differing)
+                problems.append(
+                    f"param group {index}: {', '.join(differing)} differs "
+                    f"(rank {self.rank} has {mine})"
+                )
+        found = (
+            "; ".join(problems)
+            if problems
+            else (
+                "a hyperparameter of some param group (its per-value fingerprints collided; "
+                "compare the param groups' values on these ranks)"
             )
-            named = ", ".join(keys) if keys else "a hyperparameter"
-            mine = ", ".join(f"{key}={_describe(group.get(key))}" for key in keys)
-            problems.append(
-                f"param group {index}: {named} differs between ranks (one value each: {sets}"
-                f"{f'; rank {self.rank} has {mine}' if mine else ''})"
-            )
-        if problems:
-            raise RankMismatchError(
-                "hyperparameters changed after build differ between the ranks of the "
-                "data-parallel group, which would train the replicas apart: "
-                + "; ".join(problems)
-                + ". Set them alike on every rank (step every LR scheduler on every rank; "
-                "do not change param_groups under a rank condition)"
-            )
+        )
+        raise RankMismatchError(
+            "hyperparameters changed after build differ between the ranks of the data-parallel "
+            f"group, which would train the replicas apart: {found}; the ranks hold these sets "
+            f"of values: {sets}. Set them alike on every rank (step every LR scheduler on every "
+            "rank; do not change param_groups under a rank condition)"
+        )
