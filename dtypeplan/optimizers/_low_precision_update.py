@@ -28,7 +28,11 @@ whole segments (a segment longer than ``PIECE`` alone, in block-aligned parts); 
 several segments is gathered from and scattered to its stored blocks. The generic state code
 (checkpoints, ``state_dict``, the restoring of parameters without a gradient) cannot slice
 such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
-values in the master's own layout while it runs and stores them back after.
+values in the master's own layout while it runs and stores them back after. Quantizing those
+values again is not idempotent, so a save also takes each parameter piece's codes and block
+scales as they are (:meth:`LowPrecisionAdamUpdate.segment_codes`), and a load into the same
+piece restores them after the values (:meth:`LowPrecisionAdamUpdate.load_segment_codes`): a
+same-layout round trip through ``state_dict`` or a checkpoint changes no bit.
 
 Stochastic rounding draws from one ``torch.Generator`` per device, seeded with ``SEED + shard
 rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the replicas stay
