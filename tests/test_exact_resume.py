@@ -145,6 +145,23 @@ def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
         assert result["params_unchanged"], (rank, result)
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_hyperparameter_check_adds_values_not_a_collective(
+    group: list[dict[str, Any]], stage: int
+) -> None:
+    """A step all-reduces as many times with the check as without; one all-reduce (the step's
+    summary) is longer by the check's slots (2 ranks: 2 + 4 per hyperparameter); and the
+    check changes no number."""
+    for results in group:
+        found = results[f"all_reduces/{stage}"]
+        with_check, without = found["sizes"]
+        assert len(with_check) == len(without), found
+        longer = [(a, b) for a, b in zip(with_check, without, strict=True) if a != b]
+        assert len(longer) == 1 and longer[0][0] - longer[0][1] == found["slots"], found
+        assert found["slots"] > 2, found
+        assert found["same_numbers"], found
+
+
 def _summed_slots(groups_per_rank: list[list[dict[str, Any]]], keys: list[str]) -> torch.Tensor:
     """What the step's all-reduce gives: the sum of every rank's slots (fp32, as sent)."""
     world = len(groups_per_rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,36 @@ def lr_changed_on_one_rank(cfg: dict[str, Any], changed_rank: int) -> dict[str, 
     return result
 
 
+def all_reduces_per_step(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The sizes of the all-reduces of one step with the hyperparameter check on and off (the
+    check must add values to an existing all-reduce, not a collective), and whether a run
+    without the check ends bitwise where the one with it does (it changes no number)."""
+    model, opt = build(cfg)
+    train(model, opt, range(1))
+    sizes: list[list[int]] = []
+    original = dist.all_reduce
+    slots = opt.hyperparameter_check.numel
+    for enabled in (True, False):
+        opt.hyperparameter_check.enabled = enabled
+        calls: list[int] = []
+
+        def counted(
+            tensor: torch.Tensor, *args: Any, calls: list[int] = calls, **kwargs: Any
+        ) -> Any:
+            calls.append(tensor.numel())
+            return original(tensor, *args, **kwargs)
+
+        with mock.patch.object(dist, "all_reduce", counted):
+            train(model, opt, range(1, 2))
+        sizes.append(calls)
+    unchecked_model, unchecked = build(cfg)
+    unchecked.hyperparameter_check.enabled = False
+    for steps in (range(1), range(1, 2), range(1, 2)):  # the same batches as above
+        train(unchecked_model, unchecked, steps)
+    same = not differing(param_bits(unchecked_model), param_bits(model))
+    return {"sizes": sizes, "slots": slots, "same_numbers": same}
+
+
 def group_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Everything multi-rank, on one spawned group."""
     out: dict[str, Any] = {}
@@ -189,6 +220,7 @@ def group_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 )
     for stage in (0, 2, 3):
         out[f"lr/{stage}"] = lr_changed_on_one_rank(config("fp32", "fp32", stage), 1)
+        out[f"all_reduces/{stage}"] = all_reduces_per_step(config("fp32", "fp32", stage))
     return out
 
 
