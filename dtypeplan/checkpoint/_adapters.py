@@ -16,6 +16,7 @@ group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,12 +28,15 @@ from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers._group_state import ShardPiece
+from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers._state_storage import QUANTIZED
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
 ``state_names()``, ``reset_update_state()`` and ``refresh_params()``."""
 
 __all__ = [
+    "CODES_PREFIX",
     "GROUP_STATES",
     "Adapter",
     "FlatAdapter",
@@ -42,6 +46,13 @@ __all__ = [
     "encode_group_states",
     "merge_group_states",
 ]
+
+CODES_PREFIX = "codes."
+"""The keys of quantized moments stored as they are, beside their fp32 values:
+``codes.{i}.{name}.{begin}-{end}.{dtype}.codes`` (the 8-bit codes, as uint8) and ``...scales``
+(fp32, one per block of 256) for the piece ``[begin, end)`` of parameter ``i``. The manifest's
+``codes`` lists them. A load whose piece of that parameter is the same and whose moment has
+the same dtype restores them bit for bit; any other load quantizes the fp32 values anew."""
 
 GROUP_STATES = "group_states"
 """The manifest's ``scalars`` entry holding the inner optimizer's per-group scalar states."""
@@ -119,17 +130,47 @@ class FlatAdapter:
 
     def __init__(self, opt: ShardedOptimizer) -> None:
         self.opt = opt
+        self._codes: list[tuple[ShardPiece, str, torch.Tensor, torch.Tensor]] = []
+        """The saved codes staged by :meth:`load_targets`: piece, moment, codes, scales."""
 
     def shapes(self) -> list[list[int]]:
         return [list(p.shape) for p in self.opt.trainable_parameters()]
 
     def state_names(self) -> list[str]:
-        return self.opt.state_names()
+        names = self.opt.state_names()
+        # Kahan masters: the compensation is saved too (the master's values include it), so
+        # that a pair halfway between two bf16 weights comes back as the same pair.
+        if any(KAHAN_COMPENSATION in slot for slot in self.opt.inner.state.values()):
+            names.append(KAHAN_COMPENSATION)
+        return names
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
-        # Quantized (int8 / fp8) moments are saved as the fp32 values they stand for.
+        # Quantized (int8 / fp8) moments are saved as the fp32 values they stand for, and as
+        # their codes and scales besides (for a load into the same layout).
         with self.opt.fp32_states():
-            return self._save_pieces(names)
+            flats = self._save_pieces(names)
+            flats.update(self._code_pieces(names))
+            return flats
+
+    def _code_pieces(self, names: list[str]) -> dict[str, Flat]:
+        update = self.opt.low_precision_update
+        flats: dict[str, Flat] = {}
+        if update is None:
+            return flats
+        for piece in self.opt.shard_pieces():
+            for name in MOMENTS:
+                if name not in names:
+                    continue
+                found = update.segment_codes(
+                    piece.master, name, piece.offset, piece.end - piece.begin
+                )
+                if found is None:
+                    continue
+                codes, scales = found
+                key = _codes_key(piece, name, _codes_dtype(codes))
+                flats[key + ".codes"] = Flat(codes.numel(), [(0, codes.view(torch.uint8))])
+                flats[key + ".scales"] = Flat(scales.numel(), [(0, scales)])
+        return flats
 
     def _save_pieces(self, names: list[str]) -> dict[str, Flat]:
         flats = _empty_flats(names, self.shapes())
@@ -142,6 +183,11 @@ class FlatAdapter:
                     if key not in values:
                         values[key] = self.opt.master_values(piece.master)
                     source = values[key]
+                elif name == KAHAN_COMPENSATION and name in slot:
+                    key = -id(piece.master)
+                    if key not in values:
+                        values[key] = slot[name].float()  # bf16 values: exact in fp32
+                    source = values[key]
                 elif name in slot:
                     source = slot[name]
                 else:
@@ -153,6 +199,8 @@ class FlatAdapter:
         return flats
 
     def scalars(self) -> dict[str, Any]:
+        # A step's hyperparameter check still in flight (accelerators) is done before saving.
+        self.opt.hyperparameter_check.flush()
         return {
             "step": self.opt.step_count(),
             "loss_scale": float(self.opt.scaler.scale),
@@ -162,7 +210,11 @@ class FlatAdapter:
             GROUP_STATES: encode_group_states(self.opt.group_scalar_state()),
         }
 
-    def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
+    def load_targets(
+        self, names: list[str], shapes: list[list[int]], codes: Sequence[str] = ()
+    ) -> dict[str, Flat]:
+        """Staging for ``names`` of this rank's pieces, and for the saved ``codes`` (the
+        manifest's) of pieces that are this rank's own and stored in the same dtype."""
         flats = _empty_flats(names, shapes)
         for piece in self.opt.shard_pieces():
             for name in names:
@@ -170,6 +222,25 @@ class FlatAdapter:
                     piece.end - piece.begin, dtype=torch.float32, device=piece.master.device
                 )
                 flats[keys.param_key(piece.index, name)].pieces.append((piece.begin, staging))
+        self._codes = []
+        update = self.opt.low_precision_update
+        if update is None or not codes:
+            return flats
+        saved = set(codes)
+        for piece in self.opt.shard_pieces():
+            for name in MOMENTS:
+                staged = update.codes_like(
+                    piece.master, name, piece.offset, piece.end - piece.begin
+                )
+                if staged is None:
+                    continue
+                key = _codes_key(piece, name, _codes_dtype(staged[0]))
+                if key + ".codes" not in saved or key + ".scales" not in saved:
+                    continue
+                codes_bytes = staged[0].view(torch.uint8)
+                flats[key + ".codes"] = Flat(staged[0].numel(), [(0, codes_bytes)])
+                flats[key + ".scales"] = Flat(staged[1].numel(), [(0, staged[1])])
+                self._codes.append((piece, name, *staged))
         return flats
 
     @torch.no_grad()
@@ -181,9 +252,13 @@ class FlatAdapter:
 
     def _commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
         opt = self.opt
+        update = opt.low_precision_update
+        kahan = update is not None and update.rounding == "kahan"
         opt.reset_update_state(
-            [n for n in names if n != keys.MASTER], opt.group_scalars_from(_scalar_entries(scalars))
+            [n for n in names if n not in (keys.MASTER, KAHAN_COMPENSATION)],
+            opt.group_scalars_from(_scalar_entries(scalars)),
         )
+        compensations: dict[int, torch.Tensor] = {}
         pieces = {key: dict(flat.pieces) for key, flat in flats.items()}
         # Masters are filled as fp32 values first, then set through the optimizer (which
         # rounds them into bf16 masters, or splits them into weights and Kahan compensation).
@@ -195,13 +270,28 @@ class FlatAdapter:
                     if key not in masters:
                         masters[key] = (piece.master, opt.master_values(piece.master))
                     target = masters[key][1]
+                elif name == KAHAN_COMPENSATION:
+                    if not kahan:
+                        continue  # folded into the master's values already
+                    key = id(piece.master)
+                    if key not in compensations:
+                        compensations[key] = torch.zeros(
+                            piece.master.shape, dtype=torch.float32, device=piece.master.device
+                        )
+                    target = compensations[key]
                 else:
                     target = opt.inner.state[piece.master][name]
                 _piece_of(piece, target).copy_(
                     pieces[keys.param_key(piece.index, name)][piece.begin]
                 )
-        for master, values in masters.values():
-            opt.load_master_(master, values)
+        for key, (master, values) in masters.items():
+            opt.load_master_(master, values, compensations.get(key))
+        for piece, name, codes, scales in self._codes:
+            assert update is not None  # staged only where there is one
+            # Applied once the fp32 values are stored back (quantized anew) at the end.
+            update.load_segment_codes(
+                piece.master, name, piece.offset, piece.end - piece.begin, codes, scales
+            )
         opt.skipped_steps = int(scalars["skipped_steps"])
         if opt.scaler.enabled and scalars.get("scaler_enabled"):
             opt.scaler.load_state_dict(scalars["scaler"])
@@ -256,8 +346,12 @@ class FullStateAdapter:
             GROUP_STATES: encode_group_states(state),
         }
 
-    def load_targets(self, names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
-        flats = _empty_flats(names, shapes)
+    def load_targets(
+        self, names: list[str], shapes: list[list[int]], codes: Sequence[str] = ()
+    ) -> dict[str, Flat]:
+        # The full state keeps no compensation of its own (the master's values include it)
+        # and no codes (its states are loaded as values).
+        flats = _empty_flats([n for n in names if n != KAHAN_COMPENSATION], shapes)
         for flat in flats.values():
             flat.pieces.append((0, torch.empty(flat.numel)))
         return flats
@@ -274,6 +368,17 @@ class FullStateAdapter:
             for field, value in scalars["scaler"].items():
                 state[keys.scaler_key(field)] = value
         self.opt.load_full_state(state)
+
+
+def _codes_key(piece: ShardPiece, name: str, dtype: str) -> str:
+    return f"{CODES_PREFIX}{piece.index}.{name}.{piece.begin}-{piece.end}.{dtype}"
+
+
+def _codes_dtype(codes: torch.Tensor) -> str:
+    """The ``states`` dtype whose codes ``codes`` are: int8 (uint8 codes) or fp8 (e4m3)."""
+    name = "int8" if codes.dtype == torch.uint8 else "fp8"
+    assert name in QUANTIZED
+    return name
 
 
 def _scalar_entries(scalars: dict[str, Any]) -> dict[str, Any]:

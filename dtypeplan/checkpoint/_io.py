@@ -6,7 +6,12 @@ import os
 
 import torch.distributed.checkpoint as dcp
 
-from dtypeplan.checkpoint._adapters import GROUP_STATES, adapter_for, merge_group_states
+from dtypeplan.checkpoint._adapters import (
+    CODES_PREFIX,
+    GROUP_STATES,
+    adapter_for,
+    merge_group_states,
+)
 from dtypeplan.checkpoint._collective import Group
 from dtypeplan.checkpoint._directory import (
     commit_directory,
@@ -66,6 +71,9 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
     flats, scalars = group.agree(
         lambda: (adapter.save_pieces(names), adapter.scalars()), "collecting the state", path
     )
+    # Quantized moments' codes, per piece: rank 0's manifest lists every rank's.
+    local_codes = sorted(key for key in flats if key.startswith(CODES_PREFIX))
+    codes = sorted({key for keys in group.all_gather(local_codes) for key in keys})
     # Rank 0 writes the manifest: its per-group scalar states must be every rank's.
     per_rank = group.all_gather(scalars[GROUP_STATES])
     scalars[GROUP_STATES] = group.agree(
@@ -90,7 +98,7 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
 
     def commit() -> None:
         if group.rank == 0:
-            manifest = build_manifest(opt, adapter, names, scalars, group.size)
+            manifest = build_manifest(opt, adapter, names, scalars, group.size, codes)
             commit_directory(path, name, manifest, digests)
 
     group.agree(commit, "committing", path)
@@ -145,7 +153,8 @@ def load(
 
     group.agree(check_hyperparameters, "checking the hyperparameters", path)
     names = list(manifest["states"])
-    flats = group.agree(lambda: adapter.load_targets(names, shapes), "allocating", path)
+    codes = manifest.get("codes", [])
+    flats = group.agree(lambda: adapter.load_targets(names, shapes, codes), "allocating", path)
     group.dcp(
         lambda: dcp.load(
             {},

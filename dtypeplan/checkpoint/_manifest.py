@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dtypeplan.checkpoint._adapters import GROUP_STATES, Adapter
+from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
@@ -74,8 +74,10 @@ def build_manifest(
     names: list[str],
     scalars: dict[str, Any],
     world_size: int,
+    codes: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a save; ``files`` is filled in when the snapshot is committed."""
+    """The manifest of a save; ``files`` is filled in when the snapshot is committed.
+    ``codes``: the keys of quantized moments saved as they are (``_adapters.CODES_PREFIX``)."""
     plan = opt.plan
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     return {
@@ -95,6 +97,7 @@ def build_manifest(
         "shapes": adapter.shapes(),
         "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
         "states": names,
+        "codes": list(codes or []),
         "scalars": scalars,
         "plan": plan.to_dict(),
         "files": {},
@@ -129,6 +132,11 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
         or len(set(states)) != len(states)
     ):
         raise CheckpointError(f"{where}: the manifest's 'states' {states!r} is not valid")
+    codes = manifest.get("codes", [])
+    if not isinstance(codes, list) or not all(
+        isinstance(key, str) and key.startswith(CODES_PREFIX) for key in codes
+    ):
+        raise CheckpointError(f"{where}: the manifest's 'codes' is not a list of codes keys")
     _check_scalars(manifest["scalars"], where)
     _check_group_states(manifest["scalars"], len(manifest["param_groups"]), where)
     if not isinstance(manifest["optimizer"].get("type"), str):

@@ -24,6 +24,7 @@ from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
+from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
@@ -35,6 +36,7 @@ from dtypeplan.optimizers._state_values import (
 )
 
 if TYPE_CHECKING:
+    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
     from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
@@ -250,6 +252,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         self._grad_norm: float | None = None
         self._pending_norm: torch.Tensor | None = None
         """The last step's norm while still on the device (read by :attr:`grad_norm`)."""
+        self.hyperparameter_check = HyperparameterCheck(self.param_groups, (), 1, 0)
+        """The per-step check that the hyperparameters agree across ranks (made for the group
+        by :meth:`_check_ranks_agree`; inactive on one rank)."""
         self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
@@ -405,8 +410,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         Compared: what the flat buffers and collectives will hold. Per param group, every
         parameter's shape, dtype and whether it trains (one rank freezing a parameter the
         others train would pair collectives of other sizes), and the hyperparameters (a
-        per-rank ``lr`` would train the replicas apart).
+        per-rank ``lr`` would train the replicas apart). The hyperparameters are checked again
+        at every step, inside the step's summary all-reduce (:attr:`hyperparameter_check`).
         """
+        self.hyperparameter_check = HyperparameterCheck(
+            self.param_groups, list(self.defaults), comm.world_size, comm.rank
+        )
         comm.check_consistent(
             {
                 "plan": self.plan.rank_facts(),
@@ -520,9 +529,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         """A master chunk or shard as the fp32 values a checkpoint stores (fp32 masters: as is)."""
         return master.float()
 
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
-        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load)."""
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
+        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load);
+        ``compensation``: the Kahan compensation ``values`` include, where saved."""
         master.copy_(values)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        """The update that keeps 16-bit masters or low-precision moments (their Kahan
+        compensations, quantized codes), or None where masters and states are fp32."""
+        return None
 
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         """A context in which every per-element optimizer state is a plain tensor laid out
@@ -663,6 +681,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         stages >= 1 a piece of it, so load it into the same world size and stage, or use
         ``dtypeplan.checkpoint`` to reshard.
         """
+        self.hyperparameter_check.flush()
         index_of = self._torch_indices()
         param_groups = []
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):

@@ -323,22 +323,30 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self._low_precision.fp32_view([m for s in self.groups for m in s.masters])
 
     @torch.no_grad()
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
         """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
         or with Kahan masters split into the bf16 weights and their compensation."""
         if self._low_precision is None:
             master.copy_(values)
             return
-        self._low_precision.load_master_(master, values)
+        self._low_precision.load_master_(master, values, compensation)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        return self._low_precision
 
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Write the master weights into the parameters on every rank (cast, all-gather).
 
         Call it after changing the master weights in place (a checkpoint load does); the call
-        is collective.
+        is collective. What was written into the parameters before is then no change to pick
+        up at the next step (``ModelSync.after_load``): the masters hold the values now.
         """
         self._write_back(cast=True)
+        self.model_sync.after_load()
 
     # --- backward -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
@@ -464,8 +472,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         device tensor), per group the parameters no rank touched, and whether any was.
         """
         local = self.reductions.window_touched
+        check = self.hyperparameter_check
         flags = torch.tensor(
-            [float(t) for per_group in local for t in per_group], dtype=torch.float32
+            [float(t) for per_group in local for t in per_group] + check.slots(),
+            dtype=torch.float32,
         ).to(self.device, non_blocking=True)
         summary = torch.cat([self._local_sq_norm(grads_by_group).reshape(1), flags])
         if self.shards > 1:
@@ -473,6 +483,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         elif len(summary) > 1:
             # Stage 0: every rank reduced the whole gradient; only the flags need summing.
             self.comm.all_reduce_scalars(summary[1:])
+        if check.numel:
+            # The hyperparameters' fingerprint rides on this all-reduce; raises where ranks
+            # differ (before the update on the CPU, a step later on an accelerator).
+            check.post(summary[len(summary) - check.numel :])
+            summary = summary[: len(summary) - check.numel]
         if all(all(per_group) for per_group in local):
             return summary[0], [[] for _ in local], True
         counts = summary[1:].tolist()  # some parameter got no gradient here: ask the others
@@ -808,6 +823,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                             entry[name] = value[where].clone()
                     for name, value in (own or {}).items():
                         entry[name] = value.clone() if torch.is_tensor(value) else value
+                    if self._low_precision is not None:
+                        self._low_precision.save_codes(entry, master, offset, end - begin)
                 state[index_of[id(params[index])]] = entry
         return state
 
@@ -833,13 +850,15 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     same_scalar(scalars[n], ours[n]) for n in scalars
                 ):
                     load_slot(slot, entry, where)
-                    continue
-                # A piece with its own history: its scalars stay out of the chunk's.
-                load_slot(slot, {n: v for n, v in given.items() if n not in scalars}, where)
-                on_device = _on_device(self.inner, gi)
-                own = {n: placed_scalar(n, v, master, on_device) for n, v in scalars.items()}
-                self.own_histories.set(gi, index, own)
-        self._write_back()
+                else:
+                    # A piece with its own history: its scalars stay out of the chunk's.
+                    load_slot(slot, {n: v for n, v in given.items() if n not in scalars}, where)
+                    on_device = _on_device(self.inner, gi)
+                    own = {n: placed_scalar(n, v, master, on_device) for n, v in scalars.items()}
+                    self.own_histories.set(gi, index, own)
+                if self._low_precision is not None:
+                    self._low_precision.load_codes(entry, master, offset, end - begin)
+        self.refresh_params()
 
     @_with_fp32_states
     def state_names(self) -> list[str]:
@@ -913,7 +932,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                         self.inner.state[master][name].copy_(chunk)
             first += len(flat.params)
         self._load_scalar_state(state)
-        self._write_back()
+        self.refresh_params()
 
 
 def _on_device(inner: torch.optim.Optimizer, group: int) -> bool:

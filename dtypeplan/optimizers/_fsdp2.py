@@ -326,8 +326,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         device = self._device()
         # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
         sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
-        flags = torch.tensor([float(t) for t in touched], dtype=torch.float32)
+        check = self.hyperparameter_check
+        flags = torch.tensor([float(t) for t in touched] + check.slots(), dtype=torch.float32)
         summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
+        if check.numel:
+            # The hyperparameters' fingerprint rides on this all-reduce (_hyperparameter_check).
+            check.post(summary[len(summary) - check.numel :])
+            summary = summary[: len(summary) - check.numel]
         if all(touched):
             return summary[0], touched
         return summary[0], [count > 0 for count in summary[1:].tolist()]
@@ -404,6 +409,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             entry: dict[str, Any] = {keys.MASTER: local.detach().clone()}
             for name, value in self.inner.state.get(local, {}).items():
                 entry[name] = value.clone() if torch.is_tensor(value) else value
+            if self._low_precision is not None:
+                self._low_precision.save_codes(entry, local, 0, local.numel())
             state[index_of[id(param)]] = entry
         return state
 
@@ -413,6 +420,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 entry = state[index_of[id(param)]]
                 local.copy_(entry[keys.MASTER])
                 load_slot(self.inner.state.get(local, {}), entry)
+                if self._low_precision is not None:
+                    self._low_precision.load_codes(entry, local, 0, local.numel())
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -454,12 +463,18 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         return self._low_precision.master_values(master)
 
     @torch.no_grad()
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+    def load_master_(
+        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
+    ) -> None:
         """Set a local shard from fp32 ``values`` (bf16 masters: rounded as the plan says)."""
         if self._low_precision is None:
             master.copy_(values)
             return
-        self._low_precision.load_master_(master, values)
+        self._low_precision.load_master_(master, values, compensation)
+
+    @property
+    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+        return self._low_precision
 
     def reset_update_state(
         self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()

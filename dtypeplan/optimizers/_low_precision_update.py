@@ -28,7 +28,11 @@ whole segments (a segment longer than ``PIECE`` alone, in block-aligned parts); 
 several segments is gathered from and scattered to its stored blocks. The generic state code
 (checkpoints, ``state_dict``, the restoring of parameters without a gradient) cannot slice
 such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
-values in the master's own layout while it runs and stores them back after.
+values in the master's own layout while it runs and stores them back after. Quantizing those
+values again is not idempotent, so a save also takes each parameter piece's codes and block
+scales as they are (:meth:`LowPrecisionAdamUpdate.segment_codes`), and a load into the same
+piece restores them after the values (:meth:`LowPrecisionAdamUpdate.load_segment_codes`): a
+same-layout round trip through ``state_dict`` or a checkpoint changes no bit.
 
 Stochastic rounding draws from one ``torch.Generator`` per device, seeded with ``SEED + shard
 rank``: at ZeRO-0 every rank updates every chunk and draws the same bits, so the replicas stay
@@ -39,7 +43,7 @@ uninterrupted one (the generator is not checkpointed), which changes nothing in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,10 +58,12 @@ if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [
+    "CODES",
     "KAHAN_COMPENSATION",
     "MOMENTS",
     "LowPrecisionAdamUpdate",
     "PIECE",
+    "SCALES",
     "SEED",
     "held_compensations",
     "held_states",
@@ -76,6 +82,10 @@ SEED = 0x5EED
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's moments under torch's names; the first is signed, the second is not."""
+
+CODES, SCALES = ".codes", ".scales"
+"""Suffixes of a state dict entry's quantized moment, stored as is beside its fp32 values
+(``exp_avg.codes``, ``exp_avg.scales``): a same-layout load restores them bit for bit."""
 
 
 def held_compensations(inner: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
@@ -125,6 +135,10 @@ class LowPrecisionAdamUpdate:
         self._viewed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
         """Inside :meth:`fp32_view`: each quantized moment, the fp32 tensor that stands in for
         it, and that tensor's version counter when made (to tell whether it was written)."""
+        self._pending_codes: list[tuple[torch.Tensor, str, int, int, torch.Tensor, torch.Tensor]]
+        self._pending_codes = []
+        """Saved codes to restore once :meth:`fp32_view` has stored the moments back
+        (:meth:`load_segment_codes`)."""
 
     @property
     def quantized(self) -> bool:
@@ -224,16 +238,34 @@ class LowPrecisionAdamUpdate:
         return values
 
     @torch.no_grad()
-    def load_master_(self, master: torch.Tensor, values: torch.Tensor) -> None:
+    def load_master_(
+        self,
+        master: torch.Tensor,
+        values: torch.Tensor,
+        compensation: torch.Tensor | None = None,
+    ) -> None:
         """Set ``master`` from fp32 ``values``: copied (fp32), rounded to nearest, or with
         Kahan rounding split into the bf16 weights and their compensation (so no bit of
-        ``values`` is lost beyond the pair's ~16 mantissa bits)."""
+        ``values`` is lost beyond the pair's ~16 mantissa bits).
+
+        ``compensation``: the saved compensation ``values`` include, where known. A value
+        halfway between two bf16 numbers is a pair either way (``m + h`` or ``m' - h``), and
+        the weights the forward pass sees differ; the saved compensation tells which it was,
+        so a checkpoint restores the pair bit for bit."""
         if self.rounding != "kahan" or master.dtype == torch.float32:
             master.copy_(values)
             return
         slot = self.inner.state[master]
-        compensation = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
-        kahan_store(values.to(torch.float32, copy=True), master, compensation)
+        held = slot.setdefault(KAHAN_COMPENSATION, torch.zeros_like(master))
+        kahan_store(values.to(torch.float32, copy=True), master, held)
+        if compensation is None:
+            return
+        given = compensation.to(master.dtype).view(master.shape)
+        weights = (values.view(master.shape).float() - given.float()).to(master.dtype)
+        # The saved pair where it is one: its weights plus compensation give the values exactly.
+        exact = weights.float() + given.float() == values.view(master.shape).float()
+        master.copy_(torch.where(exact, weights, master))
+        held.copy_(torch.where(exact, given, held))
 
     def slot(self, master: torch.Tensor) -> dict[str, Any]:
         """``master``'s state in the inner optimizer, created (zeroed, step 0) if missing."""
@@ -286,6 +318,132 @@ class LowPrecisionAdamUpdate:
                 slot[KAHAN_COMPENSATION] = torch.zeros_like(master)
         if not self._fp32_depth:
             self._viewed.clear()
+            pending, self._pending_codes = self._pending_codes, []
+            for master, name, offset, numel, codes, scale in pending:
+                self._restore_codes(master, name, offset, numel, codes, scale)
+
+    def _segment(self, master: torch.Tensor, offset: int, numel: int) -> tuple[int, int] | None:
+        """The stored span ``[begin, end)`` of the segment of ``master`` at ``offset`` of
+        ``numel`` values, or None where no segment is exactly that."""
+        layout = self.layout(master)
+        for begin, stored, n in zip(
+            layout.starts, layout.stored_starts, layout.lengths, strict=True
+        ):
+            if begin == offset and n == numel:
+                return stored, stored + storage.padded(n)
+        return None
+
+    def _quantized_state(self, master: torch.Tensor, name: str) -> torch.Tensor | None:
+        """``master``'s quantized moment ``name`` as stored (inside :meth:`fp32_view`: the codes
+        its fp32 stand-in came from, if not written since), or None."""
+        slot = self.inner.state.get(master, {})
+        value = slot.get(name)
+        if value is None:
+            return None
+        if storage.is_quantized(value):
+            return value
+        kept = self._viewed.get((id(slot), name))
+        if kept is not None and kept[1] is value and kept[2] == value._version:
+            return kept[0]
+        return None
+
+    def codes_like(
+        self, master: torch.Tensor, name: str, offset: int, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Empty codes and scales of the shapes and dtypes :meth:`segment_codes` gives for
+        that piece in this update's layout and moment dtype, or None (not quantized, or not
+        one segment): what a load stages saved codes in."""
+        dtype = self.moment_dtypes[name]
+        span = self._segment(master, offset, numel) if dtype in storage.QUANTIZED else None
+        if span is None:
+            return None
+        begin, end = span
+        codes_dtype = torch.uint8 if dtype == "int8" else torch.float8_e4m3fn
+        return (
+            torch.empty(end - begin, dtype=codes_dtype, device=master.device),
+            torch.empty(
+                (end - begin) // storage.QUANTIZED_BLOCK, dtype=torch.float32, device=master.device
+            ),
+        )
+
+    def segment_codes(
+        self, master: torch.Tensor, name: str, offset: int, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of the codes and block scales that hold moment ``name`` of the parameter
+        piece at ``offset`` (``numel`` values) of ``master``, or None where that moment is not
+        quantized. What a same-layout load restores bit for bit (:meth:`load_segment_codes`),
+        where loading the values would quantize them anew, which is not idempotent (torchao's
+        signed map ends at -0.993, so a block's absmax, and with it every code, moves)."""
+        value = self._quantized_state(master, name)
+        span = self._segment(master, offset, numel) if value is not None else None
+        if value is None or span is None:
+            return None
+        quantized: Any = value
+        begin, end = span
+        scale = quantized.scale[begin // storage.QUANTIZED_BLOCK : end // storage.QUANTIZED_BLOCK]
+        return quantized.codes[begin:end].clone(), scale.clone()
+
+    def save_codes(
+        self, entry: dict[str, Any], master: torch.Tensor, offset: int, numel: int
+    ) -> None:
+        """Add the quantized moments' codes and scales of a parameter piece to its state dict
+        ``entry`` (:data:`CODES`, :data:`SCALES`)."""
+        for name in MOMENTS:
+            found = self.segment_codes(master, name, offset, numel)
+            if found is not None:
+                entry[name + CODES], entry[name + SCALES] = found
+
+    def load_codes(
+        self, entry: Mapping[str, Any], master: torch.Tensor, offset: int, numel: int
+    ) -> None:
+        """Restore the codes and scales :meth:`save_codes` put in ``entry``, if any."""
+        for name in MOMENTS:
+            codes, scales = entry.get(name + CODES), entry.get(name + SCALES)
+            if torch.is_tensor(codes) and torch.is_tensor(scales):
+                self.load_segment_codes(master, name, offset, numel, codes, scales)
+
+    def load_segment_codes(
+        self,
+        master: torch.Tensor,
+        name: str,
+        offset: int,
+        numel: int,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
+        """Restore what :meth:`segment_codes` gave, after the piece's values were loaded: at
+        once, or inside :meth:`fp32_view` once the moments are stored back. Ignored where the
+        moment is not stored in the codes' dtype or the piece is not one segment of the same
+        size (another layout: the loaded values are quantized anew)."""
+        if self._fp32_depth:
+            self._pending_codes.append((master, name, offset, numel, codes, scale))
+        else:
+            self._restore_codes(master, name, offset, numel, codes, scale)
+
+    def _restore_codes(
+        self,
+        master: torch.Tensor,
+        name: str,
+        offset: int,
+        numel: int,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
+        value = self._quantized_state(master, name)
+        span = self._segment(master, offset, numel) if value is not None else None
+        if value is None or span is None:
+            return
+        quantized: Any = value
+        begin, end = span
+        first, last = begin // storage.QUANTIZED_BLOCK, end // storage.QUANTIZED_BLOCK
+        if (
+            codes.dtype != quantized.codes.dtype
+            or codes.numel() != end - begin
+            or scale.numel() != last - first
+        ):
+            return
+        quantized.codes[begin:end].copy_(codes.reshape(-1))
+        quantized.scale[first:last].copy_(scale.reshape(-1))
 
     @contextlib.contextmanager
     def fp32_view(self, masters: list[torch.Tensor]) -> Iterator[None]:

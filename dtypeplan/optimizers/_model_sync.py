@@ -15,7 +15,16 @@ in two ways, and ``torch.optim`` follows both, because it reads the parameters a
   buffer. Where it moved (or the parameter was re-adopted), that parameter's masters are
   refreshed *elementwise*, where the parameter differs from the master rounded to the
   parameter dtype, so untouched elements keep their fp32 precision. fp32 parameters are
-  their own masters: nothing to do.
+  their own masters: nothing to do. Where the parameters are the masters (bf16 master
+  weights), a write replaces the master itself; its Kahan compensation belonged to the old
+  value and is dropped, elementwise where the bits the compensation belongs to are known.
+
+After a load (``optimizer.load_state_dict``, ``dtypeplan.checkpoint.load``) the masters, the
+parameters and every compensation are the loaded ones, whatever the user wrote into the
+parameters before: :meth:`ModelSync.after_load` takes the parameters' version counters anew
+(torch's usual resume, ``model.load_state_dict`` first, then changes nothing) and keeps the
+loaded bits until the next step, so a ``model.load_state_dict`` after the optimizer's load
+drops a restored compensation only where it really changes a weight.
 
 Also checked here, at the same host loop: a parameter that was frozen when the optimizer was
 built (so it has no place in any flat buffer) and now trains raises a clear error.
@@ -50,6 +59,9 @@ class ModelSync:
         self._versions = [[p._version for p in s.flat.params] for s in groups]
         # Views of the buffers never change: made once, not per step.
         self._views = [s.flat.param_views(s.flat.buffer) for s in groups]
+        self._loaded_bits: list[list[torch.Tensor] | None] | None = None
+        """Per group, per bucket: the aliased masters' bits as the last load left them (with
+        Kahan compensation only), kept from a load to the next step's :meth:`pick_up`."""
 
     @torch.no_grad()
     def pick_up(self) -> None:
@@ -67,7 +79,38 @@ class ModelSync:
                     changed.add(index)
                     versions[index] = param._version
             if changed:
-                self._refresh_masters(state, changed, self.optimizer_state)
+                loaded = self._loaded_bits[gi] if self._loaded_bits is not None else None
+                self._refresh_masters(state, changed, self.optimizer_state, loaded)
+        self._loaded_bits = None
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """After a load wrote the masters (and through them the parameters): they are the
+        parameters' values now, so what was written into the parameters before is no change.
+
+        A parameter rebound before the load points back at its view (the load's values are
+        there); the version counters are taken anew. With Kahan-compensated masters that are
+        the parameters, the loaded bits are kept (one copy of this rank's 16-bit masters) until
+        the next step, to tell a later write of the same weights from a real change.
+        """
+        bits: list[list[torch.Tensor] | None] = []
+        for gi, state in enumerate(self.groups):
+            params = state.flat.params
+            for index, (param, view) in enumerate(zip(params, self._views[gi], strict=True)):
+                rebound = param.data_ptr() != view.data_ptr() or param.shape != view.shape
+                if rebound and (param.dtype, param.device, param.shape) == (
+                    view.dtype,
+                    view.device,
+                    view.shape,
+                ):
+                    param.data = view
+                self._versions[gi][index] = param._version
+            compensated = any(
+                KAHAN_COMPENSATION in self.optimizer_state.get(master, {})
+                for master in state.masters
+            )
+            bits.append([m.detach().clone() for m in state.masters] if compensated else None)
+        self._loaded_bits = bits
 
     def _refuse_unfrozen(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -95,9 +138,16 @@ class ModelSync:
 
     @staticmethod
     def _refresh_masters(
-        state: GroupState, changed: set[int], optimizer_state: dict[torch.Tensor, dict[str, Any]]
+        state: GroupState,
+        changed: set[int],
+        optimizer_state: dict[torch.Tensor, dict[str, Any]],
+        loaded: list[torch.Tensor] | None = None,
     ) -> None:
-        """Take the parameters' values into this rank's masters where they differ."""
+        """Take the parameters' values into this rank's masters where they differ.
+
+        ``loaded``: per bucket, the masters' bits as a load left them (:meth:`after_load`), or
+        None: where the parameters are the masters, a compensation is then kept where the
+        bits are still the loaded ones, else it is dropped whole."""
         flat = state.flat
         for index, begin, end, bucket, offset in state._pieces():
             master = state.masters[bucket]
@@ -108,8 +158,16 @@ class ModelSync:
                 # The parameters are the masters (fp32, or bf16 master weights); a Kahan
                 # compensation belonged to the old values and is dropped with them.
                 compensation = optimizer_state.get(master, {}).get(KAHAN_COMPENSATION)
-                if compensation is not None:
-                    compensation[offset : offset + end - begin].zero_()
+                if compensation is None:
+                    continue
+                where = compensation[offset : offset + end - begin]
+                if loaded is None:
+                    where.zero_()
+                    continue
+                # Bits, not values: -0.0 and NaN payloads count as the weights they are.
+                before = loaded[bucket][offset : offset + end - begin]
+                differs = piece.view(torch.int16) != before.view(torch.int16)
+                where.masked_fill_(differs, 0)
                 continue
             # An offloaded master lives on the host: compare there.
             value = flat.params[index].detach().reshape(-1)[begin:end].to(piece.device)

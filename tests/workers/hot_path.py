@@ -90,6 +90,9 @@ def sync_case(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, A
     # accelerator it only polls an event (tests/test_reliability.py covers what it reports).
     # Off here, so that every host read this counts is one that would wait on a GPU.
     optimizer.norm_probe.enabled = False
+    # So is the per-step hyperparameter check, for the same reason: its sums ride on the
+    # step's summary all-reduce and are read from pinned memory after an event on a GPU.
+    optimizer.hyperparameter_check.enabled = False
     x, y = make_batch(rank, 16)
     micro = list(zip(x.chunk(4), y.chunk(4), strict=True))
 

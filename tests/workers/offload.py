@@ -83,6 +83,7 @@ def sync_count(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     device over two steps after a warm-up step, and the bucket chunks per step."""
     model, opt = _build(config, seed=0)
     opt.norm_probe.enabled = False  # as in sync_case: only reads that would wait on a GPU
+    opt.hyperparameter_check.enabled = False  # likewise (read after an event on a GPU)
     x, y = make_batch(rank, 16)
 
     def run_step() -> None:
