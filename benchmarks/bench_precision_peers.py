@@ -22,19 +22,23 @@ master weights / optimizer states) dtypeplan's ``opt.step()`` is timed next to i
 The offloaded cell, like for like. ``DeepSpeedCPUAdam.step()`` updates fp32 parameters in place
 from their fp32 ``.grad`` on the host (AVX-512 / AVX2 C++ with OpenMP, JIT-built at first use):
 it reads the gradient and reads and writes parameter and both moments, 28 B/param; in
-ZeRO-Offload the engine around it copies gradients down and parameters up and computes the
-norm on the device. dtypeplan's ``opt.step()`` on one CPU process does the whole optimizer
-step: it takes the hand-set ``.grad`` into its fp32 accumulator, computes the gradient norm and
+ZeRO-Offload the engine around it copies gradients down and parameters up and computes the norm
+on the device. dtypeplan's ``opt.step()`` on one CPU process does the whole optimizer step: it
+takes the hand-set ``.grad`` into its fp32 accumulator, computes the gradient norm and
 non-finite check (``opt.grad_norm``), and runs the host step (``_host_offload.py``): torch's
 fused AdamW on the host master chunks and states, writing the parameters in the same pass (a
-separate buffer: offloaded masters never alias the parameters; 32 B/param). Two rows:
-``dtypeplan ...`` is the whole ``opt.step()``, ``dtypeplan ... (host step)`` only
-``HostOffload.step`` (timed by a wrapper inside the same steps), the part that does
-DeepSpeedCPUAdam's job. DeepSpeed's OpenMP threads follow ``--threads`` (``OMP_NUM_THREADS`` is
-set before its op loads; ``omp_threads`` in the config is what the OpenMP runtime reports).
-``--profile`` adds torch.profiler's self CPU time per step by op for the offloaded case (where
-dtypeplan's time goes). After the run the largest difference of the offloaded case's
-parameters from DeepSpeedCPUAdam's (the same steps on the same gradients) is noted.
+separate buffer: offloaded masters never alias the parameters; 32 B/param). Rows: ``dtypeplan
+...`` is the whole ``opt.step()``, ``(host step)`` only ``HostOffload.step`` (timed by a wrapper
+inside the same steps). The ``[staged, as on an accelerator]`` case runs the accelerator's
+pipeline on the CPU (gradient slots, copies, upload; there those copies are DMA, here memcpy),
+and its ``(host update)`` row times only the update of the master chunks
+(``FlatAdamUpdate.bucket``, 28 B/param): the host's own work on an accelerator for fp32
+parameters, DeepSpeedCPUAdam's job exactly. DeepSpeed's OpenMP threads follow ``--threads``
+(``OMP_NUM_THREADS`` is set before its op loads; ``omp_threads`` in the config is what the
+OpenMP runtime reports). ``--profile`` adds torch.profiler's self CPU time per step by op for
+the offloaded case (where dtypeplan's time goes). After the run the largest difference of the
+offloaded case's parameters from DeepSpeedCPUAdam's (the same steps on the same gradients) is
+noted.
 
 A peer that is not installed (bitsandbytes, DeepSpeed) is left out with a note; torchao is a
 dependency. All cases are built first and then timed in interleaved rounds (one step of every
@@ -168,7 +172,11 @@ def _params(shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
     ]
 
 
-def dtypeplan_case(cell: Cell, shapes: list[torch.Size]) -> Case:
+STAGED = " [staged, as on an accelerator]"
+"""Suffix of the offloaded case run through the accelerator's pipeline (``HostOffload.staged``)."""
+
+
+def dtypeplan_case(cell: Cell, shapes: list[torch.Size], staged: bool = False) -> Case:
     plan = dtypeplan.resolve(cell.config)
     params = _params(shapes, torch.float32)
     opt = plan.build(params)
@@ -187,10 +195,18 @@ def dtypeplan_case(cell: Cell, shapes: list[torch.Size]) -> Case:
     )
     offload = getattr(opt, "offload", None)
     if offload is not None:
-        case.parts = {"host step": []}
-        _time_part(offload, "step", case.parts["host step"])
         # Offloaded masters never alias the parameters: the host step writes them (4 B/param).
         case.bytes_per_param += 4
+        case.parts = {"host step": []}
+        _time_part(offload, "step", case.parts["host step"])
+        if staged:
+            # The accelerator's pipeline: its copies are DMA there, so the host's own work is
+            # the update of the master chunks (``FlatAdamUpdate.bucket``), DeepSpeedCPUAdam's job.
+            offload.staged = True
+            case.name += STAGED
+            case.parts["host update"] = []
+            update = opt._adam_update  # type: ignore[attr-defined]
+            _time_part(update, "bucket", case.parts["host update"])
     return case
 
 
@@ -253,6 +269,8 @@ PEER_BYTES = {
     "bitsandbytes AdamW8bit": 4 + 8 + 4 * STATE_BYTES["int8"],
     "DeepSpeedCPUAdam": 4 + 8 + 16,
 }
+PART_BYTES = {"host update": 4 + 8 + 16}
+"""The master chunks' update alone: read the gradient, read and write master and moments."""
 PEER_PARAM_DTYPE = {
     "torch fused bf16": torch.bfloat16,
     "torchao AdamW bf16 stochastic": torch.bfloat16,
@@ -329,6 +347,9 @@ def main() -> None:
     for cell in cells:
         case = dtypeplan_case(cell, shapes)
         cases[case.name] = case
+        if case.parts:  # offloaded: also through the accelerator's pipeline
+            staged = dtypeplan_case(cell, shapes, staged=True)
+            cases[staged.name] = staged
         for peer in cell.peers:
             if peer in cases:
                 continue
@@ -363,20 +384,28 @@ def main() -> None:
     for cell in cells:
         peers = [p for p in cell.peers if p in cases]
         mine = cases[f"dtypeplan {cell.name}"]
-        timed = [(c.name, c, times[c.name]) for c in (mine, *(cases[p] for p in peers))]
-        for part_name, part_times in (mine.parts or {}).items():
-            timed.insert(1, (f"{mine.name} ({part_name})", mine, part_times))
+        timed = []
+        part_bytes: dict[str, float | None] = {}
+        for variant in (mine, cases.get(mine.name + STAGED)):
+            if variant is None:
+                continue
+            timed.append((variant.name, variant, times[variant.name]))
+            for part_name, part_times in (variant.parts or {}).items():
+                timed.append((f"{variant.name} ({part_name})", variant, part_times))
+                part_bytes[f"{variant.name} ({part_name})"] = PART_BYTES.get(part_name)
+        timed += [(p, cases[p], times[p]) for p in peers]
         peer_ms = statistics.median(times[peers[0]]) if peers else None
         for method, timed_case, case_times in timed:
             ms = statistics.median(case_times)
-            floor_ms = numel * timed_case.bytes_per_param / copy_bps * 1e3
+            nbytes = part_bytes.get(method) or timed_case.bytes_per_param
+            floor_ms = numel * nbytes / copy_bps * 1e3
             rows.append(
                 {
                     "cell": cell.name,
                     "method": method,
                     "ms": round(ms, 2),
                     "x peer": round(ms / peer_ms, 2) if peer_ms else None,
-                    "B/param": round(timed_case.bytes_per_param, 2),
+                    "B/param": round(nbytes, 2),
                     "x floor": round(ms / floor_ms, 2),
                     "grads kept": timed_case.grads_kept,
                 }
@@ -392,7 +421,7 @@ def main() -> None:
                 f"{diff:.3g} (different fp32 operation order; parameters ~0.02)"
             )
     sections = []
-    profile = _profile(cells, cases, grads, clock) if args.profile else ""
+    profile = _profile(cells, cases, grads) if args.profile else ""
     if profile:
         sections.append(("Where the offloaded step's time goes (torch.profiler)", profile))
     columns = ["cell", "method", "ms", "x peer", "B/param", "x floor", "grads kept"]
@@ -444,9 +473,7 @@ def _omp_threads() -> int | None:
         return None
 
 
-def _profile(
-    cells: list[Cell], cases: dict[str, Case], grads: list[torch.Tensor], clock: Any
-) -> str:
+def _profile(cells: list[Cell], cases: dict[str, Case], grads: list[torch.Tensor]) -> str:
     """Self CPU ms per step by op (top 10) of each offloaded dtypeplan case, over 3 steps."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -455,18 +482,23 @@ def _profile(
         case = cases[f"dtypeplan {cell.name}"]
         if not case.parts:
             continue
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_case(case, grads, 3, clock)
-        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-        total = sum(e.self_cpu_time_total for e in events)
-        lines = [f"{cell.name}, 3 steps (with each step's untimed gradient copy):", ""]
+        totals: dict[str, list[float]] = {}  # op -> [calls, self microseconds]
+        for _ in range(3):
+            case.zero_grad()
+            for param, grad in zip(case.params, grads, strict=True):
+                param.grad = grad.clone()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the step alone
+                case.step()
+            for e in prof.key_averages():
+                total = totals.setdefault(e.key, [0.0, 0.0])
+                total[0] += e.count
+                total[1] += e.self_cpu_time_total
+        ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)
+        everything = sum(us for _, us in totals.values())
+        lines = [f"{case.name}: `opt.step()` alone, 3 steps", ""]
         lines += ["| op | calls / step | self ms / step | share |", "| --- | --- | --- | --- |"]
-        for e in events[:10]:
-            lines.append(
-                f"| {e.key} | {e.count / 3:g} | {e.self_cpu_time_total / 3e3:.1f} "
-                f"| {e.self_cpu_time_total / total:.0%} |"
-            )
+        for key, (calls, us) in ranked[:10]:
+            lines.append(f"| {key} | {calls / 3:g} | {us / 3e3:.1f} | {us / everything:.0%} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
 
