@@ -576,9 +576,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 places.append((state, group, bucket))
         gathers: list[Callable[[], None]] = []
 
-        def update(k: int, host_grad: torch.Tensor, param: torch.Tensor | None) -> None:
+        def update(k: int, host_grad: torch.Tensor) -> None:
             _, group, _ = places[k]
-            self._adam_update.bucket(group, chunks[k].master, host_grad, param, factor[1])
+            self._adam_update.bucket(group, chunks[k].master, host_grad, None, factor[1])
 
         def written(k: int) -> None:
             state, _, bucket = places[k]
