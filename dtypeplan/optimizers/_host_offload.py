@@ -23,17 +23,18 @@ chunk, is a pipeline of three stages, each over two reused pinned host slots::
   slot is written again two chunks later, once its copy has finished: one wait, which has
   normally long returned. fp32 parameters are copied from the pinned master itself.
 
-Where the device is the host (training on the CPU) nothing travels: the reduced gradient
-chunk already is host memory and the parameter chunk is too, so the pipeline is not staged
+Where the device is the host (training on the CPU) nothing travels: the reduced gradient chunk
+already is host memory and the parameter chunk is too, so the pipeline is not staged
 (:attr:`HostOffload.staged` is False). The update reads the gradient chunk where it is, and the
-master chunk is then cast straight into the parameter chunk: the gradient slot's copy (8 bytes
-a parameter for an fp32 gradient) and, for 16-bit parameters, the parameter slot's second copy
-(4 bytes) are gone. One fused call and one copy a chunk, not cache-sized pieces: a piece of
-``CPU_CHUNK`` values is 4 MiB, beyond a core's L2, so pieces saved nothing here, and each piece
-is a parallel region of its own, which on a loaded machine at 2 threads made the step twice as
-slow (measured: the 16.8 M-parameter step 133 ms in pieces, 62 ms whole). The values are the
-same bits either way (the same fused kernel on the same fp32 values, the same cast). Tests set
-``staged`` to run the accelerator's pipeline (slots, copies, waits) on a CPU-only machine.
+master chunk is then cast straight into the parameter chunk: the gradient slot's copy (8 bytes a
+parameter for an fp32 gradient) and, for 16-bit parameters, the parameter slot's second copy (4
+bytes) are gone. One fused call and one copy a chunk, not cache-sized pieces: a piece of
+``CPU_CHUNK`` values is 4 MiB, beyond a core's L2 (2 MiB here), so it saved nothing, and each
+piece is a parallel region of its own, which on a loaded machine at 2 threads made the step
+twice as slow (measured: the 16.8 M-parameter step 133 ms in pieces, 62 ms whole). The values
+are the same bits either way (the same fused kernel on the same fp32 values, the same cast).
+Tests set ``staged`` to run the accelerator's pipeline (slots, copies, waits) on a CPU-only
+machine.
 
 Waits for the device, each counted in :attr:`HostOffload.device_waits` (the staged pipeline
 counts them on the CPU as well, where the "device" is the host and nothing is in flight). Per
