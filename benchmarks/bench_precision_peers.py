@@ -1,6 +1,7 @@
 """Every precision cell's optimizer step against the library a user would pick for that cell.
 
     python -m benchmarks.bench_precision_peers [--quick] [--cells NAME,...] [--threads N]
+        [--profile]
 
 One process, ``--layers`` x (``--width``, ``--width``) parameters (4 x 2048^2 = 16.8 M by
 default), AdamW without clipping, fixed gradients. For each precision cell (parameter dtype /
@@ -15,7 +16,29 @@ master weights / optimizer states) dtypeplan's ``opt.step()`` is timed next to i
   ``_AdamW(bf16_stochastic_round=True)``, compiled;
 * fp32 / - / fp8: torchao ``AdamWFp8``, compiled;
 * fp32 / - / int8: torchao ``AdamW8bit``, compiled, and bitsandbytes ``AdamW8bit``;
-* fp32 offloaded (ZeRO-1): DeepSpeed's ``DeepSpeedCPUAdam``.
+* fp32 offloaded (ZeRO-1): DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode=True``), the host
+  step ZeRO-Offload runs (see below).
+
+The offloaded cell, like for like. ``DeepSpeedCPUAdam.step()`` updates fp32 parameters in place
+from their fp32 ``.grad`` on the host (AVX-512 / AVX2 C++ with OpenMP, JIT-built at first use):
+it reads the gradient and reads and writes parameter and both moments, 28 B/param; in
+ZeRO-Offload the engine around it copies gradients down and parameters up and computes the norm
+on the device. dtypeplan's ``opt.step()`` on one CPU process does the whole optimizer step: it
+takes the hand-set ``.grad`` into its fp32 accumulator, computes the gradient norm and
+non-finite check (``opt.grad_norm``), and runs the host step (``_host_offload.py``): torch's
+fused AdamW on the host master chunks and states, writing the parameters in the same pass (a
+separate buffer: offloaded masters never alias the parameters; 32 B/param). Rows: ``dtypeplan
+...`` is the whole ``opt.step()``, ``(host step)`` only ``HostOffload.step`` (timed by a wrapper
+inside the same steps). The ``[staged, as on an accelerator]`` case runs the accelerator's
+pipeline on the CPU (gradient slots, copies, upload; there those copies are DMA, here memcpy),
+and its ``(host update)`` row times only the update of the master chunks
+(``FlatAdamUpdate.bucket``, 28 B/param): the host's own work on an accelerator for fp32
+parameters, DeepSpeedCPUAdam's job exactly. DeepSpeed's OpenMP threads follow ``--threads``
+(``OMP_NUM_THREADS`` is set before its op loads; ``omp_threads`` in the config is what the
+OpenMP runtime reports). ``--profile`` adds torch.profiler's self CPU time per step by op for
+the offloaded case (where dtypeplan's time goes). After the run the largest difference of the
+offloaded case's parameters from DeepSpeedCPUAdam's (the same steps on the same gradients) is
+noted.
 
 A peer that is not installed (bitsandbytes, DeepSpeed) is left out with a note; torchao is a
 dependency. All cases are built first and then timed in interleaved rounds (one step of every
@@ -34,6 +57,8 @@ the same rounds).
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,7 +134,9 @@ CELLS = [
         config=_config(bf16=_BF16_STATES, master_weights={"dtype": "bf16", "rounding": "kahan"}),
         peers=("torchao AdamW bf16 stochastic",),
     ),
-    Cell(name="fp32 / - / fp8", config=_config(optimizer_states="fp8"), peers=("torchao AdamWFp8",)),
+    Cell(
+        name="fp32 / - / fp8", config=_config(optimizer_states="fp8"), peers=("torchao AdamWFp8",)
+    ),
     Cell(
         name="fp32 / - / int8",
         config=_config(optimizer_states="int8"),
@@ -133,6 +160,8 @@ class Case:
     zero_grad: Callable[[], None]
     bytes_per_param: float
     grads_kept: bool = True
+    parts: dict[str, list[float]] | None = None
+    """Milliseconds of named parts of each step (timed inside it), where the case has any."""
 
 
 def _params(shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -143,7 +172,11 @@ def _params(shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
     ]
 
 
-def dtypeplan_case(cell: Cell, shapes: list[torch.Size]) -> Case:
+STAGED = " [staged, as on an accelerator]"
+"""Suffix of the offloaded case run through the accelerator's pipeline (``HostOffload.staged``)."""
+
+
+def dtypeplan_case(cell: Cell, shapes: list[torch.Size], staged: bool = False) -> Case:
     plan = dtypeplan.resolve(cell.config)
     params = _params(shapes, torch.float32)
     opt = plan.build(params)
@@ -153,13 +186,44 @@ def dtypeplan_case(cell: Cell, shapes: list[torch.Size]) -> Case:
     kahan = 2 * 2 if plan.master_rounding == "kahan" else 0
     param_write = plan.param_dtype.itemsize if plan.param_dtype != plan.master_dtype else 0
     accumulate = plan.grad_accum_dtype.itemsize
-    return Case(
+    case = Case(
         name=f"dtypeplan {cell.name}",
         params=params,
         step=opt.step,
         zero_grad=opt.zero_grad,
         bytes_per_param=accumulate + 2 * master + kahan + 2 * state_bytes + param_write,
     )
+    offload = getattr(opt, "offload", None)
+    if offload is not None:
+        # Offloaded masters never alias the parameters: the host step writes them (4 B/param).
+        case.bytes_per_param += 4
+        case.parts = {"host step": []}
+        _time_part(offload, "step", case.parts["host step"])
+        if staged:
+            # The accelerator's pipeline: its copies are DMA there, so the host's own work is
+            # the update of the master chunks (``FlatAdamUpdate.bucket``), DeepSpeedCPUAdam's job.
+            offload.staged = True
+            case.name += STAGED
+            case.parts["host update"] = []
+            update = opt._adam_update  # type: ignore[attr-defined]
+            _time_part(update, "bucket", case.parts["host update"])
+    return case
+
+
+def _time_part(owner: Any, method: str, into: list[float]) -> None:
+    """Wrap ``owner.method`` so that every call appends its wall milliseconds to ``into``."""
+    import time
+
+    inner = getattr(owner, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into.append((time.perf_counter() - begin) * 1e3)
+
+    setattr(owner, method, timed)
 
 
 def _state_name(dtype: Any) -> str:
@@ -205,6 +269,8 @@ PEER_BYTES = {
     "bitsandbytes AdamW8bit": 4 + 8 + 4 * STATE_BYTES["int8"],
     "DeepSpeedCPUAdam": 4 + 8 + 16,
 }
+PART_BYTES = {"host update": 4 + 8 + 16}
+"""The master chunks' update alone: read the gradient, read and write master and moments."""
 PEER_PARAM_DTYPE = {
     "torch fused bf16": torch.bfloat16,
     "torchao AdamW bf16 stochastic": torch.bfloat16,
@@ -239,7 +305,11 @@ def run_case(case: Case, grads: list[torch.Tensor], iters: int, clock: Any) -> l
 
     times: list[float] = []
     for _ in range(iters):
+        parts = list((case.parts or {}).values())
+        before = [len(part) for part in parts]
         times += time_steps(prepare, case.step, CPU, 1, clock=clock)
+        for part, begin in zip(parts, before, strict=True):  # a part called per chunk: sum
+            part[begin:] = [sum(part[begin:])]
         for param, copy, grad in zip(case.params, given, grads, strict=True):
             if not torch.equal(copy, grad.to(param.dtype)):
                 case.grads_kept = False
@@ -257,9 +327,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cells", default="", help="comma-separated cell names (default all)")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler breakdown of the offloaded step"
+    )
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.rounds, args.warmup = 2, 256, 3, 2
+    # DeepSpeed's op reads it when its OpenMP runtime starts (before the op loads).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     clock = {"wall": time.perf_counter, "thread": time.thread_time}[args.clock]
     wanted = {c.strip() for c in args.cells.split(",") if c.strip()}
@@ -276,6 +351,9 @@ def main() -> None:
     for cell in cells:
         case = dtypeplan_case(cell, shapes)
         cases[case.name] = case
+        if case.parts:  # offloaded: also through the accelerator's pipeline
+            staged = dtypeplan_case(cell, shapes, staged=True)
+            cases[staged.name] = staged
         for peer in cell.peers:
             if peer in cases:
                 continue
@@ -284,9 +362,13 @@ def main() -> None:
                 notes.append(f"{peer}: not installed here, its rows are left out")
             else:
                 cases[peer] = built
-    print(f"{len(cases)} cases, {numel / 1e6:.1f} M parameters, {args.threads} thread(s)", flush=True)
+    print(
+        f"{len(cases)} cases, {numel / 1e6:.1f} M parameters, {args.threads} thread(s)", flush=True
+    )
     for case in cases.values():  # first steps make the states and compile the peers' kernels
         run_case(case, grads, args.warmup, clock)
+        for part in (case.parts or {}).values():
+            part.clear()
     times: dict[str, list[float]] = {name: [] for name in cases}
     copy_times: list[float] = []
     src = torch.empty(max(numel, 1 << 24)).normal_()
@@ -296,65 +378,149 @@ def main() -> None:
         for name, case in cases.items():
             times[name] += run_case(case, grads, 1, clock)
             if not all(torch.equal(g, s) for g, s in zip(grads, source, strict=True)):
-                raise RuntimeError(f"{name} changed the shared source gradients (round {round_index})")
+                raise RuntimeError(
+                    f"{name} changed the shared source gradients (round {round_index})"
+                )
         print(f"round {round_index + 1}/{args.rounds}", flush=True)
     copy_bps = 2 * src.numel() * src.element_size() / (statistics.median(copy_times) * 1e-3)
 
     rows: list[dict[str, Any]] = []
     for cell in cells:
         peers = [p for p in cell.peers if p in cases]
-        for name in [f"dtypeplan {cell.name}", *peers]:
-            case = cases[name]
-            ms = statistics.median(times[name])
-            floor_ms = numel * case.bytes_per_param / copy_bps * 1e3
-            peer_ms = statistics.median(times[peers[0]]) if peers else None
+        mine = cases[f"dtypeplan {cell.name}"]
+        timed = []
+        part_bytes: dict[str, float | None] = {}
+        for variant in (mine, cases.get(mine.name + STAGED)):
+            if variant is None:
+                continue
+            timed.append((variant.name, variant, times[variant.name]))
+            for part_name, part_times in (variant.parts or {}).items():
+                timed.append((f"{variant.name} ({part_name})", variant, part_times))
+                part_bytes[f"{variant.name} ({part_name})"] = PART_BYTES.get(part_name)
+        timed += [(p, cases[p], times[p]) for p in peers]
+        peer_ms = statistics.median(times[peers[0]]) if peers else None
+        for method, timed_case, case_times in timed:
+            ms = statistics.median(case_times)
+            nbytes = part_bytes.get(method) or timed_case.bytes_per_param
+            floor_ms = numel * nbytes / copy_bps * 1e3
             rows.append(
                 {
                     "cell": cell.name,
-                    "method": name,
+                    "method": method,
                     "ms": round(ms, 2),
                     "x peer": round(ms / peer_ms, 2) if peer_ms else None,
-                    "B/param": round(case.bytes_per_param, 2),
+                    "B/param": round(nbytes, 2),
                     "x floor": round(ms / floor_ms, 2),
-                    "grads kept": case.grads_kept,
+                    "grads kept": timed_case.grads_kept,
                 }
             )
+        if "DeepSpeedCPUAdam" in peers:
+            ds_case = cases["DeepSpeedCPUAdam"]
+            diff = max(
+                (a - b).abs().max().item() for a, b in zip(mine.params, ds_case.params, strict=True)
+            )
+            notes.append(
+                f"{cell.name}: after the same {args.warmup + args.rounds} steps on the same "
+                f"gradients, dtypeplan's parameters differ from DeepSpeedCPUAdam's by at most "
+                f"{diff:.3g} (different fp32 operation order; parameters ~0.02)"
+            )
+    sections = []
+    profile = _profile(cells, cases, grads) if args.profile else ""
+    if profile:
+        sections.append(("Where the offloaded step's time goes (torch.profiler)", profile))
     columns = ["cell", "method", "ms", "x peer", "B/param", "x floor", "grads kept"]
     table = format_table(rows, columns)
     print(table)
-    config = {**vars(args), "numel": numel, "copy_bytes_per_s": copy_bps}
-    summary = {
-        row["cell"]: row["x peer"] for row in rows if row["method"].startswith("dtypeplan")
+    config = {
+        **vars(args),
+        "numel": numel,
+        "copy_bytes_per_s": copy_bps,
+        "omp_threads": _omp_threads(),
     }
+    summary = {
+        row["method"].removeprefix("dtypeplan "): row["x peer"]
+        for row in rows
+        if row["method"].startswith("dtypeplan")
+    }
+    if profile:
+        print(profile)
     if not args.no_write:
+        # A run of some cells, or at other thread counts, must not overwrite the full table.
+        name = "precision_peers" + "".join(f"_{_slug(c.name)}" for c in cells if wanted)
+        name += f"_t{args.threads}" if args.threads != 1 else ""
+        parts = {c.name: c.parts for c in cases.values() if c.parts}
         out = write_result(
-            "precision_peers",
+            name,
             out=args.out,
             env=env,
             config=config,
-            sections=[("Step time by cell, against its peer", table)],
-            data={"rows": rows, "times_ms": times, "copy_ms": copy_times},
+            sections=[("Step time by cell, against its peer", table), *sections],
+            data={"rows": rows, "times_ms": times, "parts_ms": parts, "copy_ms": copy_times},
             notes=notes,
         )
-        _plot(rows, args, env)
+        _plot(rows, args, env, name)
         print(f"wrote {out}.md", flush=True)
     finish({"x_peer": summary, "notes": notes})
 
 
-def _plot(rows: list[dict[str, Any]], args: Any, env: dict[str, Any]) -> None:
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _omp_threads() -> int | None:
+    """Threads the process's OpenMP runtime (shared by torch and DeepSpeed's op) will use."""
+    import ctypes
+
+    try:
+        return int(ctypes.CDLL("libgomp.so.1").omp_get_max_threads())
+    except OSError:
+        return None
+
+
+def _profile(cells: list[Cell], cases: dict[str, Case], grads: list[torch.Tensor]) -> str:
+    """Self CPU ms per step by op (top 10) of each offloaded dtypeplan case, over 3 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sections = []
+    for cell in cells:
+        case = cases[f"dtypeplan {cell.name}"]
+        if not case.parts:
+            continue
+        totals: dict[str, list[float]] = {}  # op -> [calls, self microseconds]
+        for _ in range(3):
+            case.zero_grad()
+            for param, grad in zip(case.params, grads, strict=True):
+                param.grad = grad.clone()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the step alone
+                case.step()
+            for e in prof.key_averages():
+                total = totals.setdefault(e.key, [0.0, 0.0])
+                total[0] += e.count
+                total[1] += e.self_cpu_time_total
+        ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)
+        everything = sum(us for _, us in totals.values())
+        lines = [f"{case.name}: `opt.step()` alone, 3 steps", ""]
+        lines += ["| op | calls / step | self ms / step | share |", "| --- | --- | --- | --- |"]
+        for key, (calls, us) in ranked[:10]:
+            lines.append(f"| {key} | {calls / 3:g} | {us / 3e3:.1f} | {us / everything:.0%} |")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
+
+
+def _plot(rows: list[dict[str, Any]], args: Any, env: dict[str, Any], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mine = [r for r in rows if r["method"].startswith("dtypeplan") and r["x peer"] is not None]
+    mine = [r for r in rows if r["method"] == f"dtypeplan {r['cell']}" and r["x peer"] is not None]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(mine) + 1.5))
     ax.barh([r["cell"] for r in mine], [r["x peer"] for r in mine], color="tab:blue")
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("dtypeplan step time / peer step time (log; 1 = as fast as the peer)")
     ax.invert_yaxis()
-    save_figure(fig, args.out, "precision_peers", env["date"])
+    save_figure(fig, args.out, name, env["date"])
 
 
 if __name__ == "__main__":

@@ -120,15 +120,18 @@ def test_offloaded_step_adds_no_host_sync_and_waits_once_per_chunk(group: dict[s
     """No read of a device value (the counter of tests/test_host_syncs.py) in an offloaded
     bf16 step; the offload itself waits for the device once per bucket chunk (its gradient's
     copy), once per parameter slot written again (C - 2 of C chunks), once for the step's
-    gradient factor and once after the last upload."""
+    gradient factor and once after the last upload (the staged pipeline, as on an
+    accelerator); unstaged (the CPU's own step) only for the factor."""
     for rank in group["per_rank"]:
         for result in rank["syncs"]:
             assert result["ok"], result
             value = result["value"]
             assert value["chunks"] > 2, value  # several chunks: the pipeline turns its slots
-            assert value["logs"] == [[], []], value
+            assert value["logs"] == [[], [], []], value
             chunks = value["chunks"]
             assert value["waits"] == [chunks + (chunks - 2) + 2] * 2, value
+            # Where the device is the host nothing travels: only the factor's wait is left.
+            assert value["unstaged_waits"] == [1], value
 
 
 def _ok(result: dict[str, Any]) -> Any:
@@ -182,22 +185,30 @@ def test_checkpoints_reshard_across_world_sizes(
 def test_one_process_offload_is_the_plain_update_bit_for_bit() -> None:
     """With one process the host step is the same fused kernel on the same fp32 values: the
     parameters, masters and states equal the non-offloaded run's exactly, for Adam (per bucket
-    chunk) and SGD with momentum (one inner.step() on the host), at every parameter dtype."""
+    chunk) and SGD with momentum (one inner.step() on the host), at every parameter dtype:
+    through the accelerator's staged pipeline (host slots, copies) and the CPU's own unstaged
+    step (the update reads the gradient chunk in place and writes the parameters in its pass)."""
     for precision in ("fp32", "bf16", "fp16"):
         for optimizer in ("adamw", "sgd"):
             runs = []
-            for offload in (True, False):
+            for offload, staged in ((False, None), (True, True), (True, False)):
                 plan = dtypeplan.resolve(cases.offload_config(precision, 2, offload, optimizer))
                 model = plan.prepare_model(make_model(0))
                 opt = plan.build(model.parameters())
+                if offload:
+                    assert opt.offload.staged is False  # the CPU's default
+                    opt.offload.staged = staged
                 ckpt.train(model, opt, range(3))
                 runs.append((list(model.parameters()), opt.full_state()))
-            (params, state), (plain_params, plain_state) = runs
-            for mine, ref in zip(params, plain_params, strict=True):
-                assert torch.equal(mine, ref), (precision, optimizer)
-            assert state.keys() == plain_state.keys()
-            for key, value in state.items():
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(plain_state[key])), key
+            (plain_params, plain_state), *offloaded = runs
+            for staged, (params, state) in zip((True, False), offloaded, strict=True):
+                where = (precision, optimizer, f"staged={staged}")
+                for mine, ref in zip(params, plain_params, strict=True):
+                    assert torch.equal(mine, ref), where
+                assert state.keys() == plain_state.keys(), where
+                for key, value in state.items():
+                    expected = torch.as_tensor(plain_state[key])
+                    assert torch.equal(torch.as_tensor(value), expected), (where, key)
 
 
 def test_offloaded_tensors_are_on_the_host_and_none_on_the_device() -> None:

@@ -93,15 +93,17 @@ def sync_count(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
 
     run_step()
-    logs, waits = [], []
-    for _ in range(2):
+    logs, waits, unstaged = [], [], []
+    for staged in (True, True, False):
+        # Staged: the accelerator's pipeline (slots, copies, waits), run on the CPU.
+        opt.offload.staged = staged
         before = opt.offload.device_waits
         with count_host_syncs() as log:
             run_step()
         logs.append(log)
-        waits.append(opt.offload.device_waits - before)
+        (waits if staged else unstaged).append(opt.offload.device_waits - before)
     chunks = sum(len(state.masters) for state in opt.groups)
-    return {"logs": logs, "waits": waits, "chunks": chunks}
+    return {"logs": logs, "waits": waits, "unstaged_waits": unstaged, "chunks": chunks}
 
 
 def offload_group(
