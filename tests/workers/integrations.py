@@ -1,0 +1,296 @@
+"""Training frameworks (HF Trainer, Accelerate, Lightning) on spawned ranks (issue 20).
+
+Every case trains the same tiny GPT-2 (tests/workers/real_models.build_model, no dropout) on
+the same seeded token data for ``STEPS`` optimizer steps of ``ACCUM`` micro-batches, three
+ways in one framework: dtypeplan uninterrupted (saving the framework's checkpoint at step
+``SAVE_AT`` and the weights at the end), dtypeplan resumed from that checkpoint in a fresh
+model and framework object, and the framework's plain run with torch AdamW in fp32 (under the
+framework's DDP) and the same schedule. It returns plain data; the test module compares.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtypeplan.integrations._common import find_optimizer
+
+VOCAB, SEQ = 128, 16
+STEPS, SAVE_AT, ACCUM, MICRO = 6, 3, 2, 2
+LR, WARMUP, WEIGHT_DECAY = 3e-3, 2, 0.01
+MAX_GRAD_NORM = 0.5
+"""Below the tiny GPT-2's gradient norms (about 1-3 at these steps): every step clips."""
+
+HF_ZERO_CONFIG = "tests/data/deepspeed_configs/hf_transformers__ds_config_zero2.json"
+"""The HF docs' ds_config_zero2.json, every optimizer, scheduler, batch and precision value
+"auto"; the cases set its stage and drop its optimizer offload (a separate table cell)."""
+
+
+def token_data(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (count, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def hf_config(stage: int) -> dict[str, Any]:
+    """The HF docs' config at ``stage``, with a WarmupDecayLR (total_num_steps "auto" too)."""
+    import json
+
+    with open(HF_ZERO_CONFIG, encoding="utf-8") as handle:
+        config = json.load(handle)
+    zero = config["zero_optimization"]
+    zero["stage"] = stage
+    del zero["offload_optimizer"]
+    config["scheduler"] = {
+        "type": "WarmupDecayLR",
+        "params": {key: "auto" for key in ("warmup_min_lr", "warmup_max_lr")}
+        | {"warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"},
+    }
+    return config
+
+
+def reference_schedule(optimizer: torch.optim.Optimizer) -> Any:
+    """The schedule the config's WarmupDecayLR gives, on the reference's torch AdamW."""
+    from dtypeplan.schedulers import build_scheduler
+
+    block = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": LR,
+            "warmup_num_steps": WARMUP,
+            "total_num_steps": STEPS,
+            "warmup_type": "linear",
+        },
+    }
+    return build_scheduler(block, optimizer)
+
+
+def master_bits(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Each tensor's fp32 bits (for a bitwise comparison in the parent)."""
+    return {
+        name: tensor.detach().float().contiguous().view(torch.int32).flatten().tolist()
+        for name, tensor in sorted(state.items())
+    }
+
+
+# --- HF Trainer ----------------------------------------------------------------------------------
+
+
+def _training_args(output_dir: str, dtype: str, **overrides: Any) -> Any:
+    import transformers
+
+    values: dict[str, Any] = dict(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        warmup_steps=WARMUP,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        bf16=dtype == "bf16",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return transformers.TrainingArguments(**values)
+
+
+def _recording(base: type) -> type:
+    """``base`` recording each micro-batch's loss (the Trainer's logged loss is rounded and
+    averaged over ranks) and, at each step, the optimizer's own gradient norm."""
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.losses: list[float] = []
+
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            self.losses.append(float(loss))
+            return loss
+
+    return Recording
+
+
+def _norm_callback() -> Any:
+    import transformers
+
+    class OptimizerNorms(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.norms: list[float | None] = []
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.norms.append(None)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            optimizer = find_optimizer(kwargs.get("optimizer"))
+            if optimizer is not None:
+                self.norms[-1] = optimizer.grad_norm
+
+    return OptimizerNorms()
+
+
+def trainer_case(root: str, stage: int, dtype: str, world: int) -> dict[str, Any]:
+    import transformers
+
+    from dtypeplan.integrations import DtypeplanTrainer
+    from tests.workers.real_models import build_model
+
+    name = f"trainer-stage{stage}-{dtype}"
+    out = os.path.join(root, name)
+    data = token_data(STEPS * ACCUM * MICRO * world)
+    config = hf_config(stage)
+    result: dict[str, Any] = {}
+
+    def run(resume: str | None, output_dir: str) -> Any:
+        callback = _norm_callback()
+        trainer = _recording(DtypeplanTrainer)(
+            model=build_model("gpt2"),
+            args=_training_args(output_dir, dtype),
+            train_dataset=data,
+            dtypeplan_config=config,
+            callbacks=[callback],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.callback_norms = callback.norms
+        return trainer
+
+    full = run(None, out)
+    optimizer = full.dtypeplan_optimizer
+    result["plan"] = {
+        "stage": full.plan.zero_stage,
+        "param_dtype": str(full.plan.param_dtype),
+        "accum": str(full.plan.grad_accum_dtype),
+        "clip": full.plan.gradient_clipping,
+    }
+    result["losses"] = full.losses
+    logged = [e["grad_norm"] for e in full.state.log_history if "grad_norm" in e]
+    result["logged_norms"] = logged
+    result["optimizer_norms"] = full.callback_norms
+    result["lrs"] = [e["learning_rate"] for e in full.state.log_history if "learning_rate" in e]
+    ours = optimizer.full_state()  # collective; torch's parameter order
+    full.save_model(os.path.join(out, "final"))
+    exported = full_export(optimizer, full.model)
+    result["final_masters"] = master_bits(exported)
+    dist.barrier()
+    result["saved_weights"] = _saved_weights(os.path.join(out, "final"), exported)
+    result["expected_names"] = sorted(
+        n for n, _ in build_model("gpt2").named_parameters(remove_duplicate=False)
+    )
+
+    resumed = run(os.path.join(out, f"checkpoint-{SAVE_AT}"), os.path.join(root, name + "-r"))
+    result["resumed_losses"] = resumed.losses
+    result["resumed_logged_norms"] = [
+        e["grad_norm"] for e in resumed.state.log_history if "grad_norm" in e
+    ]
+    result["resumed_masters"] = master_bits(full_export(resumed.dtypeplan_optimizer, resumed.model))
+
+    reference = _recording(transformers.Trainer)
+    model = build_model("gpt2")
+    ref_opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WEIGHT_DECAY
+    )
+    ref = reference(
+        model=model,
+        args=_training_args(os.path.join(root, name + "-ref"), "fp32", save_strategy="no"),
+        train_dataset=data,
+        optimizers=(ref_opt, reference_schedule(ref_opt)),
+    )
+    ref.train()
+    result.update(state_errors(ours, ref_opt))
+    result["ref_losses"] = ref.losses
+    result["ref_logged_norms"] = [e["grad_norm"] for e in ref.state.log_history if "grad_norm" in e]
+    result["ref_lrs"] = [e["learning_rate"] for e in ref.state.log_history if "learning_rate" in e]
+    return result
+
+
+def state_errors(ours: dict[str, Any], reference: torch.optim.Optimizer) -> dict[str, float]:
+    """Relative L2 distance of the master weights and of Adam's first moment (linear in the
+    gradients: a clip factor missing on one side shows at full size) from the reference's."""
+    params = [p for group in reference.param_groups for p in group["params"]]
+    out: dict[str, float] = {}
+    for key, name in (("master_rel", "master"), ("exp_avg_rel", "exp_avg")):
+        diff = size = 0.0
+        for i, param in enumerate(params):
+            ref = param.detach() if name == "master" else reference.state[param][name]
+            mine = ours[f"param.{i}.{name}"]
+            assert isinstance(mine, torch.Tensor)
+            diff += float((mine.flatten() - ref.flatten().float()).square().sum())
+            size += float(ref.float().square().sum())
+        out[key] = (diff / size) ** 0.5
+    return out
+
+
+def full_export(optimizer: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from dtypeplan.checkpoint import export_model_state
+
+    return export_model_state(optimizer, model)
+
+
+def _saved_weights(directory: str, exported: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """What ``save_pretrained`` wrote: reloaded with ``from_pretrained`` (rank 0 reads)."""
+    import transformers
+
+    # The file holds fp32 masters; the config records the model's bf16, so ask for fp32.
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32)
+    names = sorted(name for name, _ in model.named_parameters(remove_duplicate=False))
+    from safetensors.torch import load_file
+
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    out: dict[str, Any] = {
+        "names": names,
+        "stored_dtypes": sorted({str(t.dtype) for t in stored.values()}),
+    }
+    if exported is not None:
+        state = dict(model.named_parameters(remove_duplicate=False))
+        out["missing"] = sorted(set(exported) - set(state))
+        out["equal"] = all(torch.equal(state[n].detach(), exported[n]) for n in exported)
+    return out
+
+
+# --- entry ---------------------------------------------------------------------------------------
+
+
+def _env(rank: int, world: int) -> None:
+    # Accelerate (inside TrainingArguments) reads the launcher's variables; the spawn harness
+    # made the group already, so these only describe it.
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
+
+
+RUNNERS = {"trainer": trainer_case}
+
+
+def run_cases(rank: int, world: int, root: str, cases: list[tuple[str, int, str]]) -> Any:
+    """Each ``(framework, stage, dtype)`` case on this rank; an error is returned as text so
+    that one case's failure does not hide the others'."""
+    _env(rank, world)
+    results: dict[str, Any] = {}
+    for framework, stage, dtype in cases:
+        key = f"{framework}-stage{stage}-{dtype}"
+        try:
+            results[key] = RUNNERS[framework](root, stage, dtype, world)
+        except Exception:  # noqa: BLE001 - reported per case to the parent
+            results[key] = traceback.format_exc()
+        dist.barrier()
+    return results
