@@ -260,12 +260,155 @@ def _saved_weights(directory: str, exported: dict[str, torch.Tensor] | None) -> 
     return out
 
 
+# --- Accelerate ---------------------------------------------------------------------------------
+
+
+def plan_config(stage: int, dtype: str) -> dict[str, Any]:
+    """A config with the workers' hyperparameters and schedule (no "auto")."""
+    config: dict[str, Any] = {
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0,
+                "warmup_max_lr": LR,
+                "warmup_num_steps": WARMUP,
+                "total_num_steps": STEPS,
+                "warmup_type": "linear",
+            },
+        },
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _loader(world: int) -> Any:
+    data = token_data(STEPS * ACCUM * MICRO * world)
+    return torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
+
+
+def _accelerate_run(
+    accelerator: Any, model: Any, optimizer: Any, scheduler: Any, world: int,
+    load_from: str | None, save_to: str | None, prepare_scheduler: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The recipe's loop, recording each micro-batch's loss and each step's norm. The
+    reference's scheduler is stepped by hand once per optimizer step, as DeepSpeed (and
+    DtypeplanAccelerator) step a config's schedule; Accelerate would step it once per rank."""
+    if prepare_scheduler:
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, _loader(world), scheduler
+        )
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, _loader(world))
+    out: dict[str, Any] = {"losses": [], "norms": [], "optimizer_norms": []}
+    out["ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    skip = 0
+    if load_from is not None:
+        accelerator.load_state(load_from)
+        skip = SAVE_AT * ACCUM
+        loader = accelerator.skip_first_batches(loader, skip)
+    step = skip // ACCUM
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            out["losses"].append(float(loss))
+            if accelerator.sync_gradients:
+                out["norms"].append(
+                    float(accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM))
+                )
+            optimizer.step()
+            if prepare_scheduler or accelerator.sync_gradients:
+                scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            step += 1
+            own = find_optimizer(optimizer)
+            out["optimizer_norms"].append(None if own is None else own.grad_norm)
+            if save_to is not None and step == SAVE_AT:
+                accelerator.save_state(save_to)
+                own = find_optimizer(optimizer)
+                assert own is not None
+                out["saved_export"] = full_export(own, accelerator.unwrap_model(model))
+    out["optimizer"] = optimizer
+    out["model"] = accelerator.unwrap_model(model)
+    return out
+
+
+def accelerate_case(root: str, stage: int, dtype: str, world: int) -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    import dtypeplan
+    from dtypeplan.integrations import DtypeplanAccelerator
+    from tests.workers.real_models import build_model
+
+    name = f"accelerate-stage{stage}-{dtype}"
+    ckpt = os.path.join(root, name, "ckpt")
+
+    def dtypeplan_run(load_from: str | None, save_to: str | None) -> dict[str, Any]:
+        accelerator = DtypeplanAccelerator(gradient_accumulation_steps=ACCUM)
+        plan = dtypeplan.resolve(plan_config(stage, dtype))
+        model = plan.prepare_model(build_model("gpt2"))
+        optimizer = plan.build(model.parameters())
+        scheduler = plan.build_scheduler(optimizer)
+        return _accelerate_run(accelerator, model, optimizer, scheduler, world, load_from, save_to)
+
+    full = dtypeplan_run(None, ckpt)
+    optimizer = find_optimizer(full["optimizer"])
+    assert optimizer is not None
+    result: dict[str, Any] = {
+        "losses": full["losses"],
+        "logged_norms": full["norms"],
+        "optimizer_norms": full["optimizer_norms"],
+        "ddp": full["ddp"],
+    }
+    ours = optimizer.full_state()
+    exported = full_export(optimizer, full["model"])
+    result["final_masters"] = master_bits(exported)
+    result["saved_weights"] = _state_file_weights(ckpt, full["saved_export"])
+    result["expected_names"] = sorted(
+        n for n, _ in build_model("gpt2").named_parameters(remove_duplicate=False)
+    )
+    resumed = dtypeplan_run(ckpt, None)
+    result["resumed_losses"] = resumed["losses"]
+    own = find_optimizer(resumed["optimizer"])
+    assert own is not None
+    result["resumed_masters"] = master_bits(full_export(own, resumed["model"]))
+
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUM)  # default kwargs: DDP
+    model = build_model("gpt2")
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    schedule = reference_schedule(ref_opt)
+    ref = _accelerate_run(accelerator, model, ref_opt, schedule, world, None, None, False)
+    result.update(state_errors(ours, ref_opt))
+    result["ref_losses"] = ref["losses"]
+    result["ref_logged_norms"] = ref["norms"]
+    result["ref_ddp"] = ref["ddp"]
+    return result
+
+
+def _state_file_weights(directory: str, exported: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The model file ``save_state`` wrote (safetensors), against the exported masters."""
+    from safetensors.torch import load_file
+
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    return {
+        "names": sorted(stored),
+        "stored_dtypes": sorted({str(t.dtype) for t in stored.values()}),
+        "missing": sorted(set(exported) - set(stored)),
+        "equal": all(torch.equal(stored[n], exported[n]) for n in exported if n in stored),
+    }
+
+
 # --- entry ---------------------------------------------------------------------------------------
 
 
 def _env(rank: int, world: int) -> None:
-    # Accelerate (inside TrainingArguments) reads the launcher's variables; the spawn harness
-    # made the group already, so these only describe it.
+    # Accelerate (also inside TrainingArguments) reads the launcher's variables; the spawn
+    # harness made the group already, so these only describe it. ACCELERATE_USE_CPU is what
+    # `accelerate launch --cpu` sets: without it Accelerate takes CPU ranks for one process.
     os.environ.update(
         {
             "RANK": str(rank),
@@ -274,11 +417,12 @@ def _env(rank: int, world: int) -> None:
             "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500",
+            "ACCELERATE_USE_CPU": "true",
         }
     )
 
 
-RUNNERS = {"trainer": trainer_case}
+RUNNERS = {"trainer": trainer_case, "accelerate": accelerate_case}
 
 
 def run_cases(rank: int, world: int, root: str, cases: list[tuple[str, int, str]]) -> Any:
