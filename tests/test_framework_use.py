@@ -28,3 +28,36 @@ def test_build_without_a_group_under_a_multi_rank_launcher_is_refused(
         plan.build(model.parameters())
     monkeypatch.setenv("WORLD_SIZE", "1")
     plan.build(plan.prepare_model(model).parameters()).close()
+
+
+DDP_CASES = [
+    # stage, bf16 params + fp32 accumulation, DDP's options, micro-batches per step
+    {"stage": 0, "bf16": True, "micro_batches": 1},
+    {"stage": 1, "bf16": False, "bucket_view": True, "micro_batches": 2, "no_sync": True},
+    {"stage": 1, "bf16": True, "micro_batches": 2},  # every micro-batch synchronized
+    {"stage": 2, "bf16": True, "find_unused": True, "micro_batches": 1},  # the HF Trainer's
+    {"stage": 2, "bf16": False, "static_graph": True, "bucket_view": True, "micro_batches": 2},
+]
+DDP_DEFAULTS = {"bucket_view": False, "find_unused": False, "static_graph": False, "no_sync": False}
+
+
+def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
+    """DDP around parameters the optimizer owns (Accelerate, Lightning 32-true, the Trainer):
+    the same losses and parameters, bit for bit, as without DDP, the same gradient-sized
+    collectives on the wire (DDP's buckets go nowhere), no .grad left after backward, and no
+    "set by hand" error at step. A DDP with a communication hook of its own is refused."""
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import ddp_cases
+
+    cases = [{**DDP_DEFAULTS, **case} for case in DDP_CASES]
+    cases.append({**DDP_DEFAULTS, "stage": 1, "bf16": True, "micro_batches": 1, "own_hook": True})
+    for rank_results in spawn(ddp_cases, 2, cases):
+        *compared, refused = rank_results
+        assert "communication hook of its own" in refused
+        for case, (wrapped, bare) in zip(cases, compared, strict=False):
+            assert wrapped["losses"] == bare["losses"], case
+            for mine, theirs in zip(wrapped["params"], bare["params"], strict=True):
+                assert torch.equal(mine, theirs), case
+            assert wrapped["wire"] == bare["wire"], case
+            assert bare["wire"], "the profiler saw the optimizer's own collectives"
+            assert not any(wrapped["grads_after_backward"]), case
