@@ -7,6 +7,8 @@ here is one such thing done to a model and optimizer of dtypeplan without any in
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -61,3 +63,35 @@ def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
             assert wrapped["wire"] == bare["wire"], case
             assert bare["wire"], "the profiler saw the optimizer's own collectives"
             assert not any(wrapped["grads_after_backward"]), case
+
+
+class _TakesMany(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, extra: dict, ids: torch.Tensor, *, scale: torch.Tensor):
+        assert ids.dtype == torch.long
+        return self.linear(x) + self.linear(extra["y"][0]) * scale + ids
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_prepare_model_casts_floating_forward_inputs(stage: int) -> None:
+    """As FSDP2's cast_forward_inputs: floating tensors (positional, keyword, nested) to the
+    parameter dtype; integer ones untouched; preparing twice installs one cast."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    model = plan.prepare_model(plan.prepare_model(_TakesMany()))
+    out = model(
+        torch.randn(4, 3),
+        {"y": [torch.randn(4, 3, dtype=torch.float64)]},
+        torch.ones(4, 2, dtype=torch.long),
+        scale=torch.tensor(2.0),
+    )
+    assert out.dtype == torch.bfloat16
+    assert len(model._forward_pre_hooks) == 1
+    twin = copy.deepcopy(model)
+    ids = torch.ones(4, 2, dtype=torch.long)
+    out = twin(torch.randn(4, 3), {"y": [torch.randn(4, 3)]}, ids, scale=torch.tensor(1.0))
+    assert out.dtype == torch.bfloat16
+    dtypeplan.resolve({"zero_optimization": {"stage": stage}}).prepare_model(model)
+    assert not model._forward_pre_hooks
