@@ -8,6 +8,7 @@ here is one such thing done to a model and optimizer of dtypeplan without any in
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -95,3 +96,73 @@ def test_prepare_model_casts_floating_forward_inputs(stage: int) -> None:
     assert out.dtype == torch.bfloat16
     dtypeplan.resolve({"zero_optimization": {"stage": stage}}).prepare_model(model)
     assert not model._forward_pre_hooks
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _trained(model: torch.nn.Module, stage: int) -> torch.nn.Module:
+    """``model`` prepared and built at ``stage`` in bf16, after one step (so the parameters
+    are the flat buffer's views and hold values the optimizer wrote)."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    model = plan.prepare_model(model)
+    optimizer = plan.build(model.parameters(), lr=1e-2)
+    optimizer.backward(sum(p.float().pow(2).sum() for p in model.parameters()))
+    optimizer.step()
+    model._test_optimizer = optimizer  # type: ignore[assignment]  # kept alive with the model
+    return model
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_safetensors_saves_every_tensor_after_build(stage: int, tmp_path: pytest.TempPathFactory):
+    """Parameters are views into one flat buffer after build; safetensors' savers (and
+    Accelerate's, which keeps one name per storage) must still write each of them."""
+    pytest.importorskip("transformers")
+    from accelerate.utils import save as accelerate_save
+    from safetensors.torch import load_file, load_model, save_file, save_model
+
+    model = _trained(_tiny_gpt2(), stage)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    keys = set(model.state_dict())
+    tied = {"lm_head.weight", "transformer.wte.weight"}  # savers keep one of the two
+    assert len(keys - tied) == 27
+
+    def check(saved: Any) -> None:
+        assert keys - tied <= set(saved) and tied & set(saved)
+        for name in set(saved) & keys:
+            value = params.get(name, params["transformer.wte.weight"])
+            assert torch.equal(saved[name], value), name
+
+    save_model(model, str(tmp_path / "model.safetensors"))
+    check(load_file(str(tmp_path / "model.safetensors")))
+    fresh = _tiny_gpt2().to(torch.bfloat16)
+    load_model(fresh, str(tmp_path / "model.safetensors"))
+    check(dict(fresh.named_parameters()))
+
+    model.save_pretrained(str(tmp_path / "pretrained"))
+    check(load_file(str(tmp_path / "pretrained" / "model.safetensors")))
+
+    accelerate_save(model.state_dict(), str(tmp_path / "acc.safetensors"), safe_serialization=True)
+    check(load_file(str(tmp_path / "acc.safetensors")))
+
+    # save_file refuses tied tensors (safetensors' rule, with or without dtypeplan), naming
+    # only the tied pair and the way out; an untied model's state dict saves whole.
+    with pytest.raises(RuntimeError, match=r"lm_head.weight.*save_model|save_model"):
+        save_file(model.state_dict(), str(tmp_path / "tied.safetensors"))
+    mlp = _trained(make_model(0), stage)
+    save_file(mlp.state_dict(), str(tmp_path / "mlp.safetensors"))
+    loaded = load_file(str(tmp_path / "mlp.safetensors"))
+    assert loaded.keys() == mlp.state_dict().keys()
+    for name, p in mlp.named_parameters():
+        assert torch.equal(loaded[name], p.detach())
+    # the parameters themselves are untouched: still the optimizer's views
+    assert all(p.data_ptr() != loaded[n].data_ptr() for n, p in mlp.named_parameters())
+    assert model.state_dict(keep_vars=True)["lm_head.weight"] is model.lm_head.weight
