@@ -166,3 +166,17 @@ def test_safetensors_saves_every_tensor_after_build(stage: int, tmp_path: pytest
     # the parameters themselves are untouched: still the optimizer's views
     assert all(p.data_ptr() != loaded[n].data_ptr() for n, p in mlp.named_parameters())
     assert model.state_dict(keep_vars=True)["lm_head.weight"] is model.lm_head.weight
+
+
+def test_a_zero3_model_survives_what_frameworks_do_to_it() -> None:
+    """model.to(its device) / .cpu() before and after build (failed: "_apply(): Couldn't swap
+    Linear.weight", weak references on the DTensor parameters), the same losses bit for bit as
+    without; DDP around the FSDP2-sharded model refused by DDP itself as not needed (was a
+    NotImplementedError about a sharding strategy for broadcast)."""
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import zero3_handling
+
+    for result in spawn(zero3_handling, 2):
+        for bf16 in (False, True):
+            assert result[f"moved_bf16={bf16}"] == result[f"still_bf16={bf16}"]
+        assert "DistributedDataParallel is not needed" in result["ddp"]

@@ -106,8 +106,7 @@ def cooperate_with_ddp(params: Iterable[torch.Tensor]) -> bool:
 
 
 def _owned(param: torch.Tensor) -> bool:
-    owner = _ownership._OWNERS.get(param)
-    return owner is not None and owner() is not None
+    return _ownership.owner_of(param) is not None
 
 
 def _reduced_by_dtypeplan(

@@ -103,3 +103,48 @@ def ddp_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[A
             continue
         results.append((wrapped, _ddp_run(rank, case, wrapped=False)))
     return results
+
+
+def _zero3_run(rank: int, bf16: bool, moved: bool) -> list[float]:
+    config: dict[str, Any] = {
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(make_model(0))
+    device = next(model.parameters()).device
+    if moved:  # what a framework does to a model it receives, before the optimizer exists
+        model.to(device)
+    optimizer = plan.build(model.parameters())
+    losses = []
+    for step in range(4):
+        if moved:  # and after (Accelerate's prepare(model, optimizer), Lightning's setup)
+            model.to(device) if step % 2 else model.cpu()
+        x, y = make_batch(10 * step + rank, 4)
+        loss = mse(model, x, y)
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    optimizer.close()
+    return losses
+
+
+def zero3_handling(rank: int, world_size: int) -> dict[str, Any]:
+    """A ZeRO-3 model moved to its own device before and after build trains as one not moved;
+    DDP around it is refused."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for bf16 in (False, True):
+        out[f"moved_bf16={bf16}"] = _zero3_run(rank, bf16, moved=True)
+        out[f"still_bf16={bf16}"] = _zero3_run(rank, bf16, moved=False)
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 3}})
+    model = plan.prepare_model(make_model(0))
+    try:
+        DistributedDataParallel(model)
+        out["ddp"] = "wrapped"
+    except RuntimeError as exc:
+        out["ddp"] = str(exc)
+    return out
