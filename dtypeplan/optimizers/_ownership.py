@@ -63,6 +63,12 @@ class ParamWeakMap:
     def get(self, param: torch.Tensor, default: Any = None) -> Any:
         return self._map.get(weak_key(param), default)
 
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        return self._map[weak_key(param)]
+
+    def __contains__(self, param: object) -> bool:
+        return isinstance(param, torch.Tensor) and weak_key(param) in self._map
+
     def __setitem__(self, param: torch.Tensor, value: Any) -> None:
         self._map[weak_key(param)] = value
 
@@ -132,6 +138,10 @@ class HookSet:
 
     def add(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def add_pre(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        """A hook on the gradient before autograd accumulates it into ``param.grad``."""
+        self.handles.append(param.register_hook(hook))
 
     def finalize_with(self, owner: object) -> None:
         if self._finalizer is None:
