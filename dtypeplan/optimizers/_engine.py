@@ -87,6 +87,7 @@ from dtypeplan.optimizers._base import (
     is_adam,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
+from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
@@ -223,6 +224,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             ),
             bare_backward_refusal=bare_backward_refusal(plan),
         )
+        self.reductions.after_wrapped_backward = _call_weakly(self._drop_ddp_grads)
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
@@ -356,6 +358,19 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     param.grad = torch.zeros_like(param)
                     self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
 
+    def _drop_ddp_grads(self) -> None:
+        """Drop the ``.grad`` a DDP wrapper wrote at the end of backward (``_ddp.py``): the
+        zeros of a bucket that went nowhere. ``zero_grad(set_to_none=False)``'s zeros that
+        nothing wrote into stay (a gradient of zero, as without DDP)."""
+        zeros = {
+            id(grad)
+            for ref, version in self._zero_grads
+            if (grad := ref()) is not None and grad._version == version
+        }
+        for param in self.trainable_parameters():
+            if param.grad is not None and id(param.grad) not in zeros:
+                param.grad = None
+
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
@@ -431,6 +446,14 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     # gradient of zero, so the parameter is updated as torch.optim would.
                     self.reductions.window_touched[gi][pi] = True
                 elif self.reductions.sharded_accumulator:
+                    if wrappers_of([param]):
+                        raise OptimizerUsageError(
+                            "a .grad written by a DistributedDataParallel wrapper made after "
+                            "the optimizer's first backward: dtypeplan reduces the gradients "
+                            "itself and makes DDP's reduction a no-op when it finds the wrapper "
+                            "at its first backward; wrap the model before training (or do not "
+                            "wrap it: dtypeplan needs no DDP)"
+                        )
                     raise OptimizerUsageError(
                         "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, "
                         "or gradient_accumulation_dtype.sharded: true): every rank would have "
@@ -839,6 +862,18 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             first += len(flat.params)
         self._load_scalar_state(state)
         self._write_back()
+
+
+def _call_weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference (the scheduler must not keep its optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _nothing() -> None:

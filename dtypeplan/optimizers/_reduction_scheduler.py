@@ -55,6 +55,7 @@ import torch
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import chunk_sq_norms
+from dtypeplan.optimizers._ddp import cooperate_with_ddp
 from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._ownership import HookSet
 
@@ -199,6 +200,11 @@ class ReductionScheduler:
         """Per (param group, bucket): the squared norm of this rank's reduced chunk, taken
         inside the boundary backward as soon as the chunk was final (while it is still in
         cache, and off the step's critical path). The step takes the norms of the others."""
+        self._look_for_wrappers = True
+        self.ddp_wrapped = False
+        """A DDP wrapper holds the parameters (found at the first backward, ``_ddp.py``)."""
+        self.after_wrapped_backward: Callable[[], None] | None = None
+        """Run after DDP's end of backward (which writes ``.grad``), when ``ddp_wrapped``."""
         for gi, state in enumerate(groups):
             for pi, param in enumerate(state.flat.params):
                 hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
@@ -318,6 +324,11 @@ class ReductionScheduler:
 
     def _open_pass(self) -> None:
         """The first hook of a backward: queue the end-of-backward flush."""
+        if self._look_for_wrappers:
+            # Before DDP's own hook on this parameter runs, so before any bucket of DDP's is
+            # reduced: its communication hook is in place for the first one.
+            self._look_for_wrappers = False
+            self.ddp_wrapped = cooperate_with_ddp(p for s in self.groups for p in s.flat.params)
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
             if self.bare_backward_refusal is not None:
@@ -336,6 +347,12 @@ class ReductionScheduler:
         outer = torch._C._current_autograd_node()
         if outer is None:
             self._finish_backward()
+            if self.ddp_wrapped and self.after_wrapped_backward is not None:
+                # Queued now, it runs after every callback queued during backward, DDP's end
+                # of backward (which writes .grad) among them.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self.after_wrapped_backward
+                )
             return
         handles: list[torch.utils.hooks.RemovableHandle] = []
 
