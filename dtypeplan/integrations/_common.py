@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 
@@ -14,14 +16,21 @@ OPTIMIZER_DIR = "dtypeplan_optimizer"
 
 def find_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
     """The dtypeplan optimizer that ``optimizer`` is or wraps (Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer`` hold it as ``.optimizer`` /
-    ``._optimizer``), or None."""
+    ``AcceleratedOptimizer`` holds it as ``.optimizer``, Lightning's ``LightningOptimizer`` as
+    ``._optimizer``), or None.
+
+    Wrappers are unwrapped first: a ``LightningOptimizer`` is an instance of the class it wraps
+    (Lightning subclasses it on the fly) but holds a copy of its attributes taken at wrap time,
+    so reading ``grad_norm`` or clipping through it would use stale state.
+    """
     seen: set[int] = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            return optimizer
         seen.add(id(optimizer))
-        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+            continue
+        return optimizer if isinstance(optimizer, MixedPrecisionOptimizer) else None
     return None
 
 

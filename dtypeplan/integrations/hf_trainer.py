@@ -12,9 +12,8 @@ The Trainer's own extension points do the rest, as the Trainer's DeepSpeed integ
 
 * ``create_optimizer`` (run by ``train()`` after ``TrainingArguments`` made the process group,
   and after the Trainer computed the number of training steps) resolves the config with every
-  ``"auto"`` filled from the arguments (:func:`dtypeplan.auto_values_from`) and the computed
-  steps (``scheduler.params.total_num_steps``, ``warmup_num_steps`` as
-  ``TrainingArguments.get_warmup_steps`` gives them), readies the model
+  ``"auto"`` filled from the arguments and the computed steps
+  (:func:`dtypeplan.auto_values_from` with ``num_training_steps``), readies the model
   (``plan.prepare_model``: one dtype, ZeRO-3 sharding) and builds the optimizer: the config's
   ``optimizer`` block on the trainable parameters in one group (DeepSpeed's), or without one the
   optimizer the Trainer would make (``optim``, its weight-decay groups), or the one passed in
@@ -72,10 +71,8 @@ def _document(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str
 def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
     """What the HF Trainer's DeepSpeed integration fills each ``"auto"`` with, for ``args``
     (a ``TrainingArguments``) and the number of optimizer steps the Trainer computed
-    (``trainer_config_finalize``: ``total_num_steps`` and ``args.get_warmup_steps``)."""
-    auto = dtypeplan.auto_values_from(args)
-    auto["scheduler.params.total_num_steps"] = num_training_steps
-    auto["scheduler.params.warmup_num_steps"] = args.get_warmup_steps(num_training_steps)
+    (:func:`dtypeplan.auto_values_from`, plus the global batch size it writes)."""
+    auto = dtypeplan.auto_values_from(args, num_training_steps=num_training_steps)
     auto["train_batch_size"] = (
         args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     )

@@ -402,6 +402,162 @@ def _state_file_weights(directory: str, exported: dict[str, torch.Tensor]) -> di
     }
 
 
+# --- Lightning ----------------------------------------------------------------------------------
+
+
+def _lightning_module(manual: bool) -> Any:
+    import lightning
+
+    from tests.workers.real_models import build_model
+
+    class TinyGPT(lightning.LightningModule):
+        """GPT-2 with the workers' AdamW and schedule; records losses and norms."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model("gpt2")
+            self.automatic_optimization = not manual
+            self.losses: list[float] = []
+            self.grad_norms: list[float | None] = []  # .grad's norm before clipping (plain)
+            self.optimizer_norms: list[float | None] = []  # the dtypeplan optimizer's
+            self.start_export: dict[str, torch.Tensor] | None = None
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            loss = self.model(**batch).loss
+            self.losses.append(float(loss))
+            if self.automatic_optimization:
+                return loss
+            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            self.manual_backward(loss)
+            if True:
+                self._grad_norm()
+                self.clip_gradients(optimizer, MAX_GRAD_NORM, "norm")
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                self._optimizer_norm()
+            return None
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            if self.automatic_optimization:  # manual: taken before clip_gradients
+                self._grad_norm()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+            if self.automatic_optimization:
+                self._optimizer_norm()
+
+        def _grad_norm(self) -> None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            self.grad_norms.append(None if norm is None else float(norm))
+
+        def _optimizer_norm(self) -> None:
+            own = find_optimizer(self.optimizers())
+            self.optimizer_norms.append(None if own is None else own.grad_norm)
+
+        def on_train_start(self) -> None:
+            ddp = torch.nn.parallel.DistributedDataParallel
+            self.under_ddp = isinstance(self.trainer.strategy.model, ddp)
+            own = find_optimizer(self.optimizers())
+            if own is not None:
+                self.start_export = full_export(own, self)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            schedule = {"scheduler": reference_schedule(optimizer), "interval": "step"}
+            return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    return TinyGPT()
+
+
+def _lightning_fit(
+    strategy: Any, module: Any, world: int, steps: int, ckpt: str | None, manual: bool
+) -> Any:
+    import lightning
+
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        # Steps of one batch of MICRO * ACCUM samples: under accumulate_grad_batches a resume
+        # was seen to start one micro-batch early, for the plain DDP run as well.
+        accumulate_grad_batches=1,
+        gradient_clip_val=None if manual else MAX_GRAD_NORM,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
+    # Every sample the same sequence: Lightning's DistributedSampler reorders the samples by
+    # epoch, and a checkpoint saved when fit stopped at max_steps resumes mid-epoch in another
+    # order (its own plain DDP run as well: measured); with one sequence the order is moot and
+    # the comparison is of the optimizer's state.
+    data = token_data(1) * (SAVE_AT * ACCUM * MICRO * world)
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO * ACCUM, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=ckpt)
+    return trainer
+
+
+def lightning_case(root: str, stage: int, dtype: str, world: int, manual: bool = False) -> Any:
+    from dtypeplan.integrations import DtypeplanStrategy
+
+    name = f"lightning{'_manual' if manual else ''}-stage{stage}-{dtype}"
+    out = os.path.join(root, name)
+    config = plan_config(stage, dtype)
+    del config["scheduler"]  # configure_optimizers gives the schedule, as Lightning users do
+    first = _lightning_module(manual)
+    stopped = _lightning_fit(DtypeplanStrategy(config), first, world, SAVE_AT, None, manual)
+    checkpoint_file = os.path.join(out, "step3.ckpt")
+    stopped.save_checkpoint(checkpoint_file)  # every rank: the optimizer's shards
+    full = _lightning_module(manual)
+    trainer = _lightning_fit(DtypeplanStrategy(config), full, world, STEPS, None, manual)
+    optimizer = find_optimizer(trainer.strategy.optimizers[0])
+    assert optimizer is not None
+    ours = optimizer.full_state()
+    result: dict[str, Any] = {
+        "losses": full.losses,
+        "optimizer_norms": full.optimizer_norms,
+        # Lightning logs no norm of its own: the one to log is the optimizer's (float32 as
+        # self.log stores it).
+        "logged_norms": [float(torch.tensor(n, dtype=torch.float32)) for n in full.optimizer_norms],
+        "own_grad_norms": full.grad_norms,
+        "plan_stage": trainer.strategy.plan.zero_stage,
+        "ddp": full.under_ddp,
+    }
+    result["final_masters"] = master_bits(full_export(optimizer, full))
+    resumed = _lightning_module(manual)
+    again = _lightning_fit(
+        DtypeplanStrategy(config), resumed, world, STEPS, checkpoint_file, manual
+    )
+    own = find_optimizer(again.strategy.optimizers[0])
+    assert own is not None and resumed.start_export is not None
+    result["resumed_losses"] = resumed.losses
+    result["resumed_masters"] = master_bits(full_export(own, resumed))
+    stored = torch.load(checkpoint_file, weights_only=True, map_location="cpu")["state_dict"]
+    result["saved_weights"] = {
+        "names": sorted(n for n in stored if n in resumed.start_export),
+        "stored_dtypes": sorted({str(stored[n].dtype) for n in resumed.start_export}),
+        "missing": sorted(set(resumed.start_export) - set(stored)),
+        "equal": all(torch.equal(stored[n], t) for n, t in resumed.start_export.items()),
+    }
+    result["expected_names"] = sorted(
+        n for n, _ in _lightning_module(manual).named_parameters(remove_duplicate=False)
+    )
+    reference = _lightning_module(manual)
+    ref = _lightning_fit("ddp", reference, world, STEPS, None, manual)
+    result.update(state_errors(ours, ref.strategy.optimizers[0]))
+    result["ref_losses"] = reference.losses
+    result["ref_logged_norms"] = reference.grad_norms
+    result["ref_ddp"] = reference.under_ddp
+    return result
+
+
+def lightning_manual_case(root: str, stage: int, dtype: str, world: int) -> Any:
+    return lightning_case(root, stage, dtype, world, manual=True)
+
+
 # --- entry ---------------------------------------------------------------------------------------
 
 
@@ -422,7 +578,12 @@ def _env(rank: int, world: int) -> None:
     )
 
 
-RUNNERS = {"trainer": trainer_case, "accelerate": accelerate_case}
+RUNNERS = {
+    "trainer": trainer_case,
+    "accelerate": accelerate_case,
+    "lightning": lightning_case,
+    "lightning_manual": lightning_manual_case,
+}
 
 
 def run_cases(rank: int, world: int, root: str, cases: list[tuple[str, int, str]]) -> Any:
