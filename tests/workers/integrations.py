@@ -558,6 +558,85 @@ def lightning_manual_case(root: str, stage: int, dtype: str, world: int) -> Any:
     return lightning_case(root, stage, dtype, world, manual=True)
 
 
+# --- the README's recipes -------------------------------------------------------------------------
+
+
+def readme_recipes(rank: int, world: int, root: str, blocks: dict[str, str]) -> dict[str, Any]:
+    """Run each README recipe (``blocks``: framework -> code) as it is, in its own directory
+    holding the HF docs' ds_config_zero2.json as ``ds_config.json``; report what it left."""
+    import shutil
+
+    import transformers
+
+    from tests.workers.real_models import build_model
+
+    _env(rank, world)
+    config = os.path.abspath(HF_ZERO_CONFIG)
+    here = os.getcwd()
+    out: dict[str, Any] = {}
+    for framework, code in blocks.items():
+        directory = os.path.join(root, framework)
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            shutil.copy(config, os.path.join(directory, "ds_config.json"))
+        dist.barrier()
+        os.chdir(directory)
+        data = token_data(4 * MICRO * world)  # 4 steps of MICRO per rank
+        namespace: dict[str, Any] = {
+            "model": build_model("gpt2"),
+            "train_dataset": data,
+            "loader": torch.utils.data.DataLoader(data, batch_size=MICRO),
+            "module": _lightning_module(False),
+            "args": transformers.TrainingArguments(
+                output_dir="out", max_steps=4, per_device_train_batch_size=MICRO,
+                report_to=[], use_cpu=True, save_strategy="no", bf16=True, disable_tqdm=True,
+            ),
+        }  # fmt: skip
+        try:
+            exec(compile(code, f"README.md ({framework})", "exec"), namespace)
+            out[framework] = _recipe_facts(framework, namespace)
+        except Exception:  # noqa: BLE001 - reported to the parent
+            out[framework] = traceback.format_exc()
+        finally:
+            os.chdir(here)
+        dist.barrier()
+    return out
+
+
+def _recipe_facts(framework: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    if framework == "trainer":
+        trainer = namespace["trainer"]
+        optimizer = trainer.dtypeplan_optimizer
+        stored = load_file(os.path.join("out", "model.safetensors")) if dist.get_rank() == 0 else {}
+        return {
+            "steps": optimizer.step_count(),
+            "stage": trainer.plan.zero_stage,
+            "clip": optimizer.grad_norm is not None,
+            "weights": len(stored),
+            "dtypes": sorted({str(t.dtype) for t in stored.values()}),
+        }
+    if framework == "accelerate":
+        optimizer = find_optimizer(namespace["optimizer"])
+        assert optimizer is not None
+        return {
+            "steps": optimizer.step_count(),
+            "stage": optimizer.plan.zero_stage,
+            "clip": optimizer.grad_norm is not None,
+            "checkpoint": sorted(os.listdir("ckpt")),
+        }
+    trainer = namespace["trainer"]
+    optimizer = find_optimizer(trainer.strategy.optimizers[0])
+    assert optimizer is not None
+    return {
+        "steps": optimizer.step_count(),
+        "stage": optimizer.plan.zero_stage,
+        "clip": optimizer.grad_norm is not None,
+        "global_step": trainer.global_step,
+    }
+
+
 # --- entry ---------------------------------------------------------------------------------------
 
 
