@@ -64,3 +64,19 @@ def test_readme_recipe_runs_on_two_ranks(results: list[dict[str, Any]], framewor
         assert "dtypeplan_optimizer" in first["checkpoint"], first
     if framework == "lightning":
         assert first["global_step"] == 4, first
+
+
+def test_integrations_import_their_frameworks_lazily() -> None:
+    # A fresh interpreter: this one has imported the frameworks already.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dtypeplan.integrations as i\n"
+        "frameworks = ('transformers', 'accelerate', 'lightning')\n"
+        "assert not [m for m in frameworks if m in sys.modules], 'imported eagerly'\n"
+        "for name in i.__all__:\n"
+        "    assert getattr(i, name).__name__ == name\n"
+        "assert all(m in sys.modules for m in frameworks)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
