@@ -316,3 +316,29 @@ def assert_framework_case(per_rank: list[dict[str, Any]], case: str, max_grad_no
         assert weights["names"] == got["expected_names"], where
         assert not weights["missing"] and weights["equal"], (where, weights)
         assert weights["stored_dtypes"] == ["torch.float32"], (where, weights)
+
+
+README_FRAMEWORK_HEADINGS = {
+    "trainer": "### HF Trainer",
+    "accelerate": "### Accelerate",
+    "lightning": "### Lightning",
+}
+
+
+def readme_recipe_blocks() -> dict[str, str]:
+    """The first ```python block under each framework's heading of README.md's "## Training
+    frameworks" section, by framework."""
+    import os
+    import re
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme, encoding="utf-8") as handle:
+        text = handle.read()
+    section = text.split("## Training frameworks\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, str] = {}
+    for framework, heading in README_FRAMEWORK_HEADINGS.items():
+        part = section.split(heading + "\n", 1)[1]
+        found = re.search(r"```python\n(.*?)```", part, re.DOTALL)
+        assert found, f"README: no python block under {heading}"
+        blocks[framework] = found.group(1)
+    return blocks

@@ -21,9 +21,9 @@ pytest.importorskip("accelerate")
 
 from dtypeplan.launch import spawn  # noqa: E402
 from tests._helpers import assert_framework_case  # noqa: E402
-from tests.workers.integrations import MAX_GRAD_NORM, run_cases  # noqa: E402
+from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases  # noqa: E402
 
-DEFAULT = [("accelerate", 3, "bf16")]
+DEFAULT = [c for c in DEFAULT_CASES if c[0] == "accelerate"]
 MATRIX = [("accelerate", s, d) for s in (0, 1, 2, 3) for d in ("bf16", "fp32")]
 
 
@@ -37,8 +37,8 @@ def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, str]]) -> 
             assert got["ref_ddp"], "the reference runs under Accelerate's default DDP"
 
 
-def test_accelerate_zero3_bf16_two_ranks(tmp_path: Any) -> None:
-    _check(spawn(run_cases, 2, str(tmp_path), DEFAULT, timeout_s=600), DEFAULT)
+def test_accelerate_zero3_bf16_two_ranks(integration_defaults: list[dict[str, Any]]) -> None:
+    _check(integration_defaults, DEFAULT)
 
 
 @pytest.mark.slow

@@ -22,9 +22,9 @@ pytest.importorskip("lightning")
 
 from dtypeplan.launch import spawn  # noqa: E402
 from tests._helpers import assert_framework_case  # noqa: E402
-from tests.workers.integrations import MAX_GRAD_NORM, run_cases  # noqa: E402
+from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases  # noqa: E402
 
-DEFAULT = [("lightning", 1, "bf16")]
+DEFAULT = [c for c in DEFAULT_CASES if c[0] == "lightning"]
 MATRIX = [
     (kind, s, d)
     for kind in ("lightning", "lightning_manual")
@@ -46,8 +46,8 @@ def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, str]]) -> 
             assert got["own_grad_norms"] == [None] * len(got["own_grad_norms"])
 
 
-def test_lightning_zero1_bf16_two_ranks(tmp_path: Any) -> None:
-    _check(spawn(run_cases, 2, str(tmp_path), DEFAULT, timeout_s=600), DEFAULT)
+def test_lightning_zero1_bf16_two_ranks(integration_defaults: list[dict[str, Any]]) -> None:
+    _check(integration_defaults, DEFAULT)
 
 
 @pytest.mark.slow

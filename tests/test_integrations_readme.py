@@ -10,8 +10,6 @@ in fp32, Accelerate's checkpoint holds the dtypeplan optimizer directory.
 
 from __future__ import annotations
 
-import os
-import re
 from typing import Any
 
 import pytest
@@ -20,39 +18,16 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-from dtypeplan.launch import spawn  # noqa: E402
-from tests.workers.integrations import readme_recipes  # noqa: E402
+from tests._helpers import README_FRAMEWORK_HEADINGS  # noqa: E402
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-HEADINGS = {
-    "trainer": "### HF Trainer",
-    "accelerate": "### Accelerate",
-    "lightning": "### Lightning",
-}
-
-
-def recipe_blocks() -> dict[str, str]:
-    """The first ```python block under each framework's heading of "## Training frameworks"."""
-    with open(README, encoding="utf-8") as handle:
-        text = handle.read()
-    section = text.split("## Training frameworks\n", 1)[1].split("\n## ", 1)[0]
-    blocks: dict[str, str] = {}
-    for framework, heading in HEADINGS.items():
-        part = section.split(heading + "\n", 1)[1]
-        found = re.search(r"```python\n(.*?)```", part, re.DOTALL)
-        assert found, f"README: no python block under {heading}"
-        blocks[framework] = found.group(1)
-    return blocks
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: Any) -> list[dict[str, Any]]:
-    root = str(tmp_path_factory.mktemp("recipes"))
-    return spawn(readme_recipes, 2, root, recipe_blocks(), timeout_s=600)
+HEADINGS = README_FRAMEWORK_HEADINGS
 
 
 @pytest.mark.parametrize("framework", sorted(HEADINGS))
-def test_readme_recipe_runs_on_two_ranks(results: list[dict[str, Any]], framework: str) -> None:
+def test_readme_recipe_runs_on_two_ranks(
+    integration_defaults: list[dict[str, Any]], framework: str
+) -> None:
+    results = [per_rank["readme"] for per_rank in integration_defaults]
     for rank, per_rank in enumerate(results):
         got = per_rank[framework]
         assert isinstance(got, dict), f"rank {rank}:\n{got}"

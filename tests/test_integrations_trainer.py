@@ -20,9 +20,9 @@ pytest.importorskip("accelerate")
 
 from dtypeplan.launch import spawn  # noqa: E402
 from tests._helpers import assert_framework_case  # noqa: E402
-from tests.workers.integrations import MAX_GRAD_NORM, run_cases  # noqa: E402
+from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases  # noqa: E402
 
-DEFAULT = [("trainer", 2, "bf16")]
+DEFAULT = [c for c in DEFAULT_CASES if c[0] == "trainer"]
 MATRIX = [("trainer", s, d) for s in (0, 1, 2, 3) for d in ("bf16", "fp32")]
 
 

@@ -657,6 +657,17 @@ def _env(rank: int, world: int) -> None:
     )
 
 
+DEFAULT_CASES = [("trainer", 2, "bf16"), ("accelerate", 3, "bf16"), ("lightning", 1, "bf16")]
+"""The default run's case per framework (a group of 2 ranks costs seconds to start, and each
+imports three frameworks: one group runs them and the README's recipes)."""
+
+
+def default_group(rank: int, world: int, root: str, blocks: dict[str, str]) -> dict[str, Any]:
+    out = run_cases(rank, world, root, DEFAULT_CASES)
+    out["readme"] = readme_recipes(rank, world, os.path.join(root, "readme"), blocks)
+    return out
+
+
 RUNNERS = {
     "trainer": trainer_case,
     "accelerate": accelerate_case,
