@@ -180,3 +180,37 @@ def test_a_zero3_model_survives_what_frameworks_do_to_it() -> None:
         for bf16 in (False, True):
             assert result[f"moved_bf16={bf16}"] == result[f"still_bf16={bf16}"]
         assert "DistributedDataParallel is not needed" in result["ddp"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_torch_clip_grad_norm_on_owned_gradients_fails_loudly(stage: int) -> None:
+    """torch.nn.utils.clip_grad_norm_ (what the frameworks call) found no .grad and returned 0;
+    now it raises naming optimizer.clip_grad_norm_, which clips for real. Backward passes
+    that follow replace the placeholder (bare loss.backward() too), and the step is that of
+    torch.optim on the summed gradient."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}})
+    model, reference = make_model(0), make_model(0)
+    optimizer = plan.build(model.parameters(), optimizer=torch.optim.SGD, lr=0.1)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(8, 12), torch.randn(8, 6)
+    for net in (model, reference):
+        for half in (slice(0, 4), slice(4, 8)):  # two micro-batches, bare backward
+            torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not optimizer.held_tensors().grads
+    with pytest.raises(OptimizerUsageError, match=r"optimizer\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(OptimizerUsageError, match="held by a dtypeplan optimizer"):
+        next(model.parameters()).grad.norm()  # type: ignore[union-attr]
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    norm = optimizer.clip_grad_norm_(0.5)
+    assert torch.allclose(norm, expected, rtol=1e-6, atol=0)
+    optimizer.step()
+    torch_optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad()  # the framework's own zero_grad clears the placeholders as any .grad
+    assert all(p.grad is None for p in model.parameters())

@@ -102,6 +102,7 @@ from dtypeplan.optimizers._low_precision_update import (
     held_states,
 )
 from dtypeplan.optimizers._missing_grads import keep_untouched
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 from dtypeplan.optimizers._state_values import (
@@ -278,7 +279,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             on_host=frozenset(("master", "optimizer_states") if self.offload else ()),
             params=tuple(state.flat.buffer for state in self.groups),
             grads=tuple(
-                p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
+                p.grad
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None and not is_owned_gradient(p.grad)
             ),
             accumulator=tuple(state.accumulator for state in self.groups)
             + tuple(self.reductions.buffers()),
@@ -370,6 +374,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for param in self.trainable_parameters():
             if param.grad is not None and id(param.grad) not in zeros:
                 param.grad = None
+        self.reductions.leave_placeholders()
 
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
@@ -439,7 +444,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for gi, state in enumerate(self.groups):
             for pi, param in enumerate(state.flat.params):
                 grad = param.grad
-                if grad is None:
+                if grad is None or is_owned_gradient(grad):
                     continue
                 if id(grad) in zeros:
                     # zero_grad(set_to_none=False)'s zeros, never reached by a backward: a

@@ -83,20 +83,28 @@ _INPUT_CAST = "_dtypeplan_input_cast"
 
 
 class _CastInputs:
-    """The forward pre-hook: a class, not a closure, so a prepared model pickles and copies."""
+    """The forward pre-hook: a class, not a closure, so a prepared model pickles and copies.
+
+    The target is the dtype the model's parameters have when it runs (``dtype`` before it has
+    any floating one): a model the program turned to another dtype after ``prepare_model``
+    (``model.float()``) gets inputs it can take, and the optimizer's own check at ``step()``
+    says what is wrong with it.
+    """
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_floating_point() and tensor.dtype != self.dtype:
-            return tensor.to(self.dtype)
-        return tensor
-
     def __call__(
-        self, _: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return tree_map_only(torch.Tensor, self.cast, (args, kwargs))
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), self.dtype)
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                return tensor.to(dtype)
+            return tensor
+
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def cast_forward_inputs(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -57,6 +57,7 @@ from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import chunk_sq_norms
 from dtypeplan.optimizers._ddp import cooperate_with_ddp
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._owned_gradient import OwnedGradient
 from dtypeplan.optimizers._ownership import HookSet
 
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
@@ -208,6 +209,7 @@ class ReductionScheduler:
         for gi, state in enumerate(groups):
             for pi, param in enumerate(state.flat.params):
                 hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
+                hooks.add_pre(param, _make_clear_placeholder(weakref.ref(param)))
         self._reset_bookkeeping()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -380,6 +382,19 @@ class ReductionScheduler:
         self.phase = Phase.REDUCING if self._pass.last_micro_batch else Phase.ACCUMULATED
         self._pass = None
         self._reset_bookkeeping()
+        if not self.ddp_wrapped:  # else after DDP has written .grad (after_wrapped_backward)
+            self.leave_placeholders()
+
+    def leave_placeholders(self) -> None:
+        """Put an :class:`OwnedGradient` in the ``.grad`` of every parameter whose gradient
+        the accumulator holds in this window, so that code reading ``.grad`` (torch's
+        ``clip_grad_norm_``) fails loudly instead of finding nothing (``_owned_gradient.py``)."""
+        for state, touched in zip(self.groups, self.window_touched, strict=True):
+            for param, was_touched in zip(state.flat.params, touched, strict=True):
+                if was_touched and param.grad is None:
+                    # Made now: the parameter's dtype may have changed since build (an error
+                    # the step reports); assigning a .grad of another dtype would raise here.
+                    param.grad = OwnedGradient(param)
 
     def _reset_bookkeeping(self) -> None:
         self._touched = [[False] * len(s.flat.params) for s in self.groups]
@@ -595,6 +610,19 @@ class ReductionScheduler:
         self._passes = 0
         self._reset_bookkeeping()
         self._reset_window()
+
+
+def _make_clear_placeholder(
+    param_ref: weakref.ref[torch.Tensor],
+) -> Callable[[torch.Tensor], None]:
+    """The gradient pre-hook: the next gradient replaces the placeholder, never adds to it."""
+
+    def clear(_: torch.Tensor) -> None:
+        param = param_ref()
+        if param is not None and type(param.grad) is OwnedGradient:
+            param.grad = None
+
+    return clear
 
 
 def _make_hook(

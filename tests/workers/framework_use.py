@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import dtypeplan
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from tests._helpers import make_batch, make_model, mse
 
 BULK = 64
@@ -68,7 +69,13 @@ def _ddp_run(rank: int, case: dict[str, Any], wrapped: bool) -> dict[str, Any]:
                     loss = mse(net, x, y) / micro
                     loss.backward()
                 losses.append(float(loss))
-                grads_after_backward.append(any(p.grad is not None for p in model.parameters()))
+                # None or the optimizer's placeholder, never DDP's zeros
+                grads_after_backward.append(
+                    any(
+                        p.grad is not None and not is_owned_gradient(p.grad)
+                        for p in model.parameters()
+                    )
+                )
             optimizer.step()
             optimizer.zero_grad()
         if watch:
