@@ -447,7 +447,15 @@ def _lightning_module(manual: bool) -> Any:
                 self._optimizer_norm()
 
         def _grad_norm(self) -> None:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+
+            # Under dtypeplan .grad holds a placeholder that refuses arithmetic (the gradient
+            # is in the optimizer): the plain run's norm only.
+            grads = [
+                p.grad
+                for p in self.parameters()
+                if p.grad is not None and not is_owned_gradient(p.grad)
+            ]
             norm = torch.nn.utils.get_total_norm(grads) if grads else None
             self.grad_norms.append(None if norm is None else float(norm))
 
