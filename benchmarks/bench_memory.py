@@ -42,6 +42,7 @@ from benchmarks._common import (
     write_result,
 )
 from dtypeplan.launch import spawn
+from dtypeplan.optimizers._owned_gradient import OwnedGradient
 
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCHES = 2
@@ -308,6 +309,8 @@ def _reachable_tensors(root: object) -> Iterator[tuple[str, torch.Tensor]]:
 def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages behind ``tensor``: its own, or those of the tensors a wrapper subclass
     (FSDP2's DTensor, torchao's quantized states) is made of."""
+    if isinstance(tensor, OwnedGradient):
+        return  # the placeholder in .grad of a gradient the optimizer holds: no storage
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:

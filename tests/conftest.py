@@ -9,7 +9,9 @@ for the ones that build optimizers, so one switch sizes every property test.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 PROFILE_ENV = "DTYPEPLAN_HYPOTHESIS_PROFILE"
@@ -31,3 +33,18 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
+
+
+@pytest.fixture(scope="session")
+def integration_defaults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The default run's framework cases and README recipes (tests/test_integrations_*.py),
+    in one spawned group of 2 ranks: each group imports transformers, Accelerate and
+    Lightning, which costs more than the cases."""
+    for name in ("transformers", "accelerate", "lightning"):
+        pytest.importorskip(name)
+    from dtypeplan.launch import spawn
+    from tests._helpers import readme_recipe_blocks
+    from tests.workers.integrations import default_group
+
+    root = str(tmp_path_factory.mktemp("integrations"))
+    return spawn(default_group, 2, root, readme_recipe_blocks(), timeout_s=900)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,8 @@ import dtypeplan
 from dtypeplan import PrecisionConfigError
 from dtypeplan.resolver import _hf_auto_defaults as hf
 from dtypeplan.resolver._auto import auto_paths
+
+CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"
 
 HF_STYLE: dict[str, Any] = {
     "bf16": {"enabled": "auto"},
@@ -56,8 +59,10 @@ def test_unfilled_auto_takes_the_hf_defaults_and_explain_lists_each() -> None:
     for auto in plan.auto_values:
         assert auto.path in text and auto.source in text
     assert "HF TrainingArguments.max_grad_norm default" in text
-    # warmup_num_steps 0 (HF default) is refused by DeepSpeed's WarmupLR: stated, not silent.
-    assert any("warmup_num_steps" in w for w in plan.config_warnings)
+    # The Trainer fills max(1, warmup_steps): 1 under its default warmup_steps 0, which
+    # DeepSpeed 0.19.8's WarmupLR takes (W = max(2, 1)); the scheduler builds.
+    assert dict(plan.scheduler["params"])["warmup_num_steps"] == 1
+    assert not any("warmup_num_steps" in w for w in plan.config_warnings)
 
 
 def test_caller_fills_win_and_are_named_as_such() -> None:
@@ -144,7 +149,6 @@ def test_auto_values_from_real_training_arguments(tmp_path: Path) -> None:
     from transformers import TrainingArguments
 
     overrides = {"output_dir": str(tmp_path), "max_grad_norm": 0.5, "learning_rate": 1e-4}
-    # warmup_steps 0 (the default) fills warmup_num_steps 0, which DeepSpeed's WarmupLR refuses.
     overrides["warmup_steps"] = 10
     try:
         args = TrainingArguments(**overrides)
@@ -228,3 +232,75 @@ def test_every_auto_fill_resolves_or_raises_a_config_error(
     assert sorted(a.path for a in plan.auto_values) == sorted(chosen)
     for path in chosen:
         assert path in text
+
+
+def _docs_config(scheduler: str) -> dict[str, Any]:
+    """The HF docs' ds_config_zero2.json, with its scheduler block given ``scheduler``'s type
+    (WarmupDecayLR needs the run's total_num_steps, as the docs' variant has it)."""
+    config = json.loads((CONFIGS / "hf_transformers__ds_config_zero2.json").read_text())
+    if scheduler != "WarmupLR":
+        config["scheduler"] = {"type": scheduler, "params": {**config["scheduler"]["params"]}}
+        config["scheduler"]["params"]["total_num_steps"] = "auto"
+    return config
+
+
+@pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR"])
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
+def test_the_docs_config_resolves_with_default_training_arguments(
+    scheduler: str, tmp_path: Path
+) -> None:
+    """Default TrainingArguments (warmup_steps 0, epoch-based: max_steps -1) and the number of
+    training steps the Trainer computed: the scheduler builds as the Trainer's fill makes
+    DeepSpeed 0.19.8 build it (warmup_num_steps max(1, 0), total_num_steps the step count)."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True)
+    assert args.warmup_steps == 0 and args.max_steps == -1
+    values = dtypeplan.auto_values_from(args, num_training_steps=37)
+    assert values["scheduler.params.warmup_num_steps"] == 1
+    assert values["scheduler.params.total_num_steps"] == 37
+    plan = dtypeplan.resolve(_docs_config(scheduler), auto=values)
+    assert not plan.config_warnings
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    built = plan.build_scheduler(optimizer)
+    assert type(built).__name__ == scheduler
+    lrs = []
+    for _ in range(40):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        built.step()
+    lr = args.learning_rate
+    # lrs[k] is the lr of iteration t = k - 1 (k = 0: set at construction, warmup_min_lr).
+    # W = max(2, 1): log(t + 1) / log(2) is 0 at t = 0 and 1 at t = 1.
+    assert lrs[0] == lrs[1] == 0.0 and lrs[2] == pytest.approx(lr, rel=1e-12)
+    if scheduler == "WarmupDecayLR":  # then linear to 0 at t = total_num_steps
+        assert lrs[21] == pytest.approx(lr * (37 - 20) / (37 - 2), rel=1e-12)
+        assert lrs[38] == 0.0 and lrs[39] == 0.0
+    else:
+        assert lrs[39] == pytest.approx(lr, rel=1e-12)
+
+
+def test_auto_values_from_warmup_fills_as_the_trainer() -> None:
+    """max(1, get_warmup_steps(num_training_steps)); a ratio needs the step count."""
+    fill = "scheduler.params.warmup_num_steps"
+    epochs = {"max_steps": -1}
+    assert dtypeplan.auto_values_from(SimpleNamespace(warmup_steps=0, **epochs))[fill] == 1
+    assert dtypeplan.auto_values_from(SimpleNamespace(warmup_steps=7, **epochs))[fill] == 7
+    ratio = SimpleNamespace(warmup_steps=0.1, **epochs)
+    assert dtypeplan.auto_values_from(ratio, num_training_steps=95)[fill] == 10
+    assert dtypeplan.auto_values_from(SimpleNamespace(warmup_steps=0.001), 95)[fill] == 1
+    with pytest.raises(PrecisionConfigError, match="num_training_steps"):
+        dtypeplan.auto_values_from(ratio)
+    with pytest.raises(PrecisionConfigError, match="positive integer"):
+        dtypeplan.auto_values_from(ratio, num_training_steps=0)
+    # num_training_steps wins over max_steps (the Trainer's count is the one used)
+    values = dtypeplan.auto_values_from(SimpleNamespace(max_steps=50), num_training_steps=40)
+    assert values["scheduler.params.total_num_steps"] == 40
+
+
+def test_an_explicit_zero_warmup_is_refused_as_deepspeed_does() -> None:
+    config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}
+    with pytest.raises(PrecisionConfigError, match="warmup_num_steps must be a positive integer"):
+        dtypeplan.resolve(config)

@@ -28,3 +28,32 @@ def test_pipeline_example_trains_at_zero3() -> None:
     assert "status: OK (implementation 'fsdp2')" in out, out
     steps = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 4 and steps[-1] < steps[0], out
+
+
+def _quick_start_code() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Quick start\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_readme_quick_start_runs_verbatim_on_float_inputs() -> None:
+    """The quick start as printed, on a small model fed fp32 batches (what a data loader
+    yields): ``prepare_model`` makes the model bf16, and its inputs must follow."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    target = torch.randn(4)
+    namespace = {
+        "model": model,
+        "loader": [torch.randn(8, 16) for _ in range(3)],
+        "micro_batch_size": 4,
+        "loss_fn": lambda out: (out.float() - target).pow(2).mean(),
+    }
+    exec(compile(_quick_start_code(), "README.md quick start", "exec"), namespace)
+    trained = namespace["model"]
+    assert all(p.dtype == torch.bfloat16 for p in trained.parameters())
+    assert any(not torch.equal(p.float(), b) for p, b in zip(trained.parameters(), before))

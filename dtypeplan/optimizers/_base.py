@@ -27,7 +27,8 @@ from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
-from dtypeplan.optimizers._prepare import cast_model, restore_cast_values
+from dtypeplan.optimizers._model_state import give_parameters_own_storage
+from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, restore_cast_values
 from dtypeplan.optimizers._state_values import (
     is_scalar_state,
     placed_scalar,
@@ -326,9 +327,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
 
         Default: cast it whole to ``plan.param_dtype`` (parameters, frozen ones too, and
         floating-point buffers), keeping the trainable parameters' wider values for the master
-        weights (see ``_prepare.py``). ZeRO-3 also shards it; ``wrap`` chooses its FSDP2 units
-        and means nothing to an implementation that does not shard the model.
+        weights (see ``_prepare.py``); cast its forward's floating-point inputs to that dtype;
+        and make its ``state_dict()`` give each parameter as its own tensor, though ``build``
+        makes them views into one buffer (``_model_state.py``). ZeRO-3 also shards it;
+        ``wrap`` chooses its FSDP2 units and means nothing to an implementation that does not
+        shard the model.
         """
+        cast_forward_inputs(model, plan.param_dtype)
+        # build makes the parameters views into one buffer; savers must still see one each.
+        give_parameters_own_storage(model)
         return cast_model(model, plan.param_dtype)
 
     # --- what a subclass provides ------------------------------------------------------------

@@ -14,6 +14,7 @@ the class the plan names, and no constructor swaps itself for another.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._registry import get_implementation
 from dtypeplan.optimizers._shard_units import WrapPolicy
@@ -35,6 +36,27 @@ __all__ = ["build_optimizer", "implementation_class", "prepare_model"]
 def _distributed(process_group: dist.ProcessGroup | None) -> bool:
     """Whether the optimizer runs on a process group (else: one process, no communication)."""
     return process_group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def _refuse_missing_group(process_group: dist.ProcessGroup | None, call: str) -> None:
+    """Refuse one process where the launcher started several (torchrun's ``WORLD_SIZE``).
+
+    Built before the process group exists (before ``TrainingArguments``, which initializes
+    it), the optimizer would run on one process with no communication: every rank would
+    train alone, silently.
+    """
+    if _distributed(process_group):
+        return
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.strip().isdigit() and int(world) > 1:
+        raise OptimizerUsageError(
+            f"{call} with torch.distributed not initialized while the environment says there "
+            f"are {int(world)} ranks (WORLD_SIZE={world}): the optimizer would run this rank "
+            "alone and every rank would train its own model. Initialize the process group "
+            "first (torch.distributed.init_process_group(...), or create the framework's "
+            "TrainingArguments / Accelerator / Trainer before building), or pass "
+            "process_group=..."
+        )
 
 
 def implementation_class(
@@ -75,6 +97,7 @@ def prepare_model(
     """
     if plan.status != Status.OK:
         return model
+    _refuse_missing_group(process_group, "plan.prepare_model(model)")
     cls = implementation_class(plan, process_group)
     prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
     forward_under_autocast(prepared, plan.autocast_dtype)
@@ -88,6 +111,7 @@ def build_optimizer(
 ) -> MixedPrecisionOptimizer:
     """The optimizer of ``plan`` for ``params`` on ``process_group`` (default: the default
     group when torch.distributed is initialized, else one process)."""
+    _refuse_missing_group(process_group, "plan.build(...)")
     cls = implementation_class(plan, process_group)
     optimizer = cls(params, plan=plan, process_group=process_group)
     _warn_if_forward_not_under_autocast(plan, optimizer)

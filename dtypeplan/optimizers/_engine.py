@@ -88,6 +88,7 @@ from dtypeplan.optimizers._base import (
     is_adam,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
+from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_update import (
     FlatAdamUpdate,
     decoupled_weight_decay,
@@ -104,6 +105,7 @@ from dtypeplan.optimizers._low_precision_update import (
 )
 from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._missing_grads import keep_untouched
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
@@ -231,6 +233,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             ),
             bare_backward_refusal=bare_backward_refusal(plan),
         )
+        self.reductions.after_wrapped_backward = _call_weakly(self._drop_ddp_grads)
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
@@ -283,7 +286,10 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             on_host=frozenset(("master", "optimizer_states") if self.offload else ()),
             params=tuple(state.flat.buffer for state in self.groups),
             grads=tuple(
-                p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
+                p.grad
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None and not is_owned_gradient(p.grad)
             ),
             accumulator=tuple(state.accumulator for state in self.groups)
             + tuple(self.reductions.buffers()),
@@ -371,6 +377,20 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     param.grad = torch.zeros_like(param)
                     self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
 
+    def _drop_ddp_grads(self) -> None:
+        """Drop the ``.grad`` a DDP wrapper wrote at the end of backward (``_ddp.py``): the
+        zeros of a bucket that went nowhere. ``zero_grad(set_to_none=False)``'s zeros that
+        nothing wrote into stay (a gradient of zero, as without DDP)."""
+        zeros = {
+            id(grad)
+            for ref, version in self._zero_grads
+            if (grad := ref()) is not None and grad._version == version
+        }
+        for param in self.trainable_parameters():
+            if param.grad is not None and id(param.grad) not in zeros:
+                param.grad = None
+        self.reductions.leave_placeholders()
+
     def clear_lp_grads(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
@@ -439,13 +459,21 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for gi, state in enumerate(self.groups):
             for pi, param in enumerate(state.flat.params):
                 grad = param.grad
-                if grad is None:
+                if grad is None or is_owned_gradient(grad):
                     continue
                 if id(grad) in zeros:
                     # zero_grad(set_to_none=False)'s zeros, never reached by a backward: a
                     # gradient of zero, so the parameter is updated as torch.optim would.
                     self.reductions.window_touched[gi][pi] = True
                 elif self.reductions.sharded_accumulator:
+                    if wrappers_of([param]):
+                        raise OptimizerUsageError(
+                            "a .grad written by a DistributedDataParallel wrapper made after "
+                            "the optimizer's first backward: dtypeplan reduces the gradients "
+                            "itself and makes DDP's reduction a no-op when it finds the wrapper "
+                            "at its first backward; wrap the model before training (or do not "
+                            "wrap it: dtypeplan needs no DDP)"
+                        )
                     raise OptimizerUsageError(
                         "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, "
                         "or gradient_accumulation_dtype.sharded: true): every rank would have "
@@ -939,6 +967,18 @@ def _on_device(inner: torch.optim.Optimizer, group: int) -> bool:
     """Whether ``torch.optim`` keeps group ``group``'s step counters on the master's device."""
     settings = inner.param_groups[group]
     return bool(settings.get("fused") or settings.get("capturable"))
+
+
+def _call_weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference (the scheduler must not keep its optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _nothing() -> None:

@@ -20,11 +20,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import make_replicas_equal
+from dtypeplan.optimizers._ownership import ParamWeakMap
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
 
@@ -40,8 +40,9 @@ __all__ = [
     "shard_model",
 ]
 
-REDUCE_SCATTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Sharded parameter -> the reduce-scatter of its model (:func:`shard_model` sets it)."""
+REDUCE_SCATTER_OF = ParamWeakMap()
+"""Sharded parameter -> the reduce-scatter of its model (:func:`shard_model` sets it); weak
+through the local shard, so that ``model.to(...)`` can still swap the parameter."""
 
 
 def shard_model(
@@ -111,6 +112,13 @@ def shard_model(
             # FSDP2's own collectives fail as CollectiveError naming them, like ours.
             module.set_custom_all_gather(NamedAllGather(comm))
             module.set_custom_reduce_scatter(reduce_scatter)
+    # Frameworks wrap the models they receive in DDP, which would broadcast and all-reduce
+    # DTensors it has no rule for. With every name on DDP's own ignore list, DDP refuses to
+    # wrap, saying it is not needed: FSDP2 reduces the gradients already.
+    model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
+        *(name for name, _ in model.named_parameters()),
+        *(name for name, _ in model.named_buffers()),
+    ]
     return model
 
 

@@ -21,21 +21,62 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HookSet", "claim", "release", "user_stacklevel"]
+__all__ = [
+    "HookSet",
+    "ParamWeakMap",
+    "claim",
+    "owner_of",
+    "release",
+    "user_stacklevel",
+    "weak_key",
+]
 
 
 class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-# Keyed by identity: a tensor's == is elementwise, so WeakKeyDictionary cannot hold tensors.
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+def weak_key(param: torch.Tensor) -> torch.Tensor:
+    """The tensor a weak map keys ``param`` by: a DTensor parameter's local shard.
+
+    ``model.to(...)`` on an FSDP2 model (ZeRO-3) swaps each DTensor parameter with
+    ``torch.utils.swap_tensors``, which refuses a tensor that any weak reference points to;
+    frameworks call it on every model they receive. The local shard is never swapped by it.
+    """
+    local = getattr(param, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else param
+
+
+class ParamWeakMap:
+    """Parameter -> value, holding neither (keyed by identity through :func:`weak_key`)."""
+
+    def __init__(self) -> None:
+        # By identity: a tensor's == is elementwise, so WeakKeyDictionary cannot hold tensors.
+        self._map: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get(self, param: torch.Tensor, default: Any = None) -> Any:
+        return self._map.get(weak_key(param), default)
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        return self._map[weak_key(param)]
+
+    def __contains__(self, param: object) -> bool:
+        return isinstance(param, torch.Tensor) and weak_key(param) in self._map
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        self._map[weak_key(param)] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        del self._map[weak_key(param)]
+
+
+_OWNERS = ParamWeakMap()
 
 
 def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
@@ -59,6 +100,12 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
     ref = weakref.ref(owner)
     for param in params:
         _OWNERS[param] = ref
+
+
+def owner_of(param: torch.Tensor) -> object | None:
+    """The live optimizer that owns ``param``, if any."""
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
 
 
 def user_stacklevel() -> int:
@@ -91,6 +138,10 @@ class HookSet:
 
     def add(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def add_pre(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        """A hook on the gradient before autograd accumulates it into ``param.grad``."""
+        self.handles.append(param.register_hook(hook))
 
     def finalize_with(self, owner: object) -> None:
         if self._finalizer is None:

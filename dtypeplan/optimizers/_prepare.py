@@ -20,16 +20,23 @@ where a parameter no longer equals its kept value cast down (``model.load_state_
 in-place write), its current value is taken; where it still does, the kept value is (the same
 number, with its lower bits). A parameter moved to another device takes its kept value along;
 one turned back to fp32 (or wider) by the user keeps its own value.
+
+The forward's floating-point inputs are cast to the same dtype (:func:`cast_forward_inputs`, as
+FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does at ZeRO-3): a bf16 model fed
+the fp32 batch a data loader yields would otherwise fail in its first matmul. Integer inputs
+(token ids, labels) stay as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["cast_floating_buffers", "cast_model", "restore_cast_values"]
+__all__ = ["cast_floating_buffers", "cast_forward_inputs", "cast_model", "restore_cast_values"]
 
 _VALUES_BEFORE_CAST: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Trainable parameter -> its tensor before :func:`cast_model` cast it to a narrower dtype."""
@@ -69,6 +76,52 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             _VALUES_BEFORE_CAST[param] = before
     cast_floating_buffers(model, dtype)
     return model
+
+
+_INPUT_CAST = "_dtypeplan_input_cast"
+"""The module attribute holding :func:`cast_forward_inputs`'s hook (one per module)."""
+
+
+class _CastInputs:
+    """The forward pre-hook: a class, not a closure, so a prepared model pickles and copies.
+
+    The target is the dtype the model's parameters have when it runs (``dtype`` before it has
+    any floating one): a model the program turned to another dtype after ``prepare_model``
+    (``model.float()``) gets inputs it can take, and the optimizer's own check at ``step()``
+    says what is wrong with it.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), self.dtype)
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                return tensor.to(dtype)
+            return tensor
+
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
+def cast_forward_inputs(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point tensors among ``model``'s forward arguments to ``dtype``.
+
+    A forward pre-hook on ``model`` itself (not a wrapper: names, class and ``state_dict``
+    stay), reaching tensors inside tuples, lists and dicts. A second call replaces the first;
+    an fp32 ``dtype`` (fp32 or autocast plans: the model stays fp32) installs none.
+    """
+    previous = getattr(model, _INPUT_CAST, None)
+    if previous is not None:
+        previous.remove()
+        delattr(model, _INPUT_CAST)
+    if dtype == torch.float32:
+        return
+    handle = model.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
+    setattr(model, _INPUT_CAST, handle)
 
 
 @torch.no_grad()

@@ -55,7 +55,9 @@ import torch
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import chunk_sq_norms
+from dtypeplan.optimizers._ddp import cooperate_with_ddp
 from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._owned_gradient import OwnedGradient
 from dtypeplan.optimizers._ownership import HookSet
 
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
@@ -199,9 +201,15 @@ class ReductionScheduler:
         """Per (param group, bucket): the squared norm of this rank's reduced chunk, taken
         inside the boundary backward as soon as the chunk was final (while it is still in
         cache, and off the step's critical path). The step takes the norms of the others."""
+        self._look_for_wrappers = True
+        self.ddp_wrapped = False
+        """A DDP wrapper holds the parameters (found at the first backward, ``_ddp.py``)."""
+        self.after_wrapped_backward: Callable[[], None] | None = None
+        """Run after DDP's end of backward (which writes ``.grad``), when ``ddp_wrapped``."""
         for gi, state in enumerate(groups):
             for pi, param in enumerate(state.flat.params):
                 hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
+                hooks.add_pre(param, _make_clear_placeholder(weakref.ref(param)))
         self._reset_bookkeeping()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -318,6 +326,11 @@ class ReductionScheduler:
 
     def _open_pass(self) -> None:
         """The first hook of a backward: queue the end-of-backward flush."""
+        if self._look_for_wrappers:
+            # Before DDP's own hook on this parameter runs, so before any bucket of DDP's is
+            # reduced: its communication hook is in place for the first one.
+            self._look_for_wrappers = False
+            self.ddp_wrapped = cooperate_with_ddp(p for s in self.groups for p in s.flat.params)
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
             if self.bare_backward_refusal is not None:
@@ -336,6 +349,12 @@ class ReductionScheduler:
         outer = torch._C._current_autograd_node()
         if outer is None:
             self._finish_backward()
+            if self.ddp_wrapped and self.after_wrapped_backward is not None:
+                # Queued now, it runs after every callback queued during backward, DDP's end
+                # of backward (which writes .grad) among them.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self.after_wrapped_backward
+                )
             return
         handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -363,6 +382,19 @@ class ReductionScheduler:
         self.phase = Phase.REDUCING if self._pass.last_micro_batch else Phase.ACCUMULATED
         self._pass = None
         self._reset_bookkeeping()
+        if not self.ddp_wrapped:  # else after DDP has written .grad (after_wrapped_backward)
+            self.leave_placeholders()
+
+    def leave_placeholders(self) -> None:
+        """Put an :class:`OwnedGradient` in the ``.grad`` of every parameter whose gradient
+        the accumulator holds in this window, so that code reading ``.grad`` (torch's
+        ``clip_grad_norm_``) fails loudly instead of finding nothing (``_owned_gradient.py``)."""
+        for state, touched in zip(self.groups, self.window_touched, strict=True):
+            for param, was_touched in zip(state.flat.params, touched, strict=True):
+                if was_touched and param.grad is None:
+                    # Made now: the parameter's dtype may have changed since build (an error
+                    # the step reports); assigning a .grad of another dtype would raise here.
+                    param.grad = OwnedGradient(param)
 
     def _reset_bookkeeping(self) -> None:
         self._touched = [[False] * len(s.flat.params) for s in self.groups]
@@ -578,6 +610,19 @@ class ReductionScheduler:
         self._passes = 0
         self._reset_bookkeeping()
         self._reset_window()
+
+
+def _make_clear_placeholder(
+    param_ref: weakref.ref[torch.Tensor],
+) -> Callable[[torch.Tensor], None]:
+    """The gradient pre-hook: the next gradient replaces the placeholder, never adds to it."""
+
+    def clear(_: torch.Tensor) -> None:
+        param = param_ref()
+        if param is not None and type(param.grad) is OwnedGradient:
+            param.grad = None
+
+    return clear
 
 
 def _make_hook(

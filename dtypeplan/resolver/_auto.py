@@ -177,11 +177,25 @@ def fill_auto(
     return filled, tuple(records)
 
 
+def _known(total: int | None, what: str) -> int:
+    """The run's step count, which a warmup given as a ratio needs."""
+    if total is None:
+        raise PrecisionConfigError(
+            f"auto_values_from: {what} is a ratio of the run's training steps, which are not "
+            "known (max_steps is not set: an epoch-based run); pass "
+            "auto_values_from(args, num_training_steps=...) with the Trainer's number of "
+            "optimizer steps"
+        )
+    return total
+
+
 def _attr(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def auto_values_from(training_args: Any) -> dict[str, Any]:
+def auto_values_from(
+    training_args: Any, num_training_steps: int | None = None
+) -> dict[str, Any]:
     """The ``auto`` mapping that the HF Trainer would fill from ``training_args``.
 
     Duck-typed: reads attributes such as ``bf16``, ``fp16``, ``max_grad_norm``,
@@ -189,7 +203,23 @@ def auto_values_from(training_args: Any) -> dict[str, Any]:
     ``gradient_accumulation_steps``, ``per_device_train_batch_size``, ``warmup_steps`` and
     ``max_steps`` from any object (a ``transformers.TrainingArguments``, a namespace, ...)
     without importing transformers; attributes the object lacks are left out.
+
+    ``num_training_steps``: the optimizer steps of the whole run as the Trainer computes them
+    (``max_steps``, or epochs times steps per epoch): it fills ``total_num_steps`` (an
+    epoch-based run has ``max_steps = -1``) and the ratio form of ``warmup_steps``. Without
+    it, ``max_steps`` stands in when positive. ``warmup_num_steps`` is filled as the Trainer
+    fills it, ``max(1, get_warmup_steps(num_training_steps))``: DeepSpeed's warmup schedulers
+    refuse 0, and a warmup of 1 step (as of 2) is no warmup at all.
     """
+    if num_training_steps is not None and (
+        not isinstance(num_training_steps, int)
+        or isinstance(num_training_steps, bool)
+        or num_training_steps <= 0
+    ):
+        raise PrecisionConfigError(
+            f"auto_values_from(num_training_steps={num_training_steps!r}): the run's number "
+            "of optimizer steps must be a positive integer"
+        )
     out: dict[str, Any] = {}
     bf16, bf16_eval = _attr(training_args, "bf16"), _attr(training_args, "bf16_full_eval")
     if bf16 is not None or bf16_eval is not None:
@@ -217,19 +247,24 @@ def auto_values_from(training_args: Any) -> dict[str, Any]:
     if beta1 is not None and beta2 is not None:
         out["optimizer.params.betas"] = [beta1, beta2]
     max_steps = _attr(training_args, "max_steps")
-    has_steps = isinstance(max_steps, int) and max_steps > 0
-    if has_steps:
-        out["scheduler.params.total_num_steps"] = max_steps
+    total = num_training_steps
+    if total is None and isinstance(max_steps, int) and max_steps > 0:
+        total = max_steps
+    if total is not None:
+        out["scheduler.params.total_num_steps"] = total
     # TrainingArguments.get_warmup_steps: an int >= 1 is a step count, a float below 1 a ratio
-    # of the training steps (older releases: warmup_ratio).
+    # of the training steps (older releases: warmup_ratio); the Trainer fills max(1, that).
     warmup = _attr(training_args, "warmup_steps")
     ratio = _attr(training_args, "warmup_ratio")
+    steps: int | None = None
     if isinstance(warmup, (int, float)) and warmup >= 1:
-        out["scheduler.params.warmup_num_steps"] = int(warmup)
-    elif isinstance(warmup, float) and 0 < warmup < 1 and has_steps:
-        out["scheduler.params.warmup_num_steps"] = math.ceil(warmup * max_steps)
-    elif isinstance(ratio, (int, float)) and ratio > 0 and has_steps:
-        out["scheduler.params.warmup_num_steps"] = math.ceil(ratio * max_steps)
-    elif warmup is not None:
-        out["scheduler.params.warmup_num_steps"] = int(warmup)
+        steps = int(warmup)
+    elif isinstance(warmup, float) and 0 < warmup < 1:
+        steps = math.ceil(warmup * _known(total, f"warmup_steps={warmup}"))
+    elif isinstance(ratio, (int, float)) and ratio > 0:
+        steps = math.ceil(ratio * _known(total, f"warmup_ratio={ratio}"))
+    elif isinstance(warmup, (int, float)):
+        steps = int(warmup)
+    if steps is not None:
+        out["scheduler.params.warmup_num_steps"] = max(1, steps)
     return out

@@ -796,7 +796,7 @@ def load_config(
             filled = _auto_filled(auto_values, "scheduler.")
             if not filled:
                 raise
-            # The HF defaults (warmup_num_steps 0, total_num_steps unknown) leave DeepSpeed's
+            # The HF defaults (total_num_steps unknown before the Trainer counts) leave DeepSpeed's
             # schedulers unbuildable too; the plan still resolves and says what to fill.
             config_warnings.append(
                 f'$.scheduler cannot be built with the HF defaults of its "auto" values '

@@ -45,7 +45,11 @@ HF_AUTO_FILLS: dict[str, tuple[Any, str]] = {
     "optimizer.params.weight_decay": (0.0, "weight_decay"),
     "scheduler.params.warmup_min_lr": (0, "constant"),
     "scheduler.params.warmup_max_lr": (5e-05, "learning_rate"),
-    "scheduler.params.warmup_num_steps": (0, "warmup_steps (get_warmup_steps(num_training_steps))"),
+    # transformers 5.24 fills max(1, ...): deepspeed >= 0.19.6 refuses 0 (older ones took it).
+    "scheduler.params.warmup_num_steps": (
+        1,
+        "max(1, warmup_steps) (max(1, get_warmup_steps(num_training_steps)))",
+    ),
     "gradient_accumulation_steps": (1, "gradient_accumulation_steps"),
     "train_micro_batch_size_per_gpu": (8, "per_device_train_batch_size"),
 }

@@ -1,0 +1,53 @@
+"""Finding the dtypeplan optimizer inside a framework's wrapper, and the checkpoint layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.optimizers import MixedPrecisionOptimizer
+
+OPTIMIZER_DIR = "dtypeplan_optimizer"
+"""The subdirectory of a framework checkpoint that holds a dtypeplan.checkpoint snapshot."""
+
+
+def find_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
+    """The dtypeplan optimizer that ``optimizer`` is or wraps (Accelerate's
+    ``AcceleratedOptimizer`` holds it as ``.optimizer``, Lightning's ``LightningOptimizer`` as
+    ``._optimizer``), or None.
+
+    Wrappers are unwrapped first: a ``LightningOptimizer`` is an instance of the class it wraps
+    (Lightning subclasses it on the fly) but holds a copy of its attributes taken at wrap time,
+    so reading ``grad_norm`` or clipping through it would use stale state.
+    """
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+            continue
+        return optimizer if isinstance(optimizer, MixedPrecisionOptimizer) else None
+    return None
+
+
+def optimizer_dir(root: str | os.PathLike[str], index: int = 0) -> str:
+    """Where optimizer ``index`` of a framework checkpoint at ``root`` lives."""
+    name = OPTIMIZER_DIR if index == 0 else f"{OPTIMIZER_DIR}_{index}"
+    return os.path.join(os.fspath(root), name)
+
+
+def refuse_loss_scaling(optimizer: MixedPrecisionOptimizer, framework: str) -> None:
+    """Refuse a plan with fp16 loss scaling (fp16 parameters or fp16 autocast): it needs the
+    loss scaled inside the framework's backward and a scheduler that does not step on a step an
+    overflow skipped, which the integrations do not wire yet."""
+    if optimizer.loss_scale != 1.0:
+        raise OptimizerUsageError(
+            f"{framework}: this plan scales the loss (fp16, loss scale {optimizer.loss_scale:g}); "
+            "the integration does not scale the loss in the framework's backward yet, so the "
+            'gradients would be wrong. Use bf16 ("bf16": {"enabled": true}) or fp32, or drive '
+            "the optimizer yourself with optimizer.backward(loss)"
+        )

@@ -1,0 +1,216 @@
+"""The HF Trainer on a dtypeplan optimizer: ``DtypeplanTrainer(..., dtypeplan_config=...)``.
+
+What a plain Trainer script changes is what ``--deepspeed ds_config.json`` changes, one
+argument::
+
+    trainer = DtypeplanTrainer(
+        model=model, args=args, train_dataset=data, dtypeplan_config="ds_config.json"
+    )
+    trainer.train()                      # trainer.train(resume_from_checkpoint=True) resumes
+
+The Trainer's own extension points do the rest, as the Trainer's DeepSpeed integration does:
+
+* ``create_optimizer`` (run by ``train()`` after ``TrainingArguments`` made the process group,
+  and after the Trainer computed the number of training steps) resolves the config with every
+  ``"auto"`` filled from the arguments and the computed steps
+  (:func:`dtypeplan.auto_values_from` with ``num_training_steps``), readies the model
+  (``plan.prepare_model``: one dtype, ZeRO-3 sharding) and builds the optimizer: the config's
+  ``optimizer`` block on the trainable parameters in one group (DeepSpeed's), or without one the
+  optimizer the Trainer would make (``optim``, its weight-decay groups), or the one passed in
+  ``optimizers=``, taken over with ``plan.wrap``.
+* ``create_scheduler``: the config's ``scheduler`` block (DeepSpeed's formulas), else the
+  Trainer's own (``lr_scheduler_type``) on the dtypeplan optimizer.
+* No DistributedDataParallel and no Accelerate mixed precision (see
+  :mod:`dtypeplan.integrations`): the model is handed to Accelerate marked as prepared.
+* Clipping (``max_grad_norm``) and the logged ``grad_norm`` come from
+  ``optimizer.clip_grad_norm_``: the global norm before clipping, the one the step uses.
+* Checkpoints (``save_steps``, ``resume_from_checkpoint``): the optimizer state is written with
+  :func:`dtypeplan.checkpoint.save` by every rank into ``checkpoint-N/dtypeplan_optimizer``
+  and read back with :func:`dtypeplan.checkpoint.load` (any world size or stage); the scheduler
+  state, RNG and trainer state as the Trainer writes them.
+* ``save_model`` (and the model in every checkpoint) writes the fp32 master weights by
+  parameter name (:func:`dtypeplan.checkpoint.export_model_state`, gathered on every rank at
+  ZeRO 1-3) with ``save_pretrained``: ``from_pretrained`` reloads them in fp32. Before the
+  optimizer exists it saves the model as the Trainer does.
+
+fp16 plans are refused (loss scaling inside the Trainer's backward is not wired).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import yaml
+from transformers import Trainer
+
+import dtypeplan
+from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
+from dtypeplan.optimizers import MixedPrecisionOptimizer
+from dtypeplan.resolver import PrecisionPlan
+
+__all__ = ["DtypeplanTrainer", "trainer_auto_values"]
+
+SCHEDULER_FILE = "scheduler.pt"
+"""The Trainer's name for the scheduler state in a checkpoint (transformers' SCHEDULER_NAME)."""
+
+
+def _document(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The config as a mapping (read only to see which blocks it has; resolve reads it again)."""
+    if isinstance(config, Mapping):
+        return config
+    with open(config, encoding="utf-8") as handle:
+        text = handle.read()
+    loaded = json.loads(text) if os.fspath(config).endswith(".json") else yaml.safe_load(text)
+    return loaded if isinstance(loaded, Mapping) else {}
+
+
+def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
+    """What the HF Trainer's DeepSpeed integration fills each ``"auto"`` with, for ``args``
+    (a ``TrainingArguments``) and the number of optimizer steps the Trainer computed
+    (:func:`dtypeplan.auto_values_from`, plus the global batch size it writes)."""
+    auto = dtypeplan.auto_values_from(args, num_training_steps=num_training_steps)
+    auto["train_batch_size"] = (
+        args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    )
+    return auto
+
+
+class DtypeplanTrainer(Trainer):
+    """A ``transformers.Trainer`` whose optimizer is dtypeplan's, from ``dtypeplan_config``
+    (a DeepSpeed-style config: dict or ``.json`` / ``.yaml`` path, ``"auto"`` values allowed).
+
+    After ``train()`` starts, ``trainer.plan`` is the resolved plan and
+    ``trainer.dtypeplan_optimizer`` the optimizer (``trainer.optimizer`` is Accelerate's
+    wrapper around it).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str],
+        **kwargs: Any,
+    ) -> None:
+        self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
+            dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
+        )
+        self.plan: PrecisionPlan | None = None
+        self.dtypeplan_optimizer: MixedPrecisionOptimizer | None = None
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "DtypeplanTrainer: TrainingArguments also enable "
+                f"{'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}, which would wrap "
+                "the model and own the optimizer; pass the config as dtypeplan_config only"
+            )
+
+    # --- the accelerator: no autocast, no GradScaler (the plan decides every dtype) ----------
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args: dict[str, Any] = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"
+        return args
+
+    # --- optimizer and scheduler ---------------------------------------------------------------
+    def resolve_plan(self, num_training_steps: int) -> PrecisionPlan:
+        """The plan of ``dtypeplan_config`` with its ``"auto"`` values filled as the HF
+        DeepSpeed integration fills them."""
+        auto = trainer_auto_values(self.args, num_training_steps)
+        return dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.dtypeplan_optimizer is not None:
+            return self.dtypeplan_optimizer
+        # train() has computed the steps by now (state.max_steps); a direct call before
+        # train() gets a plan without them.
+        plan = self.resolve_plan(self.state.max_steps)
+        given = self.optimizer
+        target = self.model if model is None else model
+        assert target is not None, "the Trainer was given a model"
+        # The model is readied before any optimizer sees its parameters: prepare_model keeps
+        # their fp32 values for build (ZeRO-3 replaces them with FSDP2's sharded ones).
+        prepared = plan.prepare_model(target)
+        if "optimizer" in _document(self.dtypeplan_config):
+            trainable = [p for p in prepared.parameters() if p.requires_grad]
+            optimizer = find_optimizer(plan.build(trainable))
+        else:
+            if given is None:
+                self.optimizer = None
+                given = super().create_optimizer(prepared)
+            optimizer = find_optimizer(plan.wrap(given))
+        assert optimizer is not None, "build and wrap make dtypeplan optimizers"
+        refuse_loss_scaling(optimizer, "DtypeplanTrainer")
+        # Accelerate returns a model marked as prepared unchanged: no DDP (the optimizer
+        # reduces), no autocast, no device move (a ZeRO-3 model lives on its mesh's device).
+        setattr(prepared, "_is_accelerate_prepared", True)  # noqa: B010 - not a Module field
+        self.model = self.model_wrapped = prepared
+        self.plan, self.dtypeplan_optimizer, self.optimizer = plan, optimizer, optimizer
+        return optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        if self.lr_scheduler is None and self.plan is not None:
+            target = find_optimizer(optimizer if optimizer is not None else self.optimizer)
+            scheduler = None if target is None else self.plan.build_scheduler(target)
+            if scheduler is not None:
+                self.lr_scheduler = scheduler  # type: ignore[assignment]
+                self._created_lr_scheduler = True
+                return scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    # --- clipping and the logged norm ----------------------------------------------------------
+    def _owned_optimizer(self) -> MixedPrecisionOptimizer:
+        optimizer = find_optimizer(self.optimizer)
+        assert optimizer is not None, "create_optimizer builds the dtypeplan optimizer first"
+        return optimizer
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        return self._owned_optimizer().clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> float:
+        if grad_norm is None:  # max_grad_norm <= 0: the norm is logged, nothing is clipped
+            grad_norm = self._owned_optimizer().clip_grad_norm_(float("inf"))
+        return float(grad_norm)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        optimizer = find_optimizer(self.optimizer)
+        if optimizer is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        # Every rank writes its own shard (collective); rank 0 alone would write one shard.
+        dtypeplan.checkpoint.save(optimizer, optimizer_dir(output_dir))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        optimizer = find_optimizer(self.optimizer)
+        if checkpoint is None or optimizer is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        if not os.path.isdir(optimizer_dir(checkpoint)):
+            raise FileNotFoundError(
+                f"DtypeplanTrainer: {checkpoint} holds no {optimizer_dir(checkpoint)!r}: it was "
+                "not written by DtypeplanTrainer, so the optimizer state cannot be resumed "
+                "(resume from a DtypeplanTrainer checkpoint, or start without "
+                "resume_from_checkpoint)"
+            )
+        dtypeplan.checkpoint.load(optimizer, optimizer_dir(checkpoint))
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_FILE)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        optimizer = find_optimizer(self.optimizer)
+        if optimizer is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        # Collective at ZeRO 1-3: every rank gathers, rank 0 keeps and writes.
+        state = dtypeplan.checkpoint.export_model_state(optimizer, self.model, rank0_only=True)
+        self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -1,0 +1,63 @@
+"""What ``.grad`` holds between backward and ``step()`` for a gradient the optimizer took in.
+
+The flat engine (ZeRO 0-2) takes each gradient into its accumulator as autograd produces it
+and frees ``.grad``. A tool that reads ``.grad`` then found nothing and said nothing:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` (the HF Trainer's, Accelerate's
+and Lightning's clipping) returned a norm of 0 and clipped nothing, and frameworks logged that
+0 as the gradient norm.
+
+So after each backward, every parameter whose gradient the optimizer holds gets an
+:class:`OwnedGradient` in ``.grad``: a tensor of the gradient's shape, dtype and device with
+no storage, on which every operation raises an :class:`OptimizerUsageError` naming the way
+out (``optimizer.clip_grad_norm_``, which clips for real, or ``gradient_clipping`` in the
+config). Reading ``p.grad is not None`` still says that the parameter got a gradient, and
+``model.zero_grad()`` / ``optimizer.zero_grad()`` clear it as any gradient. The next backward
+clears it before autograd accumulates (a gradient pre-hook), and ``step()`` ignores it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtypeplan.errors import OptimizerUsageError
+
+__all__ = ["OWNED_MESSAGE", "OwnedGradient", "is_owned_gradient"]
+
+OWNED_MESSAGE = (
+    "this parameter's gradient is held by a dtypeplan optimizer (summed in its accumulator, "
+    "reduced over ranks in the step), not in .grad, so torch.nn.utils.clip_grad_norm_ and "
+    "other code reading .grad cannot see it (it would find no gradient and report a norm of "
+    "0). Clip with optimizer.clip_grad_norm_(max_norm) between the last backward and step() "
+    "(it returns the global norm), or set gradient_clipping in the config; the norm of the "
+    "last step is optimizer.grad_norm"
+)
+
+
+class OwnedGradient(torch.Tensor):
+    """The placeholder in ``.grad``: shape, dtype and device of the gradient, no storage."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> OwnedGradient:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+        )
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise OptimizerUsageError(f"{func}: {OWNED_MESSAGE}")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"OwnedGradient(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            "held by a dtypeplan optimizer)"
+        )
+
+
+def is_owned_gradient(grad: torch.Tensor | None) -> bool:
+    return type(grad) is OwnedGradient

@@ -1,0 +1,216 @@
+"""What training frameworks do to a model and optimizer, met by the library itself.
+
+HF Trainer, Accelerate and Lightning build the optimizer at their own time, wrap the model in
+DDP, move it with ``.to``, clip with torch's utility and save it with safetensors. Each test
+here is one such thing done to a model and optimizer of dtypeplan without any integration.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan.errors import OptimizerUsageError
+from tests._helpers import make_model
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_build_without_a_group_under_a_multi_rank_launcher_is_refused(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = make_model(0)
+    with pytest.raises(OptimizerUsageError, match="prepare_model.*WORLD_SIZE=2"):
+        plan.prepare_model(model)
+    with pytest.raises(OptimizerUsageError, match="WORLD_SIZE=2.*Initialize the process group"):
+        plan.build(model.parameters())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    plan.build(plan.prepare_model(model).parameters()).close()
+
+
+DDP_CASES = [
+    # stage, bf16 params + fp32 accumulation, DDP's options, micro-batches per step
+    {"stage": 0, "bf16": True, "micro_batches": 1},
+    {"stage": 1, "bf16": False, "bucket_view": True, "micro_batches": 2, "no_sync": True},
+    {"stage": 1, "bf16": True, "micro_batches": 2},  # every micro-batch synchronized
+    {"stage": 2, "bf16": True, "find_unused": True, "micro_batches": 1},  # the HF Trainer's
+    {"stage": 2, "bf16": False, "static_graph": True, "bucket_view": True, "micro_batches": 2},
+]
+DDP_DEFAULTS = {"bucket_view": False, "find_unused": False, "static_graph": False, "no_sync": False}
+
+
+def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
+    """DDP around parameters the optimizer owns (Accelerate, Lightning 32-true, the Trainer):
+    the same losses and parameters, bit for bit, as without DDP, the same gradient-sized
+    collectives on the wire (DDP's buckets go nowhere), no .grad left after backward, and no
+    "set by hand" error at step. A DDP with a communication hook of its own is refused."""
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import ddp_cases
+
+    cases = [{**DDP_DEFAULTS, **case} for case in DDP_CASES]
+    cases.append({**DDP_DEFAULTS, "stage": 1, "bf16": True, "micro_batches": 1, "own_hook": True})
+    for rank_results in spawn(ddp_cases, 2, cases):
+        *compared, refused = rank_results
+        assert "communication hook of its own" in refused
+        for case, (wrapped, bare) in zip(cases, compared, strict=False):
+            assert wrapped["losses"] == bare["losses"], case
+            for mine, theirs in zip(wrapped["params"], bare["params"], strict=True):
+                assert torch.equal(mine, theirs), case
+            assert wrapped["wire"] == bare["wire"], case
+            assert bare["wire"], "the profiler saw the optimizer's own collectives"
+            assert not any(wrapped["grads_after_backward"]), case
+
+
+class _TakesMany(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, extra: dict, ids: torch.Tensor, *, scale: torch.Tensor):
+        assert ids.dtype == torch.long
+        return self.linear(x) + self.linear(extra["y"][0]) * scale + ids
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_prepare_model_casts_floating_forward_inputs(stage: int) -> None:
+    """As FSDP2's cast_forward_inputs: floating tensors (positional, keyword, nested) to the
+    parameter dtype; integer ones untouched; preparing twice installs one cast."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    model = plan.prepare_model(plan.prepare_model(_TakesMany()))
+    out = model(
+        torch.randn(4, 3),
+        {"y": [torch.randn(4, 3, dtype=torch.float64)]},
+        torch.ones(4, 2, dtype=torch.long),
+        scale=torch.tensor(2.0),
+    )
+    assert out.dtype == torch.bfloat16
+    assert len(model._forward_pre_hooks) == 1
+    twin = copy.deepcopy(model)
+    ids = torch.ones(4, 2, dtype=torch.long)
+    out = twin(torch.randn(4, 3), {"y": [torch.randn(4, 3)]}, ids, scale=torch.tensor(1.0))
+    assert out.dtype == torch.bfloat16
+    dtypeplan.resolve({"zero_optimization": {"stage": stage}}).prepare_model(model)
+    assert not model._forward_pre_hooks
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _trained(model: torch.nn.Module, stage: int) -> torch.nn.Module:
+    """``model`` prepared and built at ``stage`` in bf16, after one step (so the parameters
+    are the flat buffer's views and hold values the optimizer wrote)."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    model = plan.prepare_model(model)
+    optimizer = plan.build(model.parameters(), lr=1e-2)
+    optimizer.backward(sum(p.float().pow(2).sum() for p in model.parameters()))
+    optimizer.step()
+    model._test_optimizer = optimizer  # type: ignore[assignment]  # kept alive with the model
+    return model
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_safetensors_saves_every_tensor_after_build(stage: int, tmp_path: pytest.TempPathFactory):
+    """Parameters are views into one flat buffer after build; safetensors' savers (and
+    Accelerate's, which keeps one name per storage) must still write each of them."""
+    pytest.importorskip("transformers")
+    from accelerate.utils import save as accelerate_save
+    from safetensors.torch import load_file, load_model, save_file, save_model
+
+    model = _trained(_tiny_gpt2(), stage)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    keys = set(model.state_dict())
+    tied = {"lm_head.weight", "transformer.wte.weight"}  # savers keep one of the two
+    assert len(keys - tied) == 27
+
+    def check(saved: Any) -> None:
+        assert keys - tied <= set(saved) and tied & set(saved)
+        for name in set(saved) & keys:
+            value = params.get(name, params["transformer.wte.weight"])
+            assert torch.equal(saved[name], value), name
+
+    save_model(model, str(tmp_path / "model.safetensors"))
+    check(load_file(str(tmp_path / "model.safetensors")))
+    fresh = _tiny_gpt2().to(torch.bfloat16)
+    load_model(fresh, str(tmp_path / "model.safetensors"))
+    check(dict(fresh.named_parameters()))
+
+    model.save_pretrained(str(tmp_path / "pretrained"))
+    check(load_file(str(tmp_path / "pretrained" / "model.safetensors")))
+
+    accelerate_save(model.state_dict(), str(tmp_path / "acc.safetensors"), safe_serialization=True)
+    check(load_file(str(tmp_path / "acc.safetensors")))
+
+    # save_file refuses tied tensors (safetensors' rule, with or without dtypeplan), naming
+    # only the tied pair and the way out; an untied model's state dict saves whole.
+    with pytest.raises(RuntimeError, match=r"lm_head.weight.*save_model|save_model"):
+        save_file(model.state_dict(), str(tmp_path / "tied.safetensors"))
+    mlp = _trained(make_model(0), stage)
+    save_file(mlp.state_dict(), str(tmp_path / "mlp.safetensors"))
+    loaded = load_file(str(tmp_path / "mlp.safetensors"))
+    assert loaded.keys() == mlp.state_dict().keys()
+    for name, p in mlp.named_parameters():
+        assert torch.equal(loaded[name], p.detach())
+    # the parameters themselves are untouched: still the optimizer's views
+    assert all(p.data_ptr() != loaded[n].data_ptr() for n, p in mlp.named_parameters())
+    assert model.state_dict(keep_vars=True)["lm_head.weight"] is model.lm_head.weight
+
+
+def test_a_zero3_model_survives_what_frameworks_do_to_it() -> None:
+    """model.to(its device) / .cpu() before and after build (failed: "_apply(): Couldn't swap
+    Linear.weight", weak references on the DTensor parameters), the same losses bit for bit as
+    without; DDP around the FSDP2-sharded model refused by DDP itself as not needed (was a
+    NotImplementedError about a sharding strategy for broadcast)."""
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import zero3_handling
+
+    for result in spawn(zero3_handling, 2):
+        for bf16 in (False, True):
+            assert result[f"moved_bf16={bf16}"] == result[f"still_bf16={bf16}"]
+        assert "DistributedDataParallel is not needed" in result["ddp"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_torch_clip_grad_norm_on_owned_gradients_fails_loudly(stage: int) -> None:
+    """torch.nn.utils.clip_grad_norm_ (what the frameworks call) found no .grad and returned 0;
+    now it raises naming optimizer.clip_grad_norm_, which clips for real. Backward passes
+    that follow replace the placeholder (bare loss.backward() too), and the step is that of
+    torch.optim on the summed gradient."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": stage}})
+    model, reference = make_model(0), make_model(0)
+    optimizer = plan.build(model.parameters(), optimizer=torch.optim.SGD, lr=0.1)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(8, 12), torch.randn(8, 6)
+    for net in (model, reference):
+        for half in (slice(0, 4), slice(4, 8)):  # two micro-batches, bare backward
+            torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not optimizer.held_tensors().grads
+    with pytest.raises(OptimizerUsageError, match=r"optimizer\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(OptimizerUsageError, match="held by a dtypeplan optimizer"):
+        next(model.parameters()).grad.norm()  # type: ignore[union-attr]
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    norm = optimizer.clip_grad_norm_(0.5)
+    assert torch.allclose(norm, expected, rtol=1e-6, atol=0)
+    optimizer.step()
+    torch_optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad()  # the framework's own zero_grad clears the placeholders as any .grad
+    assert all(p.grad is None for p in model.parameters())
