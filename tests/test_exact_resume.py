@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.errors import RankMismatchError
 from dtypeplan.launch import spawn
@@ -200,3 +201,35 @@ def test_hyperparameter_fingerprint_names_group_keys_and_ranks(world: int) -> No
     others = {2: "rank 0", 3: "ranks 0, 1"}.get(world, f"ranks 0-{world - 2}")
     assert others in message and f"rank {world - 1}" in message, message
     assert f"rank {world - 1} has betas=(0.9, 0.99), lr=0.0005" in message, message
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("move", ["to", "data"])
+def test_a_load_after_the_parameters_were_rebound_is_seen_by_the_next_forward(
+    stage: int, move: str, tmp_path: Any
+) -> None:
+    """``model.to(...)`` (Accelerate, Lightning) or ``param.data = ...`` after build points the
+    parameters away from the flat buffer; a load right after must still put the checkpoint's
+    weights where the forward reads them, not only at the next step."""
+    from tests._helpers import make_batch, make_model, mse
+
+    plan = dtypeplan.resolve(cases.config("fp32", "fp32", stage=stage))
+    model = make_model(0)
+    opt = plan.build(model.parameters())
+    x, y = make_batch(0, 8)
+    for _ in range(2):
+        opt.backward(mse(model, x, y))
+        opt.step()
+        opt.zero_grad()
+        if _ == 0:
+            checkpoint.save(opt, str(tmp_path))
+            saved = [p.detach().clone() for p in model.parameters()]
+            saved_loss = mse(model, x, y).item()
+    if move == "to":
+        model.to("cpu:0")
+    else:
+        for p in model.parameters():
+            p.data = p.data.clone()
+    checkpoint.load(opt, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert mse(model, x, y).item() == saved_loss
