@@ -5,7 +5,14 @@
 
 What is stored: everything the optimizer owns -- the fp32 master weights, every full-size
 optimizer state (``exp_avg``, ``momentum_buffer``, ...), the step count, the loss scaler, the
-skipped-step count and the param groups' hyperparameters. The model's weights are the master
+skipped-step count and the param groups' hyperparameters. The inner optimizer's scalar states
+(``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``...) are kept per param group
+(``scalars.group_states`` in the manifest) and, as ``torch.optim`` keeps them per parameter,
+for each parameter whose own differ from its group's (``scalars.param_states``: a parameter
+whose first gradient came after the group's first step, or that skipped a step, such as an MoE
+expert no token was routed to), or that has no state yet. So a resumed run counts each
+parameter's steps as the uninterrupted one does, at any world size and ZeRO stage. Manifest
+version 2 added ``param_states``; a version-1 checkpoint (one count per group) still loads. The model's weights are the master
 weights cast to the parameter dtype, so ``load`` writes them into the parameters as well.
 Frozen parameters (``requires_grad=False``) are not the optimizer's and are not stored.
 

@@ -23,7 +23,10 @@ __all__ = [
     "load_slot",
     "placed_scalar",
     "same_scalar",
+    "same_scalars",
     "scalar_dtype",
+    "scalars_key",
+    "stateful_scalars",
 ]
 
 
@@ -107,3 +110,24 @@ def load_slot(slot: dict[str, Any], entry: Mapping[str, Any], where: slice | Non
                 value.fill_(given)
         else:
             (value if where is None else value[where]).copy_(given)
+
+
+def same_scalars(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two sets of scalar states are the same (names, dtypes, values)."""
+    return a.keys() == b.keys() and all(same_scalar(a[n], b[n]) for n in a)
+
+
+def stateful_scalars(slot: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The scalar states of a master's slot, or None where it has no state torch would have
+    created (none, or only a Kahan compensation, which is the master's own)."""
+    if not slot or all(name == KAHAN_COMPENSATION for name in slot):
+        return None
+    return {n: v for n, v in slot.items() if is_scalar_state(v)}
+
+
+def scalars_key(scalars: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A hashable key that two sets of scalar states share exactly when they are the same."""
+    return tuple(
+        (n, str(v.dtype), v.item()) if torch.is_tensor(v) else (n, type(v).__name__, v)
+        for n, v in sorted(scalars.items())
+    )
