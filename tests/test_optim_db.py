@@ -114,7 +114,7 @@ def _late_lifecycle(case: dict[str, Any], result: dict[str, Any]) -> str | None:
     steps (the head with its own count, or no state yet) resumes at the same layout to the
     uninterrupted run's bits, and in another layout (``RESHARD_TO``) to torch's numbers and
     per-parameter counts; a state_dict round trip continues bit for bit."""
-    late = STEPS - case["late"]
+    late = STEPS - case["late"] - (case.get("skip") is not None)
     for where, counts in [
         ("the run", result),
         *zip(("resumed", "resharded"), result["checkpoint_counts"], strict=True),
@@ -187,7 +187,8 @@ def _two_rank_cases(full: bool) -> list[dict[str, Any]]:
 
 def _late_cases() -> list[dict[str, Any]]:
     """A head whose first gradient comes at step 1 or 2, for every class (each keeps state per
-    parameter), at every stage; with optimizer offload at the sharded flat stages."""
+    parameter), at every stage; with optimizer offload at the sharded flat stages; and one
+    that skips the second step (AdamW, NAdam, ASGD) at every stage."""
     cases = []
     for n, torch_class in enumerate(sorted(ELEMENTWISE, key=lambda c: c.__name__)):
         kwargs = _LATE_KWARGS.get(torch_class.__name__, {})
@@ -225,6 +226,24 @@ def _late_cases() -> list[dict[str, Any]]:
                     "low_precision": True,
                     "rounding": rounding,
                     "seed": 700 + stage,
+                }
+            )
+    for stage in STAGES:
+        for name, kwargs in (
+            ("AdamW", {"lr": 0.01}),
+            ("NAdam", {}),
+            ("ASGD", _LATE_KWARGS["ASGD"]),
+        ):
+            # From the first step, but none in the second: its own count from then on.
+            cases.append(
+                {
+                    "optimizer": name,
+                    "kwargs": kwargs,
+                    "stage": stage,
+                    "how": HOWS[stage % 2],
+                    "late": 0,
+                    "skip": 1,
+                    "seed": 800 + stage,
                 }
             )
     for case in cases:

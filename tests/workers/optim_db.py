@@ -93,6 +93,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     kwargs = case["kwargs"]
     seed = case.get("seed", 0)
     late = case.get("late")  # the step at which the late head gets its first gradient
+    # ``skip``: a step after that in which it gets none (an MoE expert no token was routed to).
     plan = dtypeplan.resolve(_config(case))
     assert plan.status == "OK", plan.explain()
     reference = make_model(seed)
@@ -114,7 +115,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
             folder = _shared_folder(rank)
             dtypeplan.checkpoint.save(optimizer, folder)
             runs += _resumed(case, plan, folder, rank, world_size)
-        joined = late is None or step >= late
+        joined = (late is None or step >= late) and step != case.get("skip")
         x, y = _batch(seed, step, PER_RANK * world_size)
         ref_opt.zero_grad()
         loss_of(reference, x, y, joined).backward()
