@@ -36,7 +36,8 @@ from dtypeplan.optimizers._state_storage import QUANTIZED
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
-``state_names()``, ``reset_update_state()`` and ``refresh_params()``."""
+``state_names()``, ``reset_update_state()``, ``param_scalar_state()``, ``load_param_scalars()``
+and ``refresh_params()``."""
 
 __all__ = [
     "CODES_PREFIX",

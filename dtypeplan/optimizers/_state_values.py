@@ -2,7 +2,8 @@
 
 A state value is per element (a tensor laid out like its master chunk or local shard:
 ``exp_avg``, ``sum``...) and saved per parameter, or scalar (``step``, NAdam's ``mu_product``)
-and saved per param group. These helpers tell them apart, name them, and place saved values
+and saved per param group, and per parameter where a parameter's own differ (its first gradient
+came late, or it skipped a step). These helpers tell them apart, name them, and place saved values
 back where ``torch.optim`` keeps them (device, dtype), for every implementation's state calls.
 """
 
@@ -50,7 +51,8 @@ def element_state_names(inner: torch.optim.Optimizer, tensors: Iterable[torch.Te
 
 def is_scalar_state(value: Any) -> bool:
     """Whether ``value`` is a per-chunk scalar state: a 0-dim tensor or a Python number
-    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group."""
+    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group and
+    per parameter where they differ from its group's."""
     if torch.is_tensor(value):
         return value.dim() == 0
     return isinstance(value, (int, float)) and not isinstance(value, bool)
