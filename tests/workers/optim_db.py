@@ -11,11 +11,13 @@ raised at build or wrap) or ``failed`` (an error anywhere else, with its traceba
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import tempfile
 import traceback
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import dtypeplan
 import dtypeplan.checkpoint
+from dtypeplan.checkpoint import _adapters, _io
 
 IN, HIDDEN, OUT = 6, 8, 3
 STEPS = 3
@@ -113,7 +116,8 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     for step in range(STEPS):
         if late is not None and step == SAVE_AT:
             folder = _shared_folder(rank)
-            dtypeplan.checkpoint.save(optimizer, folder)
+            with _checkpoint_io(case):
+                dtypeplan.checkpoint.save(optimizer, folder)
             runs += _resumed(case, plan, folder, rank, world_size)
         joined = (late is None or step >= late) and step != case.get("skip")
         x, y = _batch(seed, step, PER_RANK * world_size)
@@ -138,6 +142,15 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         )
         extra["checkpoint_counts"] = [_counts(same[0], same[1]), _counts(moved[0], moved[1])]
         extra["resharded_error"] = _difference(moved[0], reference)
+        if case.get("skip") is not None:
+            # full_state() is the same on every rank: each parameter's own scalars included,
+            # wherever its pieces are.
+            full = optimizer.full_state()
+            extra["full_state_scalars"] = sorted(
+                (key, float(value))
+                for key, value in full.items()
+                if key.startswith("scalar.param.")
+            )
         if case.get("round_trip"):
             extra["round_trip_equal"] = _round_trip(case, plan, model, optimizer, rank)
     for _, opt, _ in runs:
@@ -201,9 +214,18 @@ def _resumed(
             opt = config.build(
                 net.parameters(), optimizer=torch_class, process_group=group, **case["kwargs"]
             )
-        dtypeplan.checkpoint.load(opt, folder)
+        with _checkpoint_io(case):
+            dtypeplan.checkpoint.load(opt, folder)
         runs.append((net, opt, world_size == 1 or group is not None))
     return runs
+
+
+def _checkpoint_io(case: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Skipping-head cases save and load through ``full_state()`` / ``load_full_state()``
+    (the layout-free way) instead of per-rank pieces."""
+    if case.get("skip") is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(_io, "adapter_for", _adapters.FullStateAdapter)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
