@@ -246,7 +246,8 @@ def test_manifest_records_layout_free_facts(trained: tuple[str, Any, Any]) -> No
     path, model, opt = trained
     with open(os.path.join(_snapshot_dir(path), "manifest.json")) as handle:
         manifest = json.load(handle)
-    assert manifest["version"] == 1 and manifest["world_size"] == 1
+    assert manifest["version"] == 2 and manifest["world_size"] == 1
+    assert manifest["scalars"]["param_states"] == {}  # every parameter stepped every step
     assert manifest["shapes"] == [list(p.shape) for p in model.parameters()]
     assert (
         manifest["optimizer"]["type"] == "AdamW" and manifest["optimizer"]["params"]["lr"] == 1e-2
@@ -383,6 +384,94 @@ def test_manifest_with_wrong_version_or_fields_is_refused(trained: tuple[str, An
             json.dump({**good, **change}, handle)
         with pytest.raises(CheckpointError, match=expected):
             _load_fresh(path)
+
+
+def test_version_1_manifest_loads_as_before(trained: tuple[str, Any, Any]) -> None:
+    """A version-1 checkpoint (one count per param group, no ``param_states``) loads to the
+    same state as the version-2 one it is made from; param_states in it, or malformed ones in
+    version 2, are refused."""
+    path, _model, _opt = trained
+    expected = _state_copy(_load_fresh(path))
+    where = os.path.join(_snapshot_dir(path), "manifest.json")
+    with open(where) as handle:
+        good = json.load(handle)
+    old = copy.deepcopy(good)
+    old["version"] = 1
+    del old["scalars"]["param_states"]
+    with open(where, "w") as handle:
+        json.dump(old, handle)
+    assert _bitwise_equal(_state_copy(_load_fresh(path)), expected)
+    step = {"value": 1.0, "dtype": "float32"}
+    for version, states, message in [
+        (1, {"scalar.param.0.step": step}, "which version 2 introduced"),
+        (2, {"scalar.param.9.step": step}, "one of its 6 trainable parameters"),
+        (2, {"scalar.param.0.no_state": {"value": 2}}, r"it must be \{\"value\": 1\}"),
+        (2, {"scalar.param.0.step": {"value": "x"}}, "a finite number"),
+    ]:
+        bad = copy.deepcopy(good)
+        bad["version"] = version
+        bad["scalars"]["param_states"] = states
+        with open(where, "w") as handle:
+            json.dump(bad, handle)
+        with pytest.raises(CheckpointError, match=message):
+            _load_fresh(path)
+
+
+def _late_run(
+    optimizer: type[torch.optim.Optimizer], bucket: int, steps: int, skip: int
+) -> tuple[torch.nn.Sequential, Any]:
+    """Two layers, stage 0; the second gets no gradient at step ``skip`` (its first step
+    when ``skip`` is 0: a late start), so its scalar states are its own."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 0, "reduce_bucket_size": bucket}})
+    torch.manual_seed(3)
+    model = plan.prepare_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    opt = plan.build(model.parameters(), optimizer=optimizer, lr=0.01)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        hidden = model[0](x)
+        loss = hidden.square().mean()
+        if step != skip:
+            loss = loss + model[1](hidden).square().mean()
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    return model, opt
+
+
+def _scalars_by_param(opt: Any) -> dict[int, dict[str, float]]:
+    return {
+        i: {n: float(v) for n, v in entry.items() if torch.is_tensor(v) and v.dim() == 0}
+        for i, entry in opt.state_dict()["state"].items()
+    }
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.NAdam, torch.optim.ASGD])
+def test_parameters_own_scalar_states_through_full_state(
+    tmp_path: Any, optimizer: type[torch.optim.Optimizer]
+) -> None:
+    """A parameter that skipped a step keeps its own ``step`` (and NAdam's ``mu_product``,
+    ASGD's ``eta``/``mu``) through a checkpoint written by ``full_state()`` and loaded in
+    pieces into other buckets, and through one written in pieces and loaded by
+    ``load_full_state()``; one that has no state yet (save before its first gradient) gets
+    none. (The 2-rank and ZeRO 1-3 cases are test_optim_db's late heads.)"""
+    from dtypeplan.checkpoint import _adapters
+
+    for steps, skip in ((3, 1), (1, 0)):
+        _model, opt = _late_run(optimizer, 40, steps, skip)
+        mine = _scalars_by_param(opt)
+        assert mine.get(2) != mine[0], mine  # the second layer's own history
+        for name, save_io, load_io in (
+            ("full-to-pieces", _adapters.FullStateAdapter, _adapters.adapter_for),
+            ("pieces-to-full", _adapters.adapter_for, _adapters.FullStateAdapter),
+        ):
+            path = str(tmp_path / f"{name}-{steps}")
+            with mock.patch.object(_io, "adapter_for", save_io):
+                checkpoint.save(opt, path)
+            _other, fresh = _late_run(optimizer, 1000, 2, -1)  # other buckets, other states
+            with mock.patch.object(_io, "adapter_for", load_io):
+                checkpoint.load(fresh, path)
+            assert _scalars_by_param(fresh) == mine, name
+            assert sorted(fresh.state_dict()["state"]) == sorted(mine), name
 
 
 def test_missing_path_and_foreign_directory(tmp_path: Any, trained: tuple[str, Any, Any]) -> None:

@@ -93,9 +93,7 @@ def _check(cases: list[dict[str, Any]], results: list[dict[str, Any]]) -> collec
         elif case.get("late") is not None and (late := _late_lifecycle(case, result)):
             wrong.append(f"{label}: {late}")
             outcomes["differ"] += 1
-        elif result["rel_error"] > (
-            LOW_PRECISION_RTOL if case.get("low_precision") else FP32_RTOL
-        ):
+        elif result["rel_error"] > (LOW_PRECISION_RTOL if case.get("low_precision") else FP32_RTOL):
             wrong.append(f"{label}: numbers differ from torch by {result['rel_error']:.3g}")
             outcomes["differ"] += 1
         else:
@@ -112,36 +110,58 @@ def _check(cases: list[dict[str, Any]], results: list[dict[str, Any]]) -> collec
 
 def _late_lifecycle(case: dict[str, Any], result: dict[str, Any]) -> str | None:
     """What differs from torch's lifecycle for a late head, or None: its step count starts at
-    its first gradient, the trunk's at the first step; a checkpoint (one count per param
-    group) is refused saying why; a state_dict round trip continues bit for bit."""
-    late = STEPS - case["late"]
-    if any(s != late for s in result["late_steps"]) or any(
-        s != STEPS for s in result["trunk_steps"]
-    ):
-        return f"steps: late head {result['late_steps']} (torch: {late}), trunk " + str(
-            result["trunk_steps"]
-        )
-    # SGD keeps no scalar state: nothing a checkpoint's one count per group would lose.
-    refused = "step count" in result["checkpoint"]
-    if refused != (case["optimizer"] != "SGD"):
-        return f"a checkpoint of one count per group: {result['checkpoint']}"
+    its first gradient, the trunk's at the first step; a checkpoint saved after ``SAVE_AT``
+    steps (the head with its own count, or no state yet) resumes at the same layout to the
+    uninterrupted run's bits, and in another layout (``RESHARD_TO``) to torch's numbers and
+    per-parameter counts; a state_dict round trip continues bit for bit."""
+    late = STEPS - case["late"] - (case.get("skip") is not None)
+    for where, counts in [
+        ("the run", result),
+        *zip(("resumed", "resharded"), result["checkpoint_counts"], strict=True),
+    ]:
+        if any(s != late for s in counts["late_steps"]) or any(
+            s != STEPS for s in counts["trunk_steps"]
+        ):
+            return (
+                f"steps, {where}: late head {counts['late_steps']} (torch: {late}), trunk "
+                + str(counts["trunk_steps"])
+            )
+    # Stochastic rounding draws from a generator that a checkpoint does not hold.
+    if case.get("round_trip") and not result["checkpoint_equal"]:
+        return "checkpoint resumed at the same layout: the parameters differ from the run's"
+    tolerance = LOW_PRECISION_RTOL if case.get("low_precision") else FP32_RTOL
+    if result["resharded_error"] > tolerance:
+        return f"checkpoint resharded: differs from torch by {result['resharded_error']:.3g}"
     if case.get("round_trip") and not result["round_trip_equal"]:
         return "state_dict round trip: the next step differs"
+    if case.get("skip") is not None and not result["full_state_agrees"]:
+        return f"full_state's per-parameter scalars: {result['full_state_scalars']}"
     return None
 
 
 def _merged(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Rank 0's results, with what each rank holds of the late head: the step counts of
-    both ranks' pieces, and a checkpoint refusal if any rank refused."""
+    both ranks' pieces (in the run and in both resumed runs)."""
     merged = []
     for results in zip(*per_rank, strict=True):
         first = dict(results[0])
         if "late_steps" in first:
             for name in ("late_steps", "trunk_steps"):
                 first[name] = [s for r in results for s in r[name]]
-            refusals = [r["checkpoint"] for r in results if r["checkpoint"] != "accepted"]
-            first["checkpoint"] = refusals[0] if refusals else "accepted"
-            first["round_trip_equal"] = all(r.get("round_trip_equal") for r in results)
+            first["checkpoint_counts"] = [
+                {
+                    name: [s for r in results for s in r["checkpoint_counts"][k][name]]
+                    for name in ("late_steps", "trunk_steps")
+                }
+                for k in range(2)
+            ]
+            for name in ("round_trip_equal", "checkpoint_equal"):
+                first[name] = all(r.get(name) for r in results)
+        if "full_state_scalars" in first:
+            # Every rank's, the same; the skipping head's weight and bias have their own.
+            found = [r["full_state_scalars"] for r in results]
+            first["full_state_scalars"] = found
+            first["full_state_agrees"] = all(f == found[0] for f in found) and len(found[0]) >= 2
         merged.append(first)
     return merged
 
@@ -162,9 +182,7 @@ def _two_rank_cases(full: bool) -> list[dict[str, Any]]:
     for n, given in enumerate(INPUTS):
         if full:
             cases += [
-                {**given, "stage": stage, "how": how, "seed": n}
-                for stage in STAGES
-                for how in HOWS
+                {**given, "stage": stage, "how": how, "seed": n} for stage in STAGES for how in HOWS
             ]
         else:
             # Each input at one (stage, how), in turn: every pair serves many inputs.
@@ -176,7 +194,8 @@ def _two_rank_cases(full: bool) -> list[dict[str, Any]]:
 
 def _late_cases() -> list[dict[str, Any]]:
     """A head whose first gradient comes at step 1 or 2, for every class (each keeps state per
-    parameter), at every stage; with optimizer offload at the sharded flat stages."""
+    parameter), at every stage; with optimizer offload at the sharded flat stages; and one
+    that skips the second step (AdamW, NAdam, ASGD) at every stage."""
     cases = []
     for n, torch_class in enumerate(sorted(ELEMENTWISE, key=lambda c: c.__name__)):
         kwargs = _LATE_KWARGS.get(torch_class.__name__, {})
@@ -216,6 +235,25 @@ def _late_cases() -> list[dict[str, Any]]:
                     "seed": 700 + stage,
                 }
             )
+    for stage in STAGES:
+        for name, kwargs in (
+            ("AdamW", {"lr": 0.01}),
+            ("NAdam", {}),
+            ("ASGD", _LATE_KWARGS["ASGD"]),
+        ):
+            # From the first step, but none in the second: its own count from then on. Its
+            # checkpoint goes through full_state() / load_full_state().
+            cases.append(
+                {
+                    "optimizer": name,
+                    "kwargs": kwargs,
+                    "stage": stage,
+                    "how": HOWS[stage % 2],
+                    "late": 0,
+                    "skip": 1,
+                    "seed": 800 + stage,
+                }
+            )
     for case in cases:
         # Stochastic rounding draws from a generator that a state dict does not hold.
         case["round_trip"] = case.get("rounding") != "stochastic"
@@ -235,7 +273,7 @@ _LATE_KWARGS: dict[str, dict[str, Any]] = {
 
 def test_late_parameters_one_process() -> None:
     cases = [c for c in _late_cases() if c["stage"] == 0 and not c.get("offload")]
-    _check(cases, run_cases(0, 1, cases))
+    _check(cases, _merged([run_cases(0, 1, cases)]))
 
 
 def test_optim_db_two_ranks_every_stage() -> None:

@@ -5,8 +5,16 @@
 
 What is stored: everything the optimizer owns -- the fp32 master weights, every full-size
 optimizer state (``exp_avg``, ``momentum_buffer``, ...), the step count, the loss scaler, the
-skipped-step count and the param groups' hyperparameters. The model's weights are the master
-weights cast to the parameter dtype, so ``load`` writes them into the parameters as well.
+skipped-step count and the param groups' hyperparameters. The inner optimizer's scalar states
+(``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``...) are kept per param group
+(``scalars.group_states`` in the manifest) and, as ``torch.optim`` keeps them per parameter,
+for each parameter whose own differ from its group's (``scalars.param_states``: a parameter
+whose first gradient came after the group's first step, or that skipped a step, such as an MoE
+expert no token was routed to), or that has no state yet. So a resumed run counts each
+parameter's steps as the uninterrupted one does, at any world size and ZeRO stage. Manifest
+version 2 added ``param_states``; a version-1 checkpoint (one count per group) still loads.
+The model's weights are the master weights cast to the parameter dtype, so ``load`` writes
+them into the parameters as well.
 Frozen parameters (``requires_grad=False``) are not the optimizer's and are not stored.
 
 On disk (``path`` is a directory)::
@@ -43,7 +51,8 @@ stage 0 every rank holds everything; DCP then writes each piece once.) Any other
 ``MixedPrecisionOptimizer`` goes through its layout-free ``full_state()`` /
 ``load_full_state()``: full tensors, replicated on every rank and written once. Both ways write
 the same format, so either reads what the other wrote. (The sharded way uses the optimizer's
-public ``shard_pieces()``, ``state_names()``, ``reset_update_state()`` and ``refresh_params()``
+public ``shard_pieces()``, ``state_names()``, ``reset_update_state()``, ``refresh_params()``
+and, for the per-parameter scalar states, ``param_scalar_state()`` / ``load_param_scalars()``
 in ``_adapters.FlatAdapter``; a ZeRO-3 rank's pieces are its local FSDP2 shards, so a ZeRO-3
 save or load gathers nothing.)
 

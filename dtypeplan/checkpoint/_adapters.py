@@ -11,12 +11,15 @@ save, allocates staging pieces to load into, and commits them into the optimizer
 (so a load that fails before then leaves the optimizer as it was). Both adapters key every
 tensor ``param.{i}.{name}``, 1-D, of the parameter's ``numel``; so either reads what the
 other wrote. The inner optimizer's scalar states (``step``, ``mu_product``...) are one per param
-group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`).
+group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`), and one per
+parameter where a parameter's own differ from its group's (``torch.optim``'s lifecycle: a first
+gradient after the group's first step, a skipped step), or where it has no state yet while its
+group has one, in ``scalars.param_states`` (:func:`encode_param_states`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,17 +36,20 @@ from dtypeplan.optimizers._state_storage import QUANTIZED
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
-``state_names()``, ``reset_update_state()`` and ``refresh_params()``."""
+``state_names()``, ``reset_update_state()``, ``param_scalar_state()``, ``load_param_scalars()``
+and ``refresh_params()``."""
 
 __all__ = [
     "CODES_PREFIX",
     "GROUP_STATES",
+    "PARAM_STATES",
     "Adapter",
     "FlatAdapter",
     "FullStateAdapter",
     "adapter_for",
     "decode_group_states",
     "encode_group_states",
+    "encode_param_states",
     "merge_group_states",
 ]
 
@@ -58,13 +64,30 @@ GROUP_STATES = "group_states"
 """The manifest's ``scalars`` entry holding the inner optimizer's per-group scalar states."""
 
 
+PARAM_STATES = "param_states"
+"""The manifest's ``scalars`` entry holding the parameters' own scalar states, where they differ
+from their group's (absent in a version-1 manifest: every parameter follows its group)."""
+
+
 def encode_group_states(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``scalar.group.*`` entries of ``state`` as JSON: ``{"value": x, "dtype": "float32"}``
     for a 0-dim tensor (a float32 or float64 value is exact as a JSON number), ``{"value": x}``
     for a Python number."""
+    return _encode(state, keys.parse_group_scalar_key)
+
+
+def encode_param_states(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``scalar.param.*`` entries of ``state`` as JSON, as :func:`encode_group_states`
+    (``scalar.param.{i}.no_state`` is ``{"value": 1}``)."""
+    return _encode(state, keys.parse_param_scalar_key)
+
+
+def _encode(
+    state: dict[str, Any], parse: Callable[[str], tuple[int, str] | None]
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for key, value in state.items():
-        if keys.parse_group_scalar_key(key) is None:
+        if parse(key) is None:
             continue
         if torch.is_tensor(value):
             out[key] = {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
@@ -84,18 +107,38 @@ def decode_group_states(encoded: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_group_states(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """One rank's encoded group states for all: they must agree wherever two ranks hold one
-    (every chunk of a param group steps together), else :class:`CheckpointError`."""
+    """Every rank's encoded scalar states (per group, or per parameter) in one: they must agree
+    wherever two ranks hold one (a group's chunks step together; a parameter's pieces have one
+    history), else :class:`CheckpointError`."""
     merged: dict[str, dict[str, Any]] = {}
     for rank, states in enumerate(per_rank):
         for key, entry in states.items():
             if key in merged and merged[key] != entry:
                 raise CheckpointError(
                     f"the optimizer's scalar state {key} differs between ranks ({merged[key]} "
-                    f"and, on rank {rank}, {entry}): the param group's chunks did not step "
+                    f"and, on rank {rank}, {entry}): the pieces it stands for did not step "
                     "together"
                 )
             merged.setdefault(key, entry)
+    if any(keys.parse_param_scalar_key(key) for key in merged):
+        # A parameter's pieces on other ranks share its history: all its names or none.
+        names: dict[int, set[str]] = {}
+        for key in merged:
+            parsed = keys.parse_param_scalar_key(key)
+            if parsed is not None:
+                names.setdefault(parsed[0], set()).add(parsed[1])
+        for rank, states in enumerate(per_rank):
+            for index, found in names.items():
+                held = {
+                    parsed[1]
+                    for parsed in map(keys.parse_param_scalar_key, states)
+                    if parsed is not None and parsed[0] == index
+                }
+                if held and held != found:
+                    raise CheckpointError(
+                        f"parameter {index}'s own scalar states differ between ranks: rank "
+                        f"{rank} holds {sorted(held)}, the ranks together {sorted(found)}"
+                    )
     return merged
 
 
@@ -208,6 +251,7 @@ class FlatAdapter:
             "scaler_enabled": bool(self.opt.scaler.enabled),
             "scaler": dict(self.opt.scaler.state_dict()),
             GROUP_STATES: encode_group_states(self.opt.group_scalar_state()),
+            PARAM_STATES: encode_param_states(self.opt.param_scalar_state()),
         }
 
     def load_targets(
@@ -249,6 +293,9 @@ class FlatAdapter:
         # bf16, or quantized to int8 / fp8) when the context ends.
         with self.opt.fp32_states():
             self._commit(flats, names, scalars)
+        # After the per-element states: a parameter without a state yet (ZeRO-3) drops its
+        # zeroed ones, outside the fp32 view that would store them back.
+        self.opt.load_param_scalars(_scalar_entries(scalars))
 
     def _commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
         opt = self.opt
@@ -336,7 +383,6 @@ class FullStateAdapter:
 
     def scalars(self) -> dict[str, Any]:
         state = self._state()
-        self.opt.group_scalar_state()  # raises where a group's chunks disagree (full_state cannot)
         return {
             "step": int(state.get(keys.scalar_key(keys.STEP), 0)),
             "loss_scale": float(state.get(keys.scalar_key(keys.LOSS_SCALE), 1.0)),
@@ -344,6 +390,7 @@ class FullStateAdapter:
             "scaler_enabled": self.opt.plan.param_dtype == torch.float16,
             "scaler": keys.scaler_state(state),
             GROUP_STATES: encode_group_states(state),
+            PARAM_STATES: encode_param_states(state),
         }
 
     def load_targets(
@@ -383,8 +430,10 @@ def _codes_dtype(codes: torch.Tensor) -> str:
 
 def _scalar_entries(scalars: dict[str, Any]) -> dict[str, Any]:
     """The manifest's step counters as ``full_state`` keys: ``scalar.step`` and, in a
-    checkpoint written since they are kept, the ``scalar.group.*`` states."""
+    checkpoint written since they are kept, the ``scalar.group.*`` states and (version 2) the
+    ``scalar.param.*`` ones."""
     entries = decode_group_states(scalars.get(GROUP_STATES, {}))
+    entries.update(decode_group_states(scalars.get(PARAM_STATES, {})))
     entries[keys.scalar_key(keys.STEP)] = int(scalars["step"])
     return entries
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
 from dtypeplan.checkpoint._adapters import (
     CODES_PREFIX,
     GROUP_STATES,
+    PARAM_STATES,
     adapter_for,
     merge_group_states,
 )
@@ -75,10 +78,13 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
     local_codes = sorted(key for key in flats if key.startswith(CODES_PREFIX))
     codes = sorted({key for keys in group.all_gather(local_codes) for key in keys})
     # Rank 0 writes the manifest: its per-group scalar states must be every rank's.
-    per_rank = group.all_gather(scalars[GROUP_STATES])
-    scalars[GROUP_STATES] = group.agree(
-        lambda: merge_group_states(per_rank), "comparing the optimizer's scalar states", path
-    )
+    for entry in (GROUP_STATES, PARAM_STATES):
+        per_rank: list[dict[str, dict[str, Any]]] = group.all_gather(scalars[entry])
+        scalars[entry] = group.agree(
+            functools.partial(merge_group_states, per_rank),
+            "comparing the optimizer's scalar states",
+            path,
+        )
     group.dcp(
         lambda: dcp.save(
             {},

@@ -10,11 +10,12 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, Adapter
+from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, PARAM_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
@@ -22,6 +23,7 @@ from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "DIGEST",
     "build_manifest",
     "check_manifest",
@@ -31,7 +33,10 @@ __all__ = [
 ]
 
 FORMAT = "dtypeplan.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: ``scalars.param_states``, the parameters' own scalar states where they differ from their
+group's. A version-1 manifest has none (every parameter followed its group's one count)."""
+READABLE_VERSIONS = (1, 2)
 DIGEST = "sha256"
 """The hash of every data file, recorded at save and checked at load (``load(verify=True)``)."""
 
@@ -112,10 +117,16 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(
             f"{where}: not a dtypeplan checkpoint manifest (format {manifest.get('format')!r})"
         )
-    if manifest.get("version") != FORMAT_VERSION:
+    version = manifest.get("version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CheckpointError(
-            f"{where}: manifest version {manifest.get('version')!r}; this dtypeplan reads version "
-            f"{FORMAT_VERSION}"
+            f"{where}: manifest version {version!r}; this dtypeplan reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    if version < 2 and PARAM_STATES in manifest.get("scalars", {}):
+        raise CheckpointError(
+            f"{where}: a version-{version} manifest with scalars.{PARAM_STATES}, which version 2 "
+            "introduced"
         )
     for key, kind in _REQUIRED.items():
         if not isinstance(manifest.get(key), kind):
@@ -138,7 +149,22 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     ):
         raise CheckpointError(f"{where}: the manifest's 'codes' is not a list of codes keys")
     _check_scalars(manifest["scalars"], where)
-    _check_group_states(manifest["scalars"], len(manifest["param_groups"]), where)
+    _check_scalar_states(
+        manifest["scalars"],
+        GROUP_STATES,
+        keys.parse_group_scalar_key,
+        len(manifest["param_groups"]),
+        "param groups",
+        where,
+    )
+    _check_scalar_states(
+        manifest["scalars"],
+        PARAM_STATES,
+        keys.parse_param_scalar_key,
+        len(shapes),
+        "trainable parameters",
+        where,
+    )
     if not isinstance(manifest["optimizer"].get("type"), str):
         raise CheckpointError(f"{where}: the manifest's optimizer.type is missing")
     for index, group in enumerate(manifest["param_groups"]):
@@ -208,23 +234,38 @@ def _check_scalars(scalars: dict[str, Any], where: str) -> None:
             )
 
 
-def _check_group_states(scalars: dict[str, Any], groups: int, where: str) -> None:
-    """``scalars.group_states`` (absent before it was written): per param group, the inner
-    optimizer's scalar states, each a finite number with a torch dtype (or none: a Python
-    number)."""
-    states = scalars.get(GROUP_STATES, {})
+def _check_scalar_states(
+    scalars: dict[str, Any],
+    entry_name: str,
+    parse: Callable[[str], tuple[int, str] | None],
+    count: int,
+    what: str,
+    where: str,
+) -> None:
+    """``scalars[entry_name]`` (absent before it was written): the inner optimizer's scalar
+    states per param group (``group_states``) or per parameter (``param_states``), each a
+    finite number with a torch dtype (or none: a Python number); a parameter's ``no_state``
+    mark is ``{"value": 1}``."""
+    states = scalars.get(entry_name, {})
     if not isinstance(states, dict):
-        raise CheckpointError(f"{where}: the manifest's scalars.{GROUP_STATES} is not a mapping")
+        raise CheckpointError(f"{where}: the manifest's scalars.{entry_name} is not a mapping")
     for key, entry in states.items():
         try:
-            parsed = keys.parse_group_scalar_key(key)
+            parsed = parse(key)
         except ValueError:
             parsed = None
-        if parsed is None or parsed[0] >= groups:
+        if parsed is None or parsed[0] >= count:
             raise CheckpointError(
-                f"{where}: the manifest's scalars.{GROUP_STATES} key {key!r} is not the scalar "
-                f"state of one of its {groups} param groups"
+                f"{where}: the manifest's scalars.{entry_name} key {key!r} is not the scalar "
+                f"state of one of its {count} {what}"
             )
+        if parsed[1] == keys.NO_STATE and entry_name == PARAM_STATES:
+            if entry != {"value": 1}:
+                raise CheckpointError(
+                    f"{where}: the manifest's scalars.{entry_name}[{key!r}] is {entry!r}; it "
+                    'must be {"value": 1}'
+                )
+            continue
         name = entry.get("dtype") if isinstance(entry, dict) else None
         dtype = getattr(torch, name, None) if isinstance(name, str) else None
         value = entry.get("value") if isinstance(entry, dict) else None
@@ -243,7 +284,7 @@ def _check_group_states(scalars: dict[str, Any], groups: int, where: str) -> Non
         )
         if not fits:
             raise CheckpointError(
-                f"{where}: the manifest's scalars.{GROUP_STATES}[{key!r}] is {entry!r}; it must "
+                f"{where}: the manifest's scalars.{entry_name}[{key!r}] is {entry!r}; it must "
                 'be {"value": a finite number, "dtype": a real torch dtype (optional)}'
             )
 

@@ -32,8 +32,10 @@ from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, resto
 from dtypeplan.optimizers._state_values import (
     is_scalar_state,
     placed_scalar,
-    same_scalar,
+    same_scalars,
     scalar_dtype,
+    scalars_key,
+    stateful_scalars,
 )
 
 if TYPE_CHECKING:
@@ -567,48 +569,101 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         if self.scaler.enabled:
             for field, value in self.scaler.state_dict().items():
                 scalars[keys.scaler_key(field)] = value
-        # Not checked here: full_state is collective, and a rank raising alone would leave the
-        # others waiting; the checkpoint checks on every rank at once (group_scalar_state()).
-        scalars.update(self.group_scalar_state(check=False))
+        scalars.update(self.group_scalar_state())
+        scalars.update(self.param_scalar_state())
         return scalars
 
-    def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
+    def _group_scalars(self) -> list[dict[str, Any] | None]:
+        """Per inner param group, the scalar states most of its masters with a state hold
+        (the first of those that tie), or None where none of them has a state yet.
+
+        Every chunk of a flat group steps together, so that is each of them; at ZeRO-3, where
+        each parameter's shard is a master, it is the value of the parameters that stepped
+        every step. Each rank reads its own masters (ranks hold the same parameters' pieces,
+        so they agree without communication).
+        """
+        out: list[dict[str, Any] | None] = []
+        for group in self.inner.param_groups:
+            counts: dict[tuple[Any, ...], int] = {}
+            found: dict[tuple[Any, ...], dict[str, Any]] = {}
+            for master in group["params"]:
+                scalars = stateful_scalars(self.inner.state.get(master))
+                if scalars is None:
+                    continue
+                key = scalars_key(scalars)
+                counts[key] = counts.get(key, 0) + 1
+                found.setdefault(key, scalars)
+            # max() keeps the first of equal counts; dicts keep insertion (first-seen) order.
+            out.append(found[max(counts, key=counts.__getitem__)] if counts else None)
+        return out
+
+    def group_scalar_state(self) -> dict[str, torch.Tensor | float | int]:
         """The inner optimizer's scalar states, once per param group: ``scalar.group.{g}.{name}``.
 
-        Every chunk of a param group steps together, so its scalars (``step``, ``mu_product``,
-        ``eta``...) are the same in every chunk that has a state; this checks it, and raises
-        :class:`NotSupportedError` where they differ (at ZeRO-3 a parameter that got no gradient
-        in some step keeps its own count, as in ``torch.optim``); with ``check=False`` the
-        group's first chunk with a state speaks for it. Tensors come as CPU copies of
-        their dtype. Without communication: each rank reads its own chunks.
+        A group's value is the one most of its masters hold (:meth:`_group_scalars`); the
+        parameters whose own differ (``torch.optim``'s lifecycle: a first gradient that came
+        late, a skipped step) are :meth:`param_scalar_state`'s. Tensors come as CPU copies of
+        their dtype.
         """
         result: dict[str, torch.Tensor | float | int] = {}
-        for group_index, group in enumerate(self.inner.param_groups):
-            found: dict[str, Any] | None = None
-            first = -1
-            for position, master in enumerate(group["params"]):
-                slot = self.inner.state.get(master)
-                if not slot:
-                    continue  # never stepped: nothing to agree with
-                scalars = {n: v for n, v in slot.items() if is_scalar_state(v)}
-                if found is None:
-                    found, first = scalars, position
-                elif check and (
-                    scalars.keys() != found.keys()
-                    or not all(same_scalar(scalars[n], found[n]) for n in scalars)
-                ):
-                    raise NotSupportedError(
-                        f"param group {group_index}: the optimizer's scalar states differ "
-                        f"between its chunks ({first}: {_describe(found)}; {position}: "
-                        f"{_describe(scalars)}); a checkpoint keeps one value per param group, "
-                        "which holds when every chunk of the group steps together. (At ZeRO-3 a "
-                        "parameter without a gradient in some step keeps its own step count.) "
-                        "Save with state_dict() and load it on the same world size instead"
-                    )
+        for group_index, found in enumerate(self._group_scalars()):
             for name, value in (found or {}).items():
-                copied = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-                result[keys.group_scalar_key(group_index, name)] = copied
+                result[keys.group_scalar_key(group_index, name)] = _cpu_copy(value)
         return result
+
+    def param_scalar_state(self) -> dict[str, torch.Tensor | float | int]:
+        """The scalar states of the parameters of this rank's shard whose own differ from
+        their group's (:meth:`group_scalar_state`): ``scalar.param.{i}.{name}``, or
+        ``scalar.param.{i}.no_state`` (1) for a parameter without any state (no gradient yet)
+        in a group that has one. Without communication; ranks that hold pieces of one
+        parameter give the same entries for it. Empty where every parameter follows its group.
+        """
+        groups = self._group_scalars()
+        result: dict[str, torch.Tensor | float | int] = {}
+        for index, group, scalars in self._own_param_scalars():
+            ours = groups[group]
+            if ours is None and scalars is None:
+                continue  # no state anywhere in the group: nothing to keep apart
+            if scalars is not None and ours is not None and same_scalars(scalars, ours):
+                continue
+            if scalars is None:
+                result[keys.param_scalar_key(index, keys.NO_STATE)] = 1
+                continue
+            for name, value in scalars.items():
+                result[keys.param_scalar_key(index, name)] = _cpu_copy(value)
+        return result
+
+    def _own_param_scalars(self) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+        """Per parameter piece this rank holds: its number in ``trainable_parameters()``, its
+        inner param group, and its own scalar states (None: no state yet). The flat and ZeRO-3
+        implementations give them; without a per-parameter layout to read there is none, and
+        :meth:`param_scalar_state` is empty."""
+        return iter(())
+
+    def load_param_scalars(self, state: Mapping[str, Any]) -> None:
+        """Give each parameter that ``state``'s ``scalar.param.*`` keys name its own scalar
+        states, or no state (:meth:`param_scalar_state` wrote them); the others keep their
+        group's. After :meth:`reset_update_state` and the per-element states are loaded."""
+        found = keys.param_scalars(state)
+        if not found:
+            return
+        count = len(self.trainable_parameters())
+        beyond = sorted(i for i in found if i >= count)
+        if beyond:
+            raise OptimizerUsageError(
+                f"the state holds scalar states of parameter {beyond[0]}, but this optimizer "
+                f"has {count} trainable parameters"
+            )
+        self._load_param_scalars(found)
+
+    def _load_param_scalars(self, found: Mapping[int, dict[str, Any] | None]) -> None:
+        """Set the parameters' own scalar states (None: no state); implementations whose
+        parameters can keep their own histories override this."""
+        raise NotSupportedError(
+            f"{type(self).__name__} keeps one scalar state per param group, but the state "
+            f"gives parameter {min(found)} its own (a first gradient after its group's, or a "
+            "skipped step); load it into a dtypeplan optimizer built by plan.build or plan.wrap"
+        )
 
     def group_scalars_from(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Per inner param group, the scalar states that ``state``'s ``scalar.group.*`` keys
@@ -704,7 +759,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
                 "state_names": [n for n in self.state_names() if n != keys.MASTER],
                 "step": self.step_count(),
                 # Per param group: a rank whose chunk holds only padding has no entry above.
-                "group_scalars": self.group_scalar_state(check=False),
+                "group_scalars": self.group_scalar_state(),
                 "scaler": self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
             },
@@ -797,11 +852,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, abc.ABC):
         return self.full_state()
 
 
-def _describe(scalars: Mapping[str, Any]) -> str:
-    return (
-        ", ".join(f"{n}={v.item() if torch.is_tensor(v) else v!r}" for n, v in scalars.items())
-        or "none"
-    )
+def _cpu_copy(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
 def _param_group_dicts(

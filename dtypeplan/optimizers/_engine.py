@@ -69,7 +69,7 @@ import functools
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
@@ -116,6 +116,7 @@ from dtypeplan.optimizers._state_values import (
     load_slot,
     placed_scalar,
     same_scalar,
+    stateful_scalars,
 )
 
 if TYPE_CHECKING:
@@ -773,20 +774,36 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self._low_precision is not None:
             self._low_precision.conform([m for s in self.groups for m in s.masters])
 
-    def group_scalar_state(self, *, check: bool = True) -> dict[str, torch.Tensor | float | int]:
-        # A piece without a state yet, or with scalars of its own, cannot be one group's
-        # count (SGD's pieces keep no scalar state: nothing to lose).
-        own = next((key for key, scalars in self.own_histories.items() if scalars != {}), None)
-        if check and own is not None:
-            gi, index = own
-            raise NotSupportedError(
-                f"param group {gi}: parameter {index} of the group keeps its own optimizer "
-                "history (its own step count, or no state before its first gradient: it got "
-                "its first gradient after the group's first step, or skipped a step), as in "
-                "torch.optim, but a checkpoint keeps one value per param group. Save with "
-                "state_dict() and load it on the same world size and stage instead"
-            )
-        return super().group_scalar_state(check=check)
+    def _own_param_scalars(self) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+        first = 0
+        for gi, group_state in enumerate(self.groups):
+            for index, _, _, bucket, _ in group_state._pieces():
+                apart, own = self.own_histories.of(gi, index)
+                if apart:
+                    yield first + index, gi, own
+                else:
+                    slot = self.inner.state.get(group_state.masters[bucket])
+                    yield first + index, gi, stateful_scalars(slot)
+            first += len(group_state.flat.params)
+
+    def _load_param_scalars(self, found: Mapping[int, dict[str, Any] | None]) -> None:
+        # A piece with scalars of its own leaves its chunk's history (_own_histories.py); its
+        # per-element states are the chunk's, loaded already.
+        first = 0
+        for gi, group_state in enumerate(self.groups):
+            on_device = _on_device(self.inner, gi)
+            for index, _, _, bucket, _ in group_state._pieces():
+                if first + index not in found:
+                    continue
+                given = found[first + index]
+                master = group_state.masters[bucket]
+                own = (
+                    None
+                    if given is None
+                    else {n: placed_scalar(n, v, master, on_device) for n, v in given.items()}
+                )
+                self.own_histories.set(gi, index, own)
+            first += len(group_state.flat.params)
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -933,6 +950,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     result[keys.param_key(first + index, name)] = view.clone()
             first += len(state.flat.params)
         result.update(self._scalar_state())
+        if self.shards > 1 and self.comm.active:
+            # A parameter's own scalar states are read where its pieces are: every rank's.
+            parts: list[Any] = [None] * self.comm.world_size
+            dist.all_gather_object(parts, self.param_scalar_state(), group=self.comm.group)
+            for part in parts:
+                result.update(part)
         return result
 
     @torch.no_grad()
@@ -959,6 +982,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     else:
                         self.inner.state[master][name].copy_(chunk)
             first += len(flat.params)
+        self.load_param_scalars(state)
         self._load_scalar_state(state)
         self.refresh_params()
 

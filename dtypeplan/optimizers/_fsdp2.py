@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,7 +80,14 @@ from dtypeplan.optimizers._low_precision_update import (
 )
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy
-from dtypeplan.optimizers._state_values import element_state_names, is_element_state, load_slot
+from dtypeplan.optimizers._state_values import (
+    element_state_names,
+    is_element_state,
+    is_scalar_state,
+    load_slot,
+    placed_scalar,
+    stateful_scalars,
+)
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -483,6 +490,34 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         if self._low_precision is not None:
             self._low_precision.conform(self._locals())
 
+    def _own_param_scalars(self) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+        # Each local shard is its own master: torch.optim counts each parameter's steps.
+        index = 0
+        for gi, group in enumerate(self.locals):
+            for local in group:
+                yield index, gi, stateful_scalars(self.inner.state.get(local))
+                index += 1
+
+    def _load_param_scalars(self, found: Mapping[int, dict[str, Any] | None]) -> None:
+        index = 0
+        for gi, group in enumerate(self.locals):
+            settings = self.inner.param_groups[gi]
+            on_device = bool(settings.get("fused") or settings.get("capturable"))
+            for local in group:
+                if index in found:
+                    given = found[index]
+                    slot = self.inner.state[local]
+                    # No state yet: torch creates it at the first gradient. A Kahan
+                    # compensation is the master's, not the optimizer's: it stays.
+                    for name in [n for n in slot if n != KAHAN_COMPENSATION]:
+                        if given is None or is_scalar_state(slot[name]):
+                            del slot[name]
+                    for name, value in (given or {}).items():
+                        slot[name] = placed_scalar(name, value, local, on_device)
+                    if not slot:
+                        del self.inner.state[local]
+                index += 1
+
     def refresh_params(self) -> None:
         """Nothing to write: the sharded parameters are the master weights (FSDP2 gathers them)."""
 
@@ -520,6 +555,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         with self.fp32_states():
             self._load_full_state_fp32(state)
+        # Outside the fp32 view: a parameter without a state yet loses its zeroed moments.
+        self.load_param_scalars(state)
 
     def _load_full_state_fp32(self, state: dict[str, torch.Tensor | float | int]) -> None:
         names = keys.param_state_names(state)

@@ -13,8 +13,10 @@ leaves the piece as it was (``_missing_grads.keep_untouched``), and the piece is
 own, by a ``torch.optim`` instance of the same class and arguments over views of its master
 and of the chunk's per-element states: torch itself creates the state at the piece's first
 gradient and counts its steps. Its per-element states stay in the chunk's tensors, where
-``state_dict``, ``full_state`` and checkpoints read them. A piece that has left stays on its
-own (a small optimizer call per step for that parameter: the rare path).
+``state_dict``, ``full_state`` and checkpoints read them; its scalar states are saved per
+parameter (``param_scalar_state``), and a load gives them back to a piece that has left, in
+whatever layout it loads (``_load_param_scalars``). A piece that has left stays on its own (a
+small optimizer call per step for that parameter: the rare path).
 """
 
 from __future__ import annotations

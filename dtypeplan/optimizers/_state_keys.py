@@ -5,9 +5,12 @@
 ``name`` is ``master`` or a per-element ``torch.optim`` state such as ``exp_avg``) and every
 scalar ``scalar.{name}`` (``step``, ``loss_scale``, ``skipped_steps``, ``scaler.{field}``).
 The inner optimizer's per-chunk scalar states (``step``, NAdam's ``mu_product``, ASGD's ``eta``
-and ``mu``...) are one per param group, ``scalar.group.{g}.{name}``: every chunk of a group
-steps together. This module is the only place that spells those strings; everything else builds
-and parses them here.
+and ``mu``...) are one per param group, ``scalar.group.{g}.{name}`` (the value most of the
+group's parameters hold), and per parameter where a parameter's differ from its group's
+(``torch.optim``'s lifecycle: a parameter whose first gradient came late, or that skipped a
+step, counts its own steps): ``scalar.param.{i}.{name}``, or ``scalar.param.{i}.no_state``
+for a parameter that has had no gradient yet while its group has a state. This module is the
+only place that spells those strings; everything else builds and parses them here.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ from typing import Any
 __all__ = [
     "MASTER",
     "LOSS_SCALE",
+    "NO_STATE",
     "SKIPPED_STEPS",
     "STEP",
     "group_scalar_key",
     "group_scalars",
     "param_index",
     "param_key",
+    "param_scalar_key",
+    "param_scalars",
     "param_state_names",
     "parse_group_scalar_key",
     "parse_param_key",
+    "parse_param_scalar_key",
     "scaler_key",
     "scaler_state",
     "scalar_key",
@@ -36,12 +43,16 @@ _PARAM = "param."
 _SCALAR = "scalar."
 _SCALER = "scaler."
 _GROUP = "group."
+_PARAM_SCALAR = "param."
 
 MASTER = "master"
 """The state name of the fp32 master weights."""
 STEP = "step"
 LOSS_SCALE = "loss_scale"
 SKIPPED_STEPS = "skipped_steps"
+NO_STATE = "no_state"
+"""The per-parameter scalar name that marks a parameter without any state (no gradient yet);
+no ``torch.optim`` class keeps a state of that name."""
 
 
 def param_key(index: int, name: str) -> str:
@@ -106,6 +117,42 @@ def group_scalars(state: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
         parsed = parse_group_scalar_key(key)
         if parsed is not None:
             out.setdefault(parsed[0], {})[parsed[1]] = value
+    return out
+
+
+def param_scalar_key(index: int, name: str) -> str:
+    """The key of parameter ``index``'s own scalar state ``name`` (or :data:`NO_STATE`)."""
+    return scalar_key(f"{_PARAM_SCALAR}{index}.{name}")
+
+
+def parse_param_scalar_key(key: str) -> tuple[int, str] | None:
+    """``(index, name)`` of a ``scalar.param.{i}.{name}`` key; None for any other key
+    (ValueError for a malformed one)."""
+    prefix = scalar_key(_PARAM_SCALAR)
+    if not key.startswith(prefix):
+        return None
+    index, _, name = key[len(prefix) :].partition(".")
+    if not index.isdigit() or not name:
+        raise ValueError(f"{key!r} is not a {prefix}{{i}}.{{name}} key")
+    return int(index), name
+
+
+def param_scalars(state: Mapping[str, Any]) -> dict[int, dict[str, Any] | None]:
+    """The ``scalar.param.*`` entries of ``state``: parameter -> its own scalar states, or
+    None where it has no state (:data:`NO_STATE`); parameters that follow their group are
+    absent."""
+    out: dict[int, dict[str, Any] | None] = {}
+    for key, value in state.items():
+        parsed = parse_param_scalar_key(key)
+        if parsed is None:
+            continue
+        index, name = parsed
+        if name == NO_STATE:
+            out[index] = None
+        else:
+            found = out.setdefault(index, {})
+            if found is not None:
+                found[name] = value
     return out
 
 

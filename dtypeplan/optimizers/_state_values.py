@@ -2,7 +2,8 @@
 
 A state value is per element (a tensor laid out like its master chunk or local shard:
 ``exp_avg``, ``sum``...) and saved per parameter, or scalar (``step``, NAdam's ``mu_product``)
-and saved per param group. These helpers tell them apart, name them, and place saved values
+and saved per param group, and per parameter where a parameter's own differ (its first gradient
+came late, or it skipped a step). These helpers tell them apart, name them, and place saved values
 back where ``torch.optim`` keeps them (device, dtype), for every implementation's state calls.
 """
 
@@ -23,7 +24,10 @@ __all__ = [
     "load_slot",
     "placed_scalar",
     "same_scalar",
+    "same_scalars",
     "scalar_dtype",
+    "scalars_key",
+    "stateful_scalars",
 ]
 
 
@@ -47,7 +51,8 @@ def element_state_names(inner: torch.optim.Optimizer, tensors: Iterable[torch.Te
 
 def is_scalar_state(value: Any) -> bool:
     """Whether ``value`` is a per-chunk scalar state: a 0-dim tensor or a Python number
-    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group."""
+    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), saved per param group and
+    per parameter where they differ from its group's."""
     if torch.is_tensor(value):
         return value.dim() == 0
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -107,3 +112,24 @@ def load_slot(slot: dict[str, Any], entry: Mapping[str, Any], where: slice | Non
                 value.fill_(given)
         else:
             (value if where is None else value[where]).copy_(given)
+
+
+def same_scalars(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two sets of scalar states are the same (names, dtypes, values)."""
+    return a.keys() == b.keys() and all(same_scalar(a[n], b[n]) for n in a)
+
+
+def stateful_scalars(slot: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The scalar states of a master's slot, or None where it has no state torch would have
+    created (none, or only a Kahan compensation, which is the master's own)."""
+    if not slot or all(name == KAHAN_COMPENSATION for name in slot):
+        return None
+    return {n: v for n, v in slot.items() if is_scalar_state(v)}
+
+
+def scalars_key(scalars: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A hashable key that two sets of scalar states share exactly when they are the same."""
+    return tuple(
+        (n, str(v.dtype), v.item()) if torch.is_tensor(v) else (n, type(v).__name__, v)
+        for n, v in sorted(scalars.items())
+    )
