@@ -379,6 +379,17 @@ class PrecisionPlan:
             param_numels=param_numels,
         )
 
+    def _host_update(self) -> str | None:
+        """Which update runs a low-precision cell on the host (None: fp32 masters and states)."""
+        from dtypeplan.optimizers._update_kernel import host_update
+
+        return host_update(
+            self.master_dtype,
+            self.grad_accum_dtype,
+            self.master_rounding,
+            {self.exp_avg_dtype, self.exp_avg_sq_dtype},
+        )
+
     def explain(self) -> str:
         """A human-readable account of the decision and of every effective setting."""
         head = f"status: {self.status}"
@@ -429,6 +440,11 @@ class PrecisionPlan:
                 "optimizer_states_dtype",
             ),
             ("ZeRO stage", str(self.zero_stage), "zero_stage"),
+        ]
+        host_update = self._host_update()
+        if host_update is not None:
+            rows.append(("host update", host_update, "master_dtype"))
+        rows += [
             ("pipeline parallel", "yes" if self.pipeline_parallel else "no", "pipeline_parallel"),
             ("loss scaling", scaling, "loss_scaling"),
             ("optimizer", f"{self.optimizer.type} {_kwargs(self.optimizer.params)}", "optimizer"),
