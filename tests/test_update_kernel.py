@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dtypeplan
+from dtypeplan import _update_path as update_path
 from dtypeplan.optimizers import _update_kernel as kernel
 from tests._helpers import make_batch, make_model, mse
 
@@ -89,7 +90,7 @@ def test_compiled_optimizer_steps_like_the_eager_one(monkeypatch: Any) -> None:
     """The optimizer on the compiled kernel (conftest forces eager elsewhere) against eager."""
 
     def train(eager: bool) -> list[torch.Tensor]:
-        monkeypatch.setenv(kernel.EAGER_ENV, "1" if eager else "0")
+        monkeypatch.setenv(update_path.EAGER_ENV, "1" if eager else "0")
         config = {
             "bf16": {"enabled": True, "bf16_optimizer_states": True},
             "master_weights": {"dtype": "bf16", "rounding": "stochastic"},
@@ -104,16 +105,16 @@ def test_compiled_optimizer_steps_like_the_eager_one(monkeypatch: Any) -> None:
             opt.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
-    monkeypatch.setattr(kernel, "_broken", [])
+    monkeypatch.setattr(update_path, "_failures", [])
     compiled = train(eager=False)
-    assert kernel.path() == "compiled"
+    assert update_path.path() == "compiled"
     for a, b in zip(train(eager=True), compiled, strict=True):
         assert torch.equal(_bits(a), _bits(b))
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch: Any) -> None:
-    monkeypatch.delenv(kernel.EAGER_ENV, raising=False)
-    monkeypatch.setattr(kernel, "_broken", [])
+    monkeypatch.delenv(update_path.EAGER_ENV, raising=False)
+    monkeypatch.setattr(update_path, "_failures", [])
 
     def no_compiler(*args: Any) -> Any:
         raise RuntimeError("no C++ compiler found")
@@ -130,20 +131,20 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch: Any) 
         str(caught[0].message)
     ], "one warning, not one a call"
     assert "no C++ compiler found" in str(caught[0].message)
-    assert kernel.path() == "eager"
+    assert update_path.path() == "eager"
     want = _run(lambda *a: kernel.adam_one_pass(*a, **options), tensors, "kahan", 1, 0)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(_bits(a), _bits(b))
 
 
 def test_the_environment_variable_forces_eager(monkeypatch: Any) -> None:
-    monkeypatch.setenv(kernel.EAGER_ENV, "1")
+    monkeypatch.setenv(update_path.EAGER_ENV, "1")
 
     def must_not_compile(*args: Any) -> Any:
         raise AssertionError("compiled although forced eager")
 
     monkeypatch.setattr(kernel, "_compiled", must_not_compile)
-    assert kernel.path() == "eager"
+    assert update_path.path() == "eager"
     tensors = _tensors(64, torch.float32, torch.bfloat16, seed=1)
     options = {"decoupled": True, "weight_decay": True, "rounding": "nearest"}
     _run(lambda *a: kernel.OnePassUpdate()(*a, **options), tensors, "nearest", 1, 0)
@@ -240,10 +241,10 @@ def test_explain_names_the_host_update(monkeypatch: Any) -> None:
 
     bf16 = {"enabled": True, "bf16_optimizer_states": True}
     stochastic = {"bf16": bf16, "master_weights": {"dtype": "bf16", "rounding": "stochastic"}}
-    monkeypatch.setenv(kernel.EAGER_ENV, "1")
+    monkeypatch.setenv(update_path.EAGER_ENV, "1")
     assert "one pass, eager" in str(row(stochastic))
-    monkeypatch.setenv(kernel.EAGER_ENV, "0")
-    monkeypatch.setattr(kernel, "_broken", [])
+    monkeypatch.setenv(update_path.EAGER_ENV, "0")
+    monkeypatch.setattr(update_path, "_failures", [])
     assert "one pass, compiled" in str(row(stochastic))
     handed_off = {
         "bf16": bf16,

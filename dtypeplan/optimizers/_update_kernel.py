@@ -42,26 +42,21 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dtypeplan import _update_path as update_path
+
 __all__ = [
-    "EAGER_ENV",
     "OnePassUpdate",
     "adam_one_pass",
-    "host_update",
     "hyperparameters",
     "noise_key",
-    "path",
     "round_stochastic",
 ]
-
-EAGER_ENV = "DTYPEPLAN_EAGER_UPDATE"
-"""Set to ``1`` to run :func:`adam_one_pass` eagerly (no compile) in this process."""
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 in int64
@@ -179,10 +174,6 @@ def round_stochastic(values: torch.Tensor, key: torch.Tensor, offset: torch.Tens
     return torch.where(finite, rounded, bits).view(torch.float32)
 
 
-def _eager_forced() -> bool:
-    return os.environ.get(EAGER_ENV, "0") not in ("", "0")
-
-
 _COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     # Each mul and add rounds on its own, as eagerly: no FMA contraction, no reassociation.
     "cpp.enable_floating_point_contract_flag": "off",
@@ -204,48 +195,20 @@ def _compiled(decoupled: bool, weight_decay: bool, rounding: str) -> Callable[..
     return compiled
 
 
-_broken: list[str] = []
-"""Set (with the reason) once compiling failed in this process: the eager path runs after."""
-
-
-def path() -> str:
-    """``"compiled"`` or ``"eager"``: which the host update runs in this process now."""
-    return "eager" if _eager_forced() or _broken else "compiled"
-
-
-def host_update(
-    master_dtype: torch.dtype, grad_accum_dtype: torch.dtype, rounding: str, states: set[str]
-) -> str | None:
-    """What updates a low-precision cell's masters on the host (for ``plan.explain()``), or
-    None for fp32 masters with fp32 states (torch's fused kernel, ``_flat_update.py``)."""
-    if master_dtype == torch.float32:
-        return None if states == {"fp32"} else "fp32 pieces around torch's fused Adam/AdamW"
-    if not states <= {"fp32", "bf16"}:
-        return "fp32 pieces around torch's fused Adam/AdamW (quantized states)"
-    if (
-        rounding == "nearest"
-        and master_dtype == torch.bfloat16
-        and grad_accum_dtype == master_dtype
-        and states == {"bf16"}
-    ):
-        return "torch's fused Adam/AdamW on the bf16 tensors"
-    return f"one pass, {path()}"
-
-
 class OnePassUpdate:
     """Calls :func:`adam_one_pass` compiled, or eagerly (forced, or after a failed compile)."""
 
     def __call__(self, *args: Any, decoupled: bool, weight_decay: bool, rounding: str) -> None:
-        if path() == "compiled":
+        if update_path.path() == "compiled":
             try:
                 _compiled(decoupled, weight_decay, rounding)(*args)
                 return
             except Exception as error:  # noqa: BLE001 - any compile failure falls back
-                _broken.append(repr(error))
+                update_path.compile_failed(repr(error))
                 warnings.warn(
                     "dtypeplan: compiling the one-pass optimizer update failed "
                     f"({type(error).__name__}: {str(error)[:200]}); running it eagerly (the "
-                    f"same numbers, slower). Set {EAGER_ENV}=1 to skip the attempt.",
+                    f"same numbers, slower). Set {update_path.EAGER_ENV}=1 to skip the attempt.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
