@@ -4,6 +4,7 @@ eager give the same bits, the fallback, its difference from torch's fused kernel
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import warnings
 from typing import Any
@@ -19,8 +20,11 @@ from tests._helpers import make_batch, make_model, mse
 GROUP = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="no C++ compiler: the update runs eagerly only",
+    (shutil.which("g++") is None and shutil.which("c++") is None)
+    # torch 2.13's Inductor emits at::vec code that does not compile under this setting (the
+    # update then falls back to eager with its warning, tested below with a failing compile).
+    or os.environ.get("ATEN_CPU_CAPABILITY") == "default",
+    reason="no C++ compiler for Inductor's code: the update runs eagerly only",
 )
 
 

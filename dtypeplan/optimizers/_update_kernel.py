@@ -6,7 +6,9 @@ compensation), the gradient and both moments, do the Adam/AdamW math in fp32, ro
 parameter. On the host it runs compiled (``torch.compile``, Inductor's C++ code generation):
 every element is read once and written once, no fp32 scratch. Where no compiler is present
 (compiling fails: one warning) or ``DTYPEPLAN_EAGER_UPDATE=1`` is set, the same function runs
-eagerly, op by op.
+eagerly, op by op (about 10x slower than compiled). torch 2.13's Inductor also fails to compile
+under ``ATEN_CPU_CAPABILITY=default`` (its vectorized code names ``at::vec``, which that build
+does not declare): the same fallback.
 
 Compiled and eager give the same bits (``tests/test_update_kernel.py``): every operation is one
 IEEE-rounded fp32 operation in both (mul, add, div, sqrt; no ``lerp``, whose eager kernel uses
