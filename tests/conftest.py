@@ -1,4 +1,4 @@
-"""Shared pytest setup: the hypothesis profiles.
+"""Shared pytest setup: the hypothesis profiles, the eager one-pass update.
 
 ``ci`` (the default) keeps the whole suite fast on two cores; ``thorough`` is for a nightly or
 pre-release run and is selected with ``DTYPEPLAN_HYPOTHESIS_PROFILE=thorough``. Tests take
@@ -33,6 +33,11 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
+
+# The one-pass host update runs eagerly in tests (the same bits as compiled, without seconds of
+# compiling in every process; spawned ranks inherit it): tests/test_update_kernel.py compares
+# the compiled kernel with it.
+os.environ.setdefault("DTYPEPLAN_EAGER_UPDATE", "1")
 
 
 @pytest.fixture(scope="session")

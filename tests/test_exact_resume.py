@@ -42,8 +42,10 @@ def test_same_layout_round_trip_restores_every_bit(how: str, master: str, tmp_pa
         result = cases.round_trip(cfg, how, str(tmp_path / states))
         assert result["states"] == [], (states, result)
         assert result["params"] == [], (states, result)
-        # Stochastic rounding draws from a generator that is not checkpointed (documented).
-        if master != "bf16-stochastic":
+        # Stochastic rounding with quantized states draws from a generator that is not
+        # checkpointed (documented); with 16-bit or fp32 states its noise is a hash of the
+        # step count, so a resumed run draws the bits of the uninterrupted one.
+        if master != "bf16-stochastic" or states in ("fp32", "bf16"):
             assert result["same_run"], (states, result)
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from dtypeplan import _update_path as update_path
 from dtypeplan import schedulers
 from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
@@ -379,6 +380,24 @@ class PrecisionPlan:
             param_numels=param_numels,
         )
 
+    def _host_update(self) -> str | None:
+        """Which update runs a low-precision cell on the host (``optimizers/_update_kernel.py``,
+        ``_low_precision_update.py``), or None for fp32 masters with fp32 states (torch's fused
+        kernel)."""
+        states = {self.exp_avg_dtype, self.exp_avg_sq_dtype}
+        if self.master_dtype == torch.float32:
+            return None if states == {"fp32"} else "fp32 pieces around torch's fused Adam/AdamW"
+        if not states <= {"fp32", "bf16"}:
+            return "fp32 pieces around torch's fused Adam/AdamW (quantized states)"
+        if (
+            self.master_rounding == "nearest"
+            and self.master_dtype == torch.bfloat16
+            and self.grad_accum_dtype == self.master_dtype
+            and states == {"bf16"}
+        ):
+            return "torch's fused Adam/AdamW on the bf16 tensors"
+        return f"one pass, {update_path.path()}"
+
     def explain(self) -> str:
         """A human-readable account of the decision and of every effective setting."""
         head = f"status: {self.status}"
@@ -429,6 +448,11 @@ class PrecisionPlan:
                 "optimizer_states_dtype",
             ),
             ("ZeRO stage", str(self.zero_stage), "zero_stage"),
+        ]
+        host_update = self._host_update()
+        if host_update is not None:
+            rows.append(("host update", host_update, "master_dtype"))
+        rows += [
             ("pipeline parallel", "yes" if self.pipeline_parallel else "no", "pipeline_parallel"),
             ("loss scaling", scaling, "loss_scaling"),
             ("optimizer", f"{self.optimizer.type} {_kwargs(self.optimizer.params)}", "optimizer"),
