@@ -18,6 +18,8 @@ owns the precision plan around it::
                                 it after every reduce-scatter) adds the fp32 shard into a 16-bit
                                 accumulator and frees ``.grad``, so the sum is rounded to the
                                 accumulation dtype at every micro-batch, as the plan says.
+                                ``.grad`` then holds a storage-less placeholder on which torch's
+                                ``clip_grad_norm_`` raises (``_owned_gradient.py``)
                                 bf16 masters: FSDP2 casts each reduced shard to the sharded
                                 parameters' dtype (bf16); the hook instead reads the
                                 reduce-scatter's output as it came off the wire (kept by
