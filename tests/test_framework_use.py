@@ -214,3 +214,36 @@ def test_torch_clip_grad_norm_on_owned_gradients_fails_loudly(stage: int) -> Non
     torch.nn.functional.mse_loss(model(x), y).backward()
     model.zero_grad()  # the framework's own zero_grad clears the placeholders as any .grad
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_clip_grad_norm_at_zero3_fails_loudly_where_the_optimizer_holds_gradients() -> None:
+    """ZeRO-3 with bf16 accumulation or bf16 masters: the optimizer takes each reduced shard
+    into its accumulator and cleared .grad, so torch's clip_grad_norm_ found nothing and
+    returned 0 (placeholders=False is that code). Now .grad holds a DTensor placeholder and the
+    call raises naming optimizer.clip_grad_norm_; training is bitwise as before (two
+    micro-batches, the second a bare backward onto the placeholders). With an fp32
+    accumulator FSDP2's .grad is real and torch's norm is the optimizer's."""
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import ZERO3_CLIP_CASES, zero3_clipping
+
+    for result in spawn(zero3_clipping, 2):
+        reference = result["reference"]
+        for name in ZERO3_CLIP_CASES:
+            new, old = result[f"{name}/placeholders=True"], result[f"{name}/placeholders=False"]
+            assert new["losses"] == old["losses"], name
+            assert all(torch.equal(a, b) for a, b in zip(new["params"], old["params"], strict=True))
+            assert new["norms"] == old["norms"], name
+            # bf16 weights and gradients (eps 2**-8), a few roundings in the sums
+            assert new["norms"][0] == pytest.approx(reference, rel=4 * 2**-8), name
+            assert new["held_ok"] and new["model_zero_grad"] and all(new["cleared_by_step"])
+            assert new["state_keys"] == old["state_keys"]
+            if name == "fp32_accumulation":
+                assert new["placeholders"] == ["none"] * 3
+                for torch_norm, norm in zip(new["torch_clip"], new["norms"], strict=True):
+                    assert torch_norm == pytest.approx(norm, rel=1e-6), name
+                continue
+            assert old["torch_clip"] == [0.0] * 3, name  # what was silent
+            assert new["placeholders"] == ["all"] * 3, name
+            for error in new["torch_clip"]:
+                assert isinstance(error, str) and error.startswith("OptimizerUsageError"), error
+                assert "optimizer.clip_grad_norm_" in error

@@ -18,6 +18,8 @@ owns the precision plan around it::
                                 it after every reduce-scatter) adds the fp32 shard into a 16-bit
                                 accumulator and frees ``.grad``, so the sum is rounded to the
                                 accumulation dtype at every micro-batch, as the plan says.
+                                ``.grad`` then holds a storage-less placeholder on which torch's
+                                ``clip_grad_norm_`` raises (``_owned_gradient.py``)
                                 bf16 masters: FSDP2 casts each reduced shard to the sharded
                                 parameters' dtype (bf16); the hook instead reads the
                                 reduce-scatter's output as it came off the wire (kept by
@@ -70,7 +72,12 @@ from dtypeplan.optimizers._base import (
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._flat_update import inner_step_grads
-from dtypeplan.optimizers._fsdp2_sharding import REDUCE_SCATTER_OF, as_reduced, shard_model
+from dtypeplan.optimizers._fsdp2_sharding import (
+    CLEARS_OWNED,
+    REDUCE_SCATTER_OF,
+    as_reduced,
+    shard_model,
+)
 from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._low_precision_update import (
     KAHAN_COMPENSATION,
@@ -78,6 +85,7 @@ from dtypeplan.optimizers._low_precision_update import (
     held_compensations,
     held_states,
 )
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers._registry import register
 from dtypeplan.optimizers._shard_units import WrapPolicy
 from dtypeplan.optimizers._state_values import (
@@ -97,8 +105,12 @@ __all__ = ["FSDP2Optimizer"]
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor:
     """The local shard of a sharded parameter's gradient (a DTensor under FSDP2)."""
+    return _sharded(tensor).to_local()
+
+
+def _sharded(tensor: torch.Tensor | None) -> DTensor:
     assert isinstance(tensor, DTensor), "FSDP2 keeps sharded gradients as DTensors"
-    return tensor.to_local()
+    return tensor
 
 
 def _row_numel(shape: torch.Size) -> int:
@@ -211,7 +223,11 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         forward and backward and are not listed. fp32 accumulation with fp32 masters: the
         sharded ``.grad`` is the accumulator.
         """
-        sharded_grads = tuple(_local(p.grad) for p in self._params() if p.grad is not None)
+        sharded_grads = tuple(
+            _local(p.grad)
+            for p in self._params()
+            if p.grad is not None and not is_owned_gradient(p.grad)
+        )
         return HeldTensors(
             params=tuple(self._locals()),
             grads=tuple(
@@ -238,7 +254,9 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             else:
                 self.accumulators[index].add_(shard)
         self._fresh[index] = False
-        param.grad = None
+        # A placeholder instead of nothing, so that torch's clip_grad_norm_ raises rather than
+        # finding no gradient (a norm of 0); cleared before the unit's next reduce-scatter.
+        param.grad = owned_sharded_gradient(_sharded(param.grad)) if param in CLEARS_OWNED else None
 
     def _params(self) -> list[DTensor]:
         return [p for group in self.sharded for p in group]
@@ -360,7 +378,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                     param.grad = torch.zeros_like(param)
             return [_local(p.grad) for p in params]
         for param in params:
-            if param.grad is not None:
+            if param.grad is not None and not is_owned_gradient(param.grad):
                 raise RuntimeError(
                     "FSDP2 left a gradient that the 16-bit accumulation hook did not take: this "
                     "torch's FSDP2 does not run post-accumulate-grad hooks on sharded parameters. "

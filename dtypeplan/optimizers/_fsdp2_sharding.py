@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 __all__ = [
     "REDUCE_SCATTER_OF",
     "NamedReduceScatter",
+    "CLEARS_OWNED",
     "as_reduced",
+    "clear_owned_before_reduce",
     "mesh_device",
     "mesh_device_type",
     "shard_model",
@@ -112,6 +114,7 @@ def shard_model(
             # FSDP2's own collectives fail as CollectiveError naming them, like ours.
             module.set_custom_all_gather(NamedAllGather(comm))
             module.set_custom_reduce_scatter(reduce_scatter)
+            clear_owned_before_reduce(module)
     # Frameworks wrap the models they receive in DDP, which would broadcast and all-reduce
     # DTensors it has no rule for. With every name on DDP's own ignore list, DDP refuses to
     # wrap, saying it is not needed: FSDP2 reduces the gradients already.
@@ -120,6 +123,57 @@ def shard_model(
         *(name for name, _ in model.named_buffers()),
     ]
     return model
+
+
+CLEARS_OWNED = ParamWeakMap()
+"""Sharded parameter -> True where :func:`clear_owned_before_reduce` covers its unit: only
+there may the optimizer leave an :class:`OwnedGradient` placeholder in ``.grad``."""
+
+
+def clear_owned_before_reduce(module: torch.nn.Module) -> None:
+    """Before each reduce-scatter of ``module``'s FSDP2 unit, drop the ``OwnedGradient``
+    placeholders (``_owned_gradient.py``) of the unit's parameters.
+
+    FSDP2 adds a new reduced shard into a sharded ``.grad`` it finds (``grad += new``), which
+    on a placeholder would raise; the optimizer holds the earlier sums in its accumulator, so
+    the new shard must start a fresh ``.grad``. FSDP2 offers no public hook before its
+    reduce-scatter, so each parameter group's ``post_backward`` (which reduces) is wrapped on
+    the instance; where this torch's FSDP2 lays its state out otherwise, nothing is wrapped,
+    no parameter enters :data:`CLEARS_OWNED`, and the optimizer leaves no placeholder there.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if get_state is not None else None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if not isinstance(groups, list):
+        return
+    for group in groups:
+        post_backward = getattr(group, "post_backward", None)
+        fsdp_params = getattr(group, "fsdp_params", None)
+        if post_backward is None or not isinstance(fsdp_params, list):
+            continue
+        params = [getattr(fp, "sharded_param", None) for fp in fsdp_params]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        if len(sharded) != len(params):
+            continue
+        group.post_backward = _clearing(group, post_backward)
+        for param in sharded:
+            CLEARS_OWNED[param] = True
+
+
+def _clearing(group: Any, post_backward: Any) -> Any:
+    """``post_backward`` run after clearing the group's placeholders, when it will reduce
+    (without gradient sync FSDP2 keeps unsharded sums and leaves ``.grad`` alone)."""
+    from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+
+    def run(*args: Any) -> Any:
+        if getattr(group, "reduce_grads", True):
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                if is_owned_gradient(param.grad):
+                    param.grad = None
+        return post_backward(*args)
+
+    return run
 
 
 def _current_accelerator() -> str | None:

@@ -13,6 +13,14 @@ out (``optimizer.clip_grad_norm_``, which clips for real, or ``gradient_clipping
 config). Reading ``p.grad is not None`` still says that the parameter got a gradient, and
 ``model.zero_grad()`` / ``optimizer.zero_grad()`` clear it as any gradient. The next backward
 clears it before autograd accumulates (a gradient pre-hook), and ``step()`` ignores it.
+
+ZeRO-3 (FSDP2) with 16-bit accumulation or 16-bit master weights takes each reduced shard
+into its accumulator too (``_fsdp2.py``); there the placeholder is a DTensor of the sharded
+gradient's mesh and placements whose local tensor is an :class:`OwnedGradient`
+(:func:`owned_sharded_gradient`), so that torch's norm over DTensors reaches it and raises.
+FSDP2 adds each new shard into a ``.grad`` it finds, so the sharding
+(``_fsdp2_sharding.clear_owned_before_reduce``) clears the placeholders of a unit's
+parameters right before the unit's next reduce-scatter.
 """
 
 from __future__ import annotations
@@ -20,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dtypeplan.errors import OptimizerUsageError
 
-__all__ = ["OWNED_MESSAGE", "OwnedGradient", "is_owned_gradient"]
+__all__ = ["OWNED_MESSAGE", "OwnedGradient", "is_owned_gradient", "owned_sharded_gradient"]
 
 OWNED_MESSAGE = (
     "this parameter's gradient is held by a dtypeplan optimizer (summed in its accumulator, "
@@ -60,4 +69,15 @@ class OwnedGradient(torch.Tensor):
 
 
 def is_owned_gradient(grad: torch.Tensor | None) -> bool:
+    """The placeholder, plain (ZeRO 0-2) or as the local tensor of a DTensor (ZeRO-3)."""
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
     return type(grad) is OwnedGradient
+
+
+def owned_sharded_gradient(sharded: DTensor) -> DTensor:
+    """The ZeRO-3 placeholder for ``sharded`` (a sharded gradient): a DTensor of its global
+    shape, mesh and placements whose local tensor is an :class:`OwnedGradient`."""
+    # Built from the gradient's own spec (mesh, placements, global shape and stride):
+    # DTensor.from_local would take a view of the placeholder, which raises.
+    return DTensor(OwnedGradient(sharded._local_tensor), sharded._spec, requires_grad=False)

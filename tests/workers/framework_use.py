@@ -58,9 +58,11 @@ def _ddp_run(rank: int, case: dict[str, Any], wrapped: bool) -> dict[str, Any]:
     for step in range(3):
         # DDP rebuilds its buckets (one broadcast) in the second iteration: the third is steady.
         watch = step == 2
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) if watch else (
-            _nullcontext()
-        ) as prof:
+        with (
+            profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            if watch
+            else (_nullcontext()) as prof
+        ):
             for m in range(micro):
                 x, y = make_batch(100 * step + 10 * m + rank, 4)
                 sync = m == micro - 1 or not case["no_sync"] or not wrapped
@@ -154,4 +156,97 @@ def zero3_handling(rank: int, world_size: int) -> dict[str, Any]:
         out["ddp"] = "wrapped"
     except RuntimeError as exc:
         out["ddp"] = str(exc)
+    return out
+
+
+ZERO3_CLIP_CASES: dict[str, dict[str, Any]] = {
+    "bf16_accumulation": {"gradient_accumulation_dtype": "bf16"},
+    "bf16_masters": {"master_weights": {"dtype": "bf16", "rounding": "kahan"}},
+    "fp32_accumulation": {"gradient_accumulation_dtype": "fp32"},
+}
+"""bf16 parameters at ZeRO-3: the optimizer takes the sharded gradients in (the first two) or
+FSDP2's fp32 ``.grad`` is the accumulator (the last)."""
+
+
+def _reference_norm(rank: int, world_size: int, micro_batches: int) -> float:
+    """The gradient norm of the first step computed by plain torch on one process: bf16
+    weights (the fp32 masters rounded), each rank's loss averaged over ranks."""
+    model = make_model(0).to(torch.bfloat16)
+    for micro in range(micro_batches):
+        for r in range(world_size):
+            x, y = make_batch(100 * micro + r, 4)
+            (mse(model, x, y) / (world_size * micro_batches)).backward()
+    return float(
+        torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
+    )
+
+
+def _zero3_clip_run(rank: int, world_size: int, extra: dict[str, Any], placeholders: bool):
+    from dtypeplan.optimizers import _fsdp2_sharding
+
+    config: dict[str, Any] = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        **extra,
+    }
+    plan = dtypeplan.resolve(config)
+    model = plan.prepare_model(make_model(0))
+    clears = getattr(_fsdp2_sharding, "CLEARS_OWNED", None)  # absent before the change
+    if not placeholders and clears is not None:
+        clears._map.clear()  # the code before: .grad left empty after the accumulation hook
+    optimizer = plan.build(model.parameters())
+    micro_batches = 2
+    out: dict[str, Any] = {"losses": [], "torch_clip": [], "norms": [], "placeholders": []}
+    for step in range(3):
+        for micro in range(micro_batches):
+            x, y = make_batch(100 * micro + rank + 1000 * step, 4)
+            loss = mse(model, x, y) / micro_batches
+            if micro == 0:
+                optimizer.backward(loss)
+            else:  # a bare backward (what frameworks do) onto the placeholders
+                loss.backward()
+            out["losses"].append(float(loss.detach()))
+        grads = [p.grad for p in model.parameters()]
+        out["placeholders"].append(
+            "all"
+            if all(is_owned_gradient(g) for g in grads)
+            else "none"
+            if not any(is_owned_gradient(g) for g in grads)
+            else "some"
+        )
+        if step == 0:  # the state between backward and step, with the placeholders in .grad
+            out["state_keys"] = sorted(optimizer.state_dict())
+        out["held_ok"] = not any(
+            is_owned_gradient(t) or t.numel() == 0
+            for part in (optimizer.held_tensors().accumulator, optimizer.held_tensors().grads)
+            for t in part
+        )
+        try:
+            out["torch_clip"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        except Exception as exc:  # noqa: BLE001 - the test reads the error's type and text
+            out["torch_clip"].append(f"{type(exc).__name__}: {exc}")
+        out["norms"].append(float(optimizer.clip_grad_norm_(0.5)))
+        optimizer.step()
+        out.setdefault("cleared_by_step", []).append(
+            all(p.grad is None for p in model.parameters())
+        )
+        optimizer.zero_grad()
+    mse(model, *make_batch(rank, 4)).backward()
+    model.zero_grad()  # the framework's own zero_grad clears placeholders as any .grad
+    out["model_zero_grad"] = all(p.grad is None for p in model.parameters())
+    optimizer.zero_grad()
+    out["params"] = [p.full_tensor().float() for p in model.parameters()]
+    optimizer.close()
+    return out
+
+
+def zero3_clipping(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case of :data:`ZERO3_CLIP_CASES` with the placeholders and without (as before)."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"reference": _reference_norm(rank, world_size, 2)}
+    for name, extra in ZERO3_CLIP_CASES.items():
+        for placeholders in (True, False):
+            run = _zero3_clip_run(rank, world_size, extra, placeholders)
+            out[f"{name}/placeholders={placeholders}"] = run
     return out
