@@ -48,7 +48,7 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 
 import dtypeplan
-from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 
@@ -205,7 +205,7 @@ class DtypeplanAccelerator(Accelerator):
         optimizers: list[Any] = self._optimizers
         plain_models = [m for m in models if self._owning_optimizer(self.unwrap_model(m)) is None]
         if plain_models and len(plain_models) != len(models):
-            raise NotImplementedError(
+            raise NotSupportedError(
                 "DtypeplanAccelerator.load_state: Accelerate numbers the model files by position, "
                 "and this accelerator holds dtypeplan models next to others; prepare them with "
                 "separate accelerators, or load the others yourself"
