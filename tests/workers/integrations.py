@@ -53,11 +53,9 @@ def hf_config(stage: int) -> dict[str, Any]:
     return config
 
 
-def reference_schedule(optimizer: torch.optim.Optimizer) -> Any:
-    """The schedule the config's WarmupDecayLR gives, on the reference's torch AdamW."""
-    from dtypeplan.schedulers import build_scheduler
-
-    block = {
+def scheduler_block() -> dict[str, Any]:
+    """The workers' schedule as DeepSpeed's scheduler block, every value given."""
+    return {
         "type": "WarmupDecayLR",
         "params": {
             "warmup_min_lr": 0,
@@ -67,7 +65,13 @@ def reference_schedule(optimizer: torch.optim.Optimizer) -> Any:
             "warmup_type": "linear",
         },
     }
-    return build_scheduler(block, optimizer)
+
+
+def reference_schedule(optimizer: torch.optim.Optimizer) -> Any:
+    """The schedule the config's WarmupDecayLR gives, on the reference's torch AdamW."""
+    from dtypeplan.schedulers import build_scheduler
+
+    return build_scheduler(scheduler_block(), optimizer)
 
 
 def master_bits(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -268,16 +272,7 @@ def plan_config(stage: int, dtype: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "scheduler": {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_min_lr": 0,
-                "warmup_max_lr": LR,
-                "warmup_num_steps": WARMUP,
-                "total_num_steps": STEPS,
-                "warmup_type": "linear",
-            },
-        },
+        "scheduler": scheduler_block(),
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
