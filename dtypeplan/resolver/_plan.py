@@ -162,6 +162,15 @@ class PrecisionPlan:
     """ZeRO++ quantization: ``"none"``, ``"weights"``, ``"gradients"`` or ``"both"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ hpZ (``zero_hpz_partition_size`` > 1)."""
+    shard_group_size: int | None = None
+    """Ranks each shard group spans (``zero_optimization.shard_group_size``): states (ZeRO-2:
+    the accumulator, ZeRO-3: the parameters) are sharded within groups of this many
+    consecutive ranks and replicated across the ``world / shard_group_size`` groups. None: one
+    group, the whole data-parallel group (flat)."""
+    wire_across_groups: str | None = None
+    """The gradients' wire format between shard groups: a dtype name (``"fp32"``, ``"bf16"``,
+    ``"fp16"``) or a block-quantized one (``"int8"``, ``"fp8"``, summed in fp32). None: the same
+    as :attr:`comm_dtype` (within the group)."""
     gradient_prescaling: str = "none"
     """``"none"``, ``"prescale"`` or ``"predivide"``."""
     fp8: bool = False
