@@ -48,8 +48,8 @@ class HybridGroups:
 
 
 def check_shard_group_size(shard_group_size: int | None, world_size: int) -> int:
-    """``S`` for a world of ``world_size`` ranks (``None``: the whole group), or a PrecisionConfigError
-    naming both numbers when ``S`` does not divide it."""
+    """``S`` for a world of ``world_size`` ranks (``None``: the whole group); a
+    PrecisionConfigError naming both numbers when ``S`` does not divide it."""
     if shard_group_size is None:
         return world_size
     if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int):
@@ -68,7 +68,7 @@ def check_shard_group_size(shard_group_size: int | None, world_size: int) -> int
 
 
 _CACHE: dict[tuple[int, int], tuple[dist.ProcessGroup, HybridGroups]] = {}
-"""Keyed by ``id(parent)``; the parent is kept in the value, so its id is not reused while cached."""
+"""Keyed by ``id(parent)``; the parent is kept in the value, so its id is not reused."""
 
 
 def hybrid_groups(group: dist.ProcessGroup | None, shard_group_size: int | None) -> HybridGroups:
