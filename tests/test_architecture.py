@@ -1,10 +1,12 @@
-"""The package's import graph: no module imports in a circle, and imports run one way.
+"""The package's structure: no module imports in a circle, imports run one way, the flat
+engine and the base class stay small, and every update kernel keeps one interface.
 
-Every module of ``dtypeplan`` is read with ``ast`` (nothing is imported), and every import
-statement counts: at module level, inside functions, and under ``TYPE_CHECKING``, since each
-one is a dependency a reader must follow. ``from pkg import name`` is an edge to ``pkg.name``
-when that is a module, else to ``pkg``. The parent packages that Python initializes before a
-submodule are not edges: every module would otherwise depend on the package root.
+For the graph every module of ``dtypeplan`` is read with ``ast`` (nothing is imported), and
+every import statement counts: at module level, inside functions, and under
+``TYPE_CHECKING``, since each one is a dependency a reader must follow. ``from pkg import
+name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``. The parent packages
+that Python initializes before a submodule are not edges: every module would otherwise depend
+on the package root.
 """
 
 from __future__ import annotations
@@ -113,3 +115,41 @@ def test_the_demo_does_not_import_the_command_line() -> None:
         "dtypeplan.report" in GRAPH["dtypeplan.demo"]
         and "dtypeplan.report" in GRAPH["dtypeplan.cli"]
     )
+
+
+MAX_LINES = 600
+"""The flat engine and the base class stay the step's phases and the contract: the update
+kernels, the state save/load, the param-group checks and the held tensors live apart."""
+
+
+def test_the_engine_and_the_base_class_stay_under_600_lines() -> None:
+    for module in ("dtypeplan.optimizers._engine", "dtypeplan.optimizers._base"):
+        lines = len(MODULES[module].read_text().splitlines())
+        assert lines < MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES - 1})"
+
+
+def test_every_registered_update_kernel_keeps_the_interface() -> None:
+    """Each kernel is a concrete :class:`UpdateKernel` in a module of its own under
+    ``update_kernels/`` (those of one family may share one), named uniquely, and the last one
+    serves every plan; the kernels never import the engine (it imports them)."""
+    import inspect
+
+    from dtypeplan.optimizers.update_kernels import KERNELS, UpdateKernel
+    from dtypeplan.optimizers.update_kernels.generic import GenericKernel
+
+    names = [kernel.name for kernel in KERNELS]
+    assert len(set(names)) == len(names), names
+    for kernel in KERNELS:
+        assert issubclass(kernel, UpdateKernel) and not inspect.isabstract(kernel), kernel
+        assert kernel.__module__.startswith("dtypeplan.optimizers.update_kernels."), kernel
+        for method in ("applies", "update", "describe", "state_changed"):
+            assert callable(getattr(kernel, method)), (kernel, method)
+        own = inspect.signature(kernel.update).parameters
+        base = inspect.signature(UpdateKernel.update).parameters
+        assert list(own) == list(base), (kernel, list(own))
+    assert KERNELS[-1] is GenericKernel
+    kernel_modules = {m for m in GRAPH if m.startswith("dtypeplan.optimizers.update_kernels")}
+    assert {k.__module__ for k in KERNELS} <= kernel_modules
+    for module in kernel_modules:
+        assert "dtypeplan.optimizers._engine" not in GRAPH[module], module
+        assert "dtypeplan.optimizers._flat_state" not in GRAPH[module], module

@@ -51,73 +51,55 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    reads the gradients once, not twice (``ReductionScheduler.final_sq_norms``). The factor
    ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``_clip.py``): no host
    sync unless the step may be skipped (fp16, or the non-finite check), and no scaling pass,
-   since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``_flat_update.py``,
-   chunk by chunk, 16-bit accumulators through a reused fp32 scratch). Each bucket's chunk is
-   cast to the parameter dtype and its all-gather launched as soon as it is updated, while the
-   next buckets update. On CUDA with Triton, Adam and AdamW instead run one kernel launch per
-   param group that reads the accumulator as it is (no fp32 copy), updates master and moments
-   and writes the 16-bit parameters in a single pass (``_fused_adamw_triton.py``;
-   ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
+   since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``_flat_update.py``).
+   The update itself is the optimizer's update kernel's (``update_kernels/``): the first of
+   its registry that serves the plan, device and optimizer class (host offload, the one-pass
+   Triton AdamW on CUDA, torch's fused Adam/AdamW on fp32 or on 16-bit tensors, the
+   low-precision and quantized families, or ``inner.step()``), chosen once. It is handed the
+   reduced chunks, the factor and :meth:`_start_gather`: each bucket's chunk is written in the
+   parameter dtype and its all-gather launched as soon as it is updated, while the next
+   buckets update.
 
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
+What ``state_dict`` and the checkpoints read and write of this engine is ``_flat_state.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers import _state_keys as keys
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._base import (
     HeldTensors,
-    MixedPrecisionOptimizer,
     bare_backward_refusal,
     constructor_arguments,
     inner_optimizer,
-    is_adam,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._ddp import wrappers_of
-from dtypeplan.optimizers._flat_update import (
-    FlatAdamUpdate,
-    decoupled_weight_decay,
-    inner_step_grads,
-)
-from dtypeplan.optimizers._group_state import GroupState, ShardPiece
-from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
+from dtypeplan.optimizers._flat_state import FlatState
+from dtypeplan.optimizers._flat_update import FlatAdamUpdate
+from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import (
-    KAHAN_COMPENSATION,
     LowPrecisionAdamUpdate,
     held_compensations,
     held_states,
 )
-from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._missing_grads import keep_untouched
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
-from dtypeplan.optimizers._state_values import (
-    element_state_names,
-    is_element_state,
-    is_scalar_state,
-    load_slot,
-    placed_scalar,
-    same_scalar,
-    stateful_scalars,
-)
+from dtypeplan.optimizers.update_kernels import UpdateKernel, choice_key, choose, write_params
+from dtypeplan.optimizers.update_kernels.host_offload import host_offload_for
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -127,20 +109,6 @@ __all__ = ["DEFAULT_BUCKET_NUMEL", "FlatMixedPrecisionOptimizer"]
 DEFAULT_BUCKET_NUMEL = 1 << 22
 """Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
 of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
-
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _with_fp32_states(method: _Method) -> _Method:
-    """Run ``method`` inside ``self.fp32_states()``: it reads or writes states per parameter."""
-
-    @functools.wraps(method)
-    def wrapper(self: FlatMixedPrecisionOptimizer, *args: Any, **kwargs: Any) -> Any:
-        with self.fp32_states():
-            return method(self, *args, **kwargs)
-
-    return cast(_Method, wrapper)
 
 
 class PreparedStep(NamedTuple):
@@ -156,7 +124,7 @@ class PreparedStep(NamedTuple):
     """Some rank gave some parameter a gradient (else the update is skipped altogether)."""
 
 
-class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
+class FlatMixedPrecisionOptimizer(FlatState):
     """Mixed-precision data parallelism on flat buffers; ZeRO-1/2 when ``shard_state`` is set."""
 
     shard_state: bool = False
@@ -178,7 +146,9 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
         self._check_ranks_agree(self.comm)
         self._make_replicas_equal(self.comm)
-        self.offload = self._host_offload(plan)
+        self.offload = host_offload_for(
+            plan, [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        )
         self.groups: list[GroupState] = []
         for group in self.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -203,7 +173,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._inner = self._build_inner_optimizer()
         self.own_histories = OwnHistories(plan.optimizer.torch_class, constructor_arguments(plan))
         """The parameter pieces whose state left their chunk's (``_own_histories.py``)."""
-        self._fused_kernel: bool | None = None
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
         )
@@ -216,7 +185,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         )
         if self._low_precision is not None:
             self._adam_update = self._low_precision
-        self._kernel_step: int | None = None  # host copy of the Adam step (Triton path)
+        self._kernel: UpdateKernel | None = None
+        self._kernel_key: tuple[Any, ...] = ()
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.reductions = ReductionScheduler(
@@ -238,26 +208,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
-
-    def _host_offload(self, plan: PrecisionPlan) -> HostOffload | None:
-        """The host side of ``offload_optimizer: cpu`` (fp32 masters and states only)."""
-        if plan.offload_optimizer == "none":
-            return None
-        if plan.offload_optimizer != "cpu" or plan.master_dtype != torch.float32:
-            raise NotSupportedError(
-                f"offload_optimizer {plan.offload_optimizer} with "
-                f"{DTYPE_NAMES[plan.master_dtype]} master weights: the flat engine offloads "
-                "fp32 master weights and fp32 optimizer states to host memory (device cpu) "
-                "only; use offload_optimizer device cpu with fp32 masters and states"
-            )
-        if plan.optimizer_states != "fp32":
-            raise NotSupportedError(
-                f"offload_optimizer with {plan.optimizer_states} optimizer states: the host "
-                "update keeps fp32 states; remove optimizer_states / exp_avg_dtype / "
-                "exp_avg_sq_dtype / bf16_optimizer_states / fp32_optimizer_states: false"
-            )
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        return HostOffload(params[0].device if params else torch.device("cpu"))
 
     def _build_inner_optimizer(self) -> torch.optim.Optimizer:
         groups = []
@@ -300,49 +250,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             + held_compensations(self.inner),
             optimizer_states=held_states(self.inner),
         )
-
-    def shard_pieces(self) -> list[ShardPiece]:
-        """Where this rank's master chunks hold each parameter, in ``param.{i}`` numbering.
-
-        A parameter split between ranks has a piece on each; a rank may hold none of a
-        parameter. A piece's optimizer state ``name`` is
-        ``piece.of(inner.state[piece.master][name])``. This is what a sharded checkpoint reads
-        and writes without gathering.
-        """
-        pieces: list[ShardPiece] = []
-        first = 0
-        for state in self.groups:
-            pieces += state.shard_pieces(first)
-            first += len(state.flat.params)
-        return pieces
-
-    def master_values(self, master: torch.Tensor) -> torch.Tensor:
-        """A master chunk as the fp32 values it stands for: with Kahan-compensated bf16 masters,
-        the bf16 weights plus their compensation. What a checkpoint stores, whatever the
-        master dtype, so that it loads into any other."""
-        if self._low_precision is None:
-            return master.float()  # fp32 masters: the chunk itself
-        return self._low_precision.master_values(master)
-
-    def fp32_states(self) -> contextlib.AbstractContextManager[None]:
-        if self._low_precision is None:
-            return contextlib.nullcontext()
-        return self._low_precision.fp32_view([m for s in self.groups for m in s.masters])
-
-    @torch.no_grad()
-    def load_master_(
-        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
-    ) -> None:
-        """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
-        or with Kahan masters split into the bf16 weights and their compensation."""
-        if self._low_precision is None:
-            master.copy_(values)
-            return
-        self._low_precision.load_master_(master, values, compensation)
-
-    @property
-    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
-        return self._low_precision
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -540,10 +447,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         squares = [known[chunk] if chunk in known else next(missing) for chunk in chunks]
         return sum_sq_norms(squares, self.device)
 
-    @staticmethod
-    def _flat_grads(grads_by_group: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        return [g for per_bucket in grads_by_group for g in per_bucket]
-
     def _update(
         self,
         grads_by_group: list[list[torch.Tensor]],
@@ -571,239 +474,32 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
             with self.fp32_states():
                 with keep_untouched(self.groups, self.inner, apart):
-                    self._apply_update(grads_by_group, factor, gather=False)
+                    self.update_kernel.update(grads_by_group, factor, None)
                 self.own_histories.step(
                     self.inner, pending, self._read_master_piece, self._write_master_piece
                 )
-            self._kernel_step = None  # the chunks' step counters are read again
+            self._state_changed()  # the chunks' step counters are read again
             self._write_back(cast=True)
             return
-        self._apply_update(grads_by_group, factor, gather=True)
+        self.update_kernel.update(grads_by_group, factor, self._start_gather)
 
-    def _read_master_piece(self, master: torch.Tensor, where: slice) -> torch.Tensor:
-        """A piece of a master chunk as fp32 weights to update in place: the chunk's own view
-        (fp32 masters), else a copy of the values it stands for (16-bit masters)."""
-        if master.dtype == torch.float32:
-            return master[where]
-        return self.master_values(master)[where]
-
-    def _write_master_piece(self, master: torch.Tensor, where: slice, values: torch.Tensor) -> None:
-        """Store fp32 ``values`` into a piece of a 16-bit master chunk, rounded as the plan
-        says (Kahan-compensated, stochastic or to nearest), as the chunk's update does."""
-        if master.dtype == torch.float32:
-            return  # updated in place
-        compensation = self.inner.state.get(master, {}).get(KAHAN_COMPENSATION)
-        if compensation is not None:
-            kahan_store(values, master[where], compensation[where])
-        elif self.plan.master_rounding == "stochastic":
-            assert self._low_precision is not None, "16-bit masters have a low-precision update"
-            generator = self._low_precision._generator(master.device)
-            round_stochastic(values.clone(), master[where], generator)
-        else:
-            master[where].copy_(values)
-
-    def _apply_update(
-        self,
-        grads_by_group: list[list[torch.Tensor]],
-        factor: tuple[torch.Tensor, torch.Tensor],
-        gather: bool,
-    ) -> None:
-        """The update on the fastest path that serves the optimizer; ``gather``: also write
-        the parameters and all-gather them (else the caller writes back)."""
-        if self.offload is not None:
-            self._offloaded_update(grads_by_group, factor, gather)
-        elif self._use_fused_kernel():
-            self._fused_kernel_update(grads_by_group, factor[0], gather)
-        elif FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
-            self._torch_update(grads_by_group, factor[1], gather)
-        else:
-            masters = [m for state in self.groups for m in state.masters]
-            with inner_step_grads(self.inner, masters, self._flat_grads(grads_by_group), *factor):
-                self.inner.step()
-            if gather:
-                self._write_back(cast=True)
-
-    def _offloaded_update(
-        self,
-        grads_by_group: list[list[torch.Tensor]],
-        factor: tuple[torch.Tensor, torch.Tensor],
-        gather: bool,
-    ) -> None:
-        """The update on the host (``_host_offload.py``); ``factor`` is already there.
-
-        Adam/AdamW step each bucket chunk with torch's fused CPU kernel as its gradient arrives
-        (the next chunk's copy runs meanwhile), and each chunk's parameters go back and are
-        all-gathered at once. Other optimizers step once over every chunk on the host (their
-        ``inner.step()``), after all gradients have arrived.
-        """
-        assert self.offload is not None
-        offload = self.offload
-        if not FlatAdamUpdate.supports(self.inner, self.plan.optimizer.torch_class):
-            masters = [m for state in self.groups for m in state.masters]
-            grads = offload.gradients_to_host(self._flat_grads(grads_by_group))
-            with inner_step_grads(self.inner, masters, grads, *factor):
-                self.inner.step()
-            if gather:
-                self._write_back(cast=True)
-            return
-        chunks: list[OffloadedChunk] = []
-        places: list[tuple[GroupState, dict[str, Any], Any]] = []
-        for state, group, per_bucket in zip(
-            self.groups, self.inner.param_groups, grads_by_group, strict=True
-        ):
-            flat = state.flat
-            for bucket, master, grad in zip(flat.buckets, state.masters, per_bucket, strict=True):
-                param = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
-                chunks.append(OffloadedChunk(grad=grad, master=master, param=param))
-                places.append((state, group, bucket))
-        gathers: list[Callable[[], None]] = []
-
-        def update(k: int, host_grad: torch.Tensor) -> None:
-            _, group, _ = places[k]
-            self._adam_update.bucket(group, chunks[k].master, host_grad, None, factor[1])
-
-        def written(k: int) -> None:
-            state, _, bucket = places[k]
-            gathers.append(self._start_gather(state, bucket))
-
-        offload.step(chunks, update, written, upload=gather)
-        for finish in gathers:
-            finish()
-
-    def _torch_update(
-        self, grads_by_group: list[list[torch.Tensor]], grad_scale: torch.Tensor, gather: bool
-    ) -> None:
-        """torch's fused Adam/AdamW per bucket chunk, on the gradients over ``grad_scale``."""
-        gathers: list[Callable[[], None]] = []
-        for state, group, per_bucket in zip(
-            self.groups, self.inner.param_groups, grads_by_group, strict=True
-        ):
-            for bucket, master, grad in zip(
-                state.flat.buckets, state.masters, per_bucket, strict=True
-            ):
-                chunk = state.flat.chunk_view(state.flat.buffer, bucket, self.shard_rank)
-                aliased = chunk.data_ptr() == master.data_ptr()
-                self._adam_update.bucket(
-                    group, master, grad, None if aliased else chunk, grad_scale
-                )
-                if gather:
-                    gathers.append(self._start_gather(state, bucket))
-        for finish in gathers:
-            finish()
+    @property
+    def update_kernel(self) -> UpdateKernel:
+        """The update of this optimizer's master chunks (``update_kernels/``): the first of the
+        registry that serves its plan, device and optimizer class, chosen at the first step,
+        and again only if a param group turns amsgrad or maximize on or off."""
+        key = choice_key(self)
+        if self._kernel is None or key != self._kernel_key:
+            self._kernel, self._kernel_key = choose(self), key
+        return self._kernel
 
     def _use_fused_kernel(self) -> bool:
-        """The one-pass Triton AdamW (CUDA) applies to Adam/AdamW without amsgrad or maximize."""
-        if self._fused_kernel is None:
-            from dtypeplan.optimizers import _fused_adamw_triton as kernel
+        """Whether the one-pass Triton AdamW (CUDA) runs this optimizer's update."""
+        return self.update_kernel.name == "triton"
 
-            device = self.device
-            # Per-group settings count too: a param group may turn amsgrad on for itself.
-            unsupported = any(
-                g.get("amsgrad", False) or g.get("maximize", False) for g in self.param_groups
-            )
-            self._fused_kernel = (
-                os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
-                and self._low_precision is None  # the kernel keeps fp32 masters
-                and self.offload is None  # the kernel runs on the device
-                and is_adam(self.plan.optimizer.torch_class)
-                and not unsupported
-                and kernel.fused_kernel_available(device)
-            )
-        return self._fused_kernel
-
-    def _fused_kernel_update(
-        self, grads_by_group: list[list[torch.Tensor]], factor: torch.Tensor, gather: bool
-    ) -> None:
-        """Read each accumulator chunk as it is, update master and moments, write the params.
-
-        One kernel launch per param group covers all of its bucket chunks. The moments live
-        in ``self.inner.state`` under torch's names, so ``state_dict``, ``full_state`` and
-        checkpoints do not know which path ran. The factor is read from device memory, and
-        the bias corrections come from a host copy of the step counter (read once after a
-        load), so nothing waits for the device.
-        """
-        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
-
-        step = self._host_step() + 1
-        gathers: list[Callable[[], None]] = []
-        for state, group, grads in zip(
-            self.groups, self.inner.param_groups, grads_by_group, strict=True
-        ):
-            if not state.masters:
-                continue
-            slots = [self._adam_update.slot(master) for master in state.masters]
-            torch._foreach_add_([slot["step"] for slot in slots], 1.0)
-            flat = state.flat
-            chunks = [flat.chunk_view(flat.buffer, b, self.shard_rank) for b in flat.buckets]
-            aliased = chunks[0].data_ptr() == state.masters[0].data_ptr()
-            beta1, beta2 = group["betas"]
-            fused_mixed_adamw_multi_(
-                state.masters,
-                [slot["exp_avg"] for slot in slots],
-                [slot["exp_avg_sq"] for slot in slots],
-                grads,
-                None if aliased else chunks,
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=step,
-                grad_factor=factor,
-                adam_w_mode=decoupled_weight_decay(self.plan.optimizer.torch_class, group),
-            )
-            if gather:
-                # The group's all-gathers run while the next groups' kernels do.
-                gathers += [self._start_gather(state, bucket) for bucket in flat.buckets]
-        self._kernel_step = step
-        for finish in gathers:
-            finish()
-
-    def _host_step(self) -> int:
-        """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
-        if self._kernel_step is None:
-            self._kernel_step = self.step_count()
-        return self._kernel_step
-
-    def reset_update_state(
-        self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
-    ) -> None:
-        super().reset_update_state(names, scalars)
-        self.own_histories.clear()
-        self._kernel_step = None
-        if self._low_precision is not None:
-            self._low_precision.conform([m for s in self.groups for m in s.masters])
-
-    def _own_param_scalars(self) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
-        first = 0
-        for gi, group_state in enumerate(self.groups):
-            for index, _, _, bucket, _ in group_state._pieces():
-                apart, own = self.own_histories.of(gi, index)
-                if apart:
-                    yield first + index, gi, own
-                else:
-                    slot = self.inner.state.get(group_state.masters[bucket])
-                    yield first + index, gi, stateful_scalars(slot)
-            first += len(group_state.flat.params)
-
-    def _load_param_scalars(self, found: Mapping[int, dict[str, Any] | None]) -> None:
-        # A piece with scalars of its own leaves its chunk's history (_own_histories.py); its
-        # per-element states are the chunk's, loaded already.
-        first = 0
-        for gi, group_state in enumerate(self.groups):
-            on_device = _on_device(self.inner, gi)
-            for index, _, _, bucket, _ in group_state._pieces():
-                if first + index not in found:
-                    continue
-                given = found[first + index]
-                master = group_state.masters[bucket]
-                own = (
-                    None
-                    if given is None
-                    else {n: placed_scalar(n, v, master, on_device) for n, v in given.items()}
-                )
-                self.own_histories.set(gi, index, own)
-            first += len(group_state.flat.params)
+    def _state_changed(self) -> None:
+        if self._kernel is not None:
+            self._kernel.state_changed()
 
     def _sync_hyperparameters(self) -> None:
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -813,16 +509,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def _write_back(self, cast: bool = True) -> None:
         """Cast the master chunks into the parameters (unless done) and all-gather them."""
-        gathers: list[Callable[[], None]] = []
-        for state in self.groups:
-            flat = state.flat
-            for bucket, master in zip(flat.buckets, state.masters, strict=True):
-                chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
-                if cast and master.data_ptr() != chunk.data_ptr():
-                    chunk.copy_(master)
-                gathers.append(self._start_gather(state, bucket))
-        for finish in gathers:
-            finish()
+        write_params(self.groups, self.shard_rank, self._start_gather, cast)
 
     def _start_gather(self, state: GroupState, bucket: Any) -> Callable[[], None]:
         """Launch the all-gather of one bucket of parameters from this rank's written chunk."""
@@ -834,163 +521,6 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self.comm.start_all_gather(
             flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
         )
-
-    # --- state --------------------------------------------------------------------------------
-    def _layout_facts(self) -> dict[str, Any]:
-        return {
-            "world_size": self.comm.world_size,
-            "shards": self.shards,
-            "rank": self.shard_rank,
-            "numels": [[b.numel for b in s.flat.buckets] for s in self.groups],
-        }
-
-    STATE_FORMAT = "dtypeplan.flat/2"
-
-    @_with_fp32_states
-    def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-        """This rank's piece of each parameter: ``elements`` (begin, end of the flattened
-        parameter), ``master`` and each state over those elements, and its scalar states
-        (its chunk's, or its own: ``_own_histories.py``; none before its first gradient)."""
-        state: dict[int, dict[str, Any]] = {}
-        for gi, group_state in enumerate(self.groups):
-            params = group_state.flat.params
-            for index, begin, end, bucket, offset in group_state._pieces():
-                master = group_state.masters[bucket]
-                where = slice(offset, offset + end - begin)
-                entry: dict[str, Any] = {"elements": (begin, end)}
-                entry[keys.MASTER] = master[where].detach().clone()
-                apart, own = self.own_histories.of(gi, index)
-                if not (apart and own is None):
-                    for name, value in self.inner.state.get(master, {}).items():
-                        if is_scalar_state(value) and not apart:
-                            entry[name] = value.clone() if torch.is_tensor(value) else value
-                        elif is_element_state(value, master):
-                            entry[name] = value[where].clone()
-                    for name, value in (own or {}).items():
-                        entry[name] = value.clone() if torch.is_tensor(value) else value
-                    if self._low_precision is not None:
-                        self._low_precision.save_codes(entry, master, offset, end - begin)
-                state[index_of[id(params[index])]] = entry
-        return state
-
-    @_with_fp32_states
-    def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
-        self._kernel_step = None  # the loaded step counter is re-read at the next kernel step
-        for gi, group_state in enumerate(self.groups):
-            params = group_state.flat.params
-            for index, begin, end, bucket, offset in group_state._pieces():
-                entry = state[index_of[id(params[index])]]
-                assert tuple(entry["elements"]) == (begin, end), "layout checked by the caller"
-                master = group_state.masters[bucket]
-                where = slice(offset, offset + end - begin)
-                master[where].copy_(entry[keys.MASTER])
-                slot = self.inner.state.get(master, {})
-                given = {n: v for n, v in entry.items() if n not in ("elements", keys.MASTER)}
-                if slot and not given:
-                    self.own_histories.set(gi, index, None)  # saved before its first gradient
-                    continue
-                scalars = {n: v for n, v in given.items() if is_scalar_state(v)}
-                ours = {n: v for n, v in slot.items() if is_scalar_state(v)}
-                if scalars.keys() == ours.keys() and all(
-                    same_scalar(scalars[n], ours[n]) for n in scalars
-                ):
-                    load_slot(slot, entry, where)
-                else:
-                    # A piece with its own history: its scalars stay out of the chunk's.
-                    load_slot(slot, {n: v for n, v in given.items() if n not in scalars}, where)
-                    on_device = _on_device(self.inner, gi)
-                    own = {n: placed_scalar(n, v, master, on_device) for n, v in scalars.items()}
-                    self.own_histories.set(gi, index, own)
-                if self._low_precision is not None:
-                    self._low_precision.load_codes(entry, master, offset, end - begin)
-        self.refresh_params()
-
-    @_with_fp32_states
-    def state_names(self) -> list[str]:
-        """``master`` and the names of the optimizer states laid out like the master chunks.
-
-        The names the ``param.{i}.{name}`` keys of :meth:`full_state` take (the step counter
-        is a scalar, ``scalar.step``).
-        """
-        return element_state_names(self.inner, (m for s in self.groups for m in s.masters))
-
-    def _gather_full(self, state: GroupState, chunks: list[torch.Tensor]) -> torch.Tensor:
-        flat = state.flat
-        full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
-        for bucket, chunk in zip(flat.buckets, chunks, strict=True):
-            target = flat.bucket_view(full, bucket)
-            if self.shards > 1:
-                # An offloaded chunk lives on the host; the collective runs on the device.
-                self.comm.all_gather(
-                    target, chunk.to(target.device, torch.float32).contiguous(), torch.float32
-                )
-            else:
-                target.copy_(chunk)
-        return full
-
-    @torch.no_grad()
-    @_with_fp32_states
-    def full_state(self) -> dict[str, torch.Tensor | float | int]:
-        result: dict[str, torch.Tensor | float | int] = {}
-        names = self.state_names()
-        first = 0
-        for state in self.groups:
-            for name in names:
-                if name == keys.MASTER:
-                    chunks = [self.master_values(m) for m in state.masters]
-                else:
-                    chunks = [
-                        self.inner.state[m][name]
-                        if name in self.inner.state.get(m, {})
-                        else torch.zeros_like(m)
-                        for m in state.masters
-                    ]
-                full = self._gather_full(state, chunks)
-                for index, view in enumerate(state.flat.param_views(full)):
-                    result[keys.param_key(first + index, name)] = view.clone()
-            first += len(state.flat.params)
-        result.update(self._scalar_state())
-        if self.shards > 1 and self.comm.active:
-            # A parameter's own scalar states are read where its pieces are: every rank's.
-            parts: list[Any] = [None] * self.comm.world_size
-            dist.all_gather_object(parts, self.param_scalar_state(), group=self.comm.group)
-            for part in parts:
-                result.update(part)
-        return result
-
-    @torch.no_grad()
-    @_with_fp32_states
-    def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
-        names = keys.param_state_names(state)
-        # States absent from the input must not survive from before the load.
-        self.reset_update_state(
-            [n for n in names if n != keys.MASTER], self.group_scalars_from(state)
-        )
-        first = 0
-        for group_state in self.groups:
-            flat = group_state.flat
-            for name in names:
-                full = torch.zeros(flat.numel, dtype=torch.float32, device=flat.buffer.device)
-                for index, view in enumerate(flat.param_views(full)):
-                    value = state[keys.param_key(first + index, name)]
-                    assert isinstance(value, torch.Tensor), "checked by the caller's manifest"
-                    view.copy_(value)
-                chunks = [flat.chunk_view(full, b, self.shard_rank) for b in flat.buckets]
-                for master, chunk in zip(group_state.masters, chunks, strict=True):
-                    if name == keys.MASTER:
-                        self.load_master_(master, chunk)
-                    else:
-                        self.inner.state[master][name].copy_(chunk)
-            first += len(flat.params)
-        self.load_param_scalars(state)
-        self._load_scalar_state(state)
-        self.refresh_params()
-
-
-def _on_device(inner: torch.optim.Optimizer, group: int) -> bool:
-    """Whether ``torch.optim`` keeps group ``group``'s step counters on the master's device."""
-    settings = inner.param_groups[group]
-    return bool(settings.get("fused") or settings.get("capturable"))
 
 
 def _call_weakly(method: Callable[[], None]) -> Callable[[], None]:

@@ -1,0 +1,114 @@
+"""The one-pass Triton AdamW on CUDA: one launch per param group, fp32 masters and states.
+
+Reads each accumulator chunk as it is (no fp32 copy), updates master and moments and writes
+the 16-bit parameters in a single pass (``_fused_adamw_triton.py``).
+``DTYPEPLAN_FUSED_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from dtypeplan.optimizers._base import is_adam
+from dtypeplan.optimizers._flat_update import decoupled_weight_decay
+from dtypeplan.optimizers.update_kernels._interface import (
+    FlatEngine,
+    Gather,
+    GradsByGroup,
+    UpdateKernel,
+    finish,
+)
+
+__all__ = ["TritonKernel"]
+
+
+class TritonKernel(UpdateKernel):
+    """Adam/AdamW without amsgrad or maximize, fp32 masters and states, on a CUDA device
+    with Triton."""
+
+    name = "triton"
+
+    def __init__(self, engine: FlatEngine) -> None:
+        super().__init__(engine)
+        self._step: int | None = None
+        """Host copy of the Adam step counter (read once after a load or a reset)."""
+
+    @classmethod
+    def applies(cls, engine: FlatEngine) -> bool:
+        from dtypeplan.optimizers import _fused_adamw_triton as kernel
+
+        # Per-group settings count too: a param group may turn amsgrad on for itself.
+        unsupported = any(
+            g.get("amsgrad", False) or g.get("maximize", False) for g in engine.param_groups
+        )
+        return (
+            os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") != "0"
+            and engine._low_precision is None  # the kernel keeps fp32 masters
+            and engine.offload is None  # the kernel runs on the device
+            and is_adam(engine.plan.optimizer.torch_class)
+            and not unsupported
+            and kernel.fused_kernel_available(engine.device)
+        )
+
+    def describe(self) -> str:
+        return "one-pass Triton AdamW, one launch per param group"
+
+    def state_changed(self) -> None:
+        self._step = None  # the loaded step counter is re-read at the next kernel step
+
+    def _host_step(self) -> int:
+        """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
+        if self._step is None:
+            self._step = self.engine.step_count()
+        return self._step
+
+    def update(
+        self, grads: GradsByGroup, factor: tuple[torch.Tensor, torch.Tensor], gather: Gather | None
+    ) -> None:
+        """Read each accumulator chunk as it is, update master and moments, write the params.
+
+        One kernel launch per param group covers all of its bucket chunks. The moments live
+        in ``inner.state`` under torch's names, so ``state_dict``, ``full_state`` and
+        checkpoints do not know which path ran. The factor is read from device memory, and
+        the bias corrections come from a host copy of the step counter (read once after a
+        load), so nothing waits for the device.
+        """
+        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
+
+        engine = self.engine
+        step = self._host_step() + 1
+        gathers: list[Callable[[], None]] = []
+        for state, group, per_bucket in zip(
+            engine.groups, engine.inner.param_groups, grads, strict=True
+        ):
+            if not state.masters:
+                continue
+            slots = [engine._adam_update.slot(master) for master in state.masters]
+            torch._foreach_add_([slot["step"] for slot in slots], 1.0)
+            flat = state.flat
+            chunks = [flat.chunk_view(flat.buffer, b, engine.shard_rank) for b in flat.buckets]
+            aliased = chunks[0].data_ptr() == state.masters[0].data_ptr()
+            beta1, beta2 = group["betas"]
+            fused_mixed_adamw_multi_(
+                state.masters,
+                [slot["exp_avg"] for slot in slots],
+                [slot["exp_avg_sq"] for slot in slots],
+                per_bucket,
+                None if aliased else chunks,
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                grad_factor=factor[0],
+                adam_w_mode=decoupled_weight_decay(engine.plan.optimizer.torch_class, group),
+            )
+            if gather is not None:
+                # The group's all-gathers run while the next groups' kernels do.
+                gathers += [gather(state, bucket) for bucket in flat.buckets]
+        self._step = step
+        finish(gathers)
