@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.comm import Communicator
+from dtypeplan.comm._levels import levels
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
@@ -171,12 +172,27 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         super().__init__(params, plan=plan, process_group=process_group)
         self.comm = Communicator(process_group)
-        self.shards = self.comm.world_size if self.shard_state else 1
-        self.shard_rank = self.comm.rank if self.shard_state else 0
+        """The whole data-parallel group: the step summary, consistency checks."""
+        # Before the subgroups are made: ranks that disagree on the shard group size would
+        # otherwise create different subgroups (a collective) and hang.
+        self._check_ranks_agree(self.comm)
+        self.levels = levels(
+            self.comm,
+            plan.shard_group_size,
+            sharded=self.shard_state,
+            comm_dtype=plan.comm_dtype,
+            method=plan.comm_reduction,
+            wire_across_groups=plan.wire_across_groups,
+        )
+        """The communicator per link level; a hybrid layout shards within ``shard_comm``."""
+        self.shard_comm = self.levels.shard
+        """The shard group (``comm`` itself when flat): reduce-scatters and all-gathers."""
+        self.replica_rank = self.levels.replica_rank
+        self.shards = self.shard_comm.world_size if self.shard_state else 1
+        self.shard_rank = self.shard_comm.rank if self.shard_state else 0
         self.param_dtype = plan.param_dtype
         sharded_accumulator = plan.accumulator_sharded and self.shards > 1
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
-        self._check_ranks_agree(self.comm)
         self._make_replicas_equal(self.comm)
         self.offload = self._host_offload(plan)
         self.groups: list[GroupState] = []
@@ -221,11 +237,12 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.reductions = ReductionScheduler(
             self.groups,
-            self.comm,
+            self.shard_comm,
             comm_dtype=plan.comm_dtype,
             comm_method=plan.comm_reduction,
             sharded_accumulator=sharded_accumulator,
             hooks=self.hooks,
+            across=self.levels.across,
             # DeepSpeed's gradient_accumulation_steps: the boundary reduction starts inside the
             # last backward of a step without the caller marking it.
             accumulation_steps=self.accumulation.micro_batches if self.accumulation else None,
@@ -407,7 +424,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         prepared, self._prepared = self._prepared or self._prepare(), None
         try:
-            divisor = self.scaler.scale * self.comm.reduction_divisor
+            divisor = self.scaler.scale * self.levels.reduction_divisor
             factor = self._check_and_clip(prepared.sq_norm, divisor)
             if factor is None:
                 return loss
@@ -428,7 +445,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self._prepared is None:
             self._prepared = self._prepare()
         sq_norm = float(self._prepared.sq_norm)  # clip_grad_norm_ returns it: one sync
-        divisor = self.scaler.scale * self.comm.reduction_divisor
+        divisor = self.scaler.scale * self.levels.reduction_divisor
         return math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
 
     def _prepare(self) -> PreparedStep:
@@ -492,7 +509,8 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def _step_summary(
         self, grads_by_group: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, list[list[int]], bool]:
-        """The step's one all-reduce: ``[squared norm, touched flag per parameter...]``.
+        """The step's one all-reduce: ``[squared norm, touched flag per parameter...]`` (a
+        hybrid layout: one squared-norm slot per shard group, ``levels.replicas`` of them).
 
         The norm slot is summed only where ranks hold different chunks (sharded states). The
         flags say which parameters some rank gave a gradient in this window; they are read on
@@ -506,8 +524,15 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             [float(t) for per_group in local for t in per_group] + check.slots(),
             dtype=torch.float32,
         ).to(self.device, non_blocking=True)
-        summary = torch.cat([self._local_sq_norm(grads_by_group).reshape(1), flags])
-        if self.shards > 1:
+        norm = self._local_sq_norm(grads_by_group).reshape(1)
+        # One norm slot per shard group: each rank adds its chunks' norm into its group's slot,
+        # so that slot 0 counts every element once (the other groups hold the same chunks, and
+        # every rank reads the same bits). Flat: one slot.
+        replicas, mine = self.levels.replicas, self.replica_rank
+        if replicas > 1:
+            norm = torch.cat([norm.new_zeros(mine), norm, norm.new_zeros(replicas - 1 - mine)])
+        summary = torch.cat([norm, flags])
+        if self.shards > 1 or replicas > 1:
             summary = self.comm.all_reduce_scalars(summary)
         elif len(summary) > 1:
             # Stage 0: every rank reduced the whole gradient; only the flags need summing.
@@ -519,7 +544,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             summary = summary[: len(summary) - check.numel]
         if all(all(per_group) for per_group in local):
             return summary[0], [[] for _ in local], True
-        counts = summary[1:].tolist()  # some parameter got no gradient here: ask the others
+        counts = summary[replicas:].tolist()  # some parameter got no gradient here: ask
         untouched: list[list[int]] = []
         for per_group in local:
             untouched.append([pi for pi, n in enumerate(counts[: len(per_group)]) if n == 0])
@@ -831,7 +856,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         flat = state.flat
         chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
         # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
-        return self.comm.start_all_gather(
+        return self.shard_comm.start_all_gather(
             flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
         )
 
@@ -921,7 +946,7 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             target = flat.bucket_view(full, bucket)
             if self.shards > 1:
                 # An offloaded chunk lives on the host; the collective runs on the device.
-                self.comm.all_gather(
+                self.shard_comm.all_gather(
                     target, chunk.to(target.device, torch.float32).contiguous(), torch.float32
                 )
             else:
@@ -950,10 +975,11 @@ class FlatMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                     result[keys.param_key(first + index, name)] = view.clone()
             first += len(state.flat.params)
         result.update(self._scalar_state())
-        if self.shards > 1 and self.comm.active:
-            # A parameter's own scalar states are read where its pieces are: every rank's.
-            parts: list[Any] = [None] * self.comm.world_size
-            dist.all_gather_object(parts, self.param_scalar_state(), group=self.comm.group)
+        if self.shards > 1 and self.shard_comm.active:
+            # A parameter's own scalar states are read where its pieces are: every rank's of
+            # the shard group (the other groups hold the same pieces).
+            parts: list[Any] = [None] * self.shard_comm.world_size
+            dist.all_gather_object(parts, self.param_scalar_state(), group=self.shard_comm.group)
             for part in parts:
                 result.update(part)
         return result
