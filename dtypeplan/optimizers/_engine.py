@@ -59,6 +59,17 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    and writes the 16-bit parameters in a single pass (``_fused_adamw_triton.py``;
    ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off).
 
+Hybrid layout (ZeRO-1/2 with ``plan.shard_group_size`` S < W; ``dtypeplan.comm._levels``):
+"this rank's chunk" above is its chunk among the S ranks of its shard group (``shard_comm``:
+the reduce-scatters and all-gathers), and the W/S shard groups hold the same chunks. A
+bucket's reduction is the reduce-scatter within the group, then the all-reduce of this rank's
+chunk across the replica group in ``plan.wire_across_groups``: with a whole accumulator as
+each reduce-scatter finishes; with a sharded one once per step, at the boundary, on the chunk
+accumulated over the micro-batches (a sum of sums: the same total, and traffic across groups
+once per step). ``comm`` stays the whole group (the step summary, whose squared norm gets one
+slot per shard group so that each element counts once). Stage 0 has nothing to shard and
+stays flat.
+
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 """
 

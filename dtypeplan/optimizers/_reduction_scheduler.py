@@ -37,6 +37,11 @@ taken at once (``final_sq_norms``), and the step takes only the others'. The val
 ones the step would compute, bit for bit. A pass after the one counted last (a sharded
 accumulator allows it) drops the norms of the chunks it changes.
 
+A hybrid layout (``across``, ``dtypeplan.comm._levels``) adds a second level: each chunk
+reduce-scattered within the shard group is all-reduced across the replica group, a whole
+accumulator's bucket as part of its step reduction, a sharded accumulator's chunks once per
+step in :meth:`reduced_grads` (their boundary norms, taken before, are then dropped).
+
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
 with zeros for parameters that got no gradient.

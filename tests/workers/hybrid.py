@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import os
 import traceback
 from collections.abc import Callable
@@ -79,6 +80,7 @@ def parity(case: dict[str, Any]) -> dict[str, Any]:
         model, opt = build(plan_for(case["config"], size, across))
         results[name + "_norms"] = train(model, opt, steps, boundary=case.get("boundary", False))
         results[name] = masters(opt)
+        results[name + "_digest"] = _digest(opt)
         results[name + "_hybrid"] = opt.levels.across is not None
     flat, hybrid = results["flat"], results["hybrid"]
     scale = max(float(v.abs().max()) for v in flat.values())
@@ -87,6 +89,7 @@ def parity(case: dict[str, Any]) -> dict[str, Any]:
         "max_abs_diff": diff,
         "max_abs_master": scale,
         "norms": results["flat_norms"],
+        "hybrid_digest": results["hybrid_digest"],
         "hybrid_norms": results["hybrid_norms"],
         "flat_is_flat": not results["flat_hybrid"],
         "hybrid_is_hybrid": results["hybrid_hybrid"],
@@ -156,6 +159,12 @@ def checkpoints(case: dict[str, Any], root: str) -> dict[str, Any]:
     out["flat_to_hybrid"] = _same(saved_flat, full_tensors(hybrid))
     train(model, hybrid, 2, first=2)
     saved_hybrid = full_tensors(hybrid)
+    exported = dtypeplan.checkpoint.export_model_state(hybrid, model)
+    names = [name for name, _ in model.named_parameters()]
+    out["export"] = _same(
+        {name: saved_hybrid[f"param.{i}.master"].flatten() for i, name in enumerate(names)},
+        {name: exported[name].flatten() for name in names},
+    )
     dtypeplan.checkpoint.save(hybrid, os.path.join(root, "hybrid"))
     model, back = build(plan_for(config, None), seed=2)
     dtypeplan.checkpoint.load(back, os.path.join(root, "hybrid"))
@@ -164,6 +173,17 @@ def checkpoints(case: dict[str, Any], root: str) -> dict[str, Any]:
     out["hybrid_state"] = saved_hybrid
     out["hybrid_dir"] = os.path.join(root, "hybrid")
     return out
+
+
+def _digest(opt: Any) -> str:
+    """This rank's master chunks and parameters: the same on the ranks of a replica group
+    (they hold the same chunks) only if every step gave them the same bits."""
+    digest = hashlib.sha256()
+    for state in opt.groups:
+        for master in state.masters:
+            digest.update(master.detach().float().numpy().tobytes())
+        digest.update(state.flat.buffer.detach().float().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
