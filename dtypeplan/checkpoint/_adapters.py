@@ -187,6 +187,15 @@ class FlatAdapter:
             names.append(KAHAN_COMPENSATION)
         return names
 
+    def _saved_pieces(self) -> list[ShardPiece]:
+        """The pieces this rank writes: its shard's, except in a hybrid layout outside the
+        first shard group, whose ranks hold the same pieces as the first group's (each piece
+        is written once; a load reads it into every group)."""
+        opt = self.opt
+        if isinstance(opt, FlatMixedPrecisionOptimizer) and opt.replica_rank != 0:
+            return []
+        return opt.shard_pieces()
+
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         # Quantized (int8 / fp8) moments are saved as the fp32 values they stand for, and as
         # their codes and scales besides (for a load into the same layout).
@@ -200,7 +209,7 @@ class FlatAdapter:
         flats: dict[str, Flat] = {}
         if update is None:
             return flats
-        for piece in self.opt.shard_pieces():
+        for piece in self._saved_pieces():
             for name in MOMENTS:
                 if name not in names:
                     continue
@@ -218,7 +227,7 @@ class FlatAdapter:
     def _save_pieces(self, names: list[str]) -> dict[str, Flat]:
         flats = _empty_flats(names, self.shapes())
         values: dict[int, torch.Tensor] = {}  # each master chunk's fp32 values, made once
-        for piece in self.opt.shard_pieces():
+        for piece in self._saved_pieces():
             slot = self.opt.inner.state.get(piece.master, {})
             for name in names:
                 if name == keys.MASTER:

@@ -108,7 +108,9 @@ def _flat_values(
     pieces: dict[int, list[ShardPiece]] = {}
     for piece in optimizer.shard_pieces():
         pieces.setdefault(piece.index, []).append(piece)
-    gather = optimizer.shard_state and optimizer.comm.world_size > 1
+    # Within the shard group: in a hybrid layout the other groups hold the same pieces.
+    shard_comm = optimizer.shard_comm
+    gather = optimizer.shard_state and shard_comm.world_size > 1
 
     def value(param: torch.Tensor) -> torch.Tensor:
         if id(param) not in index:
@@ -118,9 +120,9 @@ def _flat_values(
         for piece in mine:
             flat[piece.begin : piece.end].copy_(piece.of(piece.master))
         if gather:
-            with optimizer.comm._guard("all_reduce of master weight bits", flat.numel()):
+            with shard_comm._guard("all_reduce of master weight bits", flat.numel()):
                 dist.all_reduce(
-                    flat.view(torch.int32), op=dist.ReduceOp.SUM, group=optimizer.comm.group
+                    flat.view(torch.int32), op=dist.ReduceOp.SUM, group=shard_comm.group
                 )
         return flat.view(param.shape)
 

@@ -60,6 +60,17 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    parameter dtype and its all-gather launched as soon as it is updated, while the next
    buckets update.
 
+Hybrid layout (ZeRO-1/2 with ``plan.shard_group_size`` S < W; ``dtypeplan.comm._levels``):
+"this rank's chunk" above is its chunk among the S ranks of its shard group (``shard_comm``:
+the reduce-scatters and all-gathers), and the W/S shard groups hold the same chunks. A
+bucket's reduction is the reduce-scatter within the group, then the all-reduce of this rank's
+chunk across the replica group in ``plan.wire_across_groups``: with a whole accumulator as
+each reduce-scatter finishes; with a sharded one once per step, at the boundary, on the chunk
+accumulated over the micro-batches (a sum of sums: the same total, and traffic across groups
+once per step). ``comm`` stays the whole group (the step summary, whose squared norm gets one
+slot per shard group so that each element counts once). Stage 0 has nothing to shard and
+stays flat.
+
 On one process every collective is skipped and the update is the plain ``torch.optim`` one.
 What ``state_dict`` and the checkpoints read and write of this engine is ``_flat_state.py``'s.
 """
@@ -75,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
+from dtypeplan.comm._levels import levels
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._base import (
     HeldTensors,
@@ -139,12 +151,27 @@ class FlatMixedPrecisionOptimizer(FlatState):
     ) -> None:
         super().__init__(params, plan=plan, process_group=process_group)
         self.comm = Communicator(process_group)
-        self.shards = self.comm.world_size if self.shard_state else 1
-        self.shard_rank = self.comm.rank if self.shard_state else 0
+        """The whole data-parallel group: the step summary, consistency checks."""
+        # Before the subgroups are made: ranks that disagree on the shard group size would
+        # otherwise create different subgroups (a collective) and hang.
+        self._check_ranks_agree(self.comm)
+        self.levels = levels(
+            self.comm,
+            plan.shard_group_size,
+            sharded=self.shard_state,
+            comm_dtype=plan.comm_dtype,
+            method=plan.comm_reduction,
+            wire_across_groups=plan.wire_across_groups,
+        )
+        """The communicator per link level; a hybrid layout shards within ``shard_comm``."""
+        self.shard_comm = self.levels.shard
+        """The shard group (``comm`` itself when flat): reduce-scatters and all-gathers."""
+        self.replica_rank = self.levels.replica_rank
+        self.shards = self.shard_comm.world_size if self.shard_state else 1
+        self.shard_rank = self.shard_comm.rank if self.shard_state else 0
         self.param_dtype = plan.param_dtype
         sharded_accumulator = plan.accumulator_sharded and self.shards > 1
         bucket_numel = plan.reduce_bucket_size or DEFAULT_BUCKET_NUMEL
-        self._check_ranks_agree(self.comm)
         self._make_replicas_equal(self.comm)
         self.offload = host_offload_for(
             plan, [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -191,11 +218,12 @@ class FlatMixedPrecisionOptimizer(FlatState):
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.reductions = ReductionScheduler(
             self.groups,
-            self.comm,
+            self.shard_comm,
             comm_dtype=plan.comm_dtype,
             comm_method=plan.comm_reduction,
             sharded_accumulator=sharded_accumulator,
             hooks=self.hooks,
+            across=self.levels.across,
             # DeepSpeed's gradient_accumulation_steps: the boundary reduction starts inside the
             # last backward of a step without the caller marking it.
             accumulation_steps=self.accumulation.micro_batches if self.accumulation else None,
@@ -314,7 +342,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
                 loss = closure()
         prepared, self._prepared = self._prepared or self._prepare(), None
         try:
-            divisor = self.scaler.scale * self.comm.reduction_divisor
+            divisor = self.scaler.scale * self.levels.reduction_divisor
             factor = self._check_and_clip(prepared.sq_norm, divisor)
             if factor is None:
                 return loss
@@ -335,7 +363,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         if self._prepared is None:
             self._prepared = self._prepare()
         sq_norm = float(self._prepared.sq_norm)  # clip_grad_norm_ returns it: one sync
-        divisor = self.scaler.scale * self.comm.reduction_divisor
+        divisor = self.scaler.scale * self.levels.reduction_divisor
         return math.sqrt(sq_norm) / divisor if math.isfinite(sq_norm) else math.inf
 
     def _prepare(self) -> PreparedStep:
@@ -399,7 +427,8 @@ class FlatMixedPrecisionOptimizer(FlatState):
     def _step_summary(
         self, grads_by_group: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, list[list[int]], bool]:
-        """The step's one all-reduce: ``[squared norm, touched flag per parameter...]``.
+        """The step's one all-reduce: ``[squared norm, touched flag per parameter...]`` (a
+        hybrid layout: one squared-norm slot per shard group, ``levels.replicas`` of them).
 
         The norm slot is summed only where ranks hold different chunks (sharded states). The
         flags say which parameters some rank gave a gradient in this window; they are read on
@@ -413,8 +442,15 @@ class FlatMixedPrecisionOptimizer(FlatState):
             [float(t) for per_group in local for t in per_group] + check.slots(),
             dtype=torch.float32,
         ).to(self.device, non_blocking=True)
-        summary = torch.cat([self._local_sq_norm(grads_by_group).reshape(1), flags])
-        if self.shards > 1:
+        norm = self._local_sq_norm(grads_by_group).reshape(1)
+        # One norm slot per shard group: each rank adds its chunks' norm into its group's slot,
+        # so that slot 0 counts every element once (the other groups hold the same chunks, and
+        # every rank reads the same bits). Flat: one slot.
+        replicas, mine = self.levels.replicas, self.replica_rank
+        if replicas > 1:
+            norm = torch.cat([norm.new_zeros(mine), norm, norm.new_zeros(replicas - 1 - mine)])
+        summary = torch.cat([norm, flags])
+        if self.shards > 1 or replicas > 1:
             summary = self.comm.all_reduce_scalars(summary)
         elif len(summary) > 1:
             # Stage 0: every rank reduced the whole gradient; only the flags need summing.
@@ -426,7 +462,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
             summary = summary[: len(summary) - check.numel]
         if all(all(per_group) for per_group in local):
             return summary[0], [[] for _ in local], True
-        counts = summary[1:].tolist()  # some parameter got no gradient here: ask the others
+        counts = summary[replicas:].tolist()  # some parameter got no gradient here: ask
         untouched: list[list[int]] = []
         for per_group in local:
             untouched.append([pi for pi, n in enumerate(counts[: len(per_group)]) if n == 0])
@@ -518,7 +554,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         flat = state.flat
         chunk = flat.chunk_view(flat.buffer, bucket, self.shard_rank)
         # In place: the input is this rank's slice of the output (gloo, NCCL allow it).
-        return self.comm.start_all_gather(
+        return self.shard_comm.start_all_gather(
             flat.bucket_view(flat.buffer, bucket), chunk, self.param_dtype
         )
 

@@ -58,6 +58,7 @@ class FlatState(MixedPrecisionOptimizer):
     groups: list[GroupState]
     """Per param group: its flat buffer, accumulator and this rank's master chunks."""
     comm: Communicator
+    shard_comm: Communicator
     shards: int
     shard_rank: int
     own_histories: OwnHistories
@@ -262,7 +263,7 @@ class FlatState(MixedPrecisionOptimizer):
             target = flat.bucket_view(full, bucket)
             if self.shards > 1:
                 # An offloaded chunk lives on the host; the collective runs on the device.
-                self.comm.all_gather(
+                self.shard_comm.all_gather(
                     target, chunk.to(target.device, torch.float32).contiguous(), torch.float32
                 )
             else:
@@ -291,10 +292,11 @@ class FlatState(MixedPrecisionOptimizer):
                     result[keys.param_key(first + index, name)] = view.clone()
             first += len(state.flat.params)
         result.update(self._scalar_state())
-        if self.shards > 1 and self.comm.active:
-            # A parameter's own scalar states are read where its pieces are: every rank's.
-            parts: list[Any] = [None] * self.comm.world_size
-            dist.all_gather_object(parts, self.param_scalar_state(), group=self.comm.group)
+        if self.shards > 1 and self.shard_comm.active:
+            # A parameter's own scalar states are read where its pieces are: every rank's of
+            # the shard group (the other groups hold the same pieces).
+            parts: list[Any] = [None] * self.shard_comm.world_size
+            dist.all_gather_object(parts, self.param_scalar_state(), group=self.shard_comm.group)
             for part in parts:
                 result.update(part)
         return result

@@ -37,6 +37,11 @@ taken at once (``final_sq_norms``), and the step takes only the others'. The val
 ones the step would compute, bit for bit. A pass after the one counted last (a sharded
 accumulator allows it) drops the norms of the chunks it changes.
 
+A hybrid layout (``across``, ``dtypeplan.comm._levels``) adds a second level: each chunk
+reduce-scattered within the shard group is all-reduced across the replica group, a whole
+accumulator's bucket as part of its step reduction, a sharded accumulator's chunks once per
+step in :meth:`reduced_grads` (their boundary norms, taken before, are then dropped).
+
 Rules that keep ranks paired: buckets are issued in one fixed order on every rank (a complete
 bucket waits for its predecessors), and whatever is left is issued at the end of backward,
 with zeros for parameters that got no gradient.
@@ -53,6 +58,7 @@ from typing import NamedTuple
 import torch
 
 from dtypeplan.comm import Communicator
+from dtypeplan.comm._levels import AcrossGroups
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import chunk_sq_norms
 from dtypeplan.optimizers._ddp import cooperate_with_ddp
@@ -164,6 +170,7 @@ class ReductionScheduler:
         comm_method: str,
         sharded_accumulator: bool,
         hooks: HookSet,
+        across: AcrossGroups | None = None,
         accumulation_steps: int | None = None,
         accumulation_source: str = "gradient_accumulation_steps",
         bare_backward_refusal: str | None = None,
@@ -177,6 +184,9 @@ class ReductionScheduler:
         """Where ``accumulation_steps`` came from, for the error of a backward after the last."""
         self._passes = 0
         self.comm = comm
+        """The shard group: the reduce-scatters (the whole data-parallel group when flat)."""
+        self.across = across
+        """The second level of a hybrid layout (None: flat, one level)."""
         self.comm_dtype = comm_dtype
         self.comm_method = comm_method
         self.sharded_accumulator = sharded_accumulator
@@ -512,14 +522,43 @@ class ReductionScheduler:
         full = flat.bucket_view(state.accumulator, flat.buckets[bucket])
         if flat.shards == 1:
             finish = self.comm.start_all_reduce_mean(full, self.comm_dtype, self.comm_method)
-            return StepReduction(finish, full, [False])
+            return StepReduction(self._then_across(finish, full), full, [False])
         chunk = torch.empty(
             flat.buckets[bucket].chunk_numel(flat.shards),
             dtype=torch.float32,
             device=flat.buffer.device,
         )
         finish = self.comm.start_reduce_scatter_mean(chunk, full, self.comm_dtype, self.comm_method)
-        return StepReduction(finish, chunk, [False])
+        return StepReduction(self._then_across(finish, chunk), chunk, [False])
+
+    def _then_across(self, within: Callable[[], None], chunk: torch.Tensor) -> Callable[[], None]:
+        """``within`` (the shard group's reduction of a bucket), followed in a hybrid layout by
+        the all-reduce of this rank's ``chunk`` of it across the replica group. Ranks finish
+        their step reductions in one order, so the second level pairs up as the first does."""
+        across = self.across
+        if across is None:
+            return within
+
+        def finish() -> None:
+            within()
+            across.start(chunk)()
+
+        return finish
+
+    def _reduce_across(self, chunks: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
+        """A sharded accumulator's chunks, summed within the shard group during backward:
+        all-reduced across the replica group once per step, at most ``MAX_IN_FLIGHT`` at once
+        (each may hold a wire-dtype copy of its chunk). The norms taken in the boundary
+        backward were of the group's sums, not the world's: dropped, the step takes them."""
+        assert self.across is not None
+        in_flight: list[Callable[[], None]] = []
+        for key, chunk in chunks:
+            in_flight.append(self.across.start(chunk))
+            self.final_sq_norms.pop(key, None)
+            while len(in_flight) > MAX_IN_FLIGHT:
+                in_flight.pop(0)()
+        for finish in in_flight:
+            finish()
 
     # --- .grad set by hand --------------------------------------------------------------------
     def add_hand_set(self, gi: int, pi: int, grad: torch.Tensor) -> None:
@@ -559,6 +598,14 @@ class ReductionScheduler:
             # step() with no backward since zero_grad: the gradient is zero, not stale data.
             for state in self.groups:
                 state.accumulator.zero_()
+        if self.sharded_accumulator and self.across is not None:
+            self._reduce_across(
+                [
+                    ((gi, b.index), state.acc_chunks[b.index])
+                    for gi, state in enumerate(self.groups)
+                    for b in state.flat.buckets
+                ]
+            )
         grads: list[list[torch.Tensor]] = []
         for gi, state in enumerate(self.groups):
             per_bucket = []

@@ -1,0 +1,267 @@
+"""The hybrid layout at ZeRO-1/2: 4 ranks as 2 shard groups of 2 (issue 22).
+
+States (ZeRO-2: the accumulator too) are sharded within a shard group and replicated across
+the two groups; the gradient reduction is a reduce-scatter within the group and an all-reduce
+of each chunk across the groups. Every case runs in one spawned group of 4 ranks
+(``tests/workers/hybrid.py``); the checks are here.
+
+Bounds. fp32: the two layouts add the same four gradients in another order (``(a+b)+(c+d)``
+against the ring's), which moves a sum by a few fp32 ulps, so the masters agree within 1e-6.
+16-bit wires: SGD with momentum (linear in the gradient, so a rounding of the gradient shows
+as it is; Adam normalizes it away or, near a zero gradient, flips a sign) moves a master by at
+most ``lr * M * max |g error|`` over ``K`` steps, ``M = sum_k sum_j<=k beta**(k-j)`` (9.05 for
+K = 4, beta = 0.9). Each rounding of a partial sum to bf16 errs by at most ``u * |partial|``
+with ``u = 2**-8``, and the clipped mean gradient is at most 1 per element; the flat ring
+rounds 3 times (W - 1 hops), the hybrid twice (one hop within, one across) and once more into
+the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``. Across the
+groups alone (fp32 within), a bf16 wire rounds each of the 2 contributions and their sum:
+``lr * M * 3 * u`` against the fp32 flat run. Adam moves each element by at most about ``lr``
+per step whatever the gradient, so a sign flipped by a rounding costs at most ``2 * lr`` per
+step: ``2 * lr * K``, a bound that still catches a wrong master or a missed step.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import dtypeplan
+import dtypeplan.checkpoint
+from dtypeplan.launch import spawn
+from tests._helpers import make_model
+from tests.workers.hybrid import hybrid_cases
+
+W, S = 4, 2
+R = W // S
+ADAM_LR, SGD_LR, BETA, STEPS = 1e-2, 0.05, 0.9, 4
+ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": ADAM_LR, "weight_decay": 0.01}}}
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": SGD_LR, "momentum": BETA}}}
+BF16_U = 2.0**-8
+MOMENTUM_SUM = sum(sum(BETA ** (k - j) for j in range(k + 1)) for k in range(STEPS))
+OPTS = {"sgd": SGD, "adam": ADAM}
+# (stage, gradient_accumulation_dtype.sharded): stage 1 whole, stage 1 sharded, stage 2.
+LAYOUTS = ((1, False), (1, True), (2, None))
+
+
+def config(
+    stage: int, sharded: bool | None, *, model: str = "fp32", comm: str | None = None, opt=SGD
+) -> dict[str, Any]:
+    out: dict[str, Any] = {**opt, "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0}
+    if model == "bf16":
+        out["bf16"] = {"enabled": True}
+    if sharded is not None:
+        out["gradient_accumulation_dtype"] = {"dtype": "fp32", "sharded": sharded}
+    if comm is not None:
+        out["communication_data_type"] = comm
+    return out
+
+
+def _parity_cases(slow: bool) -> list[dict[str, Any]]:
+    """Default: every layout with SGD and AdamW in fp32, and SGD in the 16-bit cells. Slow:
+    AdamW in the 16-bit cells, and everything with the last micro-batch marked (the step's
+    reductions, both levels, start inside the last backward)."""
+    cases = []
+    for (stage, sharded), boundary, opt in itertools.product(
+        LAYOUTS, (False, True), ("sgd", "adam")
+    ):
+        cells = {
+            "fp32": (config(stage, sharded, opt=OPTS[opt]), None),
+            "bf16": (config(stage, sharded, model="bf16", comm="bf16", opt=OPTS[opt]), None),
+            "across_bf16": (config(stage, sharded, opt=OPTS[opt]), "bf16"),
+        }
+        for cell, (cfg, across) in cells.items():
+            is_slow = boundary or (opt == "adam" and cell != "fp32")
+            if is_slow != slow:
+                continue
+            cases.append(
+                {
+                    "kind": "parity",
+                    "name": f"stage{stage}-sharded{sharded}-{opt}-{cell}-boundary{boundary}",
+                    "opt": opt,
+                    "cell": cell,
+                    "boundary": boundary,
+                    "config": cfg,
+                    "across": across,
+                }
+            )
+    return cases
+
+
+def _other_cases() -> list[dict[str, Any]]:
+    bf16_adam = config(2, None, model="bf16", opt=ADAM)
+    return [
+        # Stage 1, whole fp32 accumulator, fp32 wire on both levels.
+        {"kind": "traffic", "name": "stage1", "config": config(1, False), "micro": 2},
+        # Stage 2, bf16 within, fp32 across, 3 micro-batches: within per micro-batch,
+        # across once per step.
+        {
+            "kind": "traffic",
+            "name": "stage2",
+            "config": config(2, None, model="bf16", comm="bf16"),
+            "across": "fp32",
+            "micro": 3,
+        },
+        {"kind": "held", "name": "stage1", "config": config(1, False, model="bf16", opt=ADAM)},
+        {"kind": "held", "name": "stage2", "config": bf16_adam},
+        {"kind": "checkpoints", "name": "bf16", "config": bf16_adam, "across": "bf16"},
+        {"kind": "refusal", "name": "size", "config": config(1, False), "size": 3},
+        {
+            "kind": "refusal",
+            "name": "int8",
+            "config": config(1, False),
+            "size": 2,
+            "across": "int8",
+        },
+        {"kind": "stage0", "name": "stage0", "config": config(0, None, opt=ADAM)},
+    ]
+
+
+def _run(cases: list[dict[str, Any]], root: str) -> dict[str, dict[str, Any]]:
+    results = spawn(hybrid_cases, W, cases, root, timeout_s=600)
+    out: dict[str, dict[str, Any]] = {}
+    for case, result in zip(cases, results[0], strict=True):
+        assert "error" not in result, (case["name"], result["error"])
+        out[f"{case['kind']}:{case['name']}"] = {**result, "case": case}
+    # The ranks of a replica group (rank r and r + S) hold the same chunks and parameters,
+    # bit for bit, after every step.
+    for index, case in enumerate(cases):
+        if case["kind"] == "parity":
+            digests = [results[rank][index]["hybrid_digest"] for rank in range(W)]
+            assert digests[:S] == digests[S:], case["name"]
+            assert digests[0] != digests[1], case["name"]  # and different chunks within
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("hybrid"))
+    return _run(_parity_cases(slow=False) + _other_cases(), root)
+
+
+def _bound(case: dict[str, Any]) -> float:
+    if case["cell"] == "fp32":
+        return 1e-6
+    if case["opt"] == "adam":
+        return 2 * ADAM_LR * STEPS
+    roundings = 6 if case["cell"] == "bf16" else 3
+    return SGD_LR * MOMENTUM_SUM * roundings * BF16_U
+
+
+def _check_parity(results: dict[str, dict[str, Any]]) -> None:
+    parity = [r for key, r in results.items() if key.startswith("parity:")]
+    assert parity
+    for result in parity:
+        case = result["case"]
+        assert result["flat_is_flat"] and result["hybrid_is_hybrid"], case["name"]
+        bound = _bound(case)
+        if case["cell"] == "fp32":
+            # Relative to the largest master (about 1): the sums' order only.
+            assert result["max_abs_diff"] <= bound * result["max_abs_master"], (case, result)
+            # The gradient norm counts every element once (slot per shard group), as flat.
+            for flat, hybrid in zip(result["norms"], result["hybrid_norms"], strict=True):
+                assert math.isclose(flat, hybrid, rel_tol=1e-6), (case["name"], flat, hybrid)
+        else:
+            assert result["max_abs_diff"] <= bound, (case["name"], result["max_abs_diff"], bound)
+            for flat, hybrid in zip(result["norms"], result["hybrid_norms"], strict=True):
+                assert math.isclose(flat, hybrid, rel_tol=8 * BF16_U), (case["name"], flat, hybrid)
+
+
+def test_parity_with_flat(default_run: dict[str, dict[str, Any]]) -> None:
+    _check_parity(default_run)
+
+
+@pytest.mark.slow
+def test_parity_with_flat_slow(tmp_path: Any) -> None:
+    _check_parity(_run(_parity_cases(slow=True), str(tmp_path)))
+
+
+def _padded(numel: int) -> int:
+    """One bucket, padded to a multiple of W * ALIGN (64) elements."""
+    unit = W * 64
+    return -(-numel // unit) * unit
+
+
+def test_bytes_per_level(default_run: dict[str, dict[str, Any]]) -> None:
+    numel = _padded(sum(p.numel() for p in make_model(0).parameters()))
+    ring = lambda n, size, ranks: n * size * (ranks - 1) // ranks  # noqa: E731
+    stage1 = default_run["traffic:stage1"]
+    assert stage1["numel"] == numel
+    # Within: the fp32 accumulator reduce-scattered once, the fp32 params all-gathered once.
+    assert stage1["within"] == {
+        "reduce_scatter": ring(numel, 4, S),
+        "all_gather": ring(numel, 4, S),
+    }
+    # Across: this rank's chunk (numel / S) all-reduced, fp32: 2 (R-1)/R of it.
+    assert stage1["across"] == {"all_reduce": 2 * ring(numel // S, 4, R)}
+    assert stage1["across_calls"] == {"all_reduce": 1}
+    assert stage1["world"] == {}  # the step summary only (not counted as traffic)
+    stage2 = default_run["traffic:stage2"]
+    # Within: a bf16 reduce-scatter per micro-batch (3), the bf16 params all-gathered once.
+    assert stage2["within"] == {
+        "reduce_scatter": 3 * ring(numel, 2, S),
+        "all_gather": ring(numel, 2, S),
+    }
+    assert stage2["within_calls"] == {"reduce_scatter": 3, "all_gather": 1}
+    # Across: once per step, not per micro-batch, in fp32.
+    assert stage2["across"] == {"all_reduce": 2 * ring(numel // S, 4, R)}
+    assert stage2["across_calls"] == {"all_reduce": 1}
+
+
+def test_held_bytes_as_flat_at_world_s(default_run: dict[str, dict[str, Any]]) -> None:
+    for name, accumulator in (("stage1", "whole"), ("stage2", "sharded")):
+        result = default_run[f"held:{name}"]
+        n = result["numel"]  # 512: a multiple of W * 64, no padding on either layout
+        assert result["hybrid"] == result["flat_world_2"], name
+        held = result["hybrid"]
+        assert held["params"] == n * 2  # bf16, whole
+        assert held["accumulator"] == (n * 4 if accumulator == "whole" else n * 4 // S)
+        assert held["master"] == n * 4 // S
+        assert held["optimizer_states"] == 2 * n * 4 // S + 4  # exp_avg, exp_avg_sq, step
+
+
+def test_checkpoints_between_flat_and_hybrid(
+    default_run: dict[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    result = default_run["checkpoints:bf16"]
+    assert result["flat_to_hybrid"] == [], result["flat_to_hybrid"]
+    assert result["hybrid_to_flat"] == [], result["hybrid_to_flat"]
+    assert result["step"] == 4
+    # The weights by name, gathered within the shard group (across, they are the same).
+    assert result["export"] == [], result["export"]
+    # Each piece written once: the second shard group's ranks (2 and 3) wrote no data.
+    snapshot = _snapshot(result["hybrid_dir"])
+    sizes = {os.path.basename(f): os.path.getsize(f) for f in glob.glob(f"{snapshot}/*.distcp")}
+    assert sizes.get("__2_0.distcp", 0) == 0 and sizes.get("__3_0.distcp", 0) == 0, sizes
+    # ... and it loads into one process, as every other checkpoint does.
+    plan = dtypeplan.resolve(result["case"]["config"])
+    model = plan.prepare_model(make_model(3))
+    one = plan.build(model.parameters())
+    dtypeplan.checkpoint.load(one, result["hybrid_dir"])
+    state = {k: v for k, v in one.full_state().items() if torch.is_tensor(v)}
+    saved = result["hybrid_state"]
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def _snapshot(path: str) -> str:
+    with open(os.path.join(path, dtypeplan.checkpoint.LATEST)) as handle:
+        return os.path.join(path, handle.read().strip())
+
+
+def test_refusals(default_run: dict[str, dict[str, Any]]) -> None:
+    size = default_run["refusal:size"]
+    assert size["type"] == "PrecisionConfigError"
+    assert "shard_group_size 3" in size["message"] and "world size 4" in size["message"]
+    int8 = default_run["refusal:int8"]
+    assert int8["type"] == "NotSupportedError" and "wire_across_groups int8" in int8["message"]
+
+
+def test_stage0_stays_flat(default_run: dict[str, dict[str, Any]]) -> None:
+    result = default_run["stage0:stage0"]
+    assert result["is_flat"] and result["same"]
