@@ -39,6 +39,15 @@ under a pipeline only the stage's children are sharded (each its own FSDP root) 
 reduce-scatter every micro-batch. What it does not do: ``communication_reduction: fp32_sum``
 (FSDP2's reduce-scatter sums in the wire dtype); the table marks that NotSupported.
 
+A hybrid layout (``plan.shard_group_size`` ``S`` below the world ``W``: HSDP, see
+``_fsdp2_sharding.py``) shards all of the above within groups of ``S`` ranks and replicates it
+across the ``W / S`` groups: each rank holds what flat ZeRO-3 on ``S`` ranks would. The
+replicas hold the same reduced gradient shards, so the squared norm is summed over one replica
+(the others add zero into the step's one summary all-reduce); stochastic rounding draws by the
+rank within the shard group, so the replicas draw the same bits and stay equal; ``full_state``
+gathers within the shard group (``DTensor.full_tensor`` on the 2-D mesh), and checkpoints
+save each piece once (DCP drops the replicas' copies).
+
 FSDP2 would reduce fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo has been reported to
 compute as a sum; off NCCL the model is switched to SUM and an explicit divide
 (``set_force_sum_reduction_for_comms``), as every other dtypeplan collective. On NCCL it keeps
@@ -62,6 +71,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
+from dtypeplan.comm._groups import hybrid_groups
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
@@ -167,7 +177,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 "weights): build on the model plan.prepare_model returned"
             )
         self.comm = Communicator(process_group)
+        self.layout = hybrid_groups(process_group, plan.shard_group_size)
+        """Shard and replica groups (flat: one shard group, the whole group)."""
         self._check_ranks_agree(self.comm)
+        self._check_mesh(trainable)
         # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
         self._pending: tuple[torch.Tensor, list[bool]] | None = None
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
@@ -182,7 +195,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         # bf16 masters (updated in fp32 and rounded back into the local shards), or moments
         # stored in other dtypes than fp32.
         self._low_precision = LowPrecisionAdamUpdate.for_plan(
-            plan, self._inner, self._locals(), self.comm.rank
+            plan, self._inner, self._locals(), self.layout.shard_rank
         )
         self._low_precision_masters = plan.master_dtype != torch.float32
         # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
@@ -202,6 +215,20 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
             for param in self._params():
                 self.hooks.add(param, _make_bare_backward_check(weakref.ref(self), refusal))
         self._take_ownership()
+
+    def _check_mesh(self, trainable: list[torch.Tensor]) -> None:
+        """The model was sharded for this plan's layout (``prepare_model`` with this plan)."""
+        layout = self.layout
+        want = (layout.replicas, layout.shard_size) if layout.hybrid else (self.comm.world_size,)
+        for param in trainable:
+            got = tuple(_sharded(param).device_mesh.shape)
+            if got != want:
+                raise ValueError(
+                    f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
+                    f"layout (shard_group_size {self.plan.shard_group_size}, world "
+                    f"{self.comm.world_size}) needs {want}; build the optimizer with the plan "
+                    "whose prepare_model sharded the model"
+                )
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
         self._in_backward = True
@@ -349,8 +376,13 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         some parameter got none locally, the rare case: one touched here is touched everywhere.
         """
         device = self._device()
-        # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
-        sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
+        if self.layout.replica_rank == 0:
+            # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
+            sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
+        else:
+            # The other replicas hold the same reduced shards: they add nothing to the norm
+            # (a zero, not a product with zero, which would turn an inf of theirs into nan).
+            sq = torch.zeros(1, dtype=torch.float32, device=device)
         check = self.hyperparameter_check
         flags = torch.tensor([float(t) for t in touched] + check.slots(), dtype=torch.float32)
         summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
@@ -413,7 +445,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     STATE_FORMAT = "dtypeplan.fsdp2/2"
 
     def _layout_facts(self) -> dict[str, Any]:
-        return {"world_size": self.comm.world_size, "rank": self.comm.rank}
+        facts = {"world_size": self.comm.world_size, "rank": self.comm.rank}
+        if self.layout.hybrid:
+            facts["shard_group_size"] = self.layout.shard_size
+        return facts
 
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         """Quantized (int8 / fp8) moments held as fp32 values shaped like their local shards
@@ -460,7 +495,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         """
         pieces = []
         for index, (param, local) in enumerate(zip(self._params(), self._locals(), strict=True)):
-            if any(not pl.is_shard(dim=0) for pl in param.placements):
+            # Hybrid: (Replicate(), Shard(0)); the replicas hold the same pieces.
+            if any(not (pl.is_shard(dim=0) or pl.is_replicate()) for pl in param.placements):
                 raise NotSupportedError(
                     f"ZeRO-3 parameter {index} is not sharded on dim 0 ({param.placements}); "
                     "dtypeplan's sharded checkpoint reads FSDP2's default dim-0 sharding only"

@@ -7,6 +7,14 @@ sharded, FSDP2's mixed-precision and offload policies from the plan, and FSDP2's
 reduce-scatter wrapped so that a failure is a ``CollectiveError`` naming them. The
 reduce-scatter also keeps its output for the 16-bit-master accumulation hook
 (:func:`as_reduced`). The optimizer that steps the sharded model is ``_fsdp2.py``'s.
+
+A hybrid layout (``plan.shard_group_size`` ``S`` below the world ``W``) is FSDP2's HSDP: a 2-D
+mesh of ``W / S`` rows (``"replicate"``, the replica groups of ``comm/_groups.py``) by ``S``
+columns (``"shard"``, the shard groups), placements ``(Replicate(), Shard(0))``. FSDP2 then
+all-gathers and reduce-scatters within the shard group and all-reduces the reduced shards
+across the replica group, in ``reduce_dtype``, inside its own reduction: no hook replaces that
+all-reduce, so the wire across groups is ``communication_data_type`` and nothing else
+(:func:`check_wire_across_groups`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor
 
+from dtypeplan._dtypes import dtype_name
 from dtypeplan.comm import Communicator
+from dtypeplan.comm._groups import HybridGroups, hybrid_groups
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import make_replicas_equal
 from dtypeplan.optimizers._ownership import ParamWeakMap
@@ -29,6 +39,8 @@ from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._shard_units import WrapPolicy, choose_units, uncovered_parameters
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [
@@ -36,9 +48,11 @@ __all__ = [
     "NamedReduceScatter",
     "CLEARS_OWNED",
     "as_reduced",
+    "check_wire_across_groups",
     "clear_owned_before_reduce",
     "mesh_device",
     "mesh_device_type",
+    "shard_mesh",
     "shard_model",
 ]
 
@@ -56,7 +70,6 @@ def shard_model(
 ) -> torch.nn.Module:
     """Shard ``model`` with ``fully_shard`` for ``plan``, in place (see
     ``FSDP2Optimizer.prepare_model``); without torch.distributed, return it as it is."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -69,7 +82,9 @@ def shard_model(
     group = process_group or dist.group.WORLD
     assert group is not None  # torch.distributed is initialized here
     device = mesh_device(dist.get_backend(group), model)
-    mesh = DeviceMesh.from_group(group, device_type=device.type)
+    layout = hybrid_groups(group, plan.shard_group_size)
+    check_wire_across_groups(plan, layout)
+    mesh = shard_mesh(group, layout, device.type)
     policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
     low_precision_masters = plan.master_dtype != torch.float32
     # Replicas equal by construction (as DDP): every rank shards the first rank's weights.
@@ -100,7 +115,8 @@ def shard_model(
     for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
         _masters_to(unit, plan.master_dtype)
         fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
-    comm = Communicator(group)
+    # FSDP2's all-gathers and reduce-scatters run within the shard group.
+    comm = Communicator(layout.shard if layout.hybrid else group)
     # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
     reduce_scatter = NamedReduceScatter(comm, keep_output=low_precision_masters)
     for param in model.parameters():
@@ -123,6 +139,57 @@ def shard_model(
         *(name for name, _ in model.named_buffers()),
     ]
     return model
+
+
+def shard_mesh(group: dist.ProcessGroup, layout: HybridGroups, device_type: str) -> DeviceMesh:
+    """The mesh ZeRO-3 shards on: 1-D over ``group`` (flat), or HSDP's 2-D mesh, dim 0
+    ``"replicate"`` (size ``W / S``) over the replica groups and dim 1 ``"shard"`` (size ``S``)
+    over the shard groups that ``comm/_groups.py`` made (no other subgroups are created)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not layout.hybrid:
+        return DeviceMesh.from_group(group, device_type=device_type)
+    assert layout.replica is not None and layout.shard is not None  # distributed here
+    ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64)
+    return DeviceMesh.from_group(
+        [layout.replica, layout.shard],
+        device_type,
+        mesh=ranks.view(layout.replicas, layout.shard_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups) -> None:
+    """Refuse a wire across shard groups other than ``communication_data_type`` at ZeRO-3.
+
+    FSDP2 (HSDP) all-reduces the reduced gradient shards across the replica groups with
+    ``dist.all_reduce`` in its ``reduce_dtype``, inside its reduction, with no hook that could
+    replace it: neither a block-quantized (int8 / fp8) wire nor another dtype can be put there.
+    """
+    wire = plan.wire_across_groups
+    comm = dtype_name(plan.comm_dtype)
+    if not layout.hybrid or wire is None or wire == comm:
+        return
+    where = (
+        f"ZeRO-3 with shard_group_size {layout.shard_size} ({layout.replicas} shard groups) "
+        f"and the gradients' wire across groups {wire}"
+    )
+    why = (
+        "FSDP2 (HSDP) all-reduces the gradient shards across the shard groups inside its own "
+        f"reduction, in communication_data_type ({comm}), and offers no hook to replace that "
+        "collective"
+    )
+    if wire in ("int8", "fp8"):
+        fix = (
+            "use a block-quantized wire at ZeRO stage 1 or 2 (whose two-level reduction is "
+            "dtypeplan's), or leave the wire across groups unset at ZeRO-3"
+        )
+    else:
+        fix = (
+            f"set communication_data_type to {wire} (the wire within and across groups), or "
+            "leave the wire across groups unset"
+        )
+    raise NotSupportedError(f"{where}: {why}; {fix}")
 
 
 CLEARS_OWNED = ParamWeakMap()
