@@ -195,6 +195,7 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
     return (
         offload
         or states
+        or _implemented_layout(point, name, value)
         or _implemented_autocast(point, name, value)
         or (
             name == "master"
@@ -221,6 +222,16 @@ def _states_proven(point: dict) -> bool:
         (1, True),
         (2, True),
     ) or (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+
+
+def _implemented_layout(point: dict, name: str, value: object) -> bool:
+    """Shard groups (issue 22): every wire across groups at ZeRO-1/2 wherever the flat layout is
+    OK; at ZeRO-3 (FSDP2's HSDP) the dtype wires only; never at stage 0 (nothing to shard)."""
+    if name != "shard_groups":
+        return False
+    zero12 = (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
+    zero3 = (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+    return zero12 or (zero3 and value not in ("hybrid_int8", "hybrid_fp8"))
 
 
 def _implemented_autocast(point: dict, name: str, value: object) -> bool:
@@ -251,7 +262,12 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                 if value != dim.default_value:
                     implemented = _implemented_feature(point, name, value)
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
-                    assert rule.reason and dim.name in rule.when, (name, rule.id)
+                    if name == "shard_groups" and name not in rule.when:
+                        # A rule that does not name the layout decides every layout as it
+                        # decides the flat one (the layout changes only where states live).
+                        assert rule is table.lookup(point), (value, rule.id)
+                    else:
+                        assert rule.reason and dim.name in rule.when, (name, rule.id)
                     if implemented and name == "master":
                         # Optimizer states ride on bf16 masters (one update path): every
                         # state dtype wherever bf16 masters are OK.

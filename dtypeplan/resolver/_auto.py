@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,15 @@ from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver import _hf_auto_defaults as hf
 from dtypeplan.resolver._deepspeed import closest_hint
 
-__all__ = ["AUTO", "FROM_CALLER", "AutoValue", "auto_paths", "auto_values_from", "fill_auto"]
+__all__ = [
+    "AUTO",
+    "FROM_CALLER",
+    "SHARD_GROUP_SIZE",
+    "AutoValue",
+    "auto_paths",
+    "auto_values_from",
+    "fill_auto",
+]
 
 AUTO = "auto"
 FROM_CALLER = "auto="
@@ -101,8 +110,37 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
+SHARD_GROUP_SIZE = "zero_optimization.shard_group_size"
+
+
+def _ranks_per_node() -> tuple[Any, str]:
+    """``shard_group_size: "auto"``: torchrun's ranks per node, read at resolve time."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        return _MISSING, (
+            "LOCAL_WORLD_SIZE is not set (not under torchrun), so the layout is flat: one "
+            "shard group of every rank"
+        )
+    try:
+        ranks = int(local)
+    except ValueError:
+        raise PrecisionConfigError(
+            f'{SHARD_GROUP_SIZE} "auto": LOCAL_WORLD_SIZE is {local!r}, not a number of ranks',
+            f"$.{SHARD_GROUP_SIZE}",
+        ) from None
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.strip() == str(ranks):
+        return _MISSING, (
+            f"one node (LOCAL_WORLD_SIZE = WORLD_SIZE = {ranks}), so the layout is flat"
+        )
+    return ranks, "torchrun's LOCAL_WORLD_SIZE (the ranks per node)"
+
+
 def _hf_default(path: str) -> tuple[Any, str]:
-    """What the HF integration writes for ``path`` with default TrainingArguments."""
+    """What the HF integration writes for ``path`` with default TrainingArguments (for
+    dtypeplan's own ``shard_group_size``: the ranks per node)."""
+    if path == SHARD_GROUP_SIZE:
+        return _ranks_per_node()
     if path in hf.HF_AUTO_FILLS:
         value, field = hf.HF_AUTO_FILLS[path]
         source = (

@@ -29,7 +29,7 @@ import torch
 
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.resolver import _deepspeed_keys as ds_keys
-from dtypeplan.resolver._auto import FROM_CALLER, AutoValue, fill_auto
+from dtypeplan.resolver._auto import FROM_CALLER, SHARD_GROUP_SIZE, AutoValue, fill_auto
 from dtypeplan.resolver._deepspeed import (
     canonical_spellings,
     check_removed,
@@ -201,6 +201,14 @@ class PrecisionConfig:
     """``"weights"``, ``"gradients"`` or ``"both"`` (ZeRO++ ``zero_quantized_*``); ``"none"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ ``zero_hpz_partition_size`` above 1."""
+    shard_group_size: int | None = None
+    """``zero_optimization.shard_group_size`` (``"auto"`` filled from ``LOCAL_WORLD_SIZE``);
+    None: the flat layout."""
+    wire_across_groups: str | None = None
+    """``communication_data_type_across_groups`` (or ``"int8"`` from ZeRO++'s
+    ``zero_quantized_gradients`` with shard groups); None: the communication dtype."""
+    wire_across_groups_key: str | None = None
+    """Where :attr:`wire_across_groups` came from (a JSON path), for ``explain()``."""
     gradient_prescaling: str = "none"
     """``"prescale"`` (``prescale_gradients``), ``"predivide"`` (``gradient_predivide_factor``
     other than 1) or ``"none"``."""
@@ -623,6 +631,60 @@ def _known_top_level(schema: dict[str, Any]) -> list[str]:
     return sorted({*schema["properties"], *ds_keys.TOP_LEVEL_KEYS})
 
 
+_ACROSS = "$.communication_data_type_across_groups"
+_QGZ = "$.zero_optimization.zero_quantized_gradients"
+
+
+def _layout(
+    document: dict[str, Any],
+    zero: dict[str, Any],
+    quantized: list[str],
+    auto_values: tuple[AutoValue, ...],
+    warnings: list[str],
+) -> tuple[int | None, str | None, str | None, list[str]]:
+    """The shard group size, the wire across groups and where it came from, and the ZeRO++
+    quantization left for the table (qgZ with shard groups is the int8 wire across them)."""
+    size = zero.get("shard_group_size")
+    wire = document.get("communication_data_type_across_groups")
+    wire_key = _ACROSS if wire is not None else None
+    auto = next((a for a in auto_values if a.path == SHARD_GROUP_SIZE), None)
+    if size is None and wire is not None:
+        if auto is not None:
+            # "auto" fell back to the flat layout (one node, or not under torchrun): the same
+            # config runs on one machine and on several, so the wire is dropped, not refused.
+            warnings.append(
+                f'{_ACROSS} {wire} is not used: {SHARD_GROUP_SIZE} "auto" gave the flat '
+                f"layout ({auto.source}), which has no link across groups"
+            )
+            return None, None, None, quantized
+        raise PrecisionConfigError(
+            f"{_ACROSS} is {wire!r} but $.{SHARD_GROUP_SIZE} is not set: without shard groups "
+            "every collective spans the whole group and there is no link across groups to put "
+            "that wire on. Set zero_optimization.shard_group_size (the ranks per node, or "
+            '"auto" under torchrun) or remove the key',
+            _ACROSS,
+        )
+    if auto is not None and size is None:
+        warnings.append(f'{SHARD_GROUP_SIZE} "auto": {auto.source}')
+    if "gradients" in quantized and size is not None:
+        # qgZ quantizes the gradients' reduction; across the groups that is the int8 wire.
+        if wire not in (None, "int8"):
+            raise PrecisionConfigError(
+                f"{_QGZ} (ZeRO++ qgZ: int8 gradients across the nodes) and {_ACROSS} "
+                f"{wire!r} ask for two wires across the shard groups; keep one of them",
+                _ACROSS,
+            )
+        wire, wire_key = "int8", _QGZ
+        quantized = [kind for kind in quantized if kind != "gradients"]
+        warnings.append(
+            f"{_QGZ} with shard groups: the gradients cross the groups as int8 blocks (one fp32 "
+            "scale per 256 values, summed in fp32), as communication_data_type_across_groups "
+            "int8; DeepSpeed's qgZ also sends int4 within the node, dtypeplan sends "
+            "communication_data_type there"
+        )
+    return size, wire, wire_key, quantized
+
+
 def load_config(
     config: dict[str, Any] | str | os.PathLike[str],
     *,
@@ -762,6 +824,9 @@ def load_config(
         )
         if any(zero.get(key) for key in keys)
     ]
+    shard_group_size, wire_across, wire_key, quantized = _layout(
+        document, zero, quantized, auto_values, config_warnings
+    )
     master = _master_weights(document, bf16, fp16)
     states = _optimizer_states(document, bf16)
     if low_precision_states and offload_optimizer != "none" and model_dtype == "fp16":
@@ -835,6 +900,9 @@ def load_config(
             "both" if len(quantized) == 2 else quantized[0] if quantized else "none"
         ),
         hierarchical_partitioning=int(zero.get("zero_hpz_partition_size", 1)) > 1,
+        shard_group_size=shard_group_size,
+        wire_across_groups=wire_across,
+        wire_across_groups_key=wire_key,
         gradient_prescaling=prescaling,
         fp8=bool(document.get("fp8", {}).get("enabled", False)),
         scheduler=freeze(scheduler) if scheduler is not None else None,

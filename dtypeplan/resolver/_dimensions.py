@@ -45,12 +45,15 @@ __all__ = [
     "QUANTIZED_COMMUNICATION",
     "REDUCTION",
     "SHARDED",
+    "SHARD_GROUPS",
     "STAGE",
     "STATES",
     "STATE_DTYPES",
     "STATE_PAIRS",
+    "WIRES_ACROSS",
     "config_for",
     "points",
+    "shard_groups_value",
     "states_value",
     "value_text",
 ]
@@ -95,11 +98,15 @@ class Dimension:
     """The config fragment that selects each value, for dimensions without one key."""
     shown: Mapping[Any, str] = field(default_factory=FrozenDict)
     """How a value is shown in a grid heading, where it differs from its spelling."""
+    advice: Mapping[Any, str] = field(default_factory=FrozenDict)
+    """How the resolver advises a value, where the config fragment that selects it holds a
+    placeholder (a shard group size stands for the user's own)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", self.choices or self.values)
         object.__setattr__(self, "value_configs", freeze(self.value_configs))
         object.__setattr__(self, "shown", freeze(self.shown))
+        object.__setattr__(self, "advice", freeze(self.advice))
 
     def show(self, value: Any) -> str:
         return self.shown.get(value, value_text(value))
@@ -117,6 +124,8 @@ class Dimension:
 
     def setting(self, value: Any) -> str:
         """The change that selects ``value``, as ``key=value`` pairs for advice."""
+        if value in self.advice:
+            return self.advice[value]
         if self.config_path is None and not self.value_configs:
             return f"{self.config_key}={value}"
         return ", ".join(f"{k}={value_text(v)}" for k, v in _flat(self.config_for(value)))
@@ -212,6 +221,62 @@ REDUCTION = Dimension(
     default_value="collective",
     title="reduction",
     config_path=("communication_reduction",),
+)
+
+# --- the layout of the data-parallel group ----------------------------------------------------
+WIRES_ACROSS = ("fp32", "bf16", "fp16", "int8", "fp8")
+"""Wire formats between shard groups: a dtype, or int8 / fp8 blocks (one byte a value and one
+fp32 scale per 256 values) summed in fp32 by the receiver."""
+
+
+def shard_groups_value(shard_group_size: int | None, wire_across: str | None) -> str:
+    """The ``shard_groups`` value of a layout: ``flat`` without shard groups, ``hybrid`` with
+    them and the communication dtype across, ``hybrid_<wire>`` with ``wire`` across."""
+    if shard_group_size is None:
+        return "flat"
+    return "hybrid" if wire_across is None else f"hybrid_{wire_across}"
+
+
+def _layout_config(value: str) -> dict[str, Any]:
+    if value == "flat":
+        return {
+            "zero_optimization": {"shard_group_size": None},
+            "communication_data_type_across_groups": None,
+        }
+    wire = value.partition("_")[2] or None
+    return {
+        "zero_optimization": {"shard_group_size": 2},
+        "communication_data_type_across_groups": wire,
+    }
+
+
+# One dimension, not a layout and a wire apart: a wire across groups exists only in a hybrid
+# layout, so "flat with an int8 wire across" is no combination (the config reader refuses it).
+SHARD_GROUPS = Dimension(
+    name="shard_groups",
+    values=("flat", "hybrid", *(f"hybrid_{wire}" for wire in WIRES_ACROSS)),
+    doc="the layout of the data-parallel group: flat (states sharded over every rank, every "
+    "collective spans the group) or hybrid (sharded within groups of shard_group_size "
+    "consecutive ranks, replicated across the groups; the reduction runs within the group, "
+    "then across); hybrid_<wire>: that wire across groups (else the communication dtype)",
+    config_key="zero_optimization.shard_group_size / communication_data_type_across_groups",
+    default="flat (no shard_group_size)",
+    default_value="flat",
+    title="shard groups",
+    value_configs={value: _layout_config(value) for value in ("flat", "hybrid")}
+    | {f"hybrid_{wire}": _layout_config(f"hybrid_{wire}") for wire in WIRES_ACROSS},
+    shown={"hybrid": "hybrid"} | {f"hybrid_{w}": f"hybrid, {w} across" for w in WIRES_ACROSS},
+    advice={
+        "flat": "zero_optimization.shard_group_size=None, "
+        "communication_data_type_across_groups=None",
+        "hybrid": "zero_optimization.shard_group_size=S (ranks per shard group), "
+        "communication_data_type_across_groups=None",
+    }
+    | {
+        f"hybrid_{w}": "zero_optimization.shard_group_size=S (ranks per shard group), "
+        f"communication_data_type_across_groups={w}"
+        for w in WIRES_ACROSS
+    },
 )
 
 # --- feature dimensions ------------------------------------------------------------------------
@@ -434,6 +499,7 @@ FEATURE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
             MASTER,
             STATES,
             AUTOCAST,
+            SHARD_GROUPS,
             OFFLOAD_OPTIMIZER,
             OFFLOAD_PARAM,
             QUANTIZED_COMMUNICATION,

@@ -31,6 +31,10 @@ parameters get a host copy too) and the states live in host memory: they count u
 ``optimizer_states`` are 0. The six device keys mean device bytes for every plan; the host keys
 are 0 when nothing is offloaded.
 
+In a hybrid layout (``zero_optimization.shard_group_size`` ``S``) everything sharded is sharded
+over the ``S`` ranks of a shard group and replicated across the ``W / S`` groups: ``W`` above
+reads ``S``.
+
 With bf16 parameters, bf16 accumulation and AdamW this is ZeRO's anchor of 2 + 2 + 12 bytes
 per parameter at stage 0, and 2 + 2 + 12/W at stage 1. Bucket padding (under
 ``W * 64`` elements per bucket), without ``param_numels`` the per-parameter block padding of
@@ -120,6 +124,7 @@ def memory_model(
     exp_avg_sq_dtype: str = "fp32",
     offload_optimizer: bool = False,
     param_numels: Sequence[int] | None = None,
+    shard_group_size: int | None = None,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
@@ -127,7 +132,10 @@ def memory_model(
         raise ValueError(
             f"memory(): param_numels sum to {sum(param_numels)}, not num_params {num_params}"
         )
-    n, w = num_params, world_size
+    n = num_params
+    # A hybrid layout shards over the S ranks of a shard group and replicates across groups:
+    # every "/ W" of the flat layout becomes "/ S".
+    w = shard_group_size if shard_group_size is not None and world_size > 1 else world_size
     state_divisor = w if zero_stage >= 1 else 1
     if zero_stage >= 3 and w == 1:
         zero_stage = 2  # one process: the flat sharded optimizer, not FSDP2

@@ -28,6 +28,7 @@ from dtypeplan import _update_path as update_path
 from dtypeplan import schedulers
 from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
+from dtypeplan.comm._groups import check_shard_group_size
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._batch import (
@@ -43,6 +44,7 @@ from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
 from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS
 from dtypeplan.resolver._rules import Status
+from dtypeplan.resolver._traffic import Traffic, traffic_model
 
 __all__ = ["Alternative", "PrecisionPlan", "Resolution", "install_builder"]
 
@@ -264,6 +266,8 @@ class PrecisionPlan:
             "offload_param": self.offload_param,
             "quantized_communication": self.quantized_communication,
             "hierarchical_partitioning": self.hierarchical_partitioning,
+            "shard_group_size": self.shard_group_size,
+            "wire_across_groups": self.wire_across_groups,
             "gradient_prescaling": self.gradient_prescaling,
             "fp8": self.fp8,
             "optimizer_kind": self.optimizer_kind,
@@ -373,9 +377,11 @@ class PrecisionPlan:
                 "what is offloaded, and dtypeplan cannot offload it. Remove the setting (or "
                 "use offload_optimizer device cpu) to see what the device and host hold."
             )
+        shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         return memory_model(
             num_params=num_params,
             world_size=world_size,
+            shard_group_size=shard_group_size,
             param_dtype=self.param_dtype,
             accum_dtype=self.grad_accum_dtype,
             accumulator_sharded=self.accumulator_sharded and world_size > 1,
@@ -387,6 +393,38 @@ class PrecisionPlan:
             exp_avg_sq_dtype=self.exp_avg_sq_dtype,
             offload_optimizer=self.offload_optimizer == "cpu",
             param_numels=param_numels,
+        )
+
+    def traffic(
+        self, num_params: int, world_size: int, *, micro_batches: int | None = None
+    ) -> Traffic:
+        """Predicted bytes each rank sends per optimizer step, within its shard group and
+        across the groups, by collective (see ``resolver/_traffic.py``), counted as
+        :class:`dtypeplan.comm.CommStats` counts them.
+
+        ``micro_batches``: backward passes per step; by default what the config says
+        (:meth:`accumulation_steps`), else 1. ZeRO-2 (and ZeRO-1 with a sharded accumulator)
+        reduce-scatters within the group every micro-batch and all-reduces across the groups
+        once per step; ZeRO-3 (FSDP2) gathers and reduces every micro-batch. Raises
+        :class:`PrecisionConfigError` when the shard group size does not divide
+        ``world_size``.
+        """
+        shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
+        if micro_batches is None:
+            steps = self.accumulation_steps(world_size)
+            micro_batches = 1 if steps is None else steps.micro_batches
+        comm = DTYPE_NAMES[self.comm_dtype]
+        return traffic_model(
+            num_params=num_params,
+            world_size=world_size,
+            shard_group_size=shard_group_size,
+            micro_batches=micro_batches,
+            zero_stage=self.zero_stage,
+            accumulator_sharded=self.accumulator_sharded,
+            param_dtype=self.param_dtype,
+            comm_dtype=comm,
+            comm_reduction=self.comm_reduction,
+            wire_across=self.wire_across_groups or comm,
         )
 
     def _host_update(self) -> str | None:
@@ -407,8 +445,10 @@ class PrecisionPlan:
             return "torch's fused Adam/AdamW on the bf16 tensors"
         return f"one pass, {update_path.path()}"
 
-    def explain(self) -> str:
-        """A human-readable account of the decision and of every effective setting."""
+    def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:
+        """A human-readable account of the decision and of every effective setting; with
+        ``num_params`` and ``world_size``, also the bytes each rank sends per step
+        (:meth:`traffic`)."""
         head = f"status: {self.status}"
         if self.implementation:
             head += f" (implementation {self.implementation!r})"
@@ -458,6 +498,15 @@ class PrecisionPlan:
             ),
             ("ZeRO stage", str(self.zero_stage), "zero_stage"),
         ]
+        if self.shard_group_size is not None:
+            rows += [
+                ("shard groups", f"{self.shard_group_size} ranks each", "shard_group_size"),
+                (
+                    "wire across groups",
+                    self.wire_across_groups or DTYPE_NAMES[self.comm_dtype],
+                    "wire_across_groups",
+                ),
+            ]
         host_update = self._host_update()
         if host_update is not None:
             rows.append(("host update", host_update, "master_dtype"))
@@ -543,6 +592,8 @@ class PrecisionPlan:
                 'Trainer\'s default for "auto": not counted (the loop decides; fill it with '
                 "auto={'gradient_accumulation_steps': N} to have the last backward known)"
             )
+        if num_params is not None and world_size is not None:
+            lines += ["", self.traffic(num_params, world_size).report()]
         if self.auto_values:
             lines += ["", '"auto" values (path = value used <- where it came from):']
             lines += [f"  {a.describe()}" for a in self.auto_values]

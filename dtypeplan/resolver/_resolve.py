@@ -20,6 +20,7 @@ from dtypeplan.resolver._dimensions import (
     REDUCTION,
     STAGE,
     STATE_PAIRS,
+    shard_groups_value,
 )
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
@@ -138,6 +139,14 @@ def resolve_config(
         origins[_FEATURE_ORIGINS.get(feature, feature)] = (
             f"default: {dim.default}" if value == dim.default_value else f"config: {dim.config_key}"
         )
+    if config.shard_group_size is not None:
+        origins["shard_group_size"] = "$.zero_optimization.shard_group_size"
+        origins["wire_across_groups"] = (
+            config.wire_across_groups_key or "default: the communication dtype"
+        )
+    for auto in config.auto_values:
+        if auto.path == "zero_optimization.shard_group_size" and auto.value is not None:
+            origins["shard_group_size"] += f' "auto" <- {auto.source}'
     # The optimizer's kind comes from its class, wherever the class came from.
     origins["optimizer_kind"] = (
         f"{config.optimizer.type} is {features['optimizer']}: {config.optimizer.kind_reason} "
@@ -213,6 +222,8 @@ def resolve_config(
         offload_param=config.offload_param,
         quantized_communication=config.quantized_communication,
         hierarchical_partitioning=config.hierarchical_partitioning,
+        shard_group_size=config.shard_group_size,
+        wire_across_groups=config.wire_across_groups,
         gradient_prescaling=config.gradient_prescaling,
         fp8=config.fp8,
         optimizer_kind=features["optimizer"],
@@ -245,6 +256,7 @@ def resolve_config(
 
 
 _FEATURE_ORIGINS = {
+    "shard_groups": "shard_group_size",
     "master": "master_dtype",
     "states": "optimizer_states_dtype",
     "optimizer": "optimizer_kind",
@@ -255,6 +267,7 @@ _FEATURE_ORIGINS = {
 def _features(config: PrecisionConfig) -> dict[str, Any]:
     """The feature dimensions' values of ``config`` (see ``_dimensions.py``)."""
     return {
+        "shard_groups": shard_groups_value(config.shard_group_size, config.wire_across_groups),
         "master": config.master_weights_dtype,
         "states": config.optimizer_states_dtype,
         "autocast": config.autocast,

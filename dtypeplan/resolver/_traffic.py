@@ -1,0 +1,226 @@
+"""The byte model behind ``plan.traffic()``: what one rank sends per optimizer step.
+
+Bytes are counted as :class:`dtypeplan.comm.CommStats` counts them: a ring reduce-scatter or
+all-gather of ``n`` bytes over ``g`` ranks sends ``n * (g - 1) // g`` from each rank, an
+all-reduce twice that, and the ``fp32_sum`` reduction (an all-to-all) as much as the
+reduce-scatter it replaces. For ``N`` parameters on ``W`` ranks in shard groups of ``S``
+(``R = W / S`` groups; flat: ``S = W``, ``R = 1``), ``k`` micro-batches per step, ``P`` and
+``C`` the bytes per element of the parameter and communication dtypes and ``A`` that of the
+wire across groups (``C`` unless ``communication_data_type_across_groups`` says otherwise):
+
+=========  ============================================  ==================================
+stage      within the shard group (flat: the group)      across the groups (hybrid only)
+=========  ============================================  ==================================
+0          all-reduce of ``C * N``, once                 none: nothing is sharded, the
+                                                         layout stays flat
+1 whole    reduce-scatter ``C * N`` once, all-gather     all-reduce of the ``N / S`` shard
+           of the parameters ``P * N``                   in ``A``, once
+1 sharded  reduce-scatter ``C * N`` per micro-batch,     as ZeRO-1
+and 2      all-gather ``P * N`` once
+3 (FSDP2)  per micro-batch: all-gathers ``P * N`` for    all-reduce of the ``N / S`` shard
+           forward and again for backward, a             in ``A`` per micro-batch (FSDP2's
+           reduce-scatter ``C * N``                      HSDP reduces every backward)
+=========  ============================================  ==================================
+
+int8 / fp8 across the groups (``_quantized_wire.py``): the shard is padded to whole blocks of
+256 per rank's slice and sent as one code byte a value plus one fp32 scale a block, once in an
+all-to-all and once in an all-gather (each ``(R - 1) / R`` of it): ``2 * (1 + 4/256)`` bytes a
+value against ``2 * A`` for a dtype wire.
+
+Not counted, as ``CommStats`` does not count them: the step's small summary all-reduce (a few
+scalars) and one-off broadcasts at build. Bucket padding (the flat buffer is padded to whole
+buckets of a multiple of ``W`` elements) is left out: pass the padded size for exact figures.
+ZeRO-3's figures are FSDP2's collectives as its defaults run them (every unit resharded after
+forward; the root unit's, kept for backward, make the backward figure slightly high).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dtypeplan.resolver._frozen import FrozenDict
+
+__all__ = [
+    "QUANTIZED_WIRES",
+    "QUANTIZED_WIRE_BLOCK",
+    "Traffic",
+    "quantized_bytes",
+    "traffic_model",
+]
+
+QUANTIZED_WIRES = ("int8", "fp8")
+QUANTIZED_WIRE_BLOCK = 256
+"""Values per fp32 scale on a block-quantized wire."""
+_SCALE_BYTES = 4
+_WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traffic:
+    """Bytes one rank sends per optimizer step, by level and by collective."""
+
+    num_params: int
+    world_size: int
+    shard_group_size: int
+    """Ranks per shard group (the world size when flat)."""
+    micro_batches: int
+    within: FrozenDict[str, int]
+    """Collective -> bytes over the shard group (flat: the whole group)."""
+    across: FrozenDict[str, int]
+    """Collective -> bytes over the replica group, across the shard groups (empty when flat)."""
+
+    @property
+    def hybrid(self) -> bool:
+        return self.shard_group_size < self.world_size
+
+    @property
+    def within_bytes(self) -> int:
+        return sum(self.within.values())
+
+    @property
+    def across_bytes(self) -> int:
+        return sum(self.across.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.within_bytes + self.across_bytes
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "shard_group_size": self.shard_group_size,
+            "micro_batches": self.micro_batches,
+            "within": dict(self.within),
+            "across": dict(self.across),
+            "within_bytes": self.within_bytes,
+            "across_bytes": self.across_bytes,
+            "total_bytes": self.total_bytes,
+        }
+
+    def report(self) -> str:
+        """The figures as lines of text (for ``explain`` and ``dtypeplan check``)."""
+        groups = self.world_size // self.shard_group_size
+        layout = (
+            f"{groups} shard groups of {self.shard_group_size}"
+            if self.hybrid
+            else f"flat, {self.world_size} ranks"
+        )
+        lines = [
+            f"traffic per rank per step ({_count(self.num_params)} parameters, {layout}, "
+            f"{self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}):"
+        ]
+        for level, ops in (("within the shard group", self.within), ("across groups", self.across)):
+            if level == "across groups" and not self.hybrid:
+                continue
+            detail = ", ".join(f"{op} {_size(n)}" for op, n in ops.items()) or "nothing"
+            lines.append(f"  {level:<22}  {_size(sum(ops.values())):>10}  ({detail})")
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:g}{suffix}"
+    return str(n)
+
+
+def _ring(nbytes: int, group: int) -> int:
+    return nbytes * (group - 1) // group
+
+
+def quantized_bytes(numel: int, group: int) -> int:
+    """Bytes of one collective step (all-to-all or all-gather) of a block-quantized all-reduce
+    of ``numel`` values over ``group`` ranks: padded to whole blocks per rank's slice."""
+    unit = group * QUANTIZED_WIRE_BLOCK
+    padded = -(-numel // unit) * unit
+    return _ring(padded + padded // QUANTIZED_WIRE_BLOCK * _SCALE_BYTES, group)
+
+
+def _add(ops: dict[str, int], op: str, nbytes: int) -> None:
+    if nbytes:
+        ops[op] = ops.get(op, 0) + nbytes
+
+
+def _reduce(ops: dict[str, int], nbytes: int, group: int, fp32_sum: bool, times: int) -> None:
+    """A reduce-scatter (``fp32_sum``: the all-to-all that replaces it) ``times`` times."""
+    _add(ops, "all_to_all" if fp32_sum else "reduce_scatter", times * _ring(nbytes, group))
+
+
+def _all_reduce(
+    ops: dict[str, int], numel: int, wire: str, group: int, fp32_sum: bool, times: int
+) -> None:
+    if wire in QUANTIZED_WIRES:
+        _add(ops, "all_to_all", times * quantized_bytes(numel, group))
+        _add(ops, "all_gather", times * quantized_bytes(numel, group))
+        return
+    nbytes = numel * _WIRE_BYTES[wire]
+    if fp32_sum and wire != "fp32":
+        # _collectives.py: an fp32-summing all-reduce is its reduce-scatter and an all-gather.
+        _add(ops, "all_to_all", times * _ring(nbytes, group))
+        _add(ops, "all_gather", times * _ring(nbytes, group))
+        return
+    _add(ops, "all_reduce", times * 2 * _ring(nbytes, group))
+
+
+def traffic_model(
+    *,
+    num_params: int,
+    world_size: int,
+    shard_group_size: int,
+    micro_batches: int,
+    zero_stage: int,
+    accumulator_sharded: bool,
+    param_dtype: torch.dtype,
+    comm_dtype: str,
+    comm_reduction: str,
+    wire_across: str,
+) -> Traffic:
+    """See the module docstring; ``shard_group_size`` already checked to divide the world."""
+    if num_params < 0 or world_size < 1 or micro_batches < 1:
+        raise ValueError("traffic() needs num_params >= 0, world_size >= 1, micro_batches >= 1")
+    n, w, k = num_params, world_size, micro_batches
+    s = shard_group_size if zero_stage >= 1 else w
+    replicas = w // s
+    fp32_sum = comm_reduction == "fp32_sum" and comm_dtype != "fp32"
+    within: dict[str, int] = {}
+    across: dict[str, int] = {}
+    c, p = _WIRE_BYTES[comm_dtype], param_dtype.itemsize
+    if w > 1:
+        if zero_stage == 0:
+            _all_reduce(within, n, comm_dtype, s, fp32_sum, 1)
+        elif zero_stage in (1, 2):
+            per_micro_batch = accumulator_sharded or zero_stage == 2
+            _reduce(within, c * n, s, fp32_sum, k if per_micro_batch else 1)
+            _add(within, "all_gather", _ring(p * n, s))
+            if replicas > 1:
+                _all_reduce(across, n // s, wire_across, replicas, fp32_sum, 1)
+        else:
+            _add(within, "all_gather", 2 * k * _ring(p * n, s))
+            _reduce(within, c * n, s, False, k)
+            if replicas > 1:
+                _all_reduce(across, n // s, wire_across, replicas, False, k)
+    return Traffic(
+        num_params=n,
+        world_size=w,
+        shard_group_size=s,
+        micro_batches=k,
+        within=_frozen(within),
+        across=_frozen(across),
+    )
+
+
+def _frozen(ops: Mapping[str, int]) -> FrozenDict[str, int]:
+    return FrozenDict(dict(ops))
