@@ -213,7 +213,9 @@ class FlatMixedPrecisionOptimizer(FlatState):
         if self._low_precision is not None:
             self._adam_update = self._low_precision
         self._kernel: UpdateKernel | None = None
+        """The update of the master chunks, chosen at its first use (:attr:`update_kernel`)."""
         self._kernel_key: tuple[Any, ...] = ()
+        """The param-group switches it was chosen for (``registry.choice_key``)."""
         self._zero_grads: list[tuple[weakref.ref[torch.Tensor], int]] = []
         """The zero ``.grad`` of ``zero_grad(set_to_none=False)`` (not set by hand)."""
         self.reductions = ReductionScheduler(
@@ -522,7 +524,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
     @property
     def update_kernel(self) -> UpdateKernel:
         """The update of this optimizer's master chunks (``update_kernels/``): the first of the
-        registry that serves its plan, device and optimizer class, chosen at the first step,
+        registry that serves its plan, device and optimizer class, chosen at its first use,
         and again only if a param group turns amsgrad or maximize on or off."""
         key = choice_key(self)
         if self._kernel is None or key != self._kernel_key:
