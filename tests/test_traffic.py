@@ -10,6 +10,9 @@ config, a shard group size that does not divide the world).
 from __future__ import annotations
 
 import itertools
+import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +152,51 @@ def test_memory_shards_over_the_shard_group() -> None:
     assert hybrid["optimizer_states"] == 8 * n // s
     zero3 = _plan(3, shard_group_size=s).memory(n, w)
     assert zero3["params"] == 4 * n // s
+
+
+def _several_machines_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return text.split("## Several machines\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_several_machines_config_and_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    section = _several_machines_section()
+    config = json.loads(re.search(r"```json\n(.*?)```", section, re.DOTALL).group(1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    plan = dtypeplan.resolve(config)
+    assert plan.status == "OK" and plan.shard_group_size == 8
+    assert plan.wire_across_groups == "int8"
+    # The table: 7B, bf16 on the wire, 4 nodes x 8 GPUs, one micro-batch.
+    n, w = 7_000_000_000, 32
+    rows = re.findall(
+        r"^\| ZeRO-(\d) \| ([^|]+) \| ([^|]+) \| ([\d.]+) GiB[^|]* \| ([\d.]+) GiB \|$",
+        section,
+        re.MULTILINE,
+    )
+    assert len(rows) == 8
+    for stage, layout, within, across, memory in rows:
+        layout = layout.strip()
+        extra = {"communication_data_type": "bf16"}
+        if layout != "flat":
+            extra["shard_group_size"] = 8
+        if "int8" in layout:
+            extra["communication_data_type_across_groups"] = "int8"
+        t = _plan(int(stage), **extra).traffic(n, w, micro_batches=1)
+        if layout == "flat":
+            assert within.strip() == "-"
+            assert float(across) == round(t.total_bytes / 2**30, 2)
+        else:
+            assert float(within.strip().removesuffix(" GiB")) == round(t.within_bytes / 2**30, 2)
+            assert float(across) == round(t.across_bytes / 2**30, 2)
+        assert float(memory) == round(_plan(int(stage), **extra).memory(n, w)["total"] / 2**30, 2)
+
+
+def test_scale_model_benchmark_runs_and_places_zeropp() -> None:
+    from benchmarks import bench_scale_model
+
+    summary = bench_scale_model.main(["--no-write"])
+    for model in bench_scale_model.MODELS:
+        assert summary["zero3_flat_over_zeropp_model_at_384"][model] == 4.0
+        assert summary["zero3_flat_over_hybrid_at_384"][model] > 4.0
+        assert summary["zero2_flat_over_hybrid_int8_at_384"][model] > 1.0
