@@ -200,3 +200,15 @@ def test_scale_model_benchmark_runs_and_places_zeropp() -> None:
         assert summary["zero3_flat_over_zeropp_model_at_384"][model] == 4.0
         assert summary["zero3_flat_over_hybrid_at_384"][model] > 4.0
         assert summary["zero2_flat_over_hybrid_int8_at_384"][model] > 1.0
+
+
+def test_fp32_sum_across_follows_the_wire_across() -> None:
+    n, w, s = 1 << 20, 8, 2
+    r = w // s
+    config = {"communication_data_type": "fp32", "communication_reduction": "fp32_sum"}
+    t = _plan(1, shard_group_size=s, communication_data_type_across_groups="bf16", **config)
+    across = t.traffic(n, w).across
+    # An fp32 wire within is summed by the collective; the bf16 wire across by the receiver.
+    one = 2 * (n // s) * (r - 1) // r
+    assert dict(across) == {"all_to_all": one, "all_gather": one}
+    assert "reduce_scatter" in t.traffic(n, w).within
