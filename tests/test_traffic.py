@@ -152,6 +152,9 @@ def test_memory_shards_over_the_shard_group() -> None:
     assert hybrid["optimizer_states"] == 8 * n // s
     zero3 = _plan(3, shard_group_size=s).memory(n, w)
     assert zero3["params"] == 4 * n // s
+    # Shard groups of one rank at ZeRO-3: FSDP2 (HSDP) holds whole fp32 shards, not the one
+    # process's flat optimizer (16-bit parameters and an fp32 master).
+    assert _plan(3, shard_group_size=1).memory(n, w)["params"] == 4 * n
 
 
 def _several_machines_section() -> str:
