@@ -93,11 +93,29 @@ def _precision_choices(plan: PrecisionPlan) -> list[tuple[str, dict[str, bool]]]
     return [(choice, {path: path.startswith(choice) for path in unfilled}) for choice in _CHOICES]
 
 
+def _world_size(plan: PrecisionPlan, given: int | None) -> int:
+    """The data-parallel world of the figures: ``--world-size``, which the shard group size
+    must divide (an error naming both numbers), else 8, or two shard groups where the shard
+    group size does not divide 8."""
+    from dtypeplan.comm._groups import check_shard_group_size
+
+    if given is not None:
+        check_shard_group_size(plan.shard_group_size, given)
+        return given
+    size = plan.shard_group_size
+    if size is None or DEFAULT_WORLD_SIZE % size == 0 and size < DEFAULT_WORLD_SIZE:
+        return DEFAULT_WORLD_SIZE
+    return 2 * size
+
+
 def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]:
     from dtypeplan import Status
 
+    args = argparse.Namespace(**{**vars(args), "world_size": _world_size(plan, args.world_size)})
     memory, no_memory = None, "the combination is an Error"
+    traffic = None
     if plan.status != Status.ERROR:
+        traffic = plan.traffic(args.params, args.world_size)
         try:
             memory = plan.memory(args.params, args.world_size)
         except NotSupportedError as exc:  # offload: no device figure would be true
@@ -115,6 +133,7 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
             },
         }
     )
+    data["traffic"] = None if traffic is None else traffic.to_dict()
     steps = plan.accumulation_steps(args.world_size)
     data["micro_batches_per_step"] = None if steps is None else steps.micro_batches
     data["batch_size_mismatch"] = plan.batch_size_mismatch(args.world_size)
@@ -131,6 +150,8 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
             if plan.status == Status.NOT_SUPPORTED:
                 print("(not supported: the figures are what the plan would take)")
             print(memory_report(memory, args.params, args.world_size))
+        if traffic is not None:
+            print(traffic.report())
     return data
 
 
@@ -252,16 +273,18 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--world-size",
         type=_positive,
-        default=DEFAULT_WORLD_SIZE,
+        default=None,
         metavar="N",
-        help=f"data-parallel ranks for the memory figures (default {DEFAULT_WORLD_SIZE})",
+        help="data-parallel ranks for the memory and traffic figures; a shard_group_size "
+        f"must divide it (default {DEFAULT_WORLD_SIZE}, or two shard groups where the shard "
+        f"group size does not divide {DEFAULT_WORLD_SIZE})",
     )
     check.add_argument(
         "--params",
         type=parse_count,
         default=DEFAULT_PARAMS,
         metavar="N",
-        help="model parameters for the memory figures, e.g. 125M, 7B (default 1B)",
+        help="model parameters for the memory and traffic figures, e.g. 125M, 7B (default 1B)",
     )
     check.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
     check.add_argument(

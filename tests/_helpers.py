@@ -104,7 +104,8 @@ def feature_config(point: dict[str, Any]) -> dict[str, Any]:
         if point.get(dim.name, dim.default_value) == dim.default_value:
             continue
         for key, value in dim.config_for(point[dim.name]).items():
-            config[key] = {**config.get(key, {}), **value}
+            # A top-level key (communication_data_type_across_groups) is a value, not a block.
+            config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return config
 
 

@@ -163,6 +163,7 @@ def test_check_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     plan = dtypeplan.resolve(config)
     memory = data.pop("memory")
+    assert data.pop("traffic") == plan.traffic(125_000_000, 4).to_dict()
     # The example gives micro-batch size and steps, so DeepSpeed's batch holds on any ranks.
     assert data.pop("micro_batches_per_step") == 4
     assert data.pop("batch_size_mismatch") is None
@@ -579,3 +580,25 @@ def test_demo_with_a_config_that_is_not_ok(
     bad = _write(tmp_path / "bad.json", {"bf16": {"enabled": "yes"}})
     assert main(["demo", "--config", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_check_shows_the_traffic_and_refuses_a_shard_group_size_the_world_cannot_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "shard_group_size": 8},
+        "communication_data_type_across_groups": "int8",
+    }
+    path = str(_write(tmp_path / "hybrid.json", config))
+    assert main(["check", path, "--world-size", "64", "--params", "7B"]) == 0
+    out = capsys.readouterr().out
+    assert "8 shard groups of 8" in out and "across groups" in out
+    assert main(["check", path, "--world-size", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["traffic"]["shard_group_size"] == 8 and data["traffic"]["across_bytes"] > 0
+    assert main(["check", path]) == 0  # no world given: two groups of 8
+    assert "2 shard groups of 8" in capsys.readouterr().out
+    assert main(["check", path, "--world-size", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "shard_group_size 8 does not divide the data-parallel world size 12" in err

@@ -728,3 +728,124 @@ def test_master_weights_contradictions_are_refused() -> None:
     # bf16 masters of fp32 parameters: the table's Error, with its reason.
     plan = dtypeplan.resolve({"master_weights": {"dtype": "bf16", "rounding": "stochastic"}})
     assert plan.status == "Error" and plan.rule_id == "master-weights-below-params"
+
+
+# --- the layout: shard groups and the wire across them (issue 22) ----------------------------
+def _layout(stage: int = 2, **zero: Any) -> dict[str, Any]:
+    return {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, **zero}}
+
+
+def test_shard_group_size_and_wire_across_reach_the_plan() -> None:
+    config = _layout(2, shard_group_size=8)
+    config["communication_data_type_across_groups"] = "int8"
+    plan = dtypeplan.resolve(config)
+    assert (plan.status, plan.rule_id) == ("OK", "zero2")
+    assert plan.shard_group_size == 8 and plan.wire_across_groups == "int8"
+    assert plan.origins["shard_group_size"] == "$.zero_optimization.shard_group_size"
+    assert plan.origins["wire_across_groups"] == "$.communication_data_type_across_groups"
+    assert plan.to_dict()["shard_group_size"] == 8
+    assert plan.to_dict()["wire_across_groups"] == "int8"
+    text = plan.explain()
+    assert "shard groups" in text and "wire across groups     int8" in text
+    flat = dtypeplan.resolve(_layout(2))
+    assert flat.shard_group_size is None and flat.wire_across_groups is None
+    assert flat.digest() != plan.digest()  # ranks that disagree on the layout are caught
+
+
+@pytest.mark.parametrize(
+    "stage, wire, status, rule",
+    [
+        (0, None, "Error", "stage0-shard-groups"),
+        (0, "int8", "Error", "stage0-shard-groups"),
+        (1, "fp8", "OK", "zero1"),
+        (1, None, "OK", "zero1"),
+        (2, "bf16", "OK", "zero2"),
+        (3, None, "OK", "zero3"),
+        (3, "fp16", "OK", "zero3"),
+        (3, "int8", "NotSupported", "zero3-quantized-wire-across"),
+        (3, "fp8", "NotSupported", "zero3-quantized-wire-across"),
+    ],
+)
+def test_the_table_decides_each_layout(
+    stage: int, wire: str | None, status: str, rule: str
+) -> None:
+    config = _layout(stage, shard_group_size=2)
+    config["communication_data_type_across_groups"] = wire
+    plan = dtypeplan.resolve(config)
+    assert (plan.status, plan.rule_id) == (status, rule), plan.reason
+
+
+def test_offload_with_shard_groups_is_not_supported_yet() -> None:
+    config = _layout(2, shard_group_size=2, offload_optimizer={"device": "cpu"})
+    plan = dtypeplan.resolve(config)
+    assert (plan.status, plan.rule_id) == ("NotSupported", "offload-optimizer-cpu-shard-groups")
+    assert "remove zero_optimization.shard_group_size" in plan.reason
+
+
+def test_a_wire_across_without_shard_groups_is_refused() -> None:
+    config = _layout(2)
+    config["communication_data_type_across_groups"] = "int8"
+    with pytest.raises(PrecisionConfigError, match="shard_group_size is not set"):
+        dtypeplan.resolve(config)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True, "8", "all"])
+def test_a_bad_shard_group_size_is_refused(size: Any) -> None:
+    with pytest.raises(PrecisionConfigError, match="shard_group_size"):
+        dtypeplan.resolve(_layout(2, shard_group_size=size))
+
+
+def test_a_bad_wire_across_is_refused() -> None:
+    config = _layout(2, shard_group_size=2)
+    config["communication_data_type_across_groups"] = "int4"
+    with pytest.raises(PrecisionConfigError, match="communication_data_type_across_groups"):
+        dtypeplan.resolve(config)
+
+
+def test_auto_shard_group_size_is_the_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _layout(2, shard_group_size="auto")
+    config["communication_data_type_across_groups"] = "bf16"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    plan = dtypeplan.resolve(config)
+    assert plan.shard_group_size == 8 and plan.wire_across_groups == "bf16"
+    assert "LOCAL_WORLD_SIZE" in plan.origins["shard_group_size"]
+    # One node: the flat layout, and the wire across (no such link) dropped with a warning.
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    plan = dtypeplan.resolve(config)
+    assert plan.shard_group_size is None and plan.wire_across_groups is None
+    assert any("is not used" in w for w in plan.config_warnings)
+    # Not under torchrun: flat, saying why.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    plan = dtypeplan.resolve(_layout(2, shard_group_size="auto"))
+    assert plan.status == "OK" and plan.shard_group_size is None
+    assert any("LOCAL_WORLD_SIZE is not set" in w for w in plan.config_warnings)
+    # The caller's fill wins over the environment.
+    plan = dtypeplan.resolve(
+        _layout(2, shard_group_size="auto"), auto={"zero_optimization.shard_group_size": 4}
+    )
+    assert plan.shard_group_size == 4
+
+
+def test_qgz_with_shard_groups_is_the_int8_wire_across() -> None:
+    plan = dtypeplan.resolve(_layout(2, shard_group_size=4, zero_quantized_gradients=True))
+    assert (plan.status, plan.rule_id) == ("OK", "zero2")
+    assert plan.wire_across_groups == "int8" and plan.quantized_communication == "none"
+    assert plan.origins["wire_across_groups"] == "$.zero_optimization.zero_quantized_gradients"
+    assert any("qgZ" in w for w in plan.config_warnings)
+    config = _layout(2, shard_group_size=4, zero_quantized_gradients=True)
+    config["communication_data_type_across_groups"] = "fp8"
+    with pytest.raises(PrecisionConfigError, match="two wires across"):
+        dtypeplan.resolve(config)
+    # Without shard groups there is no link across: qgZ stays NotSupported, pointing there.
+    flat = dtypeplan.resolve(_layout(2, zero_quantized_gradients=True))
+    assert flat.status == "NotSupported" and "shard_group_size" in flat.reason
+    qwz = dtypeplan.resolve(_layout(2, shard_group_size=4, zero_quantized_weights=True))
+    assert qwz.status == "NotSupported" and qwz.rule_id == "quantized-communication"
+
+
+def test_deepspeed_hierarchical_keys_point_to_shard_group_size() -> None:
+    hpz = dtypeplan.resolve(_layout(3, zero_hpz_partition_size=8))
+    assert hpz.status == "NotSupported" and "shard_group_size" in hpz.reason
+    with pytest.raises(PrecisionConfigError, match="mics_shard_size.*shard_group_size"):
+        dtypeplan.resolve(_layout(3, mics_shard_size=8))

@@ -13,7 +13,12 @@ import pytest
 
 import dtypeplan
 from dtypeplan.resolver import DTYPE_NAMES
-from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, OPTIMIZER_KIND, config_for
+from dtypeplan.resolver._dimensions import (
+    FEATURE_DIMENSIONS,
+    OPTIMIZER_KIND,
+    config_for,
+    shard_groups_value,
+)
 
 PLAN_FIELDS = {
     "master": lambda plan: (
@@ -24,6 +29,7 @@ PLAN_FIELDS = {
     "autocast": lambda plan: (
         "none" if plan.autocast_dtype is None else DTYPE_NAMES[plan.autocast_dtype]
     ),
+    "shard_groups": lambda plan: shard_groups_value(plan.shard_group_size, plan.wire_across_groups),
     "offload_optimizer": lambda plan: plan.offload_optimizer,
     "offload_param": lambda plan: plan.offload_param,
     "quantized_communication": lambda plan: plan.quantized_communication,
@@ -41,9 +47,12 @@ CASES = [
 ]
 
 
-IMPLEMENTED = {("autocast", "bf16"), ("autocast", "fp16")}
+IMPLEMENTED = {("autocast", "bf16"), ("autocast", "fp16")} | {
+    ("shard_groups", value) for value in ("hybrid", "hybrid_fp32", "hybrid_bf16", "hybrid_fp16")
+}
 """Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
-proves them, and refuses them with 16-bit parameters."""
+proves autocast, and refuses it with 16-bit parameters; shard groups with a dtype wire across
+run FSDP2's HSDP mesh (issue 22)."""
 
 
 def _config(name: str, value: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import dtypeplan
 from dtypeplan import NotSupportedError, PrecisionConfigError, PrecisionPlan
 from dtypeplan.resolver import DIMENSIONS, DTYPES, PARAMS, STAGE
-from dtypeplan.resolver._dimensions import FEATURES_UNUSED
+from dtypeplan.resolver._dimensions import FEATURES_UNUSED, WIRES_ACROSS, shard_groups_value
 
 DTYPE_NAMES = list(DTYPES)
 REDUCTIONS = ["collective", "fp32_sum"]
@@ -143,6 +143,13 @@ def configs(draw: st.DrawFn, point: dict[str, Any] | None = None) -> dict[str, A
     if draw(st.booleans()):
         config["train_batch_size"] = draw(st.integers(1, 1024))
         config["steps_per_print"] = draw(st.integers(1, 100))
+    if point is None and draw(st.booleans()):
+        # The layout (issue 22): shard groups of any size, with or without a wire across.
+        zero = config.setdefault("zero_optimization", {})
+        zero["shard_group_size"] = draw(st.integers(1, 16))
+        wire = draw(st.sampled_from([None, "unset", *WIRES_ACROSS]))
+        if wire != "unset":
+            config["communication_data_type_across_groups"] = wire
     return config
 
 
@@ -187,7 +194,11 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "pipeline": pipeline,
         "comm": comm,
         "reduction": config.get("communication_reduction", "collective"),
-        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature
+        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature but the layout
+        "shard_groups": shard_groups_value(
+            config.get("zero_optimization", {}).get("shard_group_size"),
+            config.get("communication_data_type_across_groups"),
+        ),
     }
     return {dim: point[dim] for dim in DIMENSIONS}
 
@@ -225,6 +236,13 @@ def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline:
     assert plan.accumulator_sharded is point["sharded"]
     assert plan.zero_stage == point["stage"] and plan.pipeline_parallel is pipeline
     assert plan.master_dtype == torch.float32
+    layout = config.get("zero_optimization", {}).get("shard_group_size")
+    assert plan.shard_group_size == layout
+    assert plan.wire_across_groups == config.get("communication_data_type_across_groups")
+    if layout is not None and point["stage"] == 0:
+        assert plan.status == "Error"  # nothing to shard (or a worse error first)
+    if point["shard_groups"] in ("hybrid_int8", "hybrid_fp8") and plan.rule_id.startswith("zero3"):
+        assert plan.status == "NotSupported"
     if point["params"] != "fp16+bf16":
         assert plan.param_dtype == DTYPES[point["params"]]
     assert (plan.alternatives == ()) == (plan.status == "OK")
@@ -395,6 +413,9 @@ def test_memory_keys_and_total(
     config: dict[str, Any], pipeline: bool, num_params: int, world_size: int
 ) -> None:
     plan = dtypeplan.resolve(config, pipeline_parallel=pipeline)
+    # A shard group size must divide the world (refused otherwise: test_traffic.py).
+    fewest = plan.shard_group_size or 1
+    world_size *= fewest
     figures = plan.memory(num_params, world_size)
     assert set(figures) == MEMORY_KEYS | HOST_MEMORY_KEYS
     assert all(isinstance(v, int) and v >= 0 for v in figures.values())
@@ -403,7 +424,7 @@ def test_memory_keys_and_total(
     # Nothing is offloaded in these configs: no host bytes.
     assert figures["host_total"] == figures["host_master"] == figures["host_optimizer_states"] == 0
     # More ranks never cost a rank more memory.
-    assert figures["total"] <= plan.memory(num_params, 1)["total"]
+    assert figures["total"] <= plan.memory(num_params, fewest)["total"]
     assert plan.memory(0, world_size)["total"] == 0
 
 

@@ -25,6 +25,7 @@ from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules
+from dtypeplan.resolver._traffic import Traffic
 
 __all__ = [
     "ACCUM",
@@ -50,6 +51,7 @@ __all__ = [
     "SHARDED",
     "STAGE",
     "Status",
+    "Traffic",
     "auto_values_from",
     "config_for",
     "install_builder",

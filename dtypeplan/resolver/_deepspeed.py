@@ -44,6 +44,19 @@ def closest_hint(key: str, known: Iterable[str]) -> str:
     return KEYS_LISTED_IN
 
 
+_REMOVED_HINTS = {
+    "mics_shard_size": (
+        "; MiCS (states sharded within groups of mics_shard_size ranks, replicated across "
+        "them) is what zero_optimization.shard_group_size does: set that to the same number"
+    ),
+    "mics_hierarchical_params_gather": (
+        "; with zero_optimization.shard_group_size the parameters are gathered within each "
+        "shard group, which is what the hierarchical gather kept inside a node"
+    ),
+}
+"""What replaces a removed key, where dtypeplan has it."""
+
+
 def check_removed(document: dict[str, Any]) -> None:
     """Refuse the blocks DeepSpeed 0.19.8 removed (it raises DeepSpeedConfigError for them)."""
     for key in ds.REMOVED_TOP_LEVEL_KEYS:
@@ -61,7 +74,7 @@ def check_removed(document: dict[str, Any]) -> None:
                 path = f"$.zero_optimization.{key}"
                 raise PrecisionConfigError(
                     f"{path}: DeepSpeed {ds.DEEPSPEED_VERSION} removed {key!r} too (it raises "
-                    "DeepSpeedConfigError for it): delete the key",
+                    f"DeepSpeedConfigError for it): delete the key{_REMOVED_HINTS.get(key, '')}",
                     path,
                 )
 

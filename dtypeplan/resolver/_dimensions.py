@@ -521,7 +521,7 @@ FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
 """The feature dimensions at their "not used" values: what a config that sets none gets."""
 
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space (about 30 million: too many to list; the rules loader
+"""The number of points of the space (about 1.7 billion: too many to list; the rules loader
 checks rule boxes, not points)."""
 
 CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())

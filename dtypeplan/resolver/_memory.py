@@ -137,7 +137,7 @@ def memory_model(
     # every "/ W" of the flat layout becomes "/ S".
     w = shard_group_size if shard_group_size is not None and world_size > 1 else world_size
     state_divisor = w if zero_stage >= 1 else 1
-    if zero_stage >= 3 and w == 1:
+    if zero_stage >= 3 and world_size == 1:
         zero_stage = 2  # one process: the flat sharded optimizer, not FSDP2
     if zero_stage >= 3:
         # FSDP2 keeps the shards in the master dtype: they are the master weights; the

@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
+from dtypeplan.resolver._auto import SHARD_GROUP_SIZE
 from dtypeplan.resolver._client_optimizer import ClientOptimizerConfig
 from dtypeplan.resolver._config import PrecisionConfig, load_config
 from dtypeplan.resolver._differences import deepspeed_differences
@@ -145,7 +146,7 @@ def resolve_config(
             config.wire_across_groups_key or "default: the communication dtype"
         )
     for auto in config.auto_values:
-        if auto.path == "zero_optimization.shard_group_size" and auto.value is not None:
+        if auto.path == SHARD_GROUP_SIZE and auto.value is not None:
             origins["shard_group_size"] += f' "auto" <- {auto.source}'
     # The optimizer's kind comes from its class, wherever the class came from.
     origins["optimizer_kind"] = (
@@ -256,9 +257,9 @@ def resolve_config(
 
 
 _FEATURE_ORIGINS = {
-    "shard_groups": "shard_group_size",
     "master": "master_dtype",
     "states": "optimizer_states_dtype",
+    "shard_groups": "shard_group_size",
     "optimizer": "optimizer_kind",
 }
 """The plan's ``origins`` key of a feature dimension, where it differs from its name."""
@@ -267,10 +268,10 @@ _FEATURE_ORIGINS = {
 def _features(config: PrecisionConfig) -> dict[str, Any]:
     """The feature dimensions' values of ``config`` (see ``_dimensions.py``)."""
     return {
-        "shard_groups": shard_groups_value(config.shard_group_size, config.wire_across_groups),
         "master": config.master_weights_dtype,
         "states": config.optimizer_states_dtype,
         "autocast": config.autocast,
+        "shard_groups": shard_groups_value(config.shard_group_size, config.wire_across_groups),
         "offload_optimizer": config.offload_optimizer,
         "offload_param": config.offload_param,
         "quantized_communication": config.quantized_communication,

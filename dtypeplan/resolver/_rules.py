@@ -6,7 +6,7 @@ A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS` 
 dimension. The table is valid only when every point of the space is matched by exactly one rule,
 so rule order never matters and no combination falls through to an accident.
 
-The space has about 18 million points, too many to enumerate, so the check works on the boxes
+The space has about 1.7 billion points, too many to enumerate, so the check works on the boxes
 (:func:`_check_coverage`): it splits the space one dimension at a time, grouping that dimension's
 values into classes that the rules still in play treat alike, and recurses into each class with
 the rules that contain it. A class no rule contains is a gap; a box every remaining rule covers
@@ -149,7 +149,7 @@ class RuleTable:
 
     def points(self) -> Iterator[dict[str, Any]]:
         """Every combination of the core dimensions, the features at their "not used" values
-        (the whole space, about 18 million points, is too large to list)."""
+        (the whole space, about 1.7 billion points, is too large to list)."""
         return points()
 
     def location(self, rule: Rule) -> str:

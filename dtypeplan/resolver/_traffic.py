@@ -206,7 +206,9 @@ def traffic_model(
             _reduce(within, c * n, s, fp32_sum, k if per_micro_batch else 1)
             _add(within, "all_gather", _ring(p * n, s))
             if replicas > 1:
-                _all_reduce(across, n // s, wire_across, replicas, fp32_sum, 1)
+                # The across level takes the same method; it is its own wire that decides
+                # whether fp32_sum changes the collective (_all_reduce checks it).
+                _all_reduce(across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1)
         else:
             _add(within, "all_gather", 2 * k * _ring(p * n, s))
             _reduce(within, c * n, s, False, k)

@@ -1,0 +1,39 @@
+"""Rank side of tests/test_traffic.py: the bytes one optimizer step really sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dtypeplan
+from tests._helpers import memory_mlp
+
+
+def traffic_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    plan = dtypeplan.resolve(case["config"])
+    model = memory_mlp(case["width"]).to(plan.param_dtype)
+    optimizer = plan.build(model.parameters())
+    generator = torch.Generator().manual_seed(rank)
+
+    def one_step() -> None:
+        for _ in range(case["micro_batches"]):
+            x = torch.randn(4, case["width"], generator=generator).to(plan.param_dtype)
+            optimizer.backward(model(x).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    one_step()  # lazily built state is not part of a step's traffic
+    stats = optimizer.comm.stats
+    stats.reset()
+    one_step()
+    return {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "padded": sum(group.flat.numel for group in optimizer.groups),
+        "buckets": sum(len(group.flat.buckets) for group in optimizer.groups),
+        "bytes_sent": dict(stats.bytes_sent),
+    }
+
+
+def traffic_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
+    return [traffic_case(rank, world_size, case) for case in cases]
