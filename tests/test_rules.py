@@ -721,7 +721,9 @@ def test_a_rule_per_point_of_the_core_and_three_features_checks_fast() -> None:
     elapsed = time.perf_counter() - start
     table = RuleTable(path="generated.yaml", defaults=TABLE.defaults, rules=rules, index=index)
     assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(all_points))
-    assert elapsed < 5.0, f"{len(rules)} rules took {elapsed:.1f} s"
+    # A guard against a pairwise check (20 thousand rules squared takes many minutes), not a
+    # timing: it takes about 3 s on an idle core, and other work on the machine must not fail it.
+    assert elapsed < 30.0, f"{len(rules)} rules took {elapsed:.1f} s"
 
 
 def test_ten_thousand_copies_of_a_rule_fail_fast_with_an_overlap() -> None:
