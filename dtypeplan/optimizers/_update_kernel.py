@@ -190,9 +190,11 @@ def compile_options(rounding: str) -> dict[str, str | int | bool | Callable[...,
     Only Kahan rounding reads a rounded bf16 value back as fp32 (its error term): there
     ``emulate_precision_casts`` must make Inductor round it (else it keeps the fp32 value and
     the compensation comes out zero). The other roundings read nothing back (every stored
-    value is rounded once, on its store), so they go without: the emulation's extra casts cost
-    ~9% of the step with nearest rounding (57.5 against 62.9 ms, 16.8 M bf16 masters and
-    moments, one thread, interleaved, 2026-12-01), and compiled still gives eager's bits
+    value is rounded once, on its store), so they go without the emulation's extra casts.
+    With bf16 masters and moments rounded to nearest (16.8 M values, one thread, four
+    interleaved runs, 2026-12-01) that changed the step by -3% to +9% (noise on a shared
+    machine: 62.9 -> 57.5, 28.7 -> 29.7, 31.5 -> 29.9, 32.9 -> 30.1 ms); with an fp32 master and
+    bf16 moments, 84.8 -> 48.8 ms. Compiled still gives eager's bits
     (``tests/test_update_kernel.py``)."""
     return {**_COMPILE_OPTIONS, "emulate_precision_casts": rounding == "kahan"}
 
