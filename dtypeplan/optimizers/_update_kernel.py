@@ -192,7 +192,7 @@ def compile_options(rounding: str) -> dict[str, str | int | bool | Callable[...,
     the compensation comes out zero). The other roundings read nothing back (every stored
     value is rounded once, on its store), so they go without the emulation's extra casts.
     With bf16 masters and moments rounded to nearest (16.8 M values, one thread, four
-    interleaved runs, 2026-12-01) that changed the step by -3% to +9% (noise on a shared
+    interleaved runs, 2026-12-01) the step went from 3% slower to 9% faster (noise on a shared
     machine: 62.9 -> 57.5, 28.7 -> 29.7, 31.5 -> 29.9, 32.9 -> 30.1 ms); with an fp32 master and
     bf16 moments, 84.8 -> 48.8 ms. Compiled still gives eager's bits
     (``tests/test_update_kernel.py``)."""
