@@ -48,11 +48,23 @@ compared with the source: a case that wrote into its input gradients is flagged 
 (``grads kept``), and the shared source is checked at the end of every round, so a change is
 pinned on the case that made it.
 
-Columns: ``ms`` (median ms of ``step()``), ``x peer`` (ms over the first peer's median for the
-cell), ``B/param`` (bytes a step must move: read the gradient, read and write the master and
-each moment, write a 16-bit parameter that is not the master; int8 / fp8 blocks of 256 carry a
-4-byte scale each), ``x floor`` (ms over ``numel * B/param / copy bandwidth``, the copy timed in
-the same rounds).
+Two rows per case. ``hand-set`` (the rows without a suffix): the gradients are set by hand
+into ``.grad`` and only ``step()`` is timed, so dtypeplan's step also takes ``.grad`` into its
+accumulator and takes the gradient norm (``opt.grad_norm``), which in training the backward
+does. ``(as in training)``: the gradient arrives through a backward, for dtypeplan and its peer
+alike, and ``backward + step()`` is timed: the loss is ``sum((p * g).sum())`` over the
+parameters with ``g`` a fresh copy of the fixed gradients in the parameter's dtype, whose
+gradient is exactly ``g`` (checked once per dtype before timing); dtypeplan runs
+``opt.backward(loss, last_micro_batch=True)`` (its hooks take each gradient into the
+accumulator and the boundary backward takes the chunk norms), the peer ``loss.backward()``.
+The forward is untimed. ``x peer`` compares like with like (a training row with the peer's
+training row).
+
+Columns: ``ms`` (median ms of ``step()``, or of ``backward + step()``), ``x peer`` (ms over
+the first peer's median for the cell in the same mode), ``B/param`` (bytes a step must move:
+read the gradient, read and write the master and each moment, write a 16-bit parameter that is
+not the master; int8 / fp8 blocks of 256 carry a 4-byte scale each), ``x floor`` (ms over
+``numel * B/param / copy bandwidth``, the copy timed in the same rounds).
 """
 
 from __future__ import annotations
@@ -162,6 +174,13 @@ class Case:
     grads_kept: bool = True
     parts: dict[str, list[float]] | None = None
     """Milliseconds of named parts of each step (timed inside it), where the case has any."""
+    backward: Callable[[torch.Tensor], None] | None = None
+    """Timed as in training: runs the backward of a loss whose gradient is the fixed gradients
+    (timed with ``step``). None: the gradients are set by hand into ``.grad``."""
+
+
+TRAINING = " (as in training)"
+"""Suffix of a case whose gradients arrive through a backward (timed: backward + step)."""
 
 
 def _params(shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -176,7 +195,9 @@ STAGED = " [staged, as on an accelerator]"
 """Suffix of the offloaded case run through the accelerator's pipeline (``HostOffload.staged``)."""
 
 
-def dtypeplan_case(cell: Cell, shapes: list[torch.Size], staged: bool = False) -> Case:
+def dtypeplan_case(
+    cell: Cell, shapes: list[torch.Size], staged: bool = False, training: bool = False
+) -> Case:
     plan = dtypeplan.resolve(cell.config)
     params = _params(shapes, torch.float32)
     opt = plan.build(params)
@@ -193,6 +214,9 @@ def dtypeplan_case(cell: Cell, shapes: list[torch.Size], staged: bool = False) -
         zero_grad=opt.zero_grad,
         bytes_per_param=accumulate + 2 * master + kahan + 2 * state_bytes + param_write,
     )
+    if training:
+        case.name += TRAINING
+        case.backward = lambda loss: opt.backward(loss, last_micro_batch=True)
     offload = getattr(opt, "offload", None)
     if offload is not None:
         # Offloaded masters never alias the parameters: the host step writes them (4 B/param).
@@ -277,37 +301,74 @@ PEER_PARAM_DTYPE = {
 }
 
 
-def peer_case(name: str, shapes: list[torch.Size]) -> Case | None:
+def peer_case(name: str, shapes: list[torch.Size], training: bool = False) -> Case | None:
     params = _params(shapes, PEER_PARAM_DTYPE.get(name, torch.float32))
     opt = _peer_optimizer(name, params)
     if opt is None:
         return None
     return Case(
-        name=name,
+        name=name + (TRAINING if training else ""),
         params=params,
         step=opt.step,
         zero_grad=lambda: opt.zero_grad(set_to_none=True),
         bytes_per_param=PEER_BYTES[name],
+        backward=(lambda loss: loss.backward()) if training else None,
     )
+
+
+def linear_loss(params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """``sum((p * g).sum())``: its gradient with respect to each ``p`` is exactly ``g`` (the
+    backward of a sum is ones, times ``g``: no rounding, in any dtype)."""
+    return torch.stack([(p * g).sum().float() for p, g in zip(params, grads, strict=True)]).sum()
+
+
+def check_linear_loss(grads: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """Raise unless the backward of :func:`linear_loss` gives exactly ``grads`` in ``dtype``."""
+    params = [torch.zeros(g.shape, dtype=dtype, requires_grad=True) for g in grads]
+    wanted = [g.to(dtype) for g in grads]
+    linear_loss(params, wanted).backward()
+    for param, grad in zip(params, wanted, strict=True):
+        if param.grad is None or not torch.equal(param.grad, grad):
+            raise RuntimeError(f"the training loss's gradient is not the fixed gradient ({dtype})")
+
+
+def _stepper(
+    case: Case, grads: list[torch.Tensor], given: list[torch.Tensor]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The untimed ``prepare`` (fresh copies of ``grads`` into ``given``, and ``.grad`` or the
+    loss) and the timed ``step`` (backward where the case has one, then ``step()``)."""
+    loss: list[torch.Tensor] = []
+
+    def prepare() -> None:
+        case.zero_grad()
+        given.clear()
+        loss.clear()
+        for param, grad in zip(case.params, grads, strict=True):
+            given.append(grad.to(param.dtype, copy=True))
+            if case.backward is None:
+                param.grad = given[-1]
+        if case.backward is not None:
+            with torch.enable_grad():
+                loss.append(linear_loss(case.params, given))
+
+    def step() -> None:
+        if case.backward is not None:
+            case.backward(loss.pop())
+        case.step()
+
+    return prepare, step
 
 
 def run_case(case: Case, grads: list[torch.Tensor], iters: int, clock: Any) -> list[float]:
     """``iters`` timed steps of ``case``, each on a fresh copy of ``grads``; flags the case if
     it wrote into the copy it was given."""
     given: list[torch.Tensor] = []
-
-    def prepare() -> None:
-        case.zero_grad()
-        given.clear()
-        for param, grad in zip(case.params, grads, strict=True):
-            param.grad = grad.to(param.dtype, copy=True)
-            given.append(param.grad)
-
+    prepare, step = _stepper(case, grads, given)
     times: list[float] = []
     for _ in range(iters):
         parts = list((case.parts or {}).values())
         before = [len(part) for part in parts]
-        times += time_steps(prepare, case.step, CPU, 1, clock=clock)
+        times += time_steps(prepare, step, CPU, 1, clock=clock)
         for part, begin in zip(parts, before, strict=True):  # a part called per chunk: sum
             part[begin:] = [sum(part[begin:])]
         for param, copy, grad in zip(case.params, given, grads, strict=True):
@@ -328,7 +389,12 @@ def main() -> None:
     parser.add_argument("--cells", default="", help="comma-separated cell names (default all)")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
     parser.add_argument(
-        "--profile", action="store_true", help="torch.profiler breakdown of the offloaded step"
+        "--modes",
+        default="hand-set,training",
+        help="hand-set (.grad set by hand, step() timed) and/or training (backward + step())",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler breakdown of dtypeplan's steps"
     )
     args = parser.parse_args()
     if args.quick:
@@ -347,21 +413,30 @@ def main() -> None:
 
     env = environment()
     notes: list[str] = []
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"hand-set", "training"}:
+        raise ValueError(f"--modes takes hand-set and/or training, not {args.modes!r}")
+    suffixes = [TRAINING if mode == "training" else "" for mode in modes]
+    if TRAINING in suffixes:
+        for dtype in (torch.float32, torch.bfloat16):
+            check_linear_loss(grads, dtype)
     cases: dict[str, Case] = {}
     for cell in cells:
-        case = dtypeplan_case(cell, shapes)
-        cases[case.name] = case
-        if case.parts:  # offloaded: also through the accelerator's pipeline
-            staged = dtypeplan_case(cell, shapes, staged=True)
-            cases[staged.name] = staged
-        for peer in cell.peers:
-            if peer in cases:
-                continue
-            built = peer_case(peer, shapes)
-            if built is None:
-                notes.append(f"{peer}: not installed here, its rows are left out")
-            else:
-                cases[peer] = built
+        for suffix in suffixes:
+            case = dtypeplan_case(cell, shapes, training=bool(suffix))
+            cases[case.name] = case
+            if case.parts and not suffix:  # offloaded: also through the accelerator's pipeline
+                staged = dtypeplan_case(cell, shapes, staged=True)
+                cases[staged.name] = staged
+            for peer in cell.peers:
+                if peer + suffix in cases:
+                    continue
+                built = peer_case(peer, shapes, training=bool(suffix))
+                if built is None:
+                    if not suffix:
+                        notes.append(f"{peer}: not installed here, its rows are left out")
+                else:
+                    cases[built.name] = built
     print(
         f"{len(cases)} cases, {numel / 1e6:.1f} M parameters, {args.threads} thread(s)", flush=True
     )
@@ -385,12 +460,12 @@ def main() -> None:
     copy_bps = 2 * src.numel() * src.element_size() / (statistics.median(copy_times) * 1e-3)
 
     rows: list[dict[str, Any]] = []
-    for cell in cells:
-        peers = [p for p in cell.peers if p in cases]
-        mine = cases[f"dtypeplan {cell.name}"]
+    for cell, suffix in ((cell, suffix) for cell in cells for suffix in suffixes):
+        peers = [p + suffix for p in cell.peers if p + suffix in cases]
+        mine = cases[f"dtypeplan {cell.name}{suffix}"]
         timed = []
         part_bytes: dict[str, float | None] = {}
-        for variant in (mine, cases.get(mine.name + STAGED)):
+        for variant in (mine, cases.get(f"dtypeplan {cell.name}{STAGED}") if not suffix else None):
             if variant is None:
                 continue
             timed.append((variant.name, variant, times[variant.name]))
@@ -403,18 +478,20 @@ def main() -> None:
             ms = statistics.median(case_times)
             nbytes = part_bytes.get(method) or timed_case.bytes_per_param
             floor_ms = numel * nbytes / copy_bps * 1e3
+            # A part of a step against the peer's backward + step compares nothing.
+            like = peer_ms and not (suffix and method in part_bytes)
             rows.append(
                 {
                     "cell": cell.name,
                     "method": method,
                     "ms": round(ms, 2),
-                    "x peer": round(ms / peer_ms, 2) if peer_ms else None,
+                    "x peer": round(ms / peer_ms, 2) if like and peer_ms else None,
                     "B/param": round(nbytes, 2),
                     "x floor": round(ms / floor_ms, 2),
                     "grads kept": timed_case.grads_kept,
                 }
             )
-        if "DeepSpeedCPUAdam" in peers:
+        if "DeepSpeedCPUAdam" in peers and not suffix:
             ds_case = cases["DeepSpeedCPUAdam"]
             diff = max(
                 (a - b).abs().max().item() for a, b in zip(mine.params, ds_case.params, strict=True)
@@ -425,9 +502,9 @@ def main() -> None:
                 f"{diff:.3g} (different fp32 operation order; parameters ~0.02)"
             )
     sections = []
-    profile = _profile(cells, cases, grads) if args.profile else ""
+    profile = _profile(cases, grads) if args.profile else ""
     if profile:
-        sections.append(("Where the offloaded step's time goes (torch.profiler)", profile))
+        sections.append(("Where dtypeplan's step time goes (torch.profiler)", profile))
     columns = ["cell", "method", "ms", "x peer", "B/param", "x floor", "grads kept"]
     table = format_table(rows, columns)
     print(table)
@@ -447,6 +524,7 @@ def main() -> None:
     if not args.no_write:
         # A run of some cells, or at other thread counts, must not overwrite the full table.
         name = "precision_peers" + "".join(f"_{_slug(c.name)}" for c in cells if wanted)
+        name += "" if len(modes) == 2 else f"_{modes[0]}"
         name += f"_t{args.threads}" if args.threads != 1 else ""
         parts = {c.name: c.parts for c in cases.values() if c.parts}
         out = write_result(
@@ -477,31 +555,32 @@ def _omp_threads() -> int | None:
         return None
 
 
-def _profile(cells: list[Cell], cases: dict[str, Case], grads: list[torch.Tensor]) -> str:
-    """Self CPU ms per step by op (top 10) of each offloaded dtypeplan case, over 3 steps."""
+def _profile(cases: dict[str, Case], grads: list[torch.Tensor]) -> str:
+    """Self CPU ms per step by op (top 12) of each dtypeplan case, over 3 steps (as timed:
+    ``step()``, or ``backward + step()`` as in training)."""
     from torch.profiler import ProfilerActivity, profile
 
     sections = []
-    for cell in cells:
-        case = cases[f"dtypeplan {cell.name}"]
-        if not case.parts:
+    for case in cases.values():
+        if not case.name.startswith("dtypeplan"):
             continue
+        given: list[torch.Tensor] = []
+        prepare, step = _stepper(case, grads, given)
         totals: dict[str, list[float]] = {}  # op -> [calls, self microseconds]
         for _ in range(3):
-            case.zero_grad()
-            for param, grad in zip(case.params, grads, strict=True):
-                param.grad = grad.clone()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the step alone
-                case.step()
+            prepare()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the timed part alone
+                step()
             for e in prof.key_averages():
                 total = totals.setdefault(e.key, [0.0, 0.0])
                 total[0] += e.count
                 total[1] += e.self_cpu_time_total
         ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)
         everything = sum(us for _, us in totals.values())
-        lines = [f"{case.name}: `opt.step()` alone, 3 steps", ""]
+        timed = "backward + `opt.step()`" if case.backward else "`opt.step()` alone"
+        lines = [f"{case.name}: {timed}, 3 steps, {everything / 3e3:.1f} ms / step", ""]
         lines += ["| op | calls / step | self ms / step | share |", "| --- | --- | --- | --- |"]
-        for key, (calls, us) in ranked[:10]:
+        for key, (calls, us) in ranked[:12]:
             lines.append(f"| {key} | {calls / 3:g} | {us / 3e3:.1f} | {us / everything:.0%} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
@@ -513,9 +592,19 @@ def _plot(rows: list[dict[str, Any]], args: Any, env: dict[str, Any], name: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mine = [r for r in rows if r["method"] == f"dtypeplan {r['cell']}" and r["x peer"] is not None]
+    mine = [
+        r
+        for r in rows
+        if r["method"] in (f"dtypeplan {r['cell']}", f"dtypeplan {r['cell']}{TRAINING}")
+        and r["x peer"] is not None
+    ]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(mine) + 1.5))
-    ax.barh([r["cell"] for r in mine], [r["x peer"] for r in mine], color="tab:blue")
+    colors = ["tab:orange" if r["method"].endswith(TRAINING) else "tab:blue" for r in mine]
+    ax.barh(
+        [r["method"].removeprefix("dtypeplan ") for r in mine],
+        [r["x peer"] for r in mine],
+        color=colors,
+    )
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("dtypeplan step time / peer step time (log; 1 = as fast as the peer)")

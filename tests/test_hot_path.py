@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -255,3 +256,65 @@ def test_one_process_boundary_takes_every_norm_in_backward() -> None:
     assert told["grad_norms"] == untold["grad_norms"]
     for a, b in zip(told["params"], untold["params"], strict=True):
         assert torch.equal(a, b)
+
+
+# --- .grad set by hand: copied onto an empty accumulator --------------------------------------
+
+
+class _AccumulatorWrites(torch.utils._python_dispatch.TorchDispatchMode):
+    """Elements each in-place op writes into one storage (the accumulator), by op name."""
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        super().__init__()
+        self.pointer = storage.untyped_storage().data_ptr()
+        self.written: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        target = args[0] if args else None
+        name = func.overloadpacket.__name__
+        if (
+            name.endswith("_")
+            and isinstance(target, torch.Tensor)
+            and target.untyped_storage().data_ptr() == self.pointer
+        ):
+            self.written[name] = self.written.get(name, 0) + target.numel()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("accumulation", ["fp32", "bf16"])
+def test_hand_set_grads_are_copied_onto_an_empty_accumulator(accumulation: str) -> None:
+    """``.grad`` set by hand with no backward since ``zero_grad``: each gradient is copied into
+    the accumulator and only what no gradient covers is zeroed (was: the whole accumulator
+    zeroed, then every gradient added), and a stale accumulator (a backward's gradients of the
+    step before) leaks into neither the update nor ``grad_norm``."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    config["gradient_accumulation_dtype"] = accumulation
+    model, reference = make_model(0), make_model(0)
+    optimizer = dtypeplan.resolve(config).build(model.parameters())
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    params, reference_params = list(model.parameters()), list(reference.parameters())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[accumulation]
+    generator = torch.Generator().manual_seed(3)
+    left_out = len(params) - 1  # in the second step this parameter gets no gradient
+    (state,) = optimizer.groups
+    writes = _AccumulatorWrites(state.accumulator)
+    for step in range(2):
+        # Values the accumulation dtype holds exactly, so torch sees the same gradients.
+        grads = [torch.randn(p.shape, generator=generator).to(dtype).float() for p in params]
+        optimizer.zero_grad()
+        torch_optimizer.zero_grad()
+        pairs = zip(params, reference_params, grads, strict=True)
+        for index, (param, theirs, grad) in enumerate(pairs):
+            if step == 0 or index != left_out:
+                param.grad, theirs.grad = grad.clone(), grad.clone()
+        with writes if step == 1 else contextlib.nullcontext():
+            optimizer.step()
+        torch_optimizer.step()
+    covered = sum(g.numel() for i, g in enumerate(grads) if i != left_out)
+    assert writes.written.get("copy_") == covered
+    assert writes.written.get("zero_", 0) == state.accumulator.numel() - covered
+    assert "add_" not in writes.written
+    expected_norm = torch.stack([g.norm() for i, g in enumerate(grads) if i != left_out]).norm()
+    assert optimizer.grad_norm == pytest.approx(float(expected_norm), rel=1e-6)
+    for mine, theirs in zip(params, reference_params, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)

@@ -371,9 +371,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
     def _prepare(self) -> PreparedStep:
         """Everything before the update: model changes, hand-set grads, reduction, summary."""
         self.model_sync.pick_up()
-        hand_set = self._take_hand_set_grads()
-        for (gi, pi), grad in hand_set.items():
-            self.reductions.add_hand_set(gi, pi, grad)
+        self.reductions.add_hand_set(self._take_hand_set_grads())
         grads = self.reductions.reduced_grads()
         sq_norm, untouched, any_touched = self._step_summary(grads)
         return PreparedStep(grads, sq_norm, untouched, any_touched)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -561,9 +561,18 @@ class ReductionScheduler:
             finish()
 
     # --- .grad set by hand --------------------------------------------------------------------
-    def add_hand_set(self, gi: int, pi: int, grad: torch.Tensor) -> None:
-        """Whole accumulator: add a ``.grad`` found at ``step()`` into its view, before the
-        reduction (every rank reduces the whole accumulator anyway)."""
+    def add_hand_set(self, grads: Mapping[tuple[int, int], torch.Tensor]) -> None:
+        """Whole accumulator: take the ``.grad`` found at ``step()`` (by ``(group, parameter)``)
+        into their views, before the reduction (every rank reduces the whole accumulator
+        anyway).
+
+        Onto an accumulator that no backward wrote since ``zero_grad`` (stale data, not zeros)
+        each gradient is copied and only what none covers is zeroed, as a backward's first
+        micro-batch copies: one write per element, not a zeroing, a read and a write. The same
+        values as adding onto zeros (``0 + x`` rounds as ``x``), but for the sign of a -0.0.
+        """
+        if not grads:
+            return
         assert not self.sharded_accumulator
         if self.phase is Phase.REDUCING:
             raise OptimizerUsageError(
@@ -571,15 +580,20 @@ class ReductionScheduler:
                 "backward started the step's reduction already; set .grad before it, or do "
                 "not mark the micro-batch last"
             )
-        if self.phase is Phase.EMPTY:
-            # No backward since zero_grad: the accumulator holds stale data, not zeros.
-            for state in self.groups:
-                state.accumulator.zero_()
-            self.phase = Phase.ACCUMULATED
+        onto_empty = self.phase is Phase.EMPTY
         with torch.no_grad():
-            accumulate_(self.groups[gi].acc_param_views[pi], grad)
-        self.window_touched[gi][pi] = True
-        self.final_sq_norms.pop((gi, self.groups[gi].flat.bucket_of[pi]), None)
+            if onto_empty:
+                for gi, state in enumerate(self.groups):
+                    _zero_uncovered(state, [pi for g, pi in grads if g == gi])
+                self.phase = Phase.ACCUMULATED
+            for (gi, pi), grad in grads.items():
+                view = self.groups[gi].acc_param_views[pi]
+                if onto_empty:
+                    view.copy_(grad)
+                else:
+                    accumulate_(view, grad)
+                self.window_touched[gi][pi] = True
+                self.final_sq_norms.pop((gi, self.groups[gi].flat.bucket_of[pi]), None)
 
     # --- the step -----------------------------------------------------------------------------
     def reduced_grads(self) -> list[list[torch.Tensor]]:
@@ -657,6 +671,17 @@ class ReductionScheduler:
         self._passes = 0
         self._reset_bookkeeping()
         self._reset_window()
+
+
+def _zero_uncovered(state: GroupState, covered: list[int]) -> None:
+    """Zero ``state``'s whole accumulator except the views of parameters ``covered``."""
+    flat = state.flat
+    spans = sorted((flat.offsets[pi], flat.offsets[pi] + flat.params[pi].numel()) for pi in covered)
+    begin = 0
+    for start, end in [*spans, (state.accumulator.numel(), state.accumulator.numel())]:
+        if start > begin:
+            state.accumulator[begin:start].zero_()
+        begin = max(begin, end)
 
 
 def _make_clear_placeholder(

@@ -55,6 +55,7 @@ from dtypeplan import _update_path as update_path
 __all__ = [
     "OnePassUpdate",
     "adam_one_pass",
+    "compile_options",
     "hyperparameters",
     "noise_key",
     "round_stochastic",
@@ -180,10 +181,22 @@ _COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     # Each mul and add rounds on its own, as eagerly: no FMA contraction, no reassociation.
     "cpp.enable_floating_point_contract_flag": "off",
     "cpp.enable_unsafe_math_opt_flag": False,
-    # A bf16 value read back as fp32 (Kahan's error term) must be the rounded one: without
-    # this Inductor keeps the fp32 value and the compensation comes out zero.
-    "emulate_precision_casts": True,
 }
+
+
+def compile_options(rounding: str) -> dict[str, str | int | bool | Callable[..., Any]]:
+    """Inductor's options for the kernel of ``rounding``.
+
+    Only Kahan rounding reads a rounded bf16 value back as fp32 (its error term): there
+    ``emulate_precision_casts`` must make Inductor round it (else it keeps the fp32 value and
+    the compensation comes out zero). The other roundings read nothing back (every stored
+    value is rounded once, on its store), so they go without the emulation's extra casts.
+    With bf16 masters and moments rounded to nearest (16.8 M values, one thread, four
+    interleaved runs, 2026-12-01) the step went from 3% slower to 9% faster (noise on a shared
+    machine: 62.9 -> 57.5, 28.7 -> 29.7, 31.5 -> 29.9, 32.9 -> 30.1 ms); with an fp32 master and
+    bf16 moments, 84.8 -> 48.8 ms. Compiled still gives eager's bits
+    (``tests/test_update_kernel.py``)."""
+    return {**_COMPILE_OPTIONS, "emulate_precision_casts": rounding == "kahan"}
 
 
 @functools.cache
@@ -192,7 +205,7 @@ def _compiled(decoupled: bool, weight_decay: bool, rounding: str) -> Callable[..
         adam_one_pass, decoupled=decoupled, weight_decay=weight_decay, rounding=rounding
     )
     compiled: Callable[..., None] = torch.compile(
-        kernel, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS
+        kernel, dynamic=True, fullgraph=True, options=compile_options(rounding)
     )
     return compiled
 
