@@ -69,6 +69,45 @@ def test_flat_traffic_equals_the_bytes_the_collectives_send() -> None:
             assert bare.total_bytes <= predicted.total_bytes
 
 
+def _hybrid_cases() -> list[dict]:
+    """ZeRO-1 (whole and sharded accumulator) and ZeRO-2 as 2 shard groups of 2, one bucket (the
+    quantized wire pads each bucket's slice to whole blocks: one bucket is the model's count)."""
+    cases = []
+    for (stage, sharded), across, micro_batches in itertools.product(
+        [(1, False), (1, True), (2, True)], [None, "fp32", "int8", "fp8"], [1, 3]
+    ):
+        if micro_batches == 3 and across not in (None, "int8"):
+            continue
+        config: dict = {
+            "bf16": {"enabled": True},
+            "communication_data_type": "bf16",
+            "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
+            "zero_optimization": {"stage": stage, "shard_group_size": 2},
+        }
+        if across is not None:
+            config["communication_data_type_across_groups"] = across
+        cases.append({"config": config, "micro_batches": micro_batches, "width": 4 * WIDTH})
+    return cases
+
+
+def test_hybrid_traffic_equals_the_bytes_each_level_sends() -> None:
+    """Per level and per collective, the bytes of a real 2 x 2 gloo run are plan.traffic()'s:
+    within the shard group (reduce-scatters, all-gathers), across the groups (the all-reduce
+    of each shard, dtype or block-quantized), and no gradient byte on the whole group."""
+    cases = _hybrid_cases()
+    per_rank = spawn(traffic_cases, WORLD, cases, timeout_s=300)
+    for case, *results in zip(cases, *per_rank, strict=True):
+        plan = dtypeplan.resolve(case["config"])
+        for result in results:
+            assert result["buckets"] == 1, case
+            predicted = plan.traffic(result["padded"], WORLD, micro_batches=case["micro_batches"])
+            assert predicted.hybrid, case
+            assert dict(predicted.within) == result["bytes_sent"], case
+            assert dict(predicted.across) == result["across_bytes_sent"], case
+            assert result["across_bytes_sent"], case
+            assert sum(result["world_bytes_sent"].values()) == 0, case
+
+
 def _plan(stage: int, **extra: object) -> dtypeplan.PrecisionPlan:
     zero = {"stage": stage, "shard_group_size": extra.pop("shard_group_size", None)}
     config = {"bf16": {"enabled": True}, "communication_data_type": "bf16", **extra}

@@ -24,14 +24,21 @@ def traffic_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
         optimizer.zero_grad()
 
     one_step()  # lazily built state is not part of a step's traffic
-    stats = optimizer.comm.stats
-    stats.reset()
+    levels = optimizer.levels
+    across = levels.across.comm.stats if levels.across is not None else None
+    for stats in {id(s): s for s in (optimizer.comm.stats, levels.shard.stats, across) if s}.values():
+        stats.reset()
     one_step()
     return {
         "num_params": sum(p.numel() for p in model.parameters()),
         "padded": sum(group.flat.numel for group in optimizer.groups),
         "buckets": sum(len(group.flat.buckets) for group in optimizer.groups),
-        "bytes_sent": dict(stats.bytes_sent),
+        "bytes_sent": dict(levels.shard.stats.bytes_sent),
+        "across_bytes_sent": dict(across.bytes_sent) if across is not None else {},
+        # Hybrid: the whole group carries only the step's scalar summary.
+        "world_bytes_sent": (
+            dict(optimizer.comm.stats.bytes_sent) if optimizer.comm is not levels.shard else {}
+        ),
     }
 
 
