@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan._dtypes import dtype_name
+from dtypeplan.comm._quantized_wire import start_all_reduce_quantized
 from dtypeplan.errors import RankMismatchError
 
 __all__ = ["CollectiveError", "CommStats", "Communicator", "mean_reduction"]
@@ -182,6 +183,12 @@ class Communicator:
                 tensor.copy_(wire)
 
         return finish
+
+    def start_all_reduce_quantized(self, tensor: torch.Tensor, fmt: str) -> Callable[[], None]:
+        """Sum ``tensor`` over the group in place (no mean), each rank's contribution
+        block-quantized in ``fmt`` ("int8" or "fp8") on the wire and summed in fp32; see
+        :mod:`dtypeplan.comm._quantized_wire`. Call the result to finish it."""
+        return start_all_reduce_quantized(self, tensor, fmt)
 
     def reduce_scatter_sum(
         self, output: torch.Tensor, full: torch.Tensor, wire_dtype: torch.dtype, method: str
