@@ -15,7 +15,13 @@ with ``u = 2**-8``, and the clipped mean gradient is at most 1 per element; the 
 rounds 3 times (W - 1 hops), the hybrid twice (one hop within, one across) and once more into
 the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``. Across the
 groups alone (fp32 within), a bf16 wire rounds each of the 2 contributions and their sum:
-``lr * M * 3 * u`` against the fp32 flat run. Adam moves each element by at most about ``lr``
+``lr * M * 3 * u`` against the fp32 flat run. A block-quantized wire across
+(``_quantized_wire.py``) errs by half a code step of the block's absmax per rounding, 2
+contributions and the requantized sum: ``3 / 254`` for int8; fp8 e4m3 by ``|x| / 16`` per
+rounding: ``3 / 16``; so ``lr * M * 3 / 254`` and ``lr * M * 3 / 16``. Measured (SGD, 4
+steps, largest master difference to the flat fp32 run): bf16 across 1.2e-4 (bound 5.3e-3),
+int8 3.1e-4 (bound 5.3e-3), fp8 1.7e-3 (bound 8.5e-2); bf16 params and wire on both levels
+2.8e-4 (bound 1.1e-2). Adam moves each element by at most about ``lr``
 per step whatever the gradient, so a sign flipped by a rounding costs at most ``2 * lr`` per
 step: ``2 * lr * K``, a bound that still catches a wrong master or a missed step.
 """
@@ -63,9 +69,10 @@ def config(
 
 
 def _parity_cases(slow: bool) -> list[dict[str, Any]]:
-    """Default: every layout with SGD and AdamW in fp32, and SGD in the 16-bit cells. Slow:
-    AdamW in the 16-bit cells, and everything with the last micro-batch marked (the step's
-    reductions, both levels, start inside the last backward)."""
+    """Default: every layout with SGD and AdamW in fp32, and SGD in the 16-bit and quantized
+    cells (quantized: stage 1 whole and stage 2). Slow: AdamW in those cells, and everything
+    with the last micro-batch marked (the step's reductions, both levels, start inside the
+    last backward)."""
     cases = []
     for (stage, sharded), boundary, opt in itertools.product(
         LAYOUTS, (False, True), ("sgd", "adam")
@@ -74,9 +81,12 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
             "fp32": (config(stage, sharded, opt=OPTS[opt]), None),
             "bf16": (config(stage, sharded, model="bf16", comm="bf16", opt=OPTS[opt]), None),
             "across_bf16": (config(stage, sharded, opt=OPTS[opt]), "bf16"),
+            "across_int8": (config(stage, sharded, opt=OPTS[opt]), "int8"),
+            "across_fp8": (config(stage, sharded, opt=OPTS[opt]), "fp8"),
         }
         for cell, (cfg, across) in cells.items():
-            is_slow = boundary or (opt == "adam" and cell != "fp32")
+            quantized = cell in ("across_int8", "across_fp8")
+            is_slow = boundary or (opt == "adam" and cell != "fp32") or (quantized and sharded)
             if is_slow != slow:
                 continue
             cases.append(
@@ -113,10 +123,18 @@ def _other_cases() -> list[dict[str, Any]]:
         {"kind": "refusal", "name": "size", "config": config(1, False), "size": 3},
         {
             "kind": "refusal",
-            "name": "int8",
+            "name": "wire",
             "config": config(1, False),
             "size": 2,
+            "across": "int4",
+        },
+        # The block-quantized wire across: an all-to-all and an all-gather of codes + scales.
+        {
+            "kind": "traffic",
+            "name": "int8",
+            "config": config(2, None, model="bf16", comm="bf16"),
             "across": "int8",
+            "micro": 2,
         },
         {"kind": "stage0", "name": "stage0", "config": config(0, None, opt=ADAM)},
     ]
@@ -149,8 +167,14 @@ def _bound(case: dict[str, Any]) -> float:
         return 1e-6
     if case["opt"] == "adam":
         return 2 * ADAM_LR * STEPS
-    roundings = 6 if case["cell"] == "bf16" else 3
-    return SGD_LR * MOMENTUM_SUM * roundings * BF16_U
+    # Per element of the clipped mean gradient (at most 1): the largest error of the wire.
+    error = {
+        "bf16": 6 * BF16_U,
+        "across_bf16": 3 * BF16_U,
+        "across_int8": 3 / 254,
+        "across_fp8": 3 / 16,
+    }[case["cell"]]
+    return SGD_LR * MOMENTUM_SUM * error
 
 
 def _check_parity(results: dict[str, dict[str, Any]]) -> None:
@@ -201,6 +225,18 @@ def test_bytes_per_level(default_run: dict[str, dict[str, Any]]) -> None:
     assert stage1["across"] == {"all_reduce": 2 * ring(numel // S, 4, R)}
     assert stage1["across_calls"] == {"all_reduce": 1}
     assert stage1["world"] == {}  # the step summary only (not counted as traffic)
+    # int8 across (_quantized_wire.py): the chunk padded to whole blocks of 256 per rank of
+    # the replica group, one byte per code and an fp32 scale per block, (R-1)/R of it in the
+    # all-to-all and again in the all-gather of the requantized sums.
+    padded = -(-(numel // S) // (R * 256)) * (R * 256)
+    packed = padded + padded // 256 * 4
+    int8 = default_run["traffic:int8"]
+    assert int8["across"] == {"all_to_all": ring(packed, 1, R), "all_gather": ring(packed, 1, R)}
+    assert int8["across_calls"] == {"all_to_all": 1, "all_gather": 1}
+    assert int8["within"] == {
+        "reduce_scatter": 2 * ring(numel, 2, S),
+        "all_gather": ring(numel, 2, S),
+    }
     stage2 = default_run["traffic:stage2"]
     # Within: a bf16 reduce-scatter per micro-batch (3), the bf16 params all-gathered once.
     assert stage2["within"] == {
@@ -258,8 +294,8 @@ def test_refusals(default_run: dict[str, dict[str, Any]]) -> None:
     size = default_run["refusal:size"]
     assert size["type"] == "PrecisionConfigError"
     assert "shard_group_size 3" in size["message"] and "world size 4" in size["message"]
-    int8 = default_run["refusal:int8"]
-    assert int8["type"] == "NotSupportedError" and "wire_across_groups int8" in int8["message"]
+    wire = default_run["refusal:wire"]
+    assert wire["type"] == "NotSupportedError" and "wire_across_groups 'int4'" in wire["message"]
 
 
 def test_stage0_stays_flat(default_run: dict[str, dict[str, Any]]) -> None:
