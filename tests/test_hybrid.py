@@ -13,7 +13,8 @@ most ``lr * M * max |g error|`` over ``K`` steps, ``M = sum_k sum_j<=k beta**(k-
 K = 4, beta = 0.9). Each rounding of a partial sum to bf16 errs by at most ``u * |partial|``
 with ``u = 2**-8``, and the clipped mean gradient is at most 1 per element; the flat ring
 rounds 3 times (W - 1 hops), the hybrid twice (one hop within, one across) and once more into
-the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``. Across the
+the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``; with a bf16
+sharded accumulator each adds the second micro-batch once more, rounded (8 roundings). Across the
 groups alone (fp32 within), a bf16 wire rounds each of the 2 contributions and their sum:
 ``lr * M * 3 * u`` against the fp32 flat run. A block-quantized wire across
 (``_quantized_wire.py``) errs by half a code step of the block's absmax per rounding, 2
@@ -56,13 +57,21 @@ LAYOUTS = ((1, False), (1, True), (2, None))
 
 
 def config(
-    stage: int, sharded: bool | None, *, model: str = "fp32", comm: str | None = None, opt=SGD
+    stage: int,
+    sharded: bool | None,
+    *,
+    model: str = "fp32",
+    comm: str | None = None,
+    accum: str = "fp32",
+    opt: dict[str, Any] = SGD,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {**opt, "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0}
     if model == "bf16":
         out["bf16"] = {"enabled": True}
+    accumulation: dict[str, Any] = {"dtype": accum}
     if sharded is not None:
-        out["gradient_accumulation_dtype"] = {"dtype": "fp32", "sharded": sharded}
+        accumulation["sharded"] = sharded
+    out["gradient_accumulation_dtype"] = accumulation
     if comm is not None:
         out["communication_data_type"] = comm
     return out
@@ -83,8 +92,15 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
             "across_bf16": (config(stage, sharded, opt=OPTS[opt]), "bf16"),
             "across_int8": (config(stage, sharded, opt=OPTS[opt]), "int8"),
             "across_fp8": (config(stage, sharded, opt=OPTS[opt]), "fp8"),
+            # A bf16 sharded accumulator sums the group's sums, then goes across once.
+            "bf16_accum": (
+                config(stage, sharded, model="bf16", comm="bf16", accum="bf16", opt=OPTS[opt]),
+                None,
+            ),
         }
         for cell, (cfg, across) in cells.items():
+            if cell == "bf16_accum" and stage == 1 and not sharded:
+                continue  # a whole accumulator goes across per step anyway (stage 1 cases)
             quantized = cell in ("across_int8", "across_fp8")
             is_slow = boundary or (opt == "adam" and cell != "fp32") or (quantized and sharded)
             if is_slow != slow:
@@ -170,6 +186,7 @@ def _bound(case: dict[str, Any]) -> float:
     # Per element of the clipped mean gradient (at most 1): the largest error of the wire.
     error = {
         "bf16": 6 * BF16_U,
+        "bf16_accum": 8 * BF16_U,
         "across_bf16": 3 * BF16_U,
         "across_int8": 3 / 254,
         "across_fp8": 3 / 16,
