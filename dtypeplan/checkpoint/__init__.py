@@ -47,7 +47,11 @@ Sharded I/O. For the built-in optimizers (the flat-buffer ones of ZeRO 0-2 and Z
 one) each rank writes only the pieces of each parameter that its own shard holds, as DCP chunks
 with their offsets, and on load reads only the pieces that its new shard needs; DCP's
 resharding matches old chunks to new ones. No rank ever materializes the full state. (At ZeRO
-stage 0 every rank holds everything; DCP then writes each piece once.) Any other
+stage 0 every rank holds everything; DCP then writes each piece once. In a hybrid layout,
+``shard_group_size`` S < W at stages 1-2, the ranks of the first shard group write and the
+other groups, which hold the same pieces, write nothing; a load reads each rank's pieces
+whatever the layout, so flat N ranks and S x N/S load each other's checkpoints, whatever the
+wire dtypes, which are not state.) Any other
 ``MixedPrecisionOptimizer`` goes through its layout-free ``full_state()`` /
 ``load_full_state()``: full tensors, replicated on every rank and written once. Both ways write
 the same format, so either reads what the other wrote. (The sharded way uses the optimizer's

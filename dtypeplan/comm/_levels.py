@@ -9,12 +9,14 @@ own :class:`CommStats`, so the bytes on each level are counted apart::
     shard    the S ranks of this rank's shard group (under torchrun: one node's, fast links):
              the gradients' reduce-scatters in ``comm_dtype`` and the parameters' all-gathers
     across   the W/S ranks of this rank's replica group (the slow links): the all-reduce of
-             this rank's reduced chunk, in ``wire_across_groups`` (None: ``comm_dtype``)
+             this rank's reduced chunk, in ``wire_across_groups`` (None: ``comm_dtype``;
+             "int8" / "fp8": block-quantized, summed in fp32, ``_quantized_wire.py``)
 
 The sum of the two levels is the group-wide sum: the shard group sums the S ranks' gradients
 of a chunk, the replica group sums the W/S shard groups' sums of the same chunk. On gloo both
 levels sum, and the result is still to be divided by ``S * W/S = W``; NCCL averages on each
-level, leaving 1 (:attr:`Levels.reduction_divisor`).
+level, leaving 1; a quantized wire across sums on any backend, leaving W/S
+(:attr:`Levels.reduction_divisor`).
 """
 
 from __future__ import annotations
@@ -27,24 +29,22 @@ import torch
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.comm._collectives import Communicator
 from dtypeplan.comm._groups import check_shard_group_size, hybrid_groups
+from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError
 
 __all__ = ["QUANTIZED_WIRES", "AcrossGroups", "Levels", "across_wire", "levels"]
 
-QUANTIZED_WIRES = ("int8", "fp8")
+QUANTIZED_WIRES = tuple(WIRE_FORMATS)
 """Block-quantized wire formats (summed in fp32 by the receiver)."""
 
 
-def across_wire(name: str | None, comm_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the all-reduce across shard groups for ``plan.wire_across_groups``."""
+def across_wire(name: str | None, comm_dtype: torch.dtype) -> torch.dtype | str:
+    """The wire of the all-reduce across shard groups for ``plan.wire_across_groups``: a
+    dtype, or the name of a block-quantized format (``_quantized_wire.py``)."""
     if name is None:
         return comm_dtype
     if name in QUANTIZED_WIRES:
-        raise NotSupportedError(
-            f"wire_across_groups {name}: the block-quantized all-reduce across shard groups "
-            "is not available in this build of the flat engine (ZeRO-1/2); use a dtype wire "
-            f"across groups ({', '.join(DTYPES)}) or the flat layout"
-        )
+        return name
     if name not in DTYPES:
         raise NotSupportedError(
             f"wire_across_groups {name!r}: not a wire format; use one of "
@@ -59,18 +59,25 @@ class AcrossGroups:
 
     comm: Communicator
     """Over this rank's replica group (its own CommStats: the bytes across groups)."""
-    wire: torch.dtype
-    """The dtype on the wire across groups."""
+    wire: torch.dtype | str
+    """The dtype on the wire across groups, or a block-quantized format ("int8", "fp8":
+    each rank's contribution quantized per block of 256, summed in fp32 by the receiver)."""
     method: str
     """``"collective"`` or ``"fp32_sum"`` (``_collectives.py``), as within the group."""
 
     @property
     def reduction_divisor(self) -> int:
+        """What the result is still to be divided by: a quantized wire always sums (the
+        replica group's size), a dtype wire averages where the backend does (NCCL: 1)."""
+        if isinstance(self.wire, str):
+            return self.comm.world_size
         return self.comm.reduction_divisor
 
     def start(self, chunk: torch.Tensor) -> Callable[[], None]:
         """Launch the in-place all-reduce of ``chunk`` over the replica group (the sum over
         ``reduction_divisor``); call the result to finish it."""
+        if isinstance(self.wire, str):
+            return self.comm.start_all_reduce_quantized(chunk, self.wire)
         return self.comm.start_all_reduce_mean(chunk, self.wire, self.method)
 
 

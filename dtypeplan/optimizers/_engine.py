@@ -67,7 +67,9 @@ bucket's reduction is the reduce-scatter within the group, then the all-reduce o
 chunk across the replica group in ``plan.wire_across_groups``: with a whole accumulator as
 each reduce-scatter finishes; with a sharded one once per step, at the boundary, on the chunk
 accumulated over the micro-batches (a sum of sums: the same total, and traffic across groups
-once per step). ``comm`` stays the whole group (the step summary, whose squared norm gets one
+once per step; the wire across then carries the step's sum where the flat wire carries a
+micro-batch's, so an fp16 wire may overflow there once more: caught as any overflow, the loss
+scale backs off). ``comm`` stays the whole group (the step summary, whose squared norm gets one
 slot per shard group so that each element counts once). Stage 0 has nothing to shard and
 stays flat.
 

@@ -75,13 +75,16 @@ def parity(case: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for name, size, across in (
         ("flat", None, None),
-        ("hybrid", 2, case.get("across")),
+        ("hybrid", case.get("size", 2), case.get("across")),
     ):
         model, opt = build(plan_for(case["config"], size, across))
-        results[name + "_norms"] = train(model, opt, steps, boundary=case.get("boundary", False))
+        results[name + "_norms"] = train(
+            model, opt, steps, micro=case.get("micro", MICRO), boundary=case.get("boundary", False)
+        )
         results[name] = masters(opt)
         results[name + "_digest"] = _digest(opt)
         results[name + "_hybrid"] = opt.levels.across is not None
+        results[name + "_skipped"] = opt.skipped_steps
     flat, hybrid = results["flat"], results["hybrid"]
     scale = max(float(v.abs().max()) for v in flat.values())
     diff = max(float((flat[k] - hybrid[k]).abs().max()) for k in flat)
@@ -93,6 +96,8 @@ def parity(case: dict[str, Any]) -> dict[str, Any]:
         "hybrid_norms": results["hybrid_norms"],
         "flat_is_flat": not results["flat_hybrid"],
         "hybrid_is_hybrid": results["hybrid_hybrid"],
+        "skipped": results["flat_skipped"],
+        "hybrid_skipped": results["hybrid_skipped"],
     }
 
 
