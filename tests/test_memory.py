@@ -171,6 +171,44 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         assert_memory_close(measured, predicted, config)
 
 
+def test_hybrid_memory_matches_model_four_ranks() -> None:
+    """2 shard groups of 2: states (ZeRO-2: the accumulator; ZeRO-3: the parameters) held by
+    S = 2 ranks, not W = 4, as plan.memory() says (the flat figure is half of it)."""
+    from tests.workers.optimizer import fsdp2_memory_cases
+
+    def hybrid(stage: int, sharded: bool, **extra: object) -> dict:
+        return {
+            "bf16": {"enabled": True},
+            "gradient_accumulation_dtype": {"dtype": "fp32", "sharded": sharded},
+            "zero_optimization": {"stage": stage, "shard_group_size": 2},
+            **extra,
+        }
+
+    flat_engine = [
+        hybrid(1, False),
+        hybrid(1, True, communication_data_type_across_groups="int8"),
+        hybrid(2, True),
+        hybrid(2, True, master_weights={"dtype": "bf16", "rounding": "kahan"}),
+        hybrid(2, True, optimizer_states="int8"),
+    ]
+    for config, result in zip(
+        flat_engine, spawn(memory_cases, 4, flat_engine, WIDTH)[0], strict=True
+    ):
+        predicted = dict(result["predicted"])
+        assert_memory_close(result["after_step"], predicted, config, ("master", "optimizer_states"))
+        predicted["total"] -= predicted["optimizer_states"]
+        _assert_close(result["at_boundary"], predicted, config)
+        flat_config = {
+            k: v for k, v in config.items() if k != "communication_data_type_across_groups"
+        }
+        flat_config["zero_optimization"] = {"stage": config["zero_optimization"]["stage"]}
+        flat = dtypeplan.resolve(flat_config).memory(result["num_params"], 4)
+        assert result["predicted"]["master"] > 1.9 * flat["master"], config
+    zero3 = [hybrid(3, True), hybrid(3, True, communication_data_type_across_groups="fp32")]
+    for config, result in zip(zero3, spawn(fsdp2_memory_cases, 4, zero3, WIDTH)[0], strict=True):
+        assert_memory_close(result["at_boundary"], result["predicted"], config)
+
+
 def test_zero3_memory_in_one_process_is_the_flat_optimizers() -> None:
     """Without torch.distributed, ZeRO-3 runs the flat sharded optimizer: 16-bit parameters
     plus an fp32 master (not FSDP2's fp32 shards), so plan.memory(n, 1) counts P + 4 bytes a
