@@ -7,6 +7,9 @@ One spawned group of 4 ranks as 2 shard groups of 2 runs every case
   1e-6 (the same math, the gradient summed in another order: within the shard group, then
   across), 16-bit cells within the bounds their parity tests use against torch (bf16: 8
   mantissa bits); the gradient norm too (summed over one replica, not W / S of them);
+* the wire: the parameters' all-gathers and the gradients' reduce-scatters within the shard
+  group, the gradients' all-reduce across groups in ``communication_data_type``, only the
+  step's fp32 summary over the whole group;
 * the bytes each rank holds: those of flat ZeRO-3 on S ranks, exactly;
 * the replicas (ranks with the same index in their shard group) end with the same bits,
   stochastic rounding included;
@@ -88,6 +91,19 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
                 assert error <= state_rtol, (where, key, error)
             else:
                 assert hybrid["state"][key] == want, (where, key)
+        # The wire: flat, everything spans the world; hybrid, the parameters' all-gathers and
+        # the gradients' reduce-scatters stay within the shard group, the gradients'
+        # all-reduce across groups is in communication_data_type, and only the step's fp32
+        # summary spans the world.
+        comm = str(plan_for(CELLS[cell], None).comm_dtype)
+        param = str(plan_for(CELLS[cell], None).param_dtype)
+        assert {level for _, level, _ in flat["wire"]} == {"world"}, (where, flat["wire"])
+        assert set(hybrid["wire"]) == {
+            ("all_gather_single", "shard", param),
+            ("reduce_scatter_single", "shard", comm),
+            ("all_reduce", "replica", comm),
+            ("all_reduce", "world", "torch.float32"),
+        }, (where, hybrid["wire"])
         # Held: what flat ZeRO-3 holds on S ranks (the shards are 1/S of each parameter).
         assert hybrid["held"] == runs["flat_S"]["held"], (where, hybrid["held"], runs)
         assert hybrid["held"]["params"] > flat["held"]["params"], where

@@ -3,10 +3,11 @@ ZeRO-3, the bytes held, checkpoints between layouts, and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,11 @@ CELLS: dict[str, dict[str, Any]] = {
         "bf16": {"enabled": True},
         "gradient_accumulation_dtype": {"dtype": "bf16"},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    },
+    "fp16-loss-scaling": {
+        "fp16": {"enabled": True, "initial_scale_power": 4},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "gradient_clipping": 0.3,
     },
     "bf16-masters-stochastic": {
         "bf16": {"enabled": True},
@@ -78,6 +84,54 @@ def train(model: torch.nn.Module, opt: Any, steps: range) -> dict[str, list[floa
     return {"losses": losses, "norms": norms}
 
 
+@contextlib.contextmanager
+def record_levels() -> Iterator[list[tuple[str, str, str, int]]]:
+    """Record (op, level, dtype, bytes sent by the ring count) of every collective FSDP2 and
+    the optimizer run; level: "shard", "replica" or "world" by the group it spans."""
+    layout = hybrid_groups(None, SHARD)
+    log: list[tuple[str, str, str, int]] = []
+    names = {"all_gather_single": 1, "reduce_scatter_single": 1, "all_reduce": 0}
+    originals = {name: getattr(dist, name) for name in names}
+
+    def level(group: Any) -> str:
+        # By name: a DeviceMesh may hand out its own handle of the same group.
+        name = dist.group.WORLD.group_name if group is None else group.group_name
+        for label, known in (
+            ("shard", layout.shard),
+            ("replica", layout.replica),
+            ("world", dist.group.WORLD),
+        ):
+            if known is not None and known.group_name == name:
+                return label
+        return "other"
+
+    def wrap(name: str, which: int) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[which] if len(args) > which else kwargs.get("input", kwargs.get("tensor"))
+            group = kwargs.get("group")
+            size = dist.get_world_size(group)
+            sent = tensor.numel() * tensor.element_size()
+            sent = (
+                2 * sent * (size - 1) // size
+                if name == "all_reduce"
+                else (
+                    sent * (size - 1) if name == "all_gather_single" else sent * (size - 1) // size
+                )
+            )
+            log.append((name, level(group), str(tensor.dtype), sent))
+            return originals[name](*args, **kwargs)
+
+        return recorded
+
+    for name, which in names.items():
+        setattr(dist, name, wrap(name, which))
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def local_digest(opt: Any) -> str:
     """The bits of this rank's local shards (the master weights)."""
     digest = hashlib.sha256()
@@ -93,7 +147,13 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         runs: dict[str, Any] = {}
         for label, size in (("flat", None), ("hybrid", SHARD)):
             model, opt = build(plan_for(cell, size))
-            runs[label] = train(model, opt, range(STEPS))
+            with record_levels() as log:
+                runs[label] = train(model, opt, range(STEPS))
+            runs[label]["wire"] = sorted(set((op, lv, dtype) for op, lv, dtype, _ in log))
+            runs[label]["bytes"] = {
+                lv: sum(b for _, at, _, b in log if at == lv) // STEPS
+                for lv in ("shard", "replica", "world", "other")
+            }
             runs[label]["state"] = opt.full_state()
             runs[label]["held"] = opt.held_tensors().nbytes()
             runs[label]["digest"] = local_digest(opt)
