@@ -119,11 +119,34 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
     assert sorted(by_shard) == [0, 1] and all(len(d) == 1 for d in by_shard.values()), by_shard
 
 
+def test_shard_group_of_the_whole_world_or_of_one_rank(group: dict[str, Any]) -> None:
+    for rank, results in enumerate(group["per_rank"]):
+        flat = results["parity"]["fp32-adamw-clip"]["flat"]
+        whole, single = results["parity"]["S=W"], results["parity"]["S=1"]
+        # S = W: the flat layout, bit for bit.
+        assert whole["mesh"] == [WORLD], rank
+        assert whole["losses"] == flat["losses"] and whole["norms"] == flat["norms"], rank
+        _assert_same_state(whole["state"], flat["state"], f"S=W rank {rank}")
+        # S = 1: every rank holds the whole model (fp32) and its states; the same math.
+        assert single["mesh"] == [WORLD, 1], rank
+        assert single["held"]["params"] == 4 * single["numel"], (rank, single["held"])
+        for got, want in zip(single["norms"], flat["norms"], strict=True):
+            assert abs(got - want) <= FP32_PARITY * want, (rank, single["norms"], flat["norms"])
+        for key, want in flat["state"].items():
+            if torch.is_tensor(want):
+                assert _rel(single["state"][key], want) <= FP32_PARITY, (rank, key)
+
+
 def test_checkpoints_between_flat_hybrid_and_one_process(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         got = results["checkpoints"]
         where = f"rank {rank}"
         _assert_same_state(got["hybrid_from_one"], group["one"], f"one -> hybrid, {where}")
+        # export_model_state: the fp32 masters by name (make_model's order is param.{i}).
+        assert list(got["exported"]) == sorted(got["names"]), where
+        for index, name in enumerate(got["names"]):
+            master = got["hybrid_trained"][f"param.{index}.master"]
+            assert torch.equal(got["exported"][name], master), (where, name)
         _assert_same_state(
             got["flat_from_hybrid"], got["hybrid_trained"], f"hybrid -> flat, {where}"
         )

@@ -164,6 +164,16 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         runs["flat_S"] = {"held": opt.held_tensors().nbytes()}
         runs["shard_rank"] = layout.shard_rank
         out[name] = runs
+    # The two ends: S = W is the flat layout, S = 1 replicates everything (no sharding).
+    cell = CELLS["fp32-adamw-clip"]
+    for label, size in (("S=W", world), ("S=1", 1)):
+        model, opt = build(plan_for(cell, size))
+        ends = train(model, opt, range(STEPS))
+        ends["state"] = opt.full_state()
+        ends["held"] = opt.held_tensors().nbytes()
+        ends["mesh"] = list(next(model.parameters()).device_mesh.shape)
+        ends["numel"] = sum(p.numel() for p in model.parameters())
+        out[label] = ends
     return out
 
 
@@ -176,6 +186,10 @@ def checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     out["hybrid_from_one"] = hybrid.full_state()
     train(model, hybrid, range(2, 3))
     out["hybrid_trained"] = hybrid.full_state()
+    # The weights by name, gathered within the shard group.
+    exported = dtypeplan.checkpoint.export_model_state(hybrid, model)
+    out["exported"] = {name: exported[name] for name in sorted(exported)}
+    out["names"] = [name for name, _ in model.named_parameters()]
     dtypeplan.checkpoint.save(hybrid, f"{root}/hybrid")
     model, flat = build(plan_for(cell, None))
     dtypeplan.checkpoint.load(flat, f"{root}/hybrid")
