@@ -119,6 +119,10 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
     assert sorted(by_shard) == [0, 1] and all(len(d) == 1 for d in by_shard.values()), by_shard
 
 
+def test_flat_layout_makes_no_subgroup(group: dict[str, Any]) -> None:
+    assert [r["parity"]["flat_new_groups"] for r in group["per_rank"]] == [0] * WORLD
+
+
 def test_shard_group_of_the_whole_world_or_of_one_rank(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         flat = results["parity"]["fp32-adamw-clip"]["flat"]
