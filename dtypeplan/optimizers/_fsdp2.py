@@ -46,7 +46,11 @@ replicas hold the same reduced gradient shards, so the squared norm is summed ov
 (the others add zero into the step's one summary all-reduce); stochastic rounding draws by the
 rank within the shard group, so the replicas draw the same bits and stay equal; ``full_state``
 gathers within the shard group (``DTensor.full_tensor`` on the 2-D mesh), and checkpoints
-save each piece once (DCP drops the replicas' copies).
+save each piece once (DCP drops the replicas' copies). Traffic: FSDP2 all-reduces the reduced
+shard across groups after every micro-batch's reduce-scatter, so a step of ``K`` micro-batches
+sends ``K`` such all-reduces across groups (ZeRO-2's hybrid layout sends one). FSDP2 could defer
+them to the last micro-batch (``set_requires_all_reduce``), but it would then sum the earlier
+micro-batches in ``reduce_dtype`` in a buffer of its own, not in the accumulation dtype.
 
 FSDP2 would reduce fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo has been reported to
 compute as a sum; off NCCL the model is switched to SUM and an explicit divide
