@@ -29,14 +29,12 @@ the overflow check, though as nan rather than inf. On one rank nothing is sent o
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from dtypeplan.comm._collectives import Communicator
 
 __all__ = [
     "BLOCK",
@@ -70,6 +68,27 @@ WIRE_FORMATS: dict[str, WireFormat] = {
     "int8": WireFormat("int8", torch.int8, 127.0),
     "fp8": WireFormat("fp8", torch.float8_e4m3fn, 448.0),
 }
+
+
+class _Stats(Protocol):
+    def add(self, op: str, nbytes: int) -> None: ...
+
+
+class Communicator(Protocol):
+    """What this module uses of :class:`dtypeplan.comm.Communicator` (which imports this
+    module: a Protocol keeps the import graph one way)."""
+
+    world_size: int
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def stats(self) -> _Stats: ...
+
+    def _guard(
+        self, op: str, numel: int | None = None, dtype: torch.dtype | None = None
+    ) -> AbstractContextManager[None]: ...
 
 
 def _format(fmt: str) -> WireFormat:
