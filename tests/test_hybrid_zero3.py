@@ -7,6 +7,9 @@ One spawned group of 4 ranks as 2 shard groups of 2 runs every case
   1e-6 (the same math, the gradient summed in another order: within the shard group, then
   across), 16-bit cells within the bounds their parity tests use against torch (bf16: 8
   mantissa bits); the gradient norm too (summed over one replica, not W / S of them);
+* the wire: the parameters' all-gathers and the gradients' reduce-scatters within the shard
+  group, the gradients' all-reduce across groups in ``communication_data_type``, only the
+  step's fp32 summary over the whole group;
 * the bytes each rank holds: those of flat ZeRO-3 on S ranks, exactly;
 * the replicas (ranks with the same index in their shard group) end with the same bits,
   stochastic rounding included;
@@ -88,6 +91,19 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
                 assert error <= state_rtol, (where, key, error)
             else:
                 assert hybrid["state"][key] == want, (where, key)
+        # The wire: flat, everything spans the world; hybrid, the parameters' all-gathers and
+        # the gradients' reduce-scatters stay within the shard group, the gradients'
+        # all-reduce across groups is in communication_data_type, and only the step's fp32
+        # summary spans the world.
+        comm = str(plan_for(CELLS[cell], None).comm_dtype)
+        param = str(plan_for(CELLS[cell], None).param_dtype)
+        assert {level for _, level, _ in flat["wire"]} == {"world"}, (where, flat["wire"])
+        assert set(hybrid["wire"]) == {
+            ("all_gather_single", "shard", param),
+            ("reduce_scatter_single", "shard", comm),
+            ("all_reduce", "replica", comm),
+            ("all_reduce", "world", "torch.float32"),
+        }, (where, hybrid["wire"])
         # Held: what flat ZeRO-3 holds on S ranks (the shards are 1/S of each parameter).
         assert hybrid["held"] == runs["flat_S"]["held"], (where, hybrid["held"], runs)
         assert hybrid["held"]["params"] > flat["held"]["params"], where
@@ -103,11 +119,38 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
     assert sorted(by_shard) == [0, 1] and all(len(d) == 1 for d in by_shard.values()), by_shard
 
 
+def test_flat_layout_makes_no_subgroup(group: dict[str, Any]) -> None:
+    assert [r["parity"]["flat_new_groups"] for r in group["per_rank"]] == [0] * WORLD
+
+
+def test_shard_group_of_the_whole_world_or_of_one_rank(group: dict[str, Any]) -> None:
+    for rank, results in enumerate(group["per_rank"]):
+        flat = results["parity"]["fp32-adamw-clip"]["flat"]
+        whole, single = results["parity"]["S=W"], results["parity"]["S=1"]
+        # S = W: the flat layout, bit for bit.
+        assert whole["mesh"] == [WORLD], rank
+        assert whole["losses"] == flat["losses"] and whole["norms"] == flat["norms"], rank
+        _assert_same_state(whole["state"], flat["state"], f"S=W rank {rank}")
+        # S = 1: every rank holds the whole model (fp32) and its states; the same math.
+        assert single["mesh"] == [WORLD, 1], rank
+        assert single["held"]["params"] == 4 * single["numel"], (rank, single["held"])
+        for got, want in zip(single["norms"], flat["norms"], strict=True):
+            assert abs(got - want) <= FP32_PARITY * want, (rank, single["norms"], flat["norms"])
+        for key, want in flat["state"].items():
+            if torch.is_tensor(want):
+                assert _rel(single["state"][key], want) <= FP32_PARITY, (rank, key)
+
+
 def test_checkpoints_between_flat_hybrid_and_one_process(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         got = results["checkpoints"]
         where = f"rank {rank}"
         _assert_same_state(got["hybrid_from_one"], group["one"], f"one -> hybrid, {where}")
+        # export_model_state: the fp32 masters by name (make_model's order is param.{i}).
+        assert list(got["exported"]) == sorted(got["names"]), where
+        for index, name in enumerate(got["names"]):
+            master = got["hybrid_trained"][f"param.{index}.master"]
+            assert torch.equal(got["exported"][name], master), (where, name)
         _assert_same_state(
             got["flat_from_hybrid"], got["hybrid_trained"], f"hybrid -> flat, {where}"
         )

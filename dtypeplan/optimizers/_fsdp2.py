@@ -46,7 +46,11 @@ replicas hold the same reduced gradient shards, so the squared norm is summed ov
 (the others add zero into the step's one summary all-reduce); stochastic rounding draws by the
 rank within the shard group, so the replicas draw the same bits and stay equal; ``full_state``
 gathers within the shard group (``DTensor.full_tensor`` on the 2-D mesh), and checkpoints
-save each piece once (DCP drops the replicas' copies).
+save each piece once (DCP drops the replicas' copies). Traffic: FSDP2 all-reduces the reduced
+shard across groups after every micro-batch's reduce-scatter, so a step of ``K`` micro-batches
+sends ``K`` such all-reduces across groups (ZeRO-2's hybrid layout sends one). FSDP2 could defer
+them to the last micro-batch (``set_requires_all_reduce``), but it would then sum the earlier
+micro-batches in ``reduce_dtype`` in a buffer of its own, not in the accumulation dtype.
 
 FSDP2 would reduce fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo has been reported to
 compute as a sum; off NCCL the model is switched to SUM and an explicit divide
@@ -71,7 +75,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtypeplan.comm import Communicator
-from dtypeplan.comm._groups import hybrid_groups
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
@@ -86,6 +89,7 @@ from dtypeplan.optimizers._fsdp2_sharding import (
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
     as_reduced,
+    hybrid_layout,
     shard_model,
 )
 from dtypeplan.optimizers._group_state import ShardPiece
@@ -177,8 +181,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
                 "weights): build on the model plan.prepare_model returned"
             )
         self.comm = Communicator(process_group)
-        self.layout = hybrid_groups(process_group, plan.shard_group_size)
-        """Shard and replica groups (flat: one shard group, the whole group)."""
+        self.layout = hybrid_layout(process_group, plan)
+        """Shard and replica groups of a hybrid layout; None when flat."""
         self._check_ranks_agree(self.comm)
         self._check_mesh(trainable)
         # What clip_grad_norm_ reduced for the coming step: (squared norm, touched flags).
@@ -195,7 +199,10 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         # bf16 masters (updated in fp32 and rounded back into the local shards), or moments
         # stored in other dtypes than fp32.
         self._low_precision = LowPrecisionAdamUpdate.for_plan(
-            plan, self._inner, self._locals(), self.layout.shard_rank
+            plan,
+            self._inner,
+            self._locals(),
+            self.layout.shard_rank if self.layout is not None else self.comm.rank,
         )
         self._low_precision_masters = plan.master_dtype != torch.float32
         # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
@@ -219,7 +226,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     def _check_mesh(self, trainable: list[torch.Tensor]) -> None:
         """The model was sharded for this plan's layout (``prepare_model`` with this plan)."""
         layout = self.layout
-        want = (layout.replicas, layout.shard_size) if layout.hybrid else (self.comm.world_size,)
+        want = (layout.replicas, layout.shard_size) if layout else (self.comm.world_size,)
         for param in trainable:
             got = tuple(_sharded(param).device_mesh.shape)
             if got != want:
@@ -376,7 +383,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         some parameter got none locally, the rare case: one touched here is touched everywhere.
         """
         device = self._device()
-        if self.layout.replica_rank == 0:
+        if self.layout is None or self.layout.replica_rank == 0:
             # Empty: zero on the parameters' device, as the all-reduce may be NCCL's.
             sq = sum_sq_norms(chunk_sq_norms(local_grads), device).reshape(1)
         else:
@@ -446,7 +453,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
 
     def _layout_facts(self) -> dict[str, Any]:
         facts = {"world_size": self.comm.world_size, "rank": self.comm.rank}
-        if self.layout.hybrid:
+        if self.layout is not None:
             facts["shard_group_size"] = self.layout.shard_size
         return facts
 

@@ -50,6 +50,7 @@ __all__ = [
     "as_reduced",
     "check_wire_across_groups",
     "clear_owned_before_reduce",
+    "hybrid_layout",
     "mesh_device",
     "mesh_device_type",
     "shard_mesh",
@@ -82,7 +83,7 @@ def shard_model(
     group = process_group or dist.group.WORLD
     assert group is not None  # torch.distributed is initialized here
     device = mesh_device(dist.get_backend(group), model)
-    layout = hybrid_groups(group, plan.shard_group_size)
+    layout = hybrid_layout(group, plan)
     check_wire_across_groups(plan, layout)
     mesh = shard_mesh(group, layout, device.type)
     policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
@@ -116,7 +117,7 @@ def shard_model(
         _masters_to(unit, plan.master_dtype)
         fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
     # FSDP2's all-gathers and reduce-scatters run within the shard group.
-    comm = Communicator(layout.shard if layout.hybrid else group)
+    comm = Communicator(layout.shard if layout is not None else group)
     # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
     reduce_scatter = NamedReduceScatter(comm, keep_output=low_precision_masters)
     for param in model.parameters():
@@ -141,13 +142,24 @@ def shard_model(
     return model
 
 
-def shard_mesh(group: dist.ProcessGroup, layout: HybridGroups, device_type: str) -> DeviceMesh:
+def hybrid_layout(group: dist.ProcessGroup | None, plan: PrecisionPlan) -> HybridGroups | None:
+    """The shard and replica groups of ``plan``'s hybrid layout over ``group``; None for the
+    flat layout (``shard_group_size`` unset, or the whole group), where no subgroup is made."""
+    if plan.shard_group_size is None:
+        return None
+    layout = hybrid_groups(group, plan.shard_group_size)
+    return layout if layout.hybrid else None
+
+
+def shard_mesh(
+    group: dist.ProcessGroup, layout: HybridGroups | None, device_type: str
+) -> DeviceMesh:
     """The mesh ZeRO-3 shards on: 1-D over ``group`` (flat), or HSDP's 2-D mesh, dim 0
     ``"replicate"`` (size ``W / S``) over the replica groups and dim 1 ``"shard"`` (size ``S``)
     over the shard groups that ``comm/_groups.py`` made (no other subgroups are created)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if not layout.hybrid:
+    if layout is None:
         return DeviceMesh.from_group(group, device_type=device_type)
     assert layout.replica is not None and layout.shard is not None  # distributed here
     ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64)
@@ -159,7 +171,7 @@ def shard_mesh(group: dist.ProcessGroup, layout: HybridGroups, device_type: str)
     )
 
 
-def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups) -> None:
+def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups | None) -> None:
     """Refuse a wire across shard groups other than ``communication_data_type`` at ZeRO-3.
 
     FSDP2 (HSDP) all-reduces the reduced gradient shards across the replica groups with
@@ -168,7 +180,7 @@ def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups) -> None:
     """
     wire = plan.wire_across_groups
     comm = dtype_name(plan.comm_dtype)
-    if not layout.hybrid or wire is None or wire == comm:
+    if layout is None or wire is None or wire == comm:
         return
     where = (
         f"ZeRO-3 with shard_group_size {layout.shard_size} ({layout.replicas} shard groups) "

@@ -3,11 +3,13 @@ ZeRO-3, the bytes held, checkpoints between layouts, and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,11 @@ CELLS: dict[str, dict[str, Any]] = {
         "bf16": {"enabled": True},
         "gradient_accumulation_dtype": {"dtype": "bf16"},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    },
+    "fp16-loss-scaling": {
+        "fp16": {"enabled": True, "initial_scale_power": 4},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "gradient_clipping": 0.3,
     },
     "bf16-masters-stochastic": {
         "bf16": {"enabled": True},
@@ -78,6 +85,54 @@ def train(model: torch.nn.Module, opt: Any, steps: range) -> dict[str, list[floa
     return {"losses": losses, "norms": norms}
 
 
+@contextlib.contextmanager
+def record_levels() -> Iterator[list[tuple[str, str, str, int]]]:
+    """Record (op, level, dtype, bytes sent by the ring count) of every collective FSDP2 and
+    the optimizer run; level: "shard", "replica" or "world" by the group it spans."""
+    layout = hybrid_groups(None, SHARD)
+    log: list[tuple[str, str, str, int]] = []
+    names = {"all_gather_single": 1, "reduce_scatter_single": 1, "all_reduce": 0}
+    originals = {name: getattr(dist, name) for name in names}
+
+    def level(group: Any) -> str:
+        # By name: a DeviceMesh may hand out its own handle of the same group.
+        name = dist.group.WORLD.group_name if group is None else group.group_name
+        for label, known in (
+            ("shard", layout.shard),
+            ("replica", layout.replica),
+            ("world", dist.group.WORLD),
+        ):
+            if known is not None and known.group_name == name:
+                return label
+        return "other"
+
+    def wrap(name: str, which: int) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[which] if len(args) > which else kwargs.get("input", kwargs.get("tensor"))
+            group = kwargs.get("group")
+            size = dist.get_world_size(group)
+            sent = tensor.numel() * tensor.element_size()
+            sent = (
+                2 * sent * (size - 1) // size
+                if name == "all_reduce"
+                else (
+                    sent * (size - 1) if name == "all_gather_single" else sent * (size - 1) // size
+                )
+            )
+            log.append((name, level(group), str(tensor.dtype), sent))
+            return originals[name](*args, **kwargs)
+
+        return recorded
+
+    for name, which in names.items():
+        setattr(dist, name, wrap(name, which))
+    try:
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def local_digest(opt: Any) -> str:
     """The bits of this rank's local shards (the master weights)."""
     digest = hashlib.sha256()
@@ -87,13 +142,22 @@ def local_digest(opt: Any) -> str:
 
 
 def parity(rank: int, world: int) -> dict[str, Any]:
+    # The flat layout makes no subgroup (new_group is collective: at scale it costs).
+    with mock.patch.object(dist, "new_group", wraps=dist.new_group) as new_group:
+        build(plan_for(CELLS["fp32-sgd-momentum"], None))
     layout = hybrid_groups(None, SHARD)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"flat_new_groups": new_group.call_count}
     for name, cell in CELLS.items():
         runs: dict[str, Any] = {}
         for label, size in (("flat", None), ("hybrid", SHARD)):
             model, opt = build(plan_for(cell, size))
-            runs[label] = train(model, opt, range(STEPS))
+            with record_levels() as log:
+                runs[label] = train(model, opt, range(STEPS))
+            runs[label]["wire"] = sorted(set((op, lv, dtype) for op, lv, dtype, _ in log))
+            runs[label]["bytes"] = {
+                lv: sum(b for _, at, _, b in log if at == lv) // STEPS
+                for lv in ("shard", "replica", "world", "other")
+            }
             runs[label]["state"] = opt.full_state()
             runs[label]["held"] = opt.held_tensors().nbytes()
             runs[label]["digest"] = local_digest(opt)
@@ -104,6 +168,16 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         runs["flat_S"] = {"held": opt.held_tensors().nbytes()}
         runs["shard_rank"] = layout.shard_rank
         out[name] = runs
+    # The two ends: S = W is the flat layout, S = 1 replicates everything (no sharding).
+    cell = CELLS["fp32-adamw-clip"]
+    for label, size in (("S=W", world), ("S=1", 1)):
+        model, opt = build(plan_for(cell, size))
+        ends = train(model, opt, range(STEPS))
+        ends["state"] = opt.full_state()
+        ends["held"] = opt.held_tensors().nbytes()
+        ends["mesh"] = list(next(model.parameters()).device_mesh.shape)
+        ends["numel"] = sum(p.numel() for p in model.parameters())
+        out[label] = ends
     return out
 
 
@@ -116,6 +190,10 @@ def checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     out["hybrid_from_one"] = hybrid.full_state()
     train(model, hybrid, range(2, 3))
     out["hybrid_trained"] = hybrid.full_state()
+    # The weights by name, gathered within the shard group.
+    exported = dtypeplan.checkpoint.export_model_state(hybrid, model)
+    out["exported"] = {name: exported[name] for name in sorted(exported)}
+    out["names"] = [name for name, _ in model.named_parameters()]
     dtypeplan.checkpoint.save(hybrid, f"{root}/hybrid")
     model, flat = build(plan_for(cell, None))
     dtypeplan.checkpoint.load(flat, f"{root}/hybrid")
