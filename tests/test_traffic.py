@@ -87,18 +87,39 @@ def _hybrid_cases() -> list[dict]:
         if across is not None:
             config["communication_data_type_across_groups"] = across
         cases.append({"config": config, "micro_batches": micro_batches, "width": 4 * WIDTH})
+    # 4 ranks as torchrun starts 2 nodes of 2: "auto" takes the shard group from the node.
+    cases.append(
+        {
+            "config": {
+                "bf16": {"enabled": True},
+                "communication_data_type_across_groups": "int8",
+                "zero_optimization": {"stage": 2, "shard_group_size": "auto"},
+            },
+            "env": {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"},
+            "micro_batches": 1,
+            "width": 4 * WIDTH,
+        }
+    )
     return cases
 
 
 def test_hybrid_traffic_equals_the_bytes_each_level_sends() -> None:
     """Per level and per collective, the bytes of a real 2 x 2 gloo run are plan.traffic()'s:
     within the shard group (reduce-scatters, all-gathers), across the groups (the all-reduce
-    of each shard, dtype or block-quantized), and no gradient byte on the whole group."""
+    of each shard, dtype or block-quantized), and no gradient byte on the whole group. One case
+    runs the 4 ranks as torchrun starts 2 nodes of 2 (LOCAL_WORLD_SIZE 2): ``"auto"`` puts each
+    node's ranks in one shard group."""
     cases = _hybrid_cases()
     per_rank = spawn(traffic_cases, WORLD, cases, timeout_s=300)
     for case, *results in zip(cases, *per_rank, strict=True):
-        plan = dtypeplan.resolve(case["config"])
-        for result in results:
+        config = case["config"]
+        if "env" in case:  # "auto": the parent resolves with the node layout given
+            config = {**config, "zero_optimization": {"stage": 2, "shard_group_size": 2}}
+        plan = dtypeplan.resolve(config)
+        for rank, result in enumerate(results):
+            assert result["shard_group_size"] == 2, case
+            node = rank // 2  # torchrun numbers the ranks node by node
+            assert result["shard_ranks"] == [2 * node, 2 * node + 1], case
             assert result["buckets"] == 1, case
             predicted = plan.traffic(result["padded"], WORLD, micro_batches=case["micro_batches"])
             assert predicted.hybrid, case
