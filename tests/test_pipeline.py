@@ -167,6 +167,36 @@ def test_pipeline_cases_cover_the_whole_grid() -> None:
             assert any(combo + "1f1b" in n for n in names), combo
 
 
+def _hybrid_cases() -> list[dict]:
+    """Shard groups inside each stage's data-parallel group (DP = 2 as 2 groups of 1: states
+    replicated, the gradient all-reduced across the groups): the subgroups are made by each
+    stage's ranks alone, while the other stage's ranks do something else."""
+    cases = []
+    for stage, model, across, schedule in (
+        (1, "fp32", None, "gpipe"),
+        (2, "bf16", "bf16", "1f1b"),
+        (3, "fp32", None, "1f1b"),
+    ):
+        config: dict = {
+            **_MODEL_KEYS[model],
+            "zero_optimization": {"stage": stage, "shard_group_size": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        }
+        if across is not None:
+            config["communication_data_type_across_groups"] = across
+        cases.append(
+            {
+                "name": f"stage{stage}-{model}-hybrid-{schedule}",
+                "config": config,
+                "micro_batches": 4,
+                "schedule": schedule,
+                "steps": 2,
+                "exact": model == "fp32",
+            }
+        )
+    return cases
+
+
 def test_pipeline_parity_pp2_dp2() -> None:
     # One spawned group for the grid, the bf16-master and the autocast cells. The bf16-master
     # cells take the bf16 tolerances (as tests/test_parity.py's bf16-master cells): over 2 steps
@@ -179,7 +209,7 @@ def test_pipeline_parity_pp2_dp2() -> None:
     # int8 8e-3, fp8/bf16 2.6e-3, bf16 1e-4 relative on the masters) on top of the 16-bit
     # cells' bounds where the model is 16-bit; fp32 models get that bound alone (the loss, a
     # smooth function of the weights, too).
-    cases = _cases() + _master_cases() + _states_cases()
+    cases = _cases() + _master_cases() + _states_cases() + _hybrid_cases()
     autocast_cases = _autocast_cases()
     per_rank = spawn(run_pipeline_cases, 4, cases + autocast_cases, timeout_s=500)
     for results in per_rank:
@@ -198,7 +228,8 @@ def test_pipeline_parity_pp2_dp2() -> None:
             else:
                 assert_parity(result, 1e-2, 2e-2)
             assert result["skipped_steps"] == 0, result
-            if case["config"]["zero_optimization"]["stage"] == 3:
+            zero = case["config"]["zero_optimization"]
+            if zero["stage"] == 3 and zero.get("shard_group_size") is None:
                 # ZeRO-3 under the schedule still reduce-scatters every micro-batch (into the
                 # sharded accumulator): 4 micro-batches x 2 sharded Linear layers per stage.
                 assert result["backward_reduce_scatters"] == 4 * 2, result

@@ -6,9 +6,13 @@ the ranks of one node, where the links are fast) and ``S`` replica groups, the r
 same index in their shard group (``{0, S, 2S, ...}``, ``{1, S+1, ...}``, ...), which cross the
 slow links. States are sharded within a shard group and replicated across the replica group.
 
-``torch.distributed.new_group`` is a collective: every rank of the parent group must create
-every subgroup, in the same order. :func:`hybrid_groups` does so once per (parent group, S) and
-caches the result, so optimizers built one after another share the subgroups.
+The subgroups are made with ``new_group(..., use_local_synchronization=True)``: only their
+members take part, and each is named by its ranks. The data-parallel group need not be the
+whole world: under pipeline parallelism each stage's data-parallel group builds its own
+optimizer, and the other stages' ranks never enter this function (a plain ``new_group`` must
+be entered by every rank of the world, in the same order, and would hang or pair the wrong
+groups there). :func:`hybrid_groups` makes them once per (parent group, S) and caches the
+result, so optimizers built one after another share the subgroups.
 """
 
 from __future__ import annotations
@@ -88,25 +92,25 @@ def hybrid_groups(group: dist.ProcessGroup | None, shard_group_size: int | None)
     replicas = world // size
     shard_lists = [tuple(ranks[g * size : (g + 1) * size]) for g in range(replicas)]
     replica_lists = [tuple(ranks[i::size]) for i in range(size)]
-    mine_shard = mine_replica = None
-    # Every rank creates every subgroup, in the same order (new_group is collective).
-    for members in shard_lists:
-        made = parent if replicas == 1 else dist.new_group(list(members))
-        if rank // size == shard_lists.index(members):
-            mine_shard = made
-    for members in replica_lists:
-        made = parent if size == 1 else dist.new_group(list(members))
-        if rank % size == replica_lists.index(members):
-            mine_replica = made
+    # Only this rank's two subgroups: the members of each make it together (local sync).
+    shard_members, replica_members = shard_lists[rank // size], replica_lists[rank % size]
+    mine_shard = parent if replicas == 1 else _local_group(shard_members)
+    mine_replica = parent if size == 1 else _local_group(replica_members)
     result = HybridGroups(
         shard_size=size,
         replicas=replicas,
         shard_rank=rank % size,
         replica_rank=rank // size,
-        shard_ranks=shard_lists[rank // size],
-        replica_ranks=replica_lists[rank % size],
+        shard_ranks=shard_members,
+        replica_ranks=replica_members,
         shard=mine_shard,
         replica=mine_replica,
     )
     _CACHE[key] = (parent, result)
     return result
+
+
+def _local_group(members: tuple[int, ...]) -> dist.ProcessGroup:
+    group = dist.new_group(list(members), use_local_synchronization=True)
+    assert group is not None, "this rank is a member"
+    return group
