@@ -87,6 +87,17 @@ def _hybrid_cases() -> list[dict]:
         if across is not None:
             config["communication_data_type_across_groups"] = across
         cases.append({"config": config, "micro_batches": micro_batches, "width": 4 * WIDTH})
+    # The fp32-summing all-to-all on both levels (a bf16 wire), and a quantized wire across.
+    for across in (None, "int8"):
+        config = {
+            "bf16": {"enabled": True},
+            "communication_data_type": "bf16",
+            "communication_reduction": "fp32_sum",
+            "zero_optimization": {"stage": 2, "shard_group_size": 2},
+        }
+        if across is not None:
+            config["communication_data_type_across_groups"] = across
+        cases.append({"config": config, "micro_batches": 2, "width": 4 * WIDTH})
     # 4 ranks as torchrun starts 2 nodes of 2: "auto" takes the shard group from the node.
     cases.append(
         {
