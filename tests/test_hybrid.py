@@ -81,9 +81,9 @@ def config(
 
 def _parity_cases(slow: bool) -> list[dict[str, Any]]:
     """Default: every layout with SGD and AdamW in fp32, and SGD in the 16-bit and quantized
-    cells (quantized: stage 1 whole and stage 2). Slow: AdamW in those cells, and everything
-    with the last micro-batch marked (the step's reductions, both levels, start inside the
-    last backward)."""
+    cells at stage 1 (whole accumulator) and stage 2. Slow: the rest, and everything with the
+    last micro-batch marked (the step's reductions, both levels, start inside the last
+    backward)."""
     cases = []
     for (stage, sharded), boundary, opt in itertools.product(
         LAYOUTS, (False, True), ("sgd", "adam")
@@ -103,8 +103,8 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
         for cell, (cfg, across) in cells.items():
             if cell == "bf16_accum" and stage == 1 and not sharded:
                 continue  # a whole accumulator goes across per step anyway (stage 1 cases)
-            quantized = cell in ("across_int8", "across_fp8")
-            is_slow = boundary or (opt == "adam" and cell != "fp32") or (quantized and sharded)
+            # Stage 1 with a sharded accumulator takes stage 2's path: fp32 only by default.
+            is_slow = boundary or (opt == "adam" or sharded is True) and cell != "fp32"
             if is_slow != slow:
                 continue
             cases.append(
