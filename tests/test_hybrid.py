@@ -121,6 +121,18 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
     return cases
 
 
+def _offload_cases() -> list[dict[str, Any]]:
+    """offload_optimizer cpu: the host update between the two levels' reduction and the
+    all-gather within the group (the table decides whether the combination is offered)."""
+    cases = []
+    for stage, sharded, model in ((1, False, "bf16"), (2, None, "fp32")):
+        cfg = config(stage, sharded, model=model)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        name = f"offload-stage{stage}-{model}"
+        cases.append({"kind": "parity", "name": name, "cell": "fp32", "opt": "sgd", "config": cfg})
+    return cases
+
+
 def _other_cases() -> list[dict[str, Any]]:
     bf16_adam = config(2, None, model="bf16", opt=ADAM)
     fp16 = config(2, None, model="fp16", comm="fp16")
@@ -259,7 +271,7 @@ def test_parity_with_flat(default_run: dict[str, dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_parity_with_flat_slow(tmp_path: Any) -> None:
-    _check_parity(_run(_parity_cases(slow=True), str(tmp_path)))
+    _check_parity(_run(_parity_cases(slow=True) + _offload_cases(), str(tmp_path)))
 
 
 def _padded(numel: int) -> int:
