@@ -52,6 +52,7 @@ SGD = {"optimizer": {"type": "SGD", "params": {"lr": SGD_LR, "momentum": BETA}}}
 BF16_U = 2.0**-8
 MOMENTUM_SUM = sum(sum(BETA ** (k - j) for j in range(k + 1)) for k in range(STEPS))
 OPTS = {"sgd": SGD, "adam": ADAM}
+STOCHASTIC = {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}}
 # (stage, gradient_accumulation_dtype.sharded): stage 1 whole, stage 1 sharded, stage 2.
 LAYOUTS = ((1, False), (1, True), (2, None))
 
@@ -151,6 +152,14 @@ def _other_cases() -> list[dict[str, Any]]:
             "steps": 6,
             "micro": 1,
         },
+        # bf16 masters, stochastic rounding: seeded by the shard rank, so replicas draw alike.
+        {
+            "kind": "parity",
+            "name": "bf16-masters",
+            "cell": "bf16_masters",
+            "opt": "adam",
+            "config": {**config(2, None, model="bf16", comm="bf16", opt=ADAM), **STOCHASTIC},
+        },
         # One rank per shard group: every rank holds everything, the reduction is across only.
         {
             "kind": "parity",
@@ -222,7 +231,10 @@ def _bound(case: dict[str, Any]) -> float:
     if case["cell"] == "fp32":
         return 1e-6
     if case["opt"] == "adam":
-        return 2 * ADAM_LR * STEPS
+        # Stochastically rounded bf16 masters: the layouts draw other roundings, up to one
+        # bf16 step (2**-7 below 1) per step on each.
+        rounding = 2 * STEPS * 2.0**-7 if case["cell"] == "bf16_masters" else 0.0
+        return 2 * ADAM_LR * STEPS + rounding
     # Per element of the clipped mean gradient (at most 1): the largest error of the wire.
     error = {
         "bf16": 6 * BF16_U,
