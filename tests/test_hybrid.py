@@ -349,6 +349,11 @@ def test_checkpoints_between_flat_and_hybrid(
     assert result["flat_to_hybrid"] == [], result["flat_to_hybrid"]
     assert result["hybrid_to_flat"] == [], result["hybrid_to_flat"]
     assert result["step"] == 4
+    # state_dict: the other shard group's rank with the same place loads bit for bit; a flat
+    # layout's is refused naming both layouts.
+    assert result["state_dict"] == [], result["state_dict"]
+    refused = result["flat_state_dict"]
+    assert refused.startswith("OptimizerUsageError") and "'shards': 2" in refused, refused
     # The weights by name, gathered within the shard group (across, they are the same).
     assert result["export"] == [], result["export"]
     # Each piece written once: the second shard group's ranks (2 and 3) wrote no data.
