@@ -14,17 +14,18 @@ K = 4, beta = 0.9). Each rounding of a partial sum to bf16 errs by at most ``u *
 with ``u = 2**-8``, and the clipped mean gradient is at most 1 per element; the flat ring
 rounds 3 times (W - 1 hops), the hybrid twice (one hop within, one across) and once more into
 the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``; with a bf16
-sharded accumulator each adds the second micro-batch once more, rounded (8 roundings). Across the
-groups alone (fp32 within), a bf16 wire rounds each of the 2 contributions and their sum:
-``lr * M * 3 * u`` against the fp32 flat run. A block-quantized wire across
-(``_quantized_wire.py``) errs by half a code step of the block's absmax per rounding, 2
-contributions and the requantized sum: ``3 / 254`` for int8; fp8 e4m3 by ``|x| / 16`` per
-rounding: ``3 / 16``; so ``lr * M * 3 / 254`` and ``lr * M * 3 / 16``. Measured (SGD, 4
-steps, largest master difference to the flat fp32 run): bf16 across 1.2e-4 (bound 5.3e-3),
-int8 3.1e-4 (bound 5.3e-3), fp8 1.7e-3 (bound 8.5e-2); bf16 params and wire on both levels
-2.8e-4 (bound 1.1e-2). Adam moves each element by at most about ``lr``
-per step whatever the gradient, so a sign flipped by a rounding costs at most ``2 * lr`` per
-step: ``2 * lr * K``, a bound that still catches a wrong master or a missed step.
+sharded accumulator each adds the second micro-batch once more, rounded (8 roundings); fp16
+(``u = 2**-11``) as bf16. Across the groups alone (fp32 within), a bf16 wire rounds each of
+the 2 contributions and their sum: ``lr * M * 3 * u`` against the fp32 flat run. A
+block-quantized wire across (``_quantized_wire.py``) errs by half a code step of the block's
+absmax per rounding, 2 contributions and the requantized sum: ``3 / 254`` for int8; fp8 e4m3
+by ``|x| / 16`` per rounding: ``3 / 16``; so ``lr * M * 3 / 254`` and ``lr * M * 3 / 16``.
+Measured (SGD, 4 steps, largest master difference to the flat run): bf16 across 1.2e-4 (bound
+5.3e-3), int8 3.1e-4 (bound 5.3e-3), fp8 1.7e-3 (bound 8.5e-2); bf16 params and wire on both
+levels 2.8e-4 (bound 1.1e-2), with a bf16 accumulator 3.0e-4 (bound 1.4e-2). Adam moves each
+element by at most about ``lr`` per step whatever the gradient, so a sign flipped by a
+rounding costs at most ``2 * lr`` per step: ``2 * lr * K``, a bound that still catches a wrong
+master or a missed step (measured: up to 2.1e-2 of 8e-2, fp8 across).
 """
 
 from __future__ import annotations
