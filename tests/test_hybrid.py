@@ -14,17 +14,18 @@ K = 4, beta = 0.9). Each rounding of a partial sum to bf16 errs by at most ``u *
 with ``u = 2**-8``, and the clipped mean gradient is at most 1 per element; the flat ring
 rounds 3 times (W - 1 hops), the hybrid twice (one hop within, one across) and once more into
 the wire dtype, so the two differ by at most 6 roundings: ``lr * M * 6 * u``; with a bf16
-sharded accumulator each adds the second micro-batch once more, rounded (8 roundings). Across the
-groups alone (fp32 within), a bf16 wire rounds each of the 2 contributions and their sum:
-``lr * M * 3 * u`` against the fp32 flat run. A block-quantized wire across
-(``_quantized_wire.py``) errs by half a code step of the block's absmax per rounding, 2
-contributions and the requantized sum: ``3 / 254`` for int8; fp8 e4m3 by ``|x| / 16`` per
-rounding: ``3 / 16``; so ``lr * M * 3 / 254`` and ``lr * M * 3 / 16``. Measured (SGD, 4
-steps, largest master difference to the flat fp32 run): bf16 across 1.2e-4 (bound 5.3e-3),
-int8 3.1e-4 (bound 5.3e-3), fp8 1.7e-3 (bound 8.5e-2); bf16 params and wire on both levels
-2.8e-4 (bound 1.1e-2). Adam moves each element by at most about ``lr``
-per step whatever the gradient, so a sign flipped by a rounding costs at most ``2 * lr`` per
-step: ``2 * lr * K``, a bound that still catches a wrong master or a missed step.
+sharded accumulator each adds the second micro-batch once more, rounded (8 roundings); fp16
+(``u = 2**-11``) as bf16. Across the groups alone (fp32 within), a bf16 wire rounds each of
+the 2 contributions and their sum: ``lr * M * 3 * u`` against the fp32 flat run. A
+block-quantized wire across (``_quantized_wire.py``) errs by half a code step of the block's
+absmax per rounding, 2 contributions and the requantized sum: ``3 / 254`` for int8; fp8 e4m3
+by ``|x| / 16`` per rounding: ``3 / 16``; so ``lr * M * 3 / 254`` and ``lr * M * 3 / 16``.
+Measured (SGD, 4 steps, largest master difference to the flat run): bf16 across 1.2e-4 (bound
+5.3e-3), int8 3.1e-4 (bound 5.3e-3), fp8 1.7e-3 (bound 8.5e-2); bf16 params and wire on both
+levels 2.8e-4 (bound 1.1e-2), with a bf16 accumulator 3.0e-4 (bound 1.4e-2). Adam moves each
+element by at most about ``lr`` per step whatever the gradient, so a sign flipped by a
+rounding costs at most ``2 * lr`` per step: ``2 * lr * K``, a bound that still catches a wrong
+master or a missed step (measured: up to 2.1e-2 of 8e-2, fp8 across).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SGD = {"optimizer": {"type": "SGD", "params": {"lr": SGD_LR, "momentum": BETA}}}
 BF16_U = 2.0**-8
 MOMENTUM_SUM = sum(sum(BETA ** (k - j) for j in range(k + 1)) for k in range(STEPS))
 OPTS = {"sgd": SGD, "adam": ADAM}
+STOCHASTIC = {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}}
 # (stage, gradient_accumulation_dtype.sharded): stage 1 whole, stage 1 sharded, stage 2.
 LAYOUTS = ((1, False), (1, True), (2, None))
 
@@ -81,9 +83,9 @@ def config(
 
 def _parity_cases(slow: bool) -> list[dict[str, Any]]:
     """Default: every layout with SGD and AdamW in fp32, and SGD in the 16-bit and quantized
-    cells (quantized: stage 1 whole and stage 2). Slow: AdamW in those cells, and everything
-    with the last micro-batch marked (the step's reductions, both levels, start inside the
-    last backward)."""
+    cells at stage 1 (whole accumulator) and stage 2. Slow: the rest, and everything with the
+    last micro-batch marked (the step's reductions, both levels, start inside the last
+    backward)."""
     cases = []
     for (stage, sharded), boundary, opt in itertools.product(
         LAYOUTS, (False, True), ("sgd", "adam")
@@ -103,8 +105,8 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
         for cell, (cfg, across) in cells.items():
             if cell == "bf16_accum" and stage == 1 and not sharded:
                 continue  # a whole accumulator goes across per step anyway (stage 1 cases)
-            quantized = cell in ("across_int8", "across_fp8")
-            is_slow = boundary or (opt == "adam" and cell != "fp32") or (quantized and sharded)
+            # Stage 1 with a sharded accumulator takes stage 2's path: fp32 only by default.
+            is_slow = boundary or (opt == "adam" or sharded is True) and cell != "fp32"
             if is_slow != slow:
                 continue
             cases.append(
@@ -118,6 +120,18 @@ def _parity_cases(slow: bool) -> list[dict[str, Any]]:
                     "across": across,
                 }
             )
+    return cases
+
+
+def _offload_cases() -> list[dict[str, Any]]:
+    """offload_optimizer cpu: the host update between the two levels' reduction and the
+    all-gather within the group (the table decides whether the combination is offered)."""
+    cases = []
+    for stage, sharded, model in ((1, False, "bf16"), (2, None, "fp32")):
+        cfg = config(stage, sharded, model=model)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        name = f"offload-stage{stage}-{model}"
+        cases.append({"kind": "parity", "name": name, "cell": "fp32", "opt": "sgd", "config": cfg})
     return cases
 
 
@@ -138,6 +152,14 @@ def _other_cases() -> list[dict[str, Any]]:
             "config": fp16,
             "steps": 6,
             "micro": 1,
+        },
+        # bf16 masters, stochastic rounding: seeded by the shard rank, so replicas draw alike.
+        {
+            "kind": "parity",
+            "name": "bf16-masters",
+            "cell": "bf16_masters",
+            "opt": "adam",
+            "config": {**config(2, None, model="bf16", comm="bf16", opt=ADAM), **STOCHASTIC},
         },
         # One rank per shard group: every rank holds everything, the reduction is across only.
         {
@@ -210,7 +232,10 @@ def _bound(case: dict[str, Any]) -> float:
     if case["cell"] == "fp32":
         return 1e-6
     if case["opt"] == "adam":
-        return 2 * ADAM_LR * STEPS
+        # Stochastically rounded bf16 masters: the layouts draw other roundings, up to one
+        # bf16 step (2**-7 below 1) per step on each.
+        rounding = 2 * STEPS * 2.0**-7 if case["cell"] == "bf16_masters" else 0.0
+        return 2 * ADAM_LR * STEPS + rounding
     # Per element of the clipped mean gradient (at most 1): the largest error of the wire.
     error = {
         "bf16": 6 * BF16_U,
@@ -259,7 +284,7 @@ def test_parity_with_flat(default_run: dict[str, dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_parity_with_flat_slow(tmp_path: Any) -> None:
-    _check_parity(_run(_parity_cases(slow=True), str(tmp_path)))
+    _check_parity(_run(_parity_cases(slow=True) + _offload_cases(), str(tmp_path)))
 
 
 def _padded(numel: int) -> int:
@@ -325,6 +350,11 @@ def test_checkpoints_between_flat_and_hybrid(
     assert result["flat_to_hybrid"] == [], result["flat_to_hybrid"]
     assert result["hybrid_to_flat"] == [], result["hybrid_to_flat"]
     assert result["step"] == 4
+    # state_dict: the other shard group's rank with the same place loads bit for bit; a flat
+    # layout's is refused naming both layouts.
+    assert result["state_dict"] == [], result["state_dict"]
+    refused = result["flat_state_dict"]
+    assert refused.startswith("OptimizerUsageError") and "'shards': 2" in refused, refused
     # The weights by name, gathered within the shard group (across, they are the same).
     assert result["export"] == [], result["export"]
     # Each piece written once: the second shard group's ranks (2 and 3) wrote no data.

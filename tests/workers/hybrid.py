@@ -177,6 +177,19 @@ def checkpoints(case: dict[str, Any], root: str) -> dict[str, Any]:
     out["step"] = back.step_count()
     out["hybrid_state"] = saved_hybrid
     out["hybrid_dir"] = os.path.join(root, "hybrid")
+    # torch.optim's state dict: this rank's pieces, loadable into the same layout only. The
+    # rank in the other shard group with the same place holds the same pieces.
+    state = hybrid.state_dict()
+    peers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, state)
+    model, again = build(plan_for(config, 2), seed=3)
+    again.load_state_dict(peers[(dist.get_rank() + 2) % 4])
+    out["state_dict"] = _same(saved_hybrid, full_tensors(again))
+    try:
+        again.load_state_dict(flat.state_dict())
+        out["flat_state_dict"] = "loaded"
+    except Exception as exc:
+        out["flat_state_dict"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
