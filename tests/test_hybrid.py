@@ -41,6 +41,7 @@ import torch
 
 import dtypeplan
 import dtypeplan.checkpoint
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
 from tests._helpers import make_model
 from tests.workers.hybrid import hybrid_cases
@@ -191,6 +192,7 @@ def _other_cases() -> list[dict[str, Any]]:
             "config": config(1, False),
             "size": 2,
             "across": "int4",
+            "by_hand": True,  # the config is refused at resolve (test below)
         },
         # The block-quantized wire across: an all-to-all and an all-gather of codes + scales.
         {
@@ -375,6 +377,19 @@ def test_checkpoints_between_flat_and_hybrid(
 def _snapshot(path: str) -> str:
     with open(os.path.join(path, dtypeplan.checkpoint.LATEST)) as handle:
         return os.path.join(path, handle.read().strip())
+
+
+def test_the_table_refuses_what_the_engine_defends() -> None:
+    """Stage 0 with shard groups is the table's Error; an unknown wire is the config's."""
+    stage0 = config(0, None)
+    stage0["zero_optimization"]["shard_group_size"] = 2
+    plan = dtypeplan.resolve(stage0)
+    assert plan.status == "Error" and plan.rule_id == "stage0-shard-groups", plan.explain()
+    wire = config(1, False)
+    wire["zero_optimization"]["shard_group_size"] = 2
+    wire["communication_data_type_across_groups"] = "int4"
+    with pytest.raises(PrecisionConfigError, match="int4"):
+        dtypeplan.resolve(wire)
 
 
 def test_refusals(default_run: dict[str, dict[str, Any]]) -> None:

@@ -204,6 +204,15 @@ def test_hybrid_memory_matches_model_four_ranks() -> None:
         flat_config["zero_optimization"] = {"stage": config["zero_optimization"]["stage"]}
         flat = dtypeplan.resolve(flat_config).memory(result["num_params"], 4)
         assert result["predicted"]["master"] > 1.9 * flat["master"], config
+    offloaded = [hybrid(1, False), hybrid(2, True)]
+    for config in offloaded:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    host_keys = ("host_master", "host_optimizer_states", "host_total")
+    for config, result in zip(offloaded, spawn(memory_cases, 4, offloaded, WIDTH)[0], strict=True):
+        predicted, measured = result["predicted"], result["after_step"]
+        assert predicted["host_master"] == 4 * result["num_params"] // 2, predicted
+        assert_memory_close(measured, predicted, config)
+        assert_memory_close(measured, predicted, config, host_keys)
     zero3 = [hybrid(3, True), hybrid(3, True, communication_data_type_across_groups="fp32")]
     for config, result in zip(zero3, spawn(fsdp2_memory_cases, 4, zero3, WIDTH)[0], strict=True):
         assert_memory_close(result["at_boundary"], result["predicted"], config)

@@ -27,9 +27,16 @@ MICRO, PER_MICRO = 2, 4
 
 
 def plan_for(config: dict[str, Any], shard_group_size: int | None, across: str | None = None):
+    """The plan of ``config`` in the given layout, through the config keys and the table."""
+    config = copy.deepcopy(config)
+    if shard_group_size is not None:
+        config["zero_optimization"]["shard_group_size"] = shard_group_size
+    if across is not None:
+        config["communication_data_type_across_groups"] = across
     plan = dtypeplan.resolve(config)
     assert plan.status == "OK", plan.explain()
-    return dataclasses.replace(plan, shard_group_size=shard_group_size, wire_across_groups=across)
+    assert (plan.shard_group_size, plan.wire_across_groups) == (shard_group_size, across)
+    return plan
 
 
 def build(plan: Any, seed: int = 0, model: torch.nn.Module | None = None) -> tuple[Any, Any]:
@@ -212,17 +219,27 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 # --- refusals --------------------------------------------------------------------------------
+def by_hand(config: dict[str, Any], shard_group_size: int, across: str | None = None) -> Any:
+    """A plan the table would not give (made by hand): the engine's own defence."""
+    plan = plan_for(config, None)
+    return dataclasses.replace(plan, shard_group_size=shard_group_size, wire_across_groups=across)
+
+
 def refusal(case: dict[str, Any]) -> dict[str, Any]:
     try:
-        build(plan_for(case["config"], case["size"], case.get("across")))
+        if case.get("by_hand"):
+            build(by_hand(case["config"], case["size"], case.get("across")))
+        else:
+            build(plan_for(case["config"], case["size"], case.get("across")))
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None, "message": ""}
 
 
 def stage0(case: dict[str, Any]) -> dict[str, Any]:
-    """Stage 0 with a shard group size: nothing to shard, the layout stays flat."""
-    model, opt = build(plan_for(case["config"], 2))
+    """Stage 0 with a shard group size (an Error in the table; a plan made by hand): nothing
+    to shard, the layout stays flat."""
+    model, opt = build(by_hand(case["config"], 2))
     train(model, opt, 2)
     flat_model, flat = build(plan_for(case["config"], None))
     train(flat_model, flat, 2)
