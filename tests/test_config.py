@@ -775,11 +775,12 @@ def test_the_table_decides_each_layout(
     assert (plan.status, plan.rule_id) == (status, rule), plan.reason
 
 
-def test_offload_with_shard_groups_is_not_supported_yet() -> None:
+def test_offload_with_shard_groups_is_ok() -> None:
+    """Proven by tests/test_hybrid.py's slow parity run and test_memory's hybrid figures."""
     config = _layout(2, shard_group_size=2, offload_optimizer={"device": "cpu"})
     plan = dtypeplan.resolve(config)
-    assert (plan.status, plan.rule_id) == ("NotSupported", "offload-optimizer-cpu-shard-groups")
-    assert "remove zero_optimization.shard_group_size" in plan.reason
+    assert (plan.status, plan.rule_id) == ("OK", "offload-optimizer-cpu-shard-groups")
+    assert plan.implementation == "sharded" and plan.shard_group_size == 2
 
 
 def test_a_wire_across_without_shard_groups_is_refused() -> None:
