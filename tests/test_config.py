@@ -761,9 +761,13 @@ def test_shard_group_size_and_wire_across_reach_the_plan() -> None:
         (1, None, "OK", "zero1"),
         (2, "bf16", "OK", "zero2"),
         (3, None, "OK", "zero3"),
-        (3, "fp16", "OK", "zero3"),
-        (3, "int8", "NotSupported", "zero3-quantized-wire-across"),
-        (3, "fp8", "NotSupported", "zero3-quantized-wire-across"),
+        # ZeRO-3 (FSDP2's HSDP) reduces across the groups in communication_data_type (fp32
+        # here) and nothing else: build refuses any other wire, so the table must too.
+        (3, "fp32", "OK", "zero3"),
+        (3, "fp16", "NotSupported", "zero3-wire-across"),
+        (3, "bf16", "NotSupported", "zero3-wire-across"),
+        (3, "int8", "NotSupported", "zero3-wire-across"),
+        (3, "fp8", "NotSupported", "zero3-wire-across"),
     ],
 )
 def test_the_table_decides_each_layout(
@@ -773,6 +777,32 @@ def test_the_table_decides_each_layout(
     config["communication_data_type_across_groups"] = wire
     plan = dtypeplan.resolve(config)
     assert (plan.status, plan.rule_id) == (status, rule), plan.reason
+
+
+@pytest.mark.parametrize("comm", ["fp32", "bf16", "fp16"])
+def test_zero3_table_agrees_with_what_hsdp_runs(comm: str) -> None:
+    """At ZeRO-3 the table says OK exactly where FSDP2's HSDP can run the wire across
+    (``check_wire_across_groups``, which build calls): a plan that is OK must not be refused by
+    build, nor a plan that build runs be refused by the table."""
+    from dtypeplan.comm._groups import HybridGroups
+    from dtypeplan.errors import NotSupportedError
+    from dtypeplan.optimizers._fsdp2_sharding import check_wire_across_groups
+
+    layout = HybridGroups(2, 2, 0, 0, (0, 1), (0, 2), None, None)
+    for wire in (None, "fp32", "bf16", "fp16", "int8", "fp8"):
+        config = _layout(3, shard_group_size=2)
+        if comm == "fp16":
+            config = {"fp16": {"enabled": True}, "zero_optimization": config["zero_optimization"]}
+        config["communication_data_type"] = comm
+        config["communication_data_type_across_groups"] = wire
+        plan = dtypeplan.resolve(config)
+        try:
+            check_wire_across_groups(plan, layout)
+            runs = True
+        except NotSupportedError:
+            runs = False
+        assert (plan.status == "OK") == runs, (comm, wire, plan.status, plan.rule_id)
+        assert runs == (wire in (None, comm)), (comm, wire)
 
 
 def test_offload_with_shard_groups_is_ok() -> None:

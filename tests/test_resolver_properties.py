@@ -186,6 +186,7 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         sharded = defaults.accumulator_sharded[stage]
     assert defaults.communication_data_type == "accum"
     comm = config.get("communication_data_type") or accum
+    across = config.get("communication_data_type_across_groups")
     point = {
         "params": model,
         "accum": accum,
@@ -195,9 +196,10 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "comm": comm,
         "reduction": config.get("communication_reduction", "collective"),
         **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature but the layout
+        # A wire across named as the communication dtype is no other wire: plain hybrid.
         "shard_groups": shard_groups_value(
             config.get("zero_optimization", {}).get("shard_group_size"),
-            config.get("communication_data_type_across_groups"),
+            None if across == comm else across,
         ),
     }
     return {dim: point[dim] for dim in DIMENSIONS}
@@ -241,7 +243,8 @@ def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline:
     assert plan.wire_across_groups == config.get("communication_data_type_across_groups")
     if layout is not None and point["stage"] == 0:
         assert plan.status == "Error"  # nothing to shard (or a worse error first)
-    if point["shard_groups"] in ("hybrid_int8", "hybrid_fp8") and plan.rule_id.startswith("zero3"):
+    if point["shard_groups"].startswith("hybrid_") and plan.rule_id.startswith("zero3"):
+        # FSDP2's HSDP reduces across the groups in communication_data_type only.
         assert plan.status == "NotSupported"
     if point["params"] != "fp16+bf16":
         assert plan.param_dtype == DTYPES[point["params"]]

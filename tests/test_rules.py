@@ -226,12 +226,13 @@ def _states_proven(point: dict) -> bool:
 
 def _implemented_layout(point: dict, name: str, value: object) -> bool:
     """Shard groups (issue 22): every wire across groups at ZeRO-1/2 wherever the flat layout is
-    OK; at ZeRO-3 (FSDP2's HSDP) the dtype wires only; never at stage 0 (nothing to shard)."""
+    OK; at ZeRO-3 (FSDP2's HSDP) the communication dtype across only (``hybrid``: the resolver
+    reads a wire across named as the communication dtype as that); never at stage 0."""
     if name != "shard_groups":
         return False
     zero12 = (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
     zero3 = (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
-    return zero12 or (zero3 and value not in ("hybrid_int8", "hybrid_fp8"))
+    return zero12 or (zero3 and value == "hybrid")
 
 
 def _implemented_autocast(point: dict, name: str, value: object) -> bool:

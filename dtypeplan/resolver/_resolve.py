@@ -135,6 +135,10 @@ def resolve_config(
         else f"default: {REDUCTION.default}"
     )
     features = _features(config)
+    if config.wire_across_groups == comm:
+        # The wire across named as the communication dtype is no other wire: the same
+        # combination as leaving it unset (ZeRO-3 runs exactly that one, FSDP2's reduce dtype).
+        features["shard_groups"] = shard_groups_value(config.shard_group_size, None)
     for feature, value in features.items():
         dim = FEATURE_DIMENSIONS[feature]
         origins[_FEATURE_ORIGINS.get(feature, feature)] = (
