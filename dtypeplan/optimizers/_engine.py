@@ -34,11 +34,11 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
 2. ``step()`` at the accumulation boundary: pick up model changes -> reduce -> check/clip ->
    update -> write back.
    Model changes made after build (``model.load_state_dict``, ``param.data = ...``) are
-   picked up first (``_model_sync.py``), and a ``.grad`` set by hand is taken in with the
-   accumulator. One small all-reduce carries the step's facts: the squared norm, which
-   parameters got a gradient on any rank (the others are not updated, as in ``torch.optim``;
-   ``_missing_grads.py``) and, for a sharded accumulator, which buckets hold hand-set
-   gradients (those get one extra reduce-scatter, a rare path).
+   picked up first (``_model_sync.py``), and a ``.grad`` set by hand is taken in with a whole
+   accumulator (copied onto an empty one; a sharded accumulator refuses it: every rank would
+   have to learn of it). One small all-reduce carries the step's facts: the squared norm and
+   which parameters got a gradient on any rank (the others are not updated, as in
+   ``torch.optim``; ``_missing_grads.py``).
    The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
