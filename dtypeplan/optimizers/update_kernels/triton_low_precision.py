@@ -35,6 +35,14 @@ __all__ = ["TritonLowPrecisionKernel"]
 _MOMENT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting: a copy from pageable memory would block the
+    host until the device is done; from pinned memory it is queued on the stream."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class TritonLowPrecisionKernel(UpdateKernel):
     """Adam/AdamW (torch's fused path's settings) with bf16 masters or bf16 moments, not
     quantized ones, on a CUDA device with Triton."""
@@ -76,10 +84,14 @@ class TritonLowPrecisionKernel(UpdateKernel):
 
     def describe(self) -> str:
         plan = self.engine.plan
+        masters = (
+            "fp32 masters"
+            if plan.master_dtype == torch.float32
+            else f"{DTYPE_NAMES[plan.master_dtype]} masters rounded {plan.master_rounding}"
+        )
         return (
-            f"one-pass Triton Adam/AdamW per bucket chunk ({DTYPE_NAMES[plan.master_dtype]} "
-            f"masters rounded {plan.master_rounding}, exp_avg {plan.exp_avg_dtype}, "
-            f"exp_avg_sq {plan.exp_avg_sq_dtype})"
+            f"one-pass Triton Adam/AdamW per bucket chunk ({masters}, exp_avg "
+            f"{plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype})"
         )
 
     def state_changed(self) -> None:
@@ -111,7 +123,10 @@ class TritonLowPrecisionKernel(UpdateKernel):
             slots = [update.slot(master) for master in state.masters]
             torch._foreach_add_([slot["step"] for slot in slots], 1.0)
             decoupled = decoupled_weight_decay(update.torch_class, group)
-            hyper = update_kernel.hyperparameters(group, step, decoupled, engine.device)
+            hyper = _upload(
+                update_kernel.hyperparameters(group, step, decoupled, torch.device("cpu")),
+                engine.device,
+            )
             weight_decay = float(group["weight_decay"]) != 0.0
             flat = state.flat
             for bucket, master, grad, slot in zip(
