@@ -308,21 +308,36 @@ def bf16_master(rounding, states, accum="fp32"):
              "master_weights": {{"dtype": "bf16", "rounding": rounding}},
              "optimizer_states": states, "optimizer": ADAMW}}
 
-def train(config, fused):
-    os.environ["DTYPEPLAN_FUSED_KERNEL"] = "1" if fused else "0"
-    plan = dtypeplan.resolve(config)
+def build(plan):
     torch.manual_seed(0)
     model = plan.prepare_model(torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)))
-    opt = plan.build(model.parameters())
+    return model, plan.build(model.parameters())
+
+def train(config, fused, resume_at=None, same=False):
+    os.environ["DTYPEPLAN_FUSED_KERNEL"] = "1" if fused else "0"
+    plan = dtypeplan.resolve(config)
+    model, opt = build(plan)
     torch.manual_seed(1)
-    for _ in range(4):
+    batches = [torch.randn(4, 8, dtype=plan.param_dtype) for _ in range(4)]
+    for k, batch in enumerate(batches):
+        if k == resume_at:  # a fresh model and optimizer loaded from the state so far
+            saved = opt.state_dict()
+            weights = {{name: t.clone() for name, t in model.state_dict().items()}}
+            if same:  # or the same ones, after a step that the load undoes
+                opt.zero_grad()
+                opt.backward(model(batch).float().sum())
+                opt.step()
+            else:
+                model, opt = build(plan)
+            model.load_state_dict(weights)
+            opt.load_state_dict(saved)
         opt.zero_grad()
-        loss = model(torch.randn(4, 8, dtype=plan.param_dtype)).float().square().sum()
+        loss = model(batch).float().square().sum()
         opt.backward(loss)
         opt.step()
-    states = [t.float() for s in opt.inner.state.values() for t in s.values()
-              if torch.is_tensor(t) and t.dim()]
+    states = [s[name].float() for s in opt.inner.state.values() for name in sorted(s)
+              if torch.is_tensor(s[name]) and s[name].dim()]
     return opt.update_kernel.name, [p.detach().clone() for p in model.parameters()], states
 
 with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
@@ -335,6 +350,18 @@ with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
             assert host_name == "low-precision", host_name
             for a, b in zip(params + moments, host_params + host_moments, strict=True):
                 assert torch.equal(a, b), (rounding, states, (a - b).abs().max())
+
+# A resumed run gives the bits of the uninterrupted one: the kernel reads the loaded step
+# counter again (the bias corrections and the noise key depend on it), also in the optimizer
+# that stepped past the saved state.
+for rounding in ("stochastic", "kahan"):
+    config = bf16_master(rounding, "bf16")
+    straight = train(config, True)
+    for same in (False, True):
+        resumed = train(config, True, resume_at=2, same=same)
+        assert resumed[0] == "triton-low-precision"
+        for a, b in zip(straight[1] + straight[2], resumed[1] + resumed[2], strict=True):
+            assert torch.equal(a, b), ("resume", rounding, same, (a - b).abs().max())
 
 # fp32 masters with bf16 moments: the host runs fp32 pieces around torch's fused kernel, whose
 # fp32 math differs from the one-pass update by a few ulps (and a moment's bf16 rounding may
@@ -359,5 +386,6 @@ print("ENGINE-OK")
 def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
     """The engine picks the kernel for the 16-bit cells; with bf16 masters its steps give the
     bits of the host's one-pass update (the same noise per master and step), several
-    buckets per group."""
+    buckets per group, and a run resumed from ``state_dict`` the bits of the uninterrupted
+    one."""
     _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
