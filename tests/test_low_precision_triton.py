@@ -91,7 +91,7 @@ def _tensors(case: dict[str, Any], device: str) -> dict[str, torch.Tensor | None
     gen = torch.Generator().manual_seed(case["number"])
     n = case["n"]
     master = torch.randn(n, generator=gen).to(case["master"])
-    master[:4] = torch.tensor([1e-30, -3e38, 0.0, -0.0])  # subnormal range, near overflow
+    master[:4] = torch.tensor([1e-30, -3e38, 0.0, -0.0])[:n]  # subnormal range, near overflow
     kahan = case["rounding"] == "kahan" and case["master"] == BF16
     return {
         "master": master.to(device),
@@ -108,7 +108,7 @@ def _grad(case: dict[str, Any], step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * case["number"] + step)
     grad = torch.randn(case["n"], generator=gen) * (3.0 + step)
     if step == 2:  # a non-finite gradient: NaN and infinities propagate as in eager
-        grad[5], grad[6], grad[7] = float("nan"), float("inf"), float("-inf")
+        grad[-3:] = torch.tensor([float("nan"), float("inf"), float("-inf")])
     return grad.to(case["grad"])
 
 
@@ -214,10 +214,67 @@ def _bad_arguments() -> None:
             call(args.pop("master"), args.pop("m"), **args)
 
 
+def check_multi(device: str) -> None:
+    """One launch over three chunks of one group (sizes off the block, one smaller than a
+    block) gives each chunk the bits of its own eager update, with its own noise key."""
+    sizes = [2 * triton_kernel.BLOCK + 7, 5, triton_kernel.BLOCK - 1]
+    moments = [(FP32, FP32), (BF16, BF16)]
+    cells = [(BF16, r, m, None) for r in ("nearest", "stochastic", "kahan") for m in moments]
+    cells += [(FP32, "nearest", (BF16, BF16), BF16), (FP32, "nearest", (FP32, BF16), None)]
+    seed = 0x5EED + 3
+    for master, rounding, (m, v), param in cells:
+        cases = [
+            {"master": master, "rounding": rounding, "exp_avg": m, "exp_avg_sq": v,
+             "param": param, "grad": BF16, "weight_decay": True, "decoupled": True,
+             "n": n, "offset": 0, "number": 40 + i}
+            for i, n in enumerate(sizes)
+        ]  # fmt: skip
+        mine = [_tensors(case, device) for case in cases]
+        ref = [{k: None if t is None else t.cpu().clone() for k, t in x.items()} for x in mine]
+        scale = torch.tensor(1.25)
+        for step in range(1, STEPS + 1):
+            grads = [_grad(case, step) for case in cases]
+            hyper = update_kernel.hyperparameters(GROUP, step, True, torch.device("cpu"))
+            for case, r, grad in zip(cases, ref, grads, strict=True):
+                key = update_kernel.noise_key(seed, case["number"], step)
+                with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
+                    update_kernel.adam_one_pass(
+                        r["master"], grad, r["exp_avg"], r["exp_avg_sq"], r["compensation"],
+                        r["param"], hyper, scale, torch.tensor(key), torch.tensor(0),
+                        decoupled=True, weight_decay=True, rounding=rounding,
+                    )  # type: ignore[arg-type]  # fmt: skip
+            triton_kernel.adam_one_pass_triton_multi_(
+                [x["master"] for x in mine],  # type: ignore[misc]
+                [g.to(device) for g in grads],
+                [x["exp_avg"] for x in mine],  # type: ignore[misc]
+                [x["exp_avg_sq"] for x in mine],  # type: ignore[misc]
+                [x["compensation"] for x in mine],
+                [x["param"] for x in mine],
+                hyper.to(device),
+                scale.to(device),
+                [triton_kernel.noise_key_base(seed, case["number"]) for case in cases],
+                step,
+                decoupled=True,
+                weight_decay=True,
+                rounding=rounding,
+            )
+            for case, got, want in zip(cases, mine, ref, strict=True):
+                for name, value in want.items():
+                    if value is not None and got[name] is not None:
+                        assert _same(got[name], value), (name, step, case)  # type: ignore[arg-type]
+
+
 def run_all(device: str) -> None:
     for case in _cases():
         check_case(case, device)
+    check_multi(device)
     _bad_arguments()
+
+
+def test_noise_key_base_gives_noise_key() -> None:
+    for seed, number, step in [(0x5EED, 0, 1), (0x5EED + 7, 12345, 2**31 + 5), (1, 2**31, 7)]:
+        base = triton_kernel.noise_key_base(seed, number)
+        assert update_kernel._mix32_int(base + step) == update_kernel.noise_key(seed, number, step)
 
 
 _KERNEL_SCRIPT = """

@@ -1,10 +1,11 @@
 """The one-pass Triton update on CUDA for the cells the fp32 Triton kernel does not serve.
 
 bf16 masters rounded to nearest, stochastically or with Kahan compensation, with fp32 or bf16
-moments, and fp32 masters with bf16 moments: one launch per bucket chunk of
-``_low_precision_triton.adam_one_pass_triton_``, which gives the bits of the host's one-pass
-update (``_update_kernel.adam_one_pass``, the same hashed stochastic-rounding noise) instead
-of the fp32 pieces around torch's fused kernel that ``low_precision.py`` runs on CUDA.
+moments, and fp32 masters with bf16 moments: one launch per param group over all of its
+bucket chunks (``_low_precision_triton.adam_one_pass_triton_multi_``), which gives the bits
+of the host's one-pass update (``_update_kernel.adam_one_pass``, the same hashed
+stochastic-rounding noise) instead of the fp32 pieces around torch's fused kernel that
+``low_precision.py`` runs on CUDA.
 bf16 masters rounded to nearest with bf16 moments and a bf16 accumulator stay with torch's
 fused kernel (``torch_fused.py``, before this one in the registry). Quantized moments are
 not served. ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off.
@@ -90,7 +91,7 @@ class TritonLowPrecisionKernel(UpdateKernel):
             else f"{DTYPE_NAMES[plan.master_dtype]} masters rounded {plan.master_rounding}"
         )
         return (
-            f"one-pass Triton Adam/AdamW per bucket chunk ({masters}, exp_avg "
+            f"one-pass Triton Adam/AdamW, one launch per param group ({masters}, exp_avg "
             f"{plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype})"
         )
 
@@ -105,15 +106,14 @@ class TritonLowPrecisionKernel(UpdateKernel):
     def update(
         self, grads: GradsByGroup, factor: tuple[torch.Tensor, torch.Tensor], gather: Gather | None
     ) -> None:
-        """Each master chunk in one launch from its gradient over ``factor[1]``; each bucket's
-        all-gather starts once its chunk is written, while the next ones update."""
-        from dtypeplan.optimizers._low_precision_triton import adam_one_pass_triton_
+        """Every master chunk of a param group in one launch, from its gradient over
+        ``factor[1]``; the group's all-gathers run while the next groups' launches do."""
+        from dtypeplan.optimizers import _low_precision_triton as kernel
 
         engine = self.engine
         update = engine._low_precision
         assert update is not None
         step = self._host_step() + 1
-        kahan = update.rounding == "kahan"
         gathers: list[Callable[[], None]] = []
         for state, group, per_bucket in zip(
             engine.groups, engine.inner.param_groups, grads, strict=True
@@ -127,35 +127,33 @@ class TritonLowPrecisionKernel(UpdateKernel):
                 update_kernel.hyperparameters(group, step, decoupled, torch.device("cpu")),
                 engine.device,
             )
-            weight_decay = float(group["weight_decay"]) != 0.0
             flat = state.flat
-            for bucket, master, grad, slot in zip(
-                flat.buckets, state.masters, per_bucket, slots, strict=True
-            ):
-                chunk = flat.chunk_view(flat.buffer, bucket, engine.shard_rank)
-                aliased = chunk.data_ptr() == master.data_ptr()
-                number = update._numbers.get(id(master), 0)
-                compensation = (
-                    slot[KAHAN_COMPENSATION].view(-1)
-                    if kahan and master.dtype == torch.bfloat16
-                    else None
-                )
-                adam_one_pass_triton_(
-                    master.view(-1),
-                    grad.reshape(-1),
-                    slot[MOMENTS[0]].view(-1),
-                    slot[MOMENTS[1]].view(-1),
-                    compensation,
-                    None if aliased else chunk.view(-1),
-                    hyper,
-                    factor[1],
-                    update_kernel.noise_key(update.seed, number, step),
-                    0,
-                    decoupled=decoupled,
-                    weight_decay=weight_decay,
-                    rounding=update.rounding,
-                )
-                if gather is not None:
-                    gathers.append(gather(state, bucket))
+            chunks = [flat.chunk_view(flat.buffer, b, engine.shard_rank) for b in flat.buckets]
+            kernel.adam_one_pass_triton_multi_(
+                [master.view(-1) for master in state.masters],
+                [grad.reshape(-1) for grad in per_bucket],
+                [slot[MOMENTS[0]].view(-1) for slot in slots],
+                [slot[MOMENTS[1]].view(-1) for slot in slots],
+                [
+                    slot[KAHAN_COMPENSATION].view(-1) if KAHAN_COMPENSATION in slot else None
+                    for slot in slots
+                ],
+                [
+                    None if chunk.data_ptr() == master.data_ptr() else chunk.view(-1)
+                    for chunk, master in zip(chunks, state.masters, strict=True)
+                ],
+                hyper,
+                factor[1],
+                [
+                    kernel.noise_key_base(update.seed, update._numbers.get(id(master), 0))
+                    for master in state.masters
+                ],
+                step,
+                decoupled=decoupled,
+                weight_decay=float(group["weight_decay"]) != 0.0,
+                rounding=update.rounding,
+            )
+            if gather is not None:
+                gathers += [gather(state, bucket) for bucket in flat.buckets]
         self._step = step
         finish(gathers)
