@@ -467,3 +467,35 @@ def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> No
     buckets per group, and a run resumed from ``state_dict`` the bits of the uninterrupted
     one."""
     _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
+
+
+def test_explain_names_the_cuda_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dtypeplan
+
+    def row(config: dict[str, Any]) -> str | None:
+        config = {"optimizer": {"type": "AdamW"}, **config}
+        lines = [
+            ln for ln in dtypeplan.resolve(config).explain().splitlines() if "CUDA update" in ln
+        ]
+        return lines[0] if lines else None
+
+    bf16 = {"enabled": True, "bf16_optimizer_states": True}
+    stochastic = {"bf16": bf16, "master_weights": {"dtype": "bf16", "rounding": "stochastic"}}
+    monkeypatch.setenv("DTYPEPLAN_FUSED_KERNEL", "1")
+    want = "one pass, Triton" if _HAS_TRITON else "fp32 pieces around torch's fused Adam/AdamW"
+    assert want in str(row(stochastic))
+    assert want in str(row({"optimizer_states": "bf16"}))  # fp32 masters, bf16 moments
+    monkeypatch.setenv("DTYPEPLAN_FUSED_KERNEL", "0")
+    assert "(DTYPEPLAN_FUSED_KERNEL=0)" in str(row(stochastic))
+    monkeypatch.setenv("DTYPEPLAN_FUSED_KERNEL", "1")
+    handed_off = {
+        "bf16": bf16,
+        "master_weights": {"dtype": "bf16", "rounding": "nearest"},
+        "gradient_accumulation_dtype": "bf16",
+    }
+    assert "torch's fused Adam/AdamW on the bf16 tensors" in str(row(handed_off))
+    assert "quantized" in str(row({"bf16": {"enabled": True}, "master_weights": {"dtype": "bf16"},
+                                   "optimizer_states": "int8"}))  # fmt: skip
+    fp16 = {"fp16": {"enabled": True}, "optimizer_states": "bf16"}
+    assert "rounds to bf16 only" in str(row(fp16))
+    assert row({}) is None
