@@ -13,7 +13,9 @@ with bf16 moments and bf16 parameters; an fp32 accumulator):
 2. copy bandwidth: a device-to-device fp32 copy, (bytes read + written) / time;
 3. the kernel at ``--numel``: median time, the floor = numel x bytes per parameter / copy
    bandwidth, and the ratio (issue 21's goal: <= 1.15x the floor);
-4. for scale, torch's fused AdamW on bf16 parameters and states (the cell it does exactly).
+4. for scale, the same cell without the kernel (``LowPrecisionAdamUpdate.bucket``: on CUDA the
+   fp32 pieces around torch's fused AdamW that ran before it) and torch's fused AdamW on bf16
+   parameters and states (the cell it does exactly).
 
 Peak memory at the default 2**28 values is about 5 GB. ``--dry-run`` runs on CPU at a tiny
 size with ``TRITON_INTERPRET=1`` (where Triton is installed): the logic is exercised, the
@@ -45,6 +47,9 @@ CELLS: dict[str, tuple[torch.dtype, str, torch.dtype, torch.dtype, torch.dtype |
     "bf16 kahan / bf16 states": (BF16, "kahan", BF16, BF16, None),
     "fp32 / bf16 states, bf16 params": (FP32, "nearest", BF16, BF16, BF16),
 }
+
+
+_NAMES = {FP32: "fp32", BF16: "bf16"}
 
 
 def log(msg: str) -> None:
@@ -177,12 +182,36 @@ class Bench:
             self.res["cells"][cell] = {**timed, "bytes_per_param": nbytes}
             log(f"   {cell}: {timed['median_ms']:.3f} ms ({nbytes} B/param)")
             del t
+            before = self._torch_path(cell, grad)
+            self.res["cells"][cell]["torch_path_ms"] = before
+            self.res["cells"][cell]["torch_path_x_kernel"] = before / timed["median_ms"]
+            log(f"   {cell}, torch path: {before:.3f} ms ({before / timed['median_ms']:.2f}x)")
         # torch's fused AdamW on bf16 parameters, gradient and states: 2 + 2 * 6 B/param.
         p = torch.nn.Parameter(torch.randn(n, device=self.device, dtype=BF16))
         p.grad = grad.to(BF16)
         opt = torch.optim.AdamW([p], lr=1e-4, fused=self.device.type == "cuda")
         timed = self.time_ms(lambda: opt.step())
         self.res["cells"]["torch fused AdamW, bf16 everything"] = {**timed, "bytes_per_param": 14}
+
+    def _torch_path(self, cell: str, grad: torch.Tensor) -> float:
+        """Median ms of the same cell's update without the kernel (what the registry ran on
+        CUDA before it: fp32 pieces around torch's fused AdamW; on the host, the one pass)."""
+        from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
+
+        master, rounding, m, v, param = CELLS[cell]
+        t = self._tensors(cell, self.args.numel, self.device)
+        weights = t["master"]
+        inner = torch.optim.AdamW([weights], lr=GROUP["lr"], betas=GROUP["betas"],
+                                  eps=GROUP["eps"], weight_decay=GROUP["weight_decay"])  # fmt: skip
+        update = LowPrecisionAdamUpdate(
+            inner, torch.optim.AdamW, rounding=rounding, exp_avg_dtype=_NAMES[m],
+            exp_avg_sq_dtype=_NAMES[v], shard_rank=0,
+        )  # fmt: skip
+        scale = torch.tensor(0.5, device=self.device)
+        group = inner.param_groups[0]
+        timed = self.time_ms(lambda: update.bucket(group, weights, grad, t["param"], scale))
+        update.release_scratch()
+        return timed["median_ms"]
 
     def summarize(self) -> list[dict[str, Any]]:
         bw = self.res.get("copy", {}).get("bandwidth_TBps")
