@@ -431,6 +431,42 @@ _, host_params, _ = train(config, False)
 for a, b in zip(params, host_params, strict=True):
     assert (a - b).abs().max() <= 4 * 1e-2 * 2**-7, (a - b).abs().max()
 
+# The registry: torch's fused kernel keeps the cell it does exactly, quantized moments keep
+# theirs, and DTYPEPLAN_FUSED_KERNEL=0 turns the Triton kernel off.
+assert train(bf16_master("nearest", "bf16", "bf16"), True)[0] == "torch-fused-16bit"
+assert train({{**BUCKETS, "optimizer_states": "int8", "optimizer": ADAMW}}, True)[0] == "quantized"
+print("ENGINE-OK")
+"""
+
+
+@pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
+def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
+    """The engine picks the kernel for the 16-bit cells; with bf16 masters its steps give the
+    bits of the host's one-pass update (the same noise per master and step), several
+    buckets per group, and a run resumed from ``state_dict`` the bits of the uninterrupted
+    one."""
+    _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
+
+
+_SHARDED_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+os.environ["DTYPEPLAN_EAGER_UPDATE"] = "1"
+from unittest import mock
+import torch
+import dtypeplan
+from dtypeplan.optimizers import _update_kernel as update_kernel
+from tests.test_low_precision_triton import _IeeeSqrtTorch
+
+ADAMW = {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}
+BF16 = {{"bf16": {{"enabled": True}}}}
+BUCKETS = {{"zero_optimization": {{"stage": 1, "reduce_bucket_size": 40}}}}
+
+def bf16_master(rounding, states, accum="fp32"):
+    return {{**BF16, **BUCKETS, "gradient_accumulation_dtype": accum,
+             "master_weights": {{"dtype": "bf16", "rounding": rounding}},
+             "optimizer_states": states, "optimizer": ADAMW}}
+
 # Two ranks, ZeRO-2, several buckets: each rank's chunks in one launch, the noise of its own
 # seed (SEED + shard rank), strided parameter chunks written and all-gathered. The host path
 # (DTYPEPLAN_FUSED_KERNEL=0, eager) ends at the same parameters, bit for bit.
@@ -452,21 +488,15 @@ for fused in ("1", "0"):
     digests[fused] = [[case["params_digest"] for case in result] for result in results]
 assert digests["1"] == digests["0"], digests
 
-# The registry: torch's fused kernel keeps the cell it does exactly, quantized moments keep
-# theirs, and DTYPEPLAN_FUSED_KERNEL=0 turns the Triton kernel off.
-assert train(bf16_master("nearest", "bf16", "bf16"), True)[0] == "torch-fused-16bit"
-assert train({{**BUCKETS, "optimizer_states": "int8", "optimizer": ADAMW}}, True)[0] == "quantized"
-print("ENGINE-OK")
+print("SHARDED-OK")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
-def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
-    """The engine picks the kernel for the 16-bit cells; with bf16 masters its steps give the
-    bits of the host's one-pass update (the same noise per master and step), several
-    buckets per group, and a run resumed from ``state_dict`` the bits of the uninterrupted
-    one."""
-    _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
+def test_two_ranks_run_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
+    """ZeRO-2 on two ranks (about 20 s here: two spawned groups under the interpreter)."""
+    _interpret(_SHARDED_SCRIPT, "SHARDED-OK")
 
 
 def test_explain_names_the_cuda_update(monkeypatch: pytest.MonkeyPatch) -> None:
