@@ -46,6 +46,7 @@ def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None
         "install": "skipped: dry run",
         "tests": "ok",
         "kernel": "ok",
+        "lowprec": "ok",
         "engine": "ok",
         "offload": "ok",
     }, summary.read_text()
@@ -75,6 +76,14 @@ def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None
     if importlib.util.find_spec("triton") is not None:
         assert kernel["errors"] == [], kernel["errors"]
         assert all(case["ok"] for case in kernel["check"].values()), kernel["check"]
+    (low_json,) = tmp_path.glob("gpu_low_precision_step_dryrun-*.json")
+    low = json.loads(low_json.read_text())
+    if importlib.util.find_spec("triton") is not None:
+        assert low["errors"] == [], low["errors"]
+        assert low["check"] and all(case["ok"] for case in low["check"].values()), low["check"]
+        assert len(low["cells"]) == 6, low["cells"]
+    else:
+        assert [e["section"] for e in low["errors"]] == ["setup"], low["errors"]
     # The last line of each benchmark's output is its JSON summary.
     assert '"benchmark": "gpu_engine_step_dryrun"' in output
 

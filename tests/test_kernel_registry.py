@@ -98,9 +98,19 @@ def test_each_cell_runs_the_kernel_the_registry_names(name: str, config: dict[st
 
 
 def test_every_cpu_kernel_is_reached_by_some_cell() -> None:
-    """Triton is the one kernel a CPU process never runs."""
+    """The Triton kernels are the ones a CPU process never runs (outside Triton's interpreter:
+    ``tests/test_low_precision_triton.py``)."""
     reached = {name for name, _ in CELLS}
-    assert reached == {k.name for k in KERNELS} - {"triton"}
+    assert reached == {k.name for k in KERNELS} - {"triton", "triton-low-precision"}
+
+
+def test_the_low_precision_triton_kernel_comes_after_the_16bit_hand_off() -> None:
+    """torch's fused kernel keeps the cell it computes exactly (bf16 everything, nearest), and
+    the one-pass Triton kernel improves on the fp32 pieces of ``low-precision`` (its engine
+    tests run under Triton's interpreter: ``tests/test_low_precision_triton.py``)."""
+    order = [k.name for k in KERNELS]
+    hand_off, triton = order.index("torch-fused-16bit"), order.index("triton-low-precision")
+    assert hand_off < triton < order.index("low-precision")
 
 
 def test_a_group_turning_maximize_on_leaves_the_fused_path_as_before() -> None:

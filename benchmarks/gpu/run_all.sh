@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything dtypeplan checks on a GPU, in one command (under 8 minutes on one H200):
+# Everything dtypeplan checks on a GPU, in one command (under 9 minutes on one H200):
 #
 #   bash benchmarks/gpu/run_all.sh [--dry-run] [--out DIR] [--wheelhouse DIR] [--skip-install]
 #
@@ -11,9 +11,12 @@
 # 2. tests    the CUDA tests: tests/test_fused_adamw_kernel.py and every test module that asks
 #             torch.cuda.is_available(); the log goes to DIR/gpu_tests-<date>.log.
 # 3. kernel   python3 -m benchmarks.gpu.bench_fused_step (the Triton kernel at 2^30 parameters).
-# 4. engine   python3 -m benchmarks.gpu.bench_engine_step (the engine's whole step on a 1B
+# 4. lowprec  python3 -m benchmarks.gpu.bench_low_precision_step (the one-pass Triton kernel of
+#             the 16-bit cells, each against its bytes floor, checked against the host's
+#             eager update bit for bit).
+# 5. engine   python3 -m benchmarks.gpu.bench_engine_step (the engine's whole step on a 1B
 #             stack against torch.optim.AdamW(fused=True) and the bytes floor).
-# 5. offload  python3 -m benchmarks.bench_offload --device cuda (optimizer offload: the step of a
+# 6. offload  python3 -m benchmarks.bench_offload --device cuda (optimizer offload: the step of a
 #             100M-parameter stack with masters and states in pinned host memory against the
 #             same step on the device, and how much of the copy time the host update hides).
 #
@@ -21,7 +24,8 @@
 # go to DIR (default benchmarks/results) with dates; the summary is printed at the end and
 # written to DIR/gpu_run_all-<date>.md. The exit status is 0 only when every step passed.
 #
-# Step limits add up to 475 s (install 50, tests 120, kernel 110, engine 150, offload 45).
+# Step limits add up to 525 s (install 50, tests 120, kernel 110, lowprec 50, engine 150,
+# offload 45).
 #
 # --dry-run checks the script itself on a CPU in under a minute: no install, the tests are only
 # collected, the benchmarks run their --dry-run (tiny sizes on CPU), and DIR defaults to a new
@@ -147,6 +151,7 @@ if ((dry_run)); then
     skip_step install "dry run"
     run_step tests 60 "$python" -m pytest -q --collect-only "${cuda_tests[@]}"
     run_step kernel 60 "$python" -m benchmarks.gpu.bench_fused_step --dry-run --out "$out"
+    run_step lowprec 60 "$python" -m benchmarks.gpu.bench_low_precision_step --dry-run --out "$out"
     run_step engine 60 "$python" -m benchmarks.gpu.bench_engine_step --dry-run --out "$out"
     run_step offload 60 "$python" -m benchmarks.bench_offload --device cpu --dry-run --out "$out"
 else
@@ -162,6 +167,7 @@ else
     run_step tests 120 bash -o pipefail -c '"$0" -m pytest -q -rs "${@:2}" 2>&1 | tee "$1"' \
         "$python" "$tests_log" "${cuda_tests[@]}"
     run_step kernel 110 "$python" -m benchmarks.gpu.bench_fused_step --out "$out"
+    run_step lowprec 50 "$python" -m benchmarks.gpu.bench_low_precision_step --out "$out"
     run_step engine 150 "$python" -m benchmarks.gpu.bench_engine_step --out "$out"
     run_step offload 45 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
 fi
@@ -178,7 +184,7 @@ summary="$out/gpu_run_all-$date_utc.md"
     echo "| --- | --- | --- |"
     printf '%s\n' "${summary_rows[@]}"
     echo
-    echo "Results in this folder: gpu_fused_step*-$date_utc.{json,md}, gpu_engine_step*-$date_utc.{json,md}, gpu_offload*-$date_utc.{json,md}."
+    echo "Results in this folder: gpu_fused_step*-$date_utc.{json,md}, gpu_low_precision_step*-$date_utc.{json,md}, gpu_engine_step*-$date_utc.{json,md}, gpu_offload*-$date_utc.{json,md}."
 } >"$summary"
 echo
 echo "=== summary ($summary)"

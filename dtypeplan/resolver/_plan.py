@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -445,6 +447,24 @@ class PrecisionPlan:
             return "torch's fused Adam/AdamW on the bf16 tensors"
         return f"one pass, {update_path.path()}"
 
+    def _cuda_update(self) -> str | None:
+        """Which update runs a low-precision cell on a CUDA device (the registry,
+        ``optimizers/update_kernels/``): the one-pass Triton kernel where it serves the cell
+        and Triton is installed, else fp32 pieces; None for fp32 masters with fp32 states."""
+        host = self._host_update()
+        if host is None or host.startswith("torch's fused"):
+            return host
+        if not {self.exp_avg_dtype, self.exp_avg_sq_dtype} <= {"fp32", "bf16"}:
+            return host  # quantized moments: the same pieces on every device
+        pieces = "fp32 pieces around torch's fused Adam/AdamW"
+        if torch.float16 in (self.master_dtype, self.param_dtype):
+            return f"{pieces} (the Triton kernel rounds to bf16 only)"
+        if os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") == "0":
+            return f"{pieces} (DTYPEPLAN_FUSED_KERNEL=0)"
+        if importlib.util.find_spec("triton") is None:
+            return f"{pieces} (Triton is not installed)"
+        return "one pass, Triton (one launch per param group)"
+
     def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:
         """A human-readable account of the decision and of every effective setting; with
         ``num_params`` and ``world_size``, also the bytes each rank sends per step
@@ -510,6 +530,7 @@ class PrecisionPlan:
         host_update = self._host_update()
         if host_update is not None:
             rows.append(("host update", host_update, "master_dtype"))
+            rows.append(("CUDA update", str(self._cuda_update()), "master_dtype"))
         rows += [
             ("pipeline parallel", "yes" if self.pipeline_parallel else "no", "pipeline_parallel"),
             ("loss scaling", scaling, "loss_scaling"),

@@ -11,12 +11,14 @@ engine builds the first that applies (``registry.py``) and stays the step's phas
     torch_fused.py    torch's fused Adam/AdamW per bucket chunk: fp32 masters and states, and
                       the hand-off of 16-bit masters, moments and accumulator of one dtype
     quantized.py      int8 / fp8 moments: dequantize, update in fp32, quantize back
+    triton_low_precision.py
+                      bf16 masters or bf16 moments on CUDA: the one-pass update in Triton
     low_precision.py  16-bit masters or bf16 moments: one pass on the host, else fp32 pieces
     generic.py        any other elementwise optimizer: its own ``inner.step()``
 
 The numerical work stays in the modules the kernels call (``_flat_update.py``,
 ``_low_precision_update.py``, ``_update_kernel.py``, ``_host_offload.py``,
-``_fused_adamw_triton.py``).
+``_fused_adamw_triton.py``, ``_low_precision_triton.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A new precision cell is a rule in ``precision_rules.yaml`` plus, where no kernel
 it, a module with an :class:`UpdateKernel` placed in :data:`KERNELS` before the ones it
 improves on. The order encodes preference: the host offload first (its masters live on the
 host, where nothing else can reach them), the one-pass Triton kernel where the device has it,
-torch's fused kernels next, and ``inner.step()`` last, which serves every plan.
+torch's fused kernels next (the one-pass Triton kernel of the 16-bit cells before the fp32
+pieces that would serve them), and ``inner.step()`` last, which serves every plan.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dtypeplan.optimizers.update_kernels.low_precision import LowPrecisionKernel
 from dtypeplan.optimizers.update_kernels.quantized import QuantizedKernel
 from dtypeplan.optimizers.update_kernels.torch_fused import Fused16BitKernel, TorchFusedKernel
 from dtypeplan.optimizers.update_kernels.triton import TritonKernel
+from dtypeplan.optimizers.update_kernels.triton_low_precision import TritonLowPrecisionKernel
 
 __all__ = ["KERNELS", "choice_key", "choose"]
 
@@ -27,6 +29,7 @@ KERNELS: tuple[type[UpdateKernel], ...] = (
     TorchFusedKernel,
     Fused16BitKernel,
     QuantizedKernel,
+    TritonLowPrecisionKernel,
     LowPrecisionKernel,
     GenericKernel,
 )
