@@ -490,8 +490,10 @@ configs = [
       "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2}}}}}},
     {{"bf16": {{"enabled": True}}, "gradient_accumulation_dtype": "bf16",
       "optimizer": {{"type": "Adam", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}},
-    # Adam with decoupled decay must get AdamW's update, not L2 (issue 14, W1).
+    # torch's Adam with decoupled decay must get AdamW's update, not L2 (issue 14, W1);
+    # adam_w_mode false keeps DeepSpeed's "Adam" on torch.optim.Adam.
     {{"optimizer": {{"type": "Adam", "params": {{"lr": 1e-2, "weight_decay": 0.5,
+                                               "adam_w_mode": False,
                                                "decoupled_weight_decay": True}}}}}},
 ]
 for config in configs:
