@@ -404,6 +404,28 @@ def _table(
     return table
 
 
+def check_block_size(block_size: int) -> int:
+    """``block_size`` as an int, refused unless a power of two (a tile's lane count)."""
+    block = int(block_size)
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"block_size must be a power of two, got {block}")
+    return block
+
+
+def tile_table(sizes: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+    """The uploaded ``[chunk, first element, elements]`` rows of a launch over chunks of
+    ``sizes``, ``block`` elements a tile: a tile never straddles two chunks."""
+    return _table(
+        ("tiles", device, block, sizes),
+        lambda: [
+            [index, begin, min(block, size - begin)]
+            for index, size in enumerate(sizes)
+            for begin in range(0, size, block)
+        ],
+        device,
+    )
+
+
 def fused_mixed_adamw_multi_(
     masters: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -462,9 +484,7 @@ def fused_mixed_adamw_multi_(
         raise ValueError("params_out must be given for every chunk or for none")
     if any(has_out) and len({o.dtype for o in outs if o is not None}) != 1:
         raise ValueError("fused_mixed_adamw_multi_ needs one params_out dtype")
-    block = int(block_size or DEFAULT_BLOCK)
-    if block <= 0 or block & (block - 1):
-        raise ValueError(f"block_size must be a power of two, got {block}")
+    block = check_block_size(block_size or DEFAULT_BLOCK)
 
     with_out = all(has_out)
     addresses = tuple(
@@ -482,15 +502,7 @@ def fused_mixed_adamw_multi_(
     if num_tiles == 0:
         return
     pointers = _table(("pointers", device, addresses), lambda: [list(a) for a in addresses], device)
-    tiles = _table(
-        ("tiles", device, block, sizes),
-        lambda: [
-            [index, begin, min(block, size - begin)]
-            for index, size in enumerate(sizes)
-            for begin in range(0, size, block)
-        ],
-        device,
-    )
+    tiles = tile_table(sizes, block, device)
 
     factor_is_tensor = isinstance(grad_factor, torch.Tensor)
     w1 = 1.0 - beta1
@@ -570,9 +582,7 @@ def fused_mixed_adamw_(
     if param_out is not None and param_out.data_ptr() == master.data_ptr():
         param_out = None  # writing the master onto itself
 
-    block = int(block_size or DEFAULT_BLOCK)
-    if block <= 0 or block & (block - 1):
-        raise ValueError(f"block_size must be a power of two, got {block}")
+    block = check_block_size(block_size or DEFAULT_BLOCK)
     warps = int(num_warps or DEFAULT_NUM_WARPS)
 
     factor_is_tensor = isinstance(grad_factor, torch.Tensor)

@@ -427,11 +427,6 @@ def _scalars(
     return hyper.to(device), grad_scale.reshape(()).to(device=device, dtype=torch.float32)
 
 
-def _check_block(block_size: int) -> None:
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-
-
 def adam_one_pass_triton_(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -458,7 +453,7 @@ def adam_one_pass_triton_(
     value; None where the master is it. With a bf16 master ``param`` is written from the
     rounded master (``adam_one_pass`` leaves it alone: there the master is the parameter)."""
     compensation, param = _check(master, grad, exp_avg, exp_avg_sq, compensation, param, rounding)
-    _check_block(block_size)
+    block_size = fp32_kernel.check_block_size(block_size)
     hyper, scale = _scalars(hyper, grad_scale, master.device)
     n = master.numel()
     if n == 0:
@@ -513,7 +508,7 @@ def adam_one_pass_triton_multi_(
         raise ValueError("adam_one_pass_triton_multi_ needs lists of one length")
     if count == 0:
         return
-    _check_block(block_size)
+    block_size = fp32_kernel.check_block_size(block_size)
     rows: list[tuple[torch.Tensor, ...]] = []
     kinds: set[tuple[Any, ...]] = set()
     for master, grad, m, v, comp, param in zip(
@@ -544,15 +539,7 @@ def adam_one_pass_triton_multi_(
     pointers = fp32_kernel._table(
         ("low-precision pointers", device, table), lambda: [list(r) for r in table], device
     )
-    tiles = fp32_kernel._table(
-        ("tiles", device, block_size, sizes),
-        lambda: [
-            [index, begin, min(block_size, size - begin)]
-            for index, size in enumerate(sizes)
-            for begin in range(0, size, block_size)
-        ],
-        device,
-    )
+    tiles = fp32_kernel.tile_table(sizes, block_size, device)
     first = rows[0]
     has_param = first[5].data_ptr() != first[0].data_ptr()
     _adam_one_pass_multi_kernel[(num_tiles,)](
