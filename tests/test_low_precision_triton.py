@@ -346,7 +346,7 @@ def test_cases_cover_every_cell() -> None:
     assert all(c["n"] % triton_kernel.BLOCK for c in cases)
 
 
-_ENGINE_SCRIPT = """
+_PREAMBLE = """
 import os, sys
 sys.path.insert(0, {root!r})
 os.environ["DTYPEPLAN_EAGER_UPDATE"] = "1"
@@ -364,7 +364,10 @@ def bf16_master(rounding, states, accum="fp32"):
     return {{**BF16, **BUCKETS, "gradient_accumulation_dtype": accum,
              "master_weights": {{"dtype": "bf16", "rounding": rounding}},
              "optimizer_states": states, "optimizer": ADAMW}}
+"""
+"""What the interpreter scripts below share (a format string: {root} is the repository)."""
 
+_ENGINE_SCRIPT = _PREAMBLE + """
 def build(plan):
     torch.manual_seed(0)
     model = plan.prepare_model(torch.nn.Sequential(
@@ -448,25 +451,7 @@ def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> No
     _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
 
 
-_SHARDED_SCRIPT = """
-import os, sys
-sys.path.insert(0, {root!r})
-os.environ["DTYPEPLAN_EAGER_UPDATE"] = "1"
-from unittest import mock
-import torch
-import dtypeplan
-from dtypeplan.optimizers import _update_kernel as update_kernel
-from tests.test_low_precision_triton import _IeeeSqrtTorch
-
-ADAMW = {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}
-BF16 = {{"bf16": {{"enabled": True}}}}
-BUCKETS = {{"zero_optimization": {{"stage": 1, "reduce_bucket_size": 40}}}}
-
-def bf16_master(rounding, states, accum="fp32"):
-    return {{**BF16, **BUCKETS, "gradient_accumulation_dtype": accum,
-             "master_weights": {{"dtype": "bf16", "rounding": rounding}},
-             "optimizer_states": states, "optimizer": ADAMW}}
-
+_SHARDED_SCRIPT = _PREAMBLE + """
 # Two ranks, ZeRO-2, several buckets: each rank's chunks in one launch, the noise of its own
 # seed (SEED + shard rank), strided parameter chunks written and all-gathered. The host path
 # (DTYPEPLAN_FUSED_KERNEL=0, eager) ends at the same parameters, bit for bit.
