@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtypeplan._dtypes import DTYPES
+from dtypeplan.comm._quantized_wire import BLOCK, WIRE_FORMATS, quantized_wire_bytes
 from dtypeplan.resolver._frozen import FrozenDict
 
 __all__ = [
@@ -51,11 +53,9 @@ __all__ = [
     "traffic_model",
 ]
 
-QUANTIZED_WIRES = ("int8", "fp8")
-QUANTIZED_WIRE_BLOCK = 256
+QUANTIZED_WIRES = tuple(WIRE_FORMATS)
+QUANTIZED_WIRE_BLOCK = BLOCK
 """Values per fp32 scale on a block-quantized wire."""
-_SCALE_BYTES = 4
-_WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,10 +143,9 @@ def _ring(nbytes: int, group: int) -> int:
 
 def quantized_bytes(numel: int, group: int) -> int:
     """Bytes of one collective step (all-to-all or all-gather) of a block-quantized all-reduce
-    of ``numel`` values over ``group`` ranks: padded to whole blocks per rank's slice."""
-    unit = group * QUANTIZED_WIRE_BLOCK
-    padded = -(-numel // unit) * unit
-    return _ring(padded + padded // QUANTIZED_WIRE_BLOCK * _SCALE_BYTES, group)
+    of ``numel`` values over ``group`` ranks: padded to whole blocks per rank's slice, counted
+    by the wire itself (``comm/_quantized_wire.py``)."""
+    return quantized_wire_bytes(numel, group).get("all_to_all", 0)
 
 
 def _add(ops: dict[str, int], op: str, nbytes: int) -> None:
@@ -166,7 +165,7 @@ def _all_reduce(
         _add(ops, "all_to_all", times * quantized_bytes(numel, group))
         _add(ops, "all_gather", times * quantized_bytes(numel, group))
         return
-    nbytes = numel * _WIRE_BYTES[wire]
+    nbytes = numel * DTYPES[wire].itemsize
     if fp32_sum and wire != "fp32":
         # _collectives.py: an fp32-summing all-reduce is its reduce-scatter and an all-gather.
         _add(ops, "all_to_all", times * _ring(nbytes, group))
@@ -197,7 +196,7 @@ def traffic_model(
     fp32_sum = comm_reduction == "fp32_sum" and comm_dtype != "fp32"
     within: dict[str, int] = {}
     across: dict[str, int] = {}
-    c, p = _WIRE_BYTES[comm_dtype], param_dtype.itemsize
+    c, p = DTYPES[comm_dtype].itemsize, param_dtype.itemsize
     if w > 1:
         if zero_stage == 0:
             _all_reduce(within, n, comm_dtype, s, fp32_sum, 1)
