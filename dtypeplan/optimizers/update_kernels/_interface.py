@@ -27,6 +27,7 @@ __all__ = [
     "FlatEngine",
     "Gather",
     "GradsByGroup",
+    "HostStepKernel",
     "UpdateKernel",
     "finish",
     "flat_grads",
@@ -97,6 +98,26 @@ class UpdateKernel(abc.ABC):
         """The optimizer states were replaced or stepped outside this kernel (a load, a reset,
         the own-history path): drop any host copy of them. Most kernels keep none."""
         return None
+
+
+class HostStepKernel(UpdateKernel):
+    """A kernel that computes the bias corrections (and the noise key) on the host: it keeps
+    a host copy of the step counter, read from the states once after a load or a reset, since
+    reading the device's every step would wait for the device."""
+
+    def __init__(self, engine: FlatEngine) -> None:
+        super().__init__(engine)
+        self._step: int | None = None
+        """The step counter as of the last step (None: read it at the next)."""
+
+    def state_changed(self) -> None:
+        self._step = None
+
+    def _host_step(self) -> int:
+        """The step counter as of the last step, kept on the host (synced once if unknown)."""
+        if self._step is None:
+            self._step = self.engine.step_count()
+        return self._step
 
 
 def flat_grads(grads: GradsByGroup) -> list[torch.Tensor]:

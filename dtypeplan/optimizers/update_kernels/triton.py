@@ -18,23 +18,18 @@ from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
     GradsByGroup,
-    UpdateKernel,
+    HostStepKernel,
     finish,
 )
 
 __all__ = ["TritonKernel"]
 
 
-class TritonKernel(UpdateKernel):
+class TritonKernel(HostStepKernel):
     """Adam/AdamW without amsgrad or maximize, fp32 masters and states, on a CUDA device
     with Triton."""
 
     name = "triton"
-
-    def __init__(self, engine: FlatEngine) -> None:
-        super().__init__(engine)
-        self._step: int | None = None
-        """Host copy of the Adam step counter (read once after a load or a reset)."""
 
     @classmethod
     def applies(cls, engine: FlatEngine) -> bool:
@@ -55,15 +50,6 @@ class TritonKernel(UpdateKernel):
 
     def describe(self) -> str:
         return "one-pass Triton AdamW, one launch per param group"
-
-    def state_changed(self) -> None:
-        self._step = None  # the loaded step counter is re-read at the next kernel step
-
-    def _host_step(self) -> int:
-        """The Adam step counter as of the last step, kept on the host (synced once if unknown)."""
-        if self._step is None:
-            self._step = self.engine.step_count()
-        return self._step
 
     def update(
         self, grads: GradsByGroup, factor: tuple[torch.Tensor, torch.Tensor], gather: Gather | None

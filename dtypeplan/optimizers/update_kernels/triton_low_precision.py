@@ -26,7 +26,7 @@ from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
     GradsByGroup,
-    UpdateKernel,
+    HostStepKernel,
     finish,
 )
 from dtypeplan.optimizers.update_kernels.torch_fused import torch_fused_adam
@@ -44,17 +44,11 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class TritonLowPrecisionKernel(UpdateKernel):
+class TritonLowPrecisionKernel(HostStepKernel):
     """Adam/AdamW (torch's fused path's settings) with bf16 masters or bf16 moments, not
     quantized ones, on a CUDA device with Triton."""
 
     name = "triton-low-precision"
-
-    def __init__(self, engine: FlatEngine) -> None:
-        super().__init__(engine)
-        self._step: int | None = None
-        """Host copy of the step counter (read once after a load or a reset): the bias
-        corrections and the noise key need it, and reading the device's would sync."""
 
     @classmethod
     def applies(cls, engine: FlatEngine) -> bool:
@@ -94,14 +88,6 @@ class TritonLowPrecisionKernel(UpdateKernel):
             f"one-pass Triton Adam/AdamW, one launch per param group ({masters}, exp_avg "
             f"{plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype})"
         )
-
-    def state_changed(self) -> None:
-        self._step = None
-
-    def _host_step(self) -> int:
-        if self._step is None:
-            self._step = self.engine.step_count()
-        return self._step
 
     def update(
         self, grads: GradsByGroup, factor: tuple[torch.Tensor, torch.Tensor], gather: Gather | None
