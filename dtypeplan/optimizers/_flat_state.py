@@ -87,33 +87,10 @@ class FlatState(MixedPrecisionOptimizer):
             first += len(state.flat.params)
         return pieces
 
-    def master_values(self, master: torch.Tensor) -> torch.Tensor:
-        """A master chunk as the fp32 values it stands for: with Kahan-compensated bf16 masters,
-        the bf16 weights plus their compensation. What a checkpoint stores, whatever the
-        master dtype, so that it loads into any other."""
-        if self._low_precision is None:
-            return master.float()  # fp32 masters: the chunk itself
-        return self._low_precision.master_values(master)
-
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         if self._low_precision is None:
             return contextlib.nullcontext()
         return self._low_precision.fp32_view([m for s in self.groups for m in s.masters])
-
-    @torch.no_grad()
-    def load_master_(
-        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
-    ) -> None:
-        """Set a master chunk from fp32 ``values``: copied (fp32), rounded to nearest (bf16),
-        or with Kahan masters split into the bf16 weights and their compensation."""
-        if self._low_precision is None:
-            master.copy_(values)
-            return
-        self._low_precision.load_master_(master, values, compensation)
-
-    @property
-    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
-        return self._low_precision
 
     def _read_master_piece(self, master: torch.Tensor, where: slice) -> torch.Tensor:
         """A piece of a master chunk as fp32 weights to update in place: the chunk's own view

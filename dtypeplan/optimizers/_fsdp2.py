@@ -524,26 +524,6 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         with self.fp32_states():  # a quantized moment is laid out like its shard in there
             return element_state_names(self.inner, self._locals())
 
-    def master_values(self, master: torch.Tensor) -> torch.Tensor:
-        """A local shard as the fp32 values it stands for (Kahan: plus its compensation)."""
-        if self._low_precision is None:
-            return master.float()
-        return self._low_precision.master_values(master)
-
-    @torch.no_grad()
-    def load_master_(
-        self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
-    ) -> None:
-        """Set a local shard from fp32 ``values`` (bf16 masters: rounded as the plan says)."""
-        if self._low_precision is None:
-            master.copy_(values)
-            return
-        self._low_precision.load_master_(master, values, compensation)
-
-    @property
-    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
-        return self._low_precision
-
     def reset_update_state(
         self, names: Iterable[str], scalars: Sequence[Mapping[str, Any]] = ()
     ) -> None:

@@ -59,22 +59,34 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
         """The parameters the optimizer updates, in the numbering of the ``param.{i}`` keys."""
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
-    def master_values(self, master: torch.Tensor) -> torch.Tensor:
-        """A master chunk or shard as the fp32 values a checkpoint stores (fp32 masters: as is)."""
-        return master.float()
+    _low_precision: LowPrecisionAdamUpdate | None = None
+    """Set by an optimizer whose masters are 16-bit or whose moments are low-precision."""
 
+    def master_values(self, master: torch.Tensor) -> torch.Tensor:
+        """A master chunk or shard as the fp32 values a checkpoint stores, whatever the master
+        dtype, so that it loads into any other: fp32 masters as they are; Kahan-compensated
+        bf16 masters, the weights plus their compensation."""
+        if self._low_precision is None:
+            return master.float()
+        return self._low_precision.master_values(master)
+
+    @torch.no_grad()
     def load_master_(
         self, master: torch.Tensor, values: torch.Tensor, compensation: torch.Tensor | None = None
     ) -> None:
-        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load);
-        ``compensation``: the Kahan compensation ``values`` include, where saved."""
-        master.copy_(values)
+        """Set a master chunk or shard from fp32 ``values`` (a checkpoint load): copied (fp32
+        masters), else rounded as the plan says (Kahan: split into the bf16 weights and their
+        compensation; ``compensation``: the one ``values`` include, where saved)."""
+        if self._low_precision is None:
+            master.copy_(values)
+            return
+        self._low_precision.load_master_(master, values, compensation)
 
     @property
     def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
         """The update that keeps 16-bit masters or low-precision moments (their Kahan
         compensations, quantized codes), or None where masters and states are fp32."""
-        return None
+        return self._low_precision
 
     def fp32_states(self) -> contextlib.AbstractContextManager[None]:
         """A context in which every per-element optimizer state is a plain tensor laid out
