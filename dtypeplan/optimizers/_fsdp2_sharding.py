@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from dtypeplan._dtypes import dtype_name
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._groups import HybridGroups, hybrid_groups
+from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import make_replicas_equal
 from dtypeplan.optimizers._ownership import ParamWeakMap
@@ -191,7 +192,7 @@ def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups | None) -
         f"reduction, in communication_data_type ({comm}), and offers no hook to replace that "
         "collective"
     )
-    if wire in ("int8", "fp8"):
+    if wire in WIRE_FORMATS:
         fix = (
             "use a block-quantized wire at ZeRO stage 1 or 2 (whose two-level reduction is "
             "dtypeplan's), or leave the wire across groups unset at ZeRO-3"
