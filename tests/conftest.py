@@ -1,4 +1,9 @@
-"""Shared pytest setup: the hypothesis profiles, the eager one-pass update.
+"""Shared pytest setup: the declared test dependencies, the hypothesis profiles, the eager
+one-pass update.
+
+Every package of ``pyproject.toml``'s ``test`` extra must import, or the run stops before
+collecting: a test dependency installed on one machine by hand and never declared (or declared
+and not installed) would otherwise make tests skip or fail to collect on the next machine.
 
 ``ci`` (the default) keeps the whole suite fast on two cores; ``thorough`` is for a nightly or
 pre-release run and is selected with ``DTYPEPLAN_HYPOTHESIS_PROFILE=thorough``. Tests take
@@ -8,11 +13,47 @@ for the ones that build optimizers, so one switch sizes every property test.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from packaging.requirements import Requirement  # pytest's own dependency
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+# The import name of each test requirement whose distribution name differs from it.
+_IMPORT_NAMES = {"types-PyYAML": None, "types-jsonschema": None}
+
+
+def declared_test_imports() -> list[str]:
+    """The module names that pyproject.toml's ``test`` extra promises on this Python (stub
+    packages have none)."""
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    names = []
+    for line in pyproject["project"]["optional-dependencies"]["test"]:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        module = _IMPORT_NAMES.get(requirement.name, requirement.name.replace("-", "_"))
+        if module is not None:
+            names.append(module)
+    return names
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = [name for name in declared_test_imports() if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(
+            f"test dependencies declared in pyproject.toml are not installed: {missing}; "
+            'install them with: python3 -m pip install -e ".[test]"'
+        )
+
 
 PROFILE_ENV = "DTYPEPLAN_HYPOTHESIS_PROFILE"
 
@@ -45,8 +86,6 @@ def integration_defaults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[
     """The default run's framework cases and README recipes (tests/test_integrations_*.py),
     in one spawned group of 2 ranks: each group imports transformers, Accelerate and
     Lightning, which costs more than the cases."""
-    for name in ("transformers", "accelerate", "lightning"):
-        pytest.importorskip(name)
     from dtypeplan.launch import spawn
     from tests._helpers import readme_recipe_blocks
     from tests.workers.integrations import default_group

@@ -56,4 +56,6 @@ def test_readme_quick_start_runs_verbatim_on_float_inputs() -> None:
     exec(compile(_quick_start_code(), "README.md quick start", "exec"), namespace)
     trained = namespace["model"]
     assert all(p.dtype == torch.bfloat16 for p in trained.parameters())
-    assert any(not torch.equal(p.float(), b) for p, b in zip(trained.parameters(), before))
+    assert any(
+        not torch.equal(p.float(), b) for p, b in zip(trained.parameters(), before, strict=True)
+    )

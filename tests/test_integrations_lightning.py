@@ -17,12 +17,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("lightning")
-
-from dtypeplan.launch import spawn  # noqa: E402
-from tests._helpers import assert_framework_case  # noqa: E402
-from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases  # noqa: E402
+from dtypeplan.launch import spawn
+from tests._helpers import assert_framework_case
+from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases
 
 DEFAULT = [c for c in DEFAULT_CASES if c[0] == "lightning"]
 MATRIX = [

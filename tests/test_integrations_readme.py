@@ -14,11 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("lightning")
-
-from tests._helpers import README_FRAMEWORK_HEADINGS  # noqa: E402
+from tests._helpers import README_FRAMEWORK_HEADINGS
 
 HEADINGS = README_FRAMEWORK_HEADINGS
 

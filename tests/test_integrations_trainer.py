@@ -15,12 +15,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
-from dtypeplan.launch import spawn  # noqa: E402
-from tests._helpers import assert_framework_case  # noqa: E402
-from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases  # noqa: E402
+from dtypeplan.launch import spawn
+from tests._helpers import assert_framework_case
+from tests.workers.integrations import DEFAULT_CASES, MAX_GRAD_NORM, run_cases
 
 DEFAULT = [c for c in DEFAULT_CASES if c[0] == "trainer"]
 MATRIX = [("trainer", s, d) for s in (0, 1, 2, 3) for d in ("bf16", "fp32")]

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 import dtypeplan
-
 from dtypeplan.optimizers._master_rounding import (
     kahan_load,
     kahan_store,

@@ -24,13 +24,12 @@ from typing import Any
 
 import pytest
 import torch
-
-import dtypeplan
 from torch.testing._internal.common_optimizers import (
     _get_optim_inputs_including_global_cliquey_kwargs,
     optim_db,
 )
 
+import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.resolver._optimizer_kind import ELEMENTWISE
 from tests.workers.optim_db import STEPS, run_cases

@@ -10,8 +10,8 @@ reason, so ``dtypeplan check`` exits 1; any other name is a config error naming 
 from __future__ import annotations
 
 import inspect
-import re
 import json
+import re
 from pathlib import Path
 from typing import Any
 

@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from dtypeplan.launch import spawn  # noqa: E402
-from tests.workers.real_models import run_cases  # noqa: E402
+from dtypeplan.launch import spawn
+from tests.workers.real_models import run_cases
 
 # fp32: the same math in another reduction order (fused vs foreach AdamW, sums over 2 ranks);
 # measured ~1e-6 on the loss, 1e-5 leaves room. bf16: 8 mantissa bits give ~2**-9 relative per
