@@ -5,44 +5,58 @@ print(plan.explain())
 optimizer = plan.build(model.parameters())
 """
 
+# Every name is imported on first use (PEP 562): ``import dtypeplan`` costs nothing, so the
+# command line answers ``--help`` without importing torch, and a spawned rank that needs only
+# the launcher does not import torch.distributed.checkpoint.
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dtypeplan._api import load_rules, resolve
-from dtypeplan.comm import CollectiveError
-from dtypeplan.errors import (
-    NotSupportedError,
-    PrecisionConfigError,
-    RankMismatchError,
-    RegistryError,
-    RulesError,
-)
-from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
-from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
+if TYPE_CHECKING:
+    from dtypeplan import checkpoint
+    from dtypeplan._api import load_rules, resolve
+    from dtypeplan.comm import CollectiveError
+    from dtypeplan.errors import (
+        NotSupportedError,
+        PrecisionConfigError,
+        RankMismatchError,
+        RegistryError,
+        RulesError,
+    )
+    from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
+    from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CollectiveError",
-    "MixedPrecisionOptimizer",
-    "NotSupportedError",
-    "PrecisionConfigError",
-    "PrecisionPlan",
-    "RankMismatchError",
-    "RegistryError",
-    "RulesError",
-    "Status",
-    "auto_values_from",
-    "checkpoint",
-    "load_rules",
-    "register",
-    "registered_names",
-    "resolve",
-]
+_HOMES = {
+    "CollectiveError": "dtypeplan.comm",
+    "MixedPrecisionOptimizer": "dtypeplan.optimizers",
+    "NotSupportedError": "dtypeplan.errors",
+    "PrecisionConfigError": "dtypeplan.errors",
+    "PrecisionPlan": "dtypeplan.resolver",
+    "RankMismatchError": "dtypeplan.errors",
+    "RegistryError": "dtypeplan.errors",
+    "RulesError": "dtypeplan.errors",
+    "Status": "dtypeplan.resolver",
+    "auto_values_from": "dtypeplan.resolver",
+    "load_rules": "dtypeplan._api",
+    "register": "dtypeplan.optimizers",
+    "registered_names": "dtypeplan.optimizers",
+    "resolve": "dtypeplan._api",
+}
+
+__all__ = sorted([*_HOMES, "checkpoint"])
 
 
 def __getattr__(name: str) -> Any:
-    # torch.distributed.checkpoint costs seconds to import; every spawned rank would pay it.
     if name == "checkpoint":
         return importlib.import_module("dtypeplan.checkpoint")
-    raise AttributeError(f"module 'dtypeplan' has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'dtypeplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RulesError
-from dtypeplan.report import memory_report
 
 if TYPE_CHECKING:
     from dtypeplan.resolver import PrecisionPlan
@@ -83,14 +82,31 @@ def _auto_fill(text: str) -> tuple[str, Any]:
         return path.strip(), value
 
 
-def _precision_choices(plan: PrecisionPlan) -> list[tuple[str, dict[str, bool]]]:
-    """For "auto" precision keys nothing filled: the fills that give fp32, fp16 and bf16."""
+def _precision_choices(
+    plan: PrecisionPlan, fills: dict[str, Any]
+) -> list[tuple[str, dict[str, bool]]]:
+    """For "auto" precision keys nothing filled: the fills that give fp32, fp16 and bf16, each
+    consistent with the precision keys ``--auto`` did fill (``--auto bf16.enabled=true`` leaves
+    one choice, bf16)."""
     unfilled = [
         a.path for a in plan.auto_values if a.path in _PRECISION_AUTO and a.source != "auto="
     ]
     if not unfilled:
         return []
-    return [(choice, {path: path.startswith(choice) for path in unfilled}) for choice in _CHOICES]
+    choices = []
+    for choice in _CHOICES:
+        wanted = {path: path.startswith(choice) for path in _PRECISION_AUTO}
+        if any(bool(fills[path]) != wanted[path] for path in _PRECISION_AUTO if path in fills):
+            continue
+        choices.append((choice, {path: wanted[path] for path in unfilled}))
+    return choices
+
+
+def _shown_precision(plan: PrecisionPlan) -> str:
+    """What a plan's parameters really are, for its heading."""
+    from dtypeplan._dtypes import dtype_name
+
+    return dtype_name(plan.param_dtype)
 
 
 def _world_size(plan: PrecisionPlan, given: int | None) -> int:
@@ -110,6 +126,7 @@ def _world_size(plan: PrecisionPlan, given: int | None) -> int:
 
 def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]:
     from dtypeplan import Status
+    from dtypeplan.report import memory_report
 
     args = argparse.Namespace(**{**vars(args), "world_size": _world_size(plan, args.world_size)})
     memory, no_memory = None, "the combination is an Error"
@@ -174,7 +191,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         auto=fills,
         strict=args.strict,
     )
-    choices = _precision_choices(plan)
+    choices = _precision_choices(plan, fills)
     if not choices:
         data = _print_plan(plan, args)
         if args.json:
@@ -183,6 +200,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # The precision keys are "auto" and nothing fills them: the run's dtypes are the
     # launcher's choice, so show the plan of each (the exit code is the HF default's, fp32).
     results = []
+    worst = EXIT_OK
     for choice, extra in choices:
         choice_plan = resolve(
             args.config,
@@ -191,10 +209,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
             auto={**fills, **extra},
             strict=args.strict,
         )
-        setting = ", ".join(f"{k}={str(v).lower()}" for k, v in extra.items())
+        setting = " ".join(f"--auto {k}={str(v).lower()}" for k, v in extra.items())
+        shown = _shown_precision(choice_plan)
         if not args.json:
-            print(f"=== {choice}: --auto {' --auto '.join(setting.split(', '))} ===")
-        results.append({"choice": choice, "auto": extra, "plan": _print_plan(choice_plan, args)})
+            print(f"=== {shown} parameters ({setting}): {choice_plan.status.value} ===")
+        results.append(
+            {
+                "choice": choice,
+                "param_dtype": shown,
+                "auto": extra,
+                "plan": _print_plan(choice_plan, args),
+            }
+        )
+        worst = max(worst, _exit_code(choice_plan))
         if not args.json:
             print()
     if args.json:
@@ -202,9 +229,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     else:
         print(
             'the precision keys are "auto": each choice is shown above; without --auto, '
-            "resolve() takes the HF Trainer default (fp32)"
+            "resolve() takes the HF Trainer default (fp32). The exit code is the worst of them."
         )
-    return _exit_code(plan)
+    return worst
 
 
 def _cmd_table(args: argparse.Namespace) -> int:

@@ -206,7 +206,9 @@ def test_check_unfilled_precision_auto_shows_each_choice(
     assert main(["check", str(config)]) == 0
     out = capsys.readouterr().out
     for choice, dtype in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16")):
-        header = next(line for line in out.splitlines() if line.startswith(f"=== {choice}:"))
+        header = next(
+            line for line in out.splitlines() if line.startswith(f"=== {choice} parameters (")
+        )
         block = out.split(header, 1)[1].split("===", 1)[0]
         assert f"parameters             {dtype}" in block
     assert "--auto bf16.enabled=true --auto fp16.enabled=false" in out
@@ -214,6 +216,32 @@ def test_check_unfilled_precision_auto_shows_each_choice(
     data = json.loads(capsys.readouterr().out)
     choices = [c["plan"]["param_dtype"] for c in data["auto_choices"]]
     assert choices == ["fp32", "fp16", "bf16"]
+    assert [c["param_dtype"] for c in data["auto_choices"]] == choices
+
+
+def test_check_one_precision_key_filled_shows_the_choice_it_leaves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--auto bf16.enabled=true`` with fp16 still "auto": one plan, headed bf16, OK."""
+    config = _write(tmp_path / "hf.json", HF_AUTO)
+    assert main(["check", str(config), "--auto", "bf16.enabled=true"]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("===")]
+    assert headers == ["=== bf16 parameters (--auto fp16.enabled=false): OK ==="]
+    assert "status: Error" not in out
+
+
+def test_check_exits_non_zero_when_any_shown_choice_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each choice of an unfilled "auto" is shown with its status; the exit code is the worst
+    of them: bf16 stochastic-rounding masters are OK over bf16 parameters only."""
+    masters = {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}}
+    config = _write(tmp_path / "hf.json", {**HF_AUTO, **masters})
+    assert main(["check", str(config)]) == 2
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("===")]
+    assert [h.rsplit(": ", 1)[1] for h in headers] == ["Error ===", "Error ===", "OK ==="]
+    assert main(["check", str(config), "--auto", "bf16.enabled=true"]) == 0
 
 
 def test_check_auto_fills_and_lists_them(
@@ -602,3 +630,22 @@ def test_check_shows_the_traffic_and_refuses_a_shard_group_size_the_world_cannot
     assert main(["check", path, "--world-size", "12"]) == 2
     err = capsys.readouterr().err
     assert "shard_group_size 8 does not divide the data-parallel world size 12" in err
+
+
+def test_help_answers_without_importing_torch() -> None:
+    """``dtypeplan --help`` is read before anything is resolved: it must not wait for torch."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, contextlib, io\n"
+        "from dtypeplan.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])\n"
+        "import dtypeplan\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"

@@ -209,6 +209,7 @@ class DtypeplanTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
             return
         output_dir = self.args.output_dir if output_dir is None else output_dir
+        assert self.model is not None, "the optimizer exists, so the Trainer has its model"
         # Collective at ZeRO 1-3: every rank gathers, rank 0 keeps and writes.
         state = dtypeplan.checkpoint.export_model_state(optimizer, self.model, rank0_only=True)
         self._save(output_dir, state_dict=state)
