@@ -51,3 +51,38 @@ def refuse_loss_scaling(optimizer: MixedPrecisionOptimizer, framework: str) -> N
             'gradients would be wrong. Use bf16 ("bf16": {"enabled": true}) or fp32, or drive '
             "the optimizer yourself with optimizer.backward(loss)"
         )
+
+
+def record_state_dtype_on_save(model: torch.nn.Module) -> None:
+    """Make an HF model's ``save_pretrained(dir, state_dict=...)`` record the dtype of the
+    state it writes in ``config.json``, not its parameters' dtype.
+
+    transformers writes ``model.dtype`` (its first floating parameter's) as ``config.dtype``,
+    and ``from_pretrained(dir)`` loads in that dtype: bf16 parameters saved with the fp32
+    masters as ``state_dict`` would come back rounded to bf16. A model without
+    ``save_pretrained`` is left as it is.
+    """
+    original = getattr(model, "save_pretrained", None)
+    config = getattr(model, "config", None)
+    if original is None or config is None or getattr(original, "_dtypeplan", False):
+        return
+
+    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        state = kwargs.get("state_dict")
+        # Read before saving: transformers takes entries out of the dict it writes.
+        dtypes = {
+            t.dtype for t in (state or {}).values() if torch.is_tensor(t) and t.is_floating_point()
+        }
+        result = original(save_directory, *args, **kwargs)
+        if len(dtypes) == 1 and kwargs.get("is_main_process", True):
+            written = config.dtype
+            config.dtype = str(dtypes.pop()).split(".")[1]
+            try:
+                config.save_pretrained(save_directory)
+            finally:
+                config.dtype = written
+        return result
+
+    save_pretrained._dtypeplan = True  # type: ignore[attr-defined]
+    # An instance attribute: only this model, only while it lives.
+    object.__setattr__(model, "save_pretrained", save_pretrained)

@@ -3,8 +3,8 @@
 A plain Accelerate loop changes in its first line only (``Accelerator()`` ->
 ``DtypeplanAccelerator()``) and builds its optimizer from the plan::
 
-    accelerator = DtypeplanAccelerator()            # the process group exists from here on
-    plan = dtypeplan.resolve("ds_config.json")
+    accelerator = DtypeplanAccelerator(mixed_precision="bf16")   # the process group exists
+    plan = accelerator.resolve("ds_config.json")    # "auto" filled as Accelerate means it
     model = plan.prepare_model(model)
     optimizer = plan.build(model.parameters())
     scheduler = plan.build_scheduler(optimizer)
@@ -17,12 +17,23 @@ A plain Accelerate loop changes in its first line only (``Accelerator()`` ->
 
 What it changes in Accelerate, for the models and optimizers handed to ``prepare`` together:
 
+* ``mixed_precision`` (or ``accelerate launch --mixed_precision``) says which dtype the plan
+  trains in, not an autocast: :meth:`DtypeplanAccelerator.resolve` fills the config's
+  ``"auto"`` precision keys with it (and ``gradient_accumulation_steps``), Accelerate itself
+  runs with ``mixed_precision="no"`` (no autocast, no GradScaler; ``accelerator.mixed_precision``
+  reads ``"no"``, ``accelerator.dtypeplan_precision`` what it was told), and ``prepare`` refuses
+  a plan whose parameters are in another dtype than the one it was told.
+* Launched as several processes on a machine without an accelerator (``torchrun``, or
+  ``accelerate launch --multi_gpu --num_processes N``, which starts them through torchrun), it
+  takes ``cpu=True`` unless told otherwise, so the run is distributed on gloo (Accelerate
+  itself would see one process per rank). ``accelerate launch --cpu --num_processes N`` starts
+  one process (Accelerate's several-CPU path is mpirun); a launcher's world that Accelerate
+  does not see is refused.
+
 * ``prepare`` does not wrap a model that a dtypeplan optimizer trains in
   DistributedDataParallel (the optimizer reduces), nor move it (``build`` fixed its device:
-  move the model before ``plan.prepare_model``); it refuses Accelerate's
-  ``mixed_precision`` with such an optimizer (the plan decides every dtype; autocast over
-  bf16 parameters is not the plan) and fp16 plans (loss scaling in ``backward`` is not
-  wired). A scheduler from ``plan.build_scheduler`` steps once
+  move the model before ``plan.prepare_model``); it refuses fp16 plans (loss scaling in
+  ``backward`` is not wired). A scheduler from ``plan.build_scheduler`` steps once
   per optimizer step, as DeepSpeed steps it (Accelerate steps others once per process).
 * ``clip_grad_norm_(model.parameters(), max_norm)`` clips through the optimizer
   (``optimizer.clip_grad_norm_``) and returns the global norm before clipping; a strict subset
@@ -34,13 +45,18 @@ What it changes in Accelerate, for the models and optimizers handed to ``prepare
   (:func:`dtypeplan.checkpoint.export_model_state`, in safetensors by default) and
   ``load_state`` takes the weights from the optimizer checkpoint (bitwise, every stage).
   Schedulers, RNG states, samplers and registered objects are Accelerate's as usual.
+* ``get_state_dict(model)`` and ``save_model(model, dir)`` give the fp32 master weights by name
+  at every stage (gathered: call them on every rank); an HF model's ``save_pretrained`` with
+  that state dict records ``"dtype": "float32"`` in ``config.json``, so ``from_pretrained(dir)``
+  reloads the masters in fp32.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,9 +64,16 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 
 import dtypeplan
-from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
+from dtypeplan._dtypes import dtype_name
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
+from dtypeplan.integrations._common import (
+    find_optimizer,
+    optimizer_dir,
+    record_state_dtype_on_save,
+    refuse_loss_scaling,
+)
 from dtypeplan.optimizers import MixedPrecisionOptimizer
+from dtypeplan.resolver import PrecisionPlan
 
 __all__ = ["DtypeplanAccelerator"]
 
@@ -66,29 +89,86 @@ class DtypeplanAccelerator(Accelerator):
     _schedulers: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        bound = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs)
+        settings = dict(bound.arguments)
+        settings.pop("self", None)
+        settings.update(settings.pop("kwargs", {}))
+        requested = settings.get("mixed_precision")
+        if requested is None:
+            requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        self.dtypeplan_precision: str = str(getattr(requested, "value", requested)).lower()
+        """What Accelerate was told (``mixed_precision=`` or ``accelerate launch
+        --mixed_precision``): :meth:`resolve` fills the config's "auto" precision keys with it,
+        and the parameters of a dtypeplan model are in that dtype (the plan casts them; no
+        autocast runs)."""
+        if self.dtypeplan_precision not in _PRECISION_FILLS:
+            raise NotSupportedError(
+                f"DtypeplanAccelerator(mixed_precision={self.dtypeplan_precision!r}): dtypeplan "
+                f"plans take {sorted(_PRECISION_FILLS)} here"
+            )
+        # The plan decides every dtype: Accelerate runs no autocast and no GradScaler.
+        settings["mixed_precision"] = "no"
+        if "cpu" not in settings and _launched_on_cpu():
+            # Accelerate takes a multi-process CPU run for a single process unless told cpu=True
+            # (its launcher says so only for its mpirun path): torchrun and accelerate launch
+            # --multi_gpu on a machine without an accelerator would train undistributed.
+            settings["cpu"] = True
+        super().__init__(**settings)
+        launched = _launched_world_size()
+        if launched > 1 and self.num_processes != launched:
+            raise OptimizerUsageError(
+                f"DtypeplanAccelerator: the launcher started {launched} processes "
+                f"(WORLD_SIZE={launched}) but Accelerate sees {self.num_processes} "
+                f"({self.distributed_type}); each would train alone on the whole data. On CPU "
+                "pass cpu=True (or leave cpu unset: it is chosen when no accelerator is present)"
+            )
         self._dtypeplan_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._dtypeplan_owner: dict[int, MixedPrecisionOptimizer] = {}
         """Trainable parameter id -> the dtypeplan optimizer that owns it."""
+
+    # --- the plan ------------------------------------------------------------------------------
+    def resolve(
+        self, config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any
+    ) -> PrecisionPlan:
+        """:func:`dtypeplan.resolve` with the config's ``"auto"`` values filled as Accelerate
+        means them: the precision keys from ``mixed_precision`` (``"bf16"`` fills
+        ``bf16.enabled`` true and ``fp16.enabled`` false), ``gradient_accumulation_steps`` from
+        the accelerator's, then whatever ``auto=`` gives. Keyword arguments are
+        :func:`dtypeplan.resolve`'s."""
+        auto = {
+            **_PRECISION_FILLS[self.dtypeplan_precision],
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            **dict(kwargs.pop("auto", None) or {}),
+        }
+        document = dict(config) if isinstance(config, Mapping) else config
+        return dtypeplan.resolve(document, auto=auto, **kwargs)
 
     # --- prepare -------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
         optimizers = [o for o in (find_optimizer(a) for a in args) if o is not None]
         for optimizer in optimizers:
             refuse_loss_scaling(optimizer, "DtypeplanAccelerator")
-            if self.native_amp or self.scaler is not None:
-                raise ValueError(
-                    f"DtypeplanAccelerator(mixed_precision={self.mixed_precision!r}): Accelerate "
-                    "would run the forward under autocast (and a GradScaler), which the plan "
-                    "does not expect; the plan decides every dtype. Use "
-                    'mixed_precision="no" and set bf16 in the dtypeplan config'
-                )
+            self._check_precision(optimizer)
             for param in optimizer.trainable_parameters():
                 self._dtypeplan_owner[id(param)] = optimizer
         for arg in args:
             if isinstance(arg, torch.nn.Module) and self._owning_optimizer(arg) is not None:
                 self._dtypeplan_models.add(arg)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _check_precision(self, optimizer: MixedPrecisionOptimizer) -> None:
+        """The plan's parameters are in the dtype Accelerate was told (when told one)."""
+        told = self.dtypeplan_precision
+        if told == "no":
+            return
+        shown = dtype_name(optimizer.plan.param_dtype)
+        if shown != told:
+            raise PrecisionConfigError(
+                f"DtypeplanAccelerator(mixed_precision={told!r}) but the plan trains {shown} "
+                f'parameters: set {told}.enabled to true in the config, or to "auto" and '
+                "resolve it with accelerator.resolve(config), which fills it from "
+                "mixed_precision"
+            )
 
     def prepare_model(
         self,
@@ -104,6 +184,7 @@ class DtypeplanAccelerator(Accelerator):
             # "cpu:0" on CPU ranks, and .to() to it copies every parameter out of the flat
             # buffer: a checkpoint loaded before the next step would then not reach them.
             device_placement = False
+            record_state_dtype_on_save(model)
         prepared: torch.nn.Module = super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
@@ -160,6 +241,17 @@ class DtypeplanAccelerator(Accelerator):
                 "optimizer.clip_grad_norm_(max_norm))"
             )
         return optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    # --- model weights -------------------------------------------------------------------------
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """A dtypeplan model's weights are the fp32 master weights by name, every tensor full
+        (:func:`dtypeplan.checkpoint.export_model_state`: gathered, so call it on every rank,
+        as ``save_model`` is); other models' as Accelerate gives them."""
+        inner = self.unwrap_model(model)
+        owner = self._owning_optimizer(inner)
+        if owner is None:
+            return dict(super().get_state_dict(model, unwrap))
+        return _untied(dtypeplan.checkpoint.export_model_state(owner, inner))
 
     # --- checkpoints ---------------------------------------------------------------------------
     def _dtypeplan_optimizers(self) -> list[MixedPrecisionOptimizer]:
@@ -228,6 +320,27 @@ class DtypeplanAccelerator(Accelerator):
         directory = found[0] if found else os.fspath(input_dir or "")
         for index, optimizer in enumerate(owned):
             dtypeplan.checkpoint.load(optimizer, optimizer_dir(directory, index))
+
+
+_PRECISION_FILLS: dict[str, dict[str, bool]] = {
+    "no": {"bf16.enabled": False, "fp16.enabled": False},
+    "bf16": {"bf16.enabled": True, "fp16.enabled": False},
+    "fp16": {"bf16.enabled": False, "fp16.enabled": True},
+}
+"""Accelerate's ``mixed_precision`` as the config's precision keys (fp8 is not a plan yet)."""
+
+
+def _launched_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _launched_on_cpu() -> bool:
+    """Several processes started by a launcher on a machine without an accelerator."""
+    several = _launched_world_size() > 1 or "LOCAL_RANK" in os.environ
+    return several and not torch.accelerator.is_available()
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
