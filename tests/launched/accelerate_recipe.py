@@ -71,7 +71,9 @@ def main(stage: int, out: str, phase: str) -> None:
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "world_size": torch.distributed.get_world_size(),
-        "param_dtypes": sorted({str(p.dtype) for p in accelerator.unwrap_model(model).parameters()}),
+        "param_dtypes": sorted(
+            {str(p.dtype) for p in accelerator.unwrap_model(model).parameters()}
+        ),
         "plan_param_dtype": str(plan.param_dtype),
         "plan_lr": plan.optimizer.params.get("lr"),
         "seen": seen,
