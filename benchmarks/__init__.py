@@ -1,1 +1,1 @@
-"""Benchmarks of dtypeplan: memory, communication, step time and numerics (see README.md)."""
+"""Benchmarks of dtypeplan: memory, communication, step time and numerics (benchmarks/README.md)."""

@@ -256,6 +256,12 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_docs(args: argparse.Namespace) -> int:
+    from dtypeplan.docs_pages import run
+
+    return run(args.root, write_pages=args.write)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dtypeplan.demo import run_demo
 
@@ -380,6 +386,15 @@ def _parser() -> argparse.ArgumentParser:
         help="micro-batches accumulated per step (default 4)",
     )
     demo.set_defaults(handler=_cmd_demo, imports=[])
+
+    docs = commands.add_parser(
+        "docs", help="write or check the generated pages of docs/ (docs/reference/)"
+    )
+    mode = docs.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="write the pages that are stale")
+    mode.add_argument("--check", action="store_true", help="exit 2 when a page is stale")
+    docs.add_argument("--root", default=".", help="the repository root (default: .)")
+    docs.set_defaults(handler=_cmd_docs, imports=[])
     return parser
 
 

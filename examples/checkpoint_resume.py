@@ -30,6 +30,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(
     rank: int, world_size: int, config: dict, path: str, steps: range, resume: bool
 ) -> list[float]:
+    # [docs: checkpoint] (docs/checkpoints.md shows the lines down to the end marker)
     net = model()
     optimizer = dtypeplan.resolve(config).build(net.parameters())
     if resume:
@@ -45,6 +46,7 @@ def train(
             losses.append(float(torch.nn.functional.mse_loss(net(x), y)))
     if not resume:
         dtypeplan.checkpoint.save(optimizer, path)
+    # [docs: end checkpoint]
     return losses
 
 

@@ -38,6 +38,7 @@ def train(rank: int, world_size: int, stage_index: int, schedule_name: str) -> f
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
     }
+    # [docs: pipeline] (docs/pipeline.md shows the lines down to the end marker)
     plan = dtypeplan.resolve(config, pipeline_parallel=True)
     if rank == 0:
         print(plan.explain(), flush=True)
@@ -67,6 +68,7 @@ def train(rank: int, world_size: int, stage_index: int, schedule_name: str) -> f
         else:
             schedule.step(target=x @ target_map, losses=losses)
         optimizer.step()
+        # [docs: end pipeline]
         total = torch.tensor([sum(float(part.detach()) for part in losses)], dtype=torch.float32)
         dist.all_reduce(total)  # only the last stage holds losses; average over the dp replicas
         loss = float(total) / (world_size // 2)

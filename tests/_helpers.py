@@ -320,26 +320,26 @@ def assert_framework_case(per_rank: list[dict[str, Any]], case: str, max_grad_no
 
 
 README_FRAMEWORK_HEADINGS = {
-    "trainer": "### HF Trainer",
-    "accelerate": "### Accelerate",
-    "lightning": "### Lightning",
+    "trainer": "## HF Trainer",
+    "accelerate": "## Accelerate",
+    "lightning": "## Lightning",
 }
+"""The headings of docs/frameworks.md whose first ```python block is each framework's recipe."""
 
 
 def readme_recipe_blocks() -> dict[str, str]:
-    """The first ```python block under each framework's heading of README.md's "## Training
-    frameworks" section, by framework."""
+    """The first ```python block under each framework's heading of docs/frameworks.md, by
+    framework."""
     import os
     import re
 
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    with open(readme, encoding="utf-8") as handle:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "frameworks.md"), encoding="utf-8") as handle:
         text = handle.read()
-    section = text.split("## Training frameworks\n", 1)[1].split("\n## ", 1)[0]
     blocks: dict[str, str] = {}
     for framework, heading in README_FRAMEWORK_HEADINGS.items():
-        part = section.split(heading + "\n", 1)[1]
+        part = text.split("\n" + heading + "\n", 1)[1].split("\n## ", 1)[0]
         found = re.search(r"```python\n(.*?)```", part, re.DOTALL)
-        assert found, f"README: no python block under {heading}"
+        assert found, f"docs/frameworks.md: no python block under {heading}"
         blocks[framework] = found.group(1)
     return blocks

@@ -1,7 +1,7 @@
-"""The README's recipe for each training framework runs as it is on 2 gloo ranks (issue 20).
+"""The docs' recipe for each training framework runs as it is on 2 gloo ranks (issue 20).
 
-Each ```python block under "## Training frameworks" (### HF Trainer, ### Accelerate,
-### Lightning) is read from README.md and executed on both ranks with the names it uses
+The first ```python block under each of docs/frameworks.md's headings (## HF Trainer,
+## Accelerate, ## Lightning) is read from the page and executed on both ranks with the names it uses
 (``model``, ``args``, ``train_dataset``, ``loader``, ``module``: a tiny GPT-2 and token data)
 and the HF docs' ds_config_zero2.json as ``ds_config.json`` (ZeRO-2, optimizer offload, every
 value "auto"). Then: the optimizer stepped 4 times at ZeRO-2, the Trainer wrote every weight

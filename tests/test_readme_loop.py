@@ -1,4 +1,4 @@
-"""The README's skipped-step loop, read from README.md and run under fp16 overflows: the
+"""The docs' skipped-step loop, read from docs/torch-optim.md and run under fp16 overflows: the
 learning rate of every step follows DeepSpeed 0.19.8's formulas at DeepSpeed's iteration
 count, which its engine advances only after a step that was not skipped. The HF Trainer's loop
 (``scheduler.step()`` only when the optimizer step was not skipped) must give the same schedule:
@@ -20,7 +20,7 @@ import dtypeplan
 from tests._helpers import make_batch, make_model, mse
 from tests.test_schedulers import REL_TOL, reference
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "torch-optim.md"
 OVERFLOW_AT = (1, 4, 5, 9)  # loop iterations whose loss overflows fp16 (two in a row)
 STEPS = 12
 HF_TRAINER_LOOP = """
@@ -60,16 +60,16 @@ SCHEDULES = [
 
 
 def readme_loop() -> str:
-    """The code block of the README's "Skipped steps" item, dedented."""
-    text = README.read_text(encoding="utf-8")
+    """The code block of docs/torch-optim.md's "Skipped steps" item, dedented."""
+    text = PAGE.read_text(encoding="utf-8")
     item = text.index("- **Skipped steps.**")
     found = re.compile(r"```python\n(.*?)```", re.S).search(text, item)
-    assert found is not None, "README: no code block after the Skipped steps item"
+    assert found is not None, "docs/torch-optim.md: no code block after the Skipped steps item"
     return textwrap.dedent(found.group(1))
 
 
 def test_the_readme_loop_is_the_one_run_here() -> None:
-    """The block read is the loop that steps the scheduler every iteration: a README change
+    """The block read is the loop that steps the scheduler every iteration: a docs change
     that drops a line the test relies on fails here, not as a wrong schedule."""
     loop = readme_loop()
     assert loop.startswith("for batch in loader:\n"), loop
@@ -112,7 +112,7 @@ def _run(loop: str, name: str, params: dict[str, Any]) -> tuple[list[bool], list
         "optimizer": optimizer,
         "scheduler": scheduler,
     }
-    exec(compile(loop, "README.md:Skipped steps", "exec"), namespace)  # noqa: S102
+    exec(compile(loop, "docs/torch-optim.md:Skipped steps", "exec"), namespace)  # noqa: S102
     return skipped, used
 
 

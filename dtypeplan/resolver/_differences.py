@@ -28,15 +28,88 @@ each stated by ``explain()`` for the configs it touches:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtypeplan.resolver import _deepspeed_keys as ds
 from dtypeplan.resolver._batch import counted_sizes
 from dtypeplan.resolver._config import PrecisionConfig
 
-__all__ = ["deepspeed_differences"]
+__all__ = ["DIFFERENCES", "Difference", "deepspeed_differences"]
 
 DEEPSPEED = f"DeepSpeed {ds.DEEPSPEED_VERSION}"
+
+
+class Difference(NamedTuple):
+    """One point where dtypeplan reads a config otherwise than DeepSpeed, in general terms
+    (``deepspeed_differences`` states it for one config, with its values)."""
+
+    point: str
+    deepspeed: str
+    dtypeplan: str
+    fix: str
+    """The setting that gives DeepSpeed's behaviour (or the nearest to it)."""
+
+
+DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        "gradient accumulation dtype",
+        "the model dtype",
+        "the table's default: fp32 for bf16 (summing in bf16 drops low bits at every micro-batch)",
+        '`"data_types": {"grad_accum_dtype": "bf16"}`',
+    ),
+    Difference(
+        "wire dtype",
+        "the model's 16-bit dtype",
+        "the table's default (the accumulation dtype)",
+        '`"communication_data_type": "bf16"`',
+    ),
+    Difference(
+        "micro-batches per step (`gradient_accumulation_steps`, or worked out from the batch "
+        "sizes)",
+        "`engine.backward` divides each loss by it",
+        "sums the micro-batches' gradients; uses the count only to know the last backward",
+        "divide the loss by it before backward",
+    ),
+    Difference(
+        "`gradient_clipping` absent",
+        f"clips at {ds.TOP_LEVEL_DEFAULTS['gradient_clipping']}",
+        "no clipping (configs keep their meaning)",
+        f'`"gradient_clipping": {ds.TOP_LEVEL_DEFAULTS["gradient_clipping"]}`',
+    ),
+    Difference(
+        "no `optimizer` block",
+        "the program's optimizer",
+        "AdamW, lr 1e-3",
+        "an `optimizer` block, or your optimizer passed to `plan.build`",
+    ),
+    Difference(
+        "`torch_autocast` wire dtype",
+        "`lower_precision_safe_modules` (Linear, Conv) in the autocast dtype, the rest fp32",
+        "every gradient in `communication_data_type`",
+        '`"communication_data_type": "bf16"` (then for every module)',
+    ),
+    Difference(
+        "`torch_autocast` at ZeRO-3",
+        "all-gathers the `lower_precision_safe_modules`' parameters in the autocast dtype",
+        "FSDP2 gathers the fp32 shards and autocast casts them at each op, to the same values "
+        "(twice the bytes gathered)",
+        "none needed: the numbers agree",
+    ),
+    Difference(
+        "fp16 `torch_autocast` loss scaling",
+        "`torch.amp.GradScaler` (growth every 2000 steps, no hysteresis)",
+        "the `fp16` block's DeepSpeed loss scaler",
+        '`"fp16": {"enabled": false, "loss_scale_window": 2000, "hysteresis": 1}`',
+    ),
+    Difference(
+        "`torch_autocast.dtype` absent",
+        "passes None to `torch.autocast`: the device's default (fp16 on CUDA, bf16 on CPU)",
+        "the fp16 parameters' dtype with `fp16.enabled`, else bf16",
+        '`"torch_autocast": {"dtype": "..."}` makes both agree',
+    ),
+)
+"""Every point of ``deepspeed_differences``, one row each: what the reference page
+``docs/reference/deepspeed-differences.md`` is generated from (``dtypeplan docs``)."""
 
 
 def _deepspeed_wire(params: str) -> str:
