@@ -98,8 +98,10 @@ ADMITTED: dict[tuple[str, str], Any] = {
 """The globals a ``.metadata`` pickle may name, and what each stands for when read."""
 
 
-_CLASSES = frozenset(v for v in ADMITTED.values() if isinstance(v, type))
-_CALLABLES = frozenset(v for v in ADMITTED.values() if isinstance(v, type) or v is _layout)
+# By identity (the admitted objects live as long as the process): no object read from the
+# pickle is hashed or compared to decide what may be called.
+_CLASSES = frozenset(id(v) for v in ADMITTED.values() if isinstance(v, type))
+_CALLABLES = _CLASSES | {id(_layout)}
 
 
 def _refuse(what: str) -> CheckpointError:
@@ -134,7 +136,7 @@ class _Unpickler(_PythonUnpickler):
         raise _refuse("holds a persistent id, which DCP's metadata never has")
 
     def _call(self, func: Any, args: Any) -> Any:
-        if not any(func is admitted for admitted in _CALLABLES):
+        if id(func) not in _CALLABLES:
             raise _refuse(f"calls a {type(func).__name__}, not one of the admitted classes")
         if not isinstance(args, tuple):
             raise _refuse("calls an admitted class without an argument tuple")
@@ -147,7 +149,7 @@ class _Unpickler(_PythonUnpickler):
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        if not any(cls is admitted for admitted in _CLASSES):
+        if id(cls) not in _CLASSES:
             raise _refuse(f"creates a {type(cls).__name__}, not one of the admitted classes")
         self.append(cls.__new__(cls, *args))
 
@@ -155,14 +157,14 @@ class _Unpickler(_PythonUnpickler):
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
-        if not any(cls is admitted for admitted in _CLASSES) or kwargs:
+        if id(cls) not in _CLASSES or kwargs:
             raise _refuse(f"creates a {type(cls).__name__}, not one of the admitted classes")
         self.append(cls.__new__(cls, *args))
 
     def load_build(self) -> None:
         state = self.stack.pop()
         inst = self.stack[-1]
-        if not any(type(inst) is admitted for admitted in _CLASSES):
+        if id(type(inst)) not in _CLASSES:
             raise _refuse(f"sets the state of a {type(inst).__name__}, not an admitted instance")
         setstate = getattr(inst, "__setstate__", None)
         if setstate is not None:
