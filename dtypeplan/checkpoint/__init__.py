@@ -91,6 +91,46 @@ optimizer, the hyperparameters (``lr``, ``betas``, ...) are restored from the ch
 ``torch.optim.Optimizer.load_state_dict`` does. A load that fails leaves the optimizer as it
 was: pieces are read into staging tensors (one shard's worth) and copied in only at the end.
 
+What a checkpoint is trusted for. A load runs no code from the checkpoint: a directory from
+elsewhere (a shared cluster folder, a downloaded run, a Trainer's ``resume_from_checkpoint``
+pointed at someone else's folder) can at worst be refused, or load wrong numbers into the
+optimizer; it cannot make the load call anything. Every file a load reads is parsed as data:
+
+* ``LATEST``: UTF-8 text of at most 4 KiB, a regular file opened without blocking, which must
+  be a ``snapshot-<16 hex>`` name;
+* ``manifest.json``: JSON (``json.loads``, at most 1 GiB), then checked field by field
+  (``_manifest.check_manifest``); every data file it lists must be a regular file in the
+  snapshot of the recorded size;
+* ``.metadata`` (DCP's, a pickle): read by ``_metadata``'s restricted unpickler, on every rank
+  before any data file is read (after LATEST and the manifest). It admits only the globals
+  DCP's metadata is made of (``_metadata.ADMITTED``: its dataclasses and ``_StorageInfo``,
+  ``torch.Size``, torch's dtypes and layouts, ``pathlib`` paths read as pure paths), calls
+  and fills in only instances of those, and refuses any other global, persistent id or
+  extension code with a :class:`CheckpointError` naming it (``... names the global
+  posix.system ...``). The result must have the shape a save writes: tensor entries whose
+  storage items lie inside data files the manifest lists, with no stream transforms;
+* the data files (``__<rank>_0.distcp``): with ``verify``, hashed (sha256 of the bytes, nothing
+  parsed); then DCP reads each tensor from its slice with ``torch.load(weights_only=True)``
+  (torch's own restricted unpickler).
+
+The HF Trainer integration also reads its ``scheduler.pt`` with ``torch.load(weights_only=True)``;
+the Trainer, Lightning and Accelerate integrations resume the optimizer through ``load`` alone
+(the frameworks' own files -- model weights, RNG states, Lightning's ``.ckpt`` -- are read by
+the frameworks, under their rules). ``export_model_state`` reads no file. Resharding, hybrid
+and ZeRO-3 loads are ``load`` too.
+
+What ``verify=True`` proves: that each file holds the bytes the manifest recorded (sha256),
+so a file damaged or overwritten in place after the save is refused, and, for ``.metadata``,
+that the very bytes parsed are the recorded ones. What it does not prove: who wrote the
+checkpoint. The digests live in ``manifest.json`` beside the files, unsigned, so whoever can
+write the files can rewrite the manifest to agree; ``verify`` detects accidents (a torn copy, a
+bad disk), not an attacker. Against a hostile checkpoint the guarantees are the parsing above
+(no code runs, nothing outside the snapshot is opened, the optimizer is unchanged on refusal),
+not the numbers: a checkpoint you did not write may hold any values the format allows (large
+learning rates, NaN moments), so load one only from a source you would train from. The format
+on disk is DCP's unchanged: ``torch.distributed.checkpoint.load`` with torch's own
+``FileSystemReader`` still reads a snapshot, trusting its ``.metadata`` as plain pickle does.
+
 Both calls are collective over the optimizer's process group (the default group when it has
 none, a single process when ``torch.distributed`` is not initialized). Every rank must see the
 same ``path`` (a shared filesystem). Errors are agreed on: when one rank fails, every rank
@@ -109,6 +149,7 @@ rank 0 only, and each tensor goes to CPU as it is gathered unless ``cpu=False``.
 Modules: ``_io`` (the steps of ``save`` and ``load``), ``_collective`` (the group, and errors
 agreed on by every rank), ``_adapters`` (an optimizer's state as pieces), ``_planners`` (DCP
 planners for those pieces), ``_manifest`` and ``_directory`` (the files on disk),
+``_metadata`` (DCP's metadata read without running code, and the storage reader using it),
 ``_export`` (the weights by name), ``_errors``.
 """
 

@@ -31,6 +31,7 @@ from dtypeplan.checkpoint._manifest import (
     hyperparameter_problems,
     restore_hyperparameters,
 )
+from dtypeplan.checkpoint._metadata import MetadataReader, read_metadata
 from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 
@@ -131,6 +132,10 @@ def load(
     shared = group.broadcast(opened)
     assert shared is not None  # rank 0 opened it, or agree() raised on every rank
     snapshot, manifest = shared
+    # Before any data file is read: DCP's metadata, through an unpickler that runs no code.
+    metadata = group.agree(
+        lambda: read_metadata(snapshot, manifest, verify=verify), "reading the DCP metadata", path
+    )
     if verify:
         group.agree(
             lambda: verify_share(snapshot, manifest, group.rank, group.size), "verifying", path
@@ -164,7 +169,7 @@ def load(
     group.dcp(
         lambda: dcp.load(
             {},
-            storage_reader=dcp.FileSystemReader(snapshot),
+            storage_reader=MetadataReader(snapshot, metadata),
             planner=PieceLoadPlanner(flats, path),
             process_group=opt.process_group,
             no_dist=not group.distributed,
