@@ -33,8 +33,15 @@ def test_readme_recipe_runs_on_two_ranks(
         assert first["weights"] >= 28 and first["dtypes"] == ["torch.float32"], first
     if framework == "accelerate":
         assert "dtypeplan_optimizer" in first["checkpoint"], first
+    if framework in ("accelerate", "lightning"):
+        # The framework's own precision setting filled the all-"auto" precision keys.
+        assert first["param_dtype"] == "torch.bfloat16", first
     if framework == "lightning":
         assert first["global_step"] == 4, first
+        # explain() tells the optimizer configure_optimizers made (lr 3e-3 in the test's
+        # module), not the config's "auto" lr (the HF default 5e-5), and no config scheduler.
+        assert first["explained_lr"] == 3e-3 and first["explained_scheduler"] is None, first
+        assert "not run under Lightning" in first["explain"], first
 
 
 def test_integrations_import_their_frameworks_lazily() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import yaml
 
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers import MixedPrecisionOptimizer
@@ -86,3 +89,24 @@ def record_state_dtype_on_save(model: torch.nn.Module) -> None:
     save_pretrained._dtypeplan = True  # type: ignore[attr-defined]
     # An instance attribute: only this model, only while it lives.
     object.__setattr__(model, "save_pretrained", save_pretrained)
+
+
+def fills_for_auto(
+    config: Mapping[str, Any] | str | os.PathLike[str], fills: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The entries of ``fills`` (dotted path -> value) whose key the config leaves ``"auto"``:
+    what a framework's own setting fills. A value the config sets itself is the config's, and
+    the resolver refuses a fill of it."""
+    document: Any = config
+    if not isinstance(config, Mapping):
+        with open(config, encoding="utf-8") as handle:
+            text = handle.read()
+        document = json.loads(text) if os.fspath(config).endswith(".json") else yaml.safe_load(text)
+    out = {}
+    for path, value in fills.items():
+        node: Any = document
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node == "auto":
+            out[path] = value
+    return out

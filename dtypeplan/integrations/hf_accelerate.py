@@ -67,6 +67,7 @@ import dtypeplan
 from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.integrations._common import (
+    fills_for_auto,
     find_optimizer,
     optimizer_dir,
     record_state_dtype_on_save,
@@ -135,12 +136,12 @@ class DtypeplanAccelerator(Accelerator):
         ``bf16.enabled`` true and ``fp16.enabled`` false), ``gradient_accumulation_steps`` from
         the accelerator's, then whatever ``auto=`` gives. Keyword arguments are
         :func:`dtypeplan.resolve`'s."""
-        auto = {
+        document = dict(config) if isinstance(config, Mapping) else config
+        told = {
             **_PRECISION_FILLS[self.dtypeplan_precision],
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            **dict(kwargs.pop("auto", None) or {}),
         }
-        document = dict(config) if isinstance(config, Mapping) else config
+        auto = {**fills_for_auto(document, told), **dict(kwargs.pop("auto", None) or {})}
         return dtypeplan.resolve(document, auto=auto, **kwargs)
 
     # --- prepare -------------------------------------------------------------------------------

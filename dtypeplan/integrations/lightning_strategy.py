@@ -14,6 +14,12 @@ changes, and works with automatic and manual optimization:
   reduces the gradients itself). ``configure_optimizers`` runs after that, on the readied
   parameters; each optimizer it returns is taken over with ``plan.wrap`` (class, param groups,
   hyperparameters) and its LR schedulers are pointed at the new one. fp16 plans are refused.
+* ``lightning.Trainer(precision=...)`` ("bf16-true" or "bf16-mixed", "32-true", ...) fills the
+  config's ``"auto"`` precision keys: the plan's parameters are in that dtype, no autocast
+  runs, and a config that says another dtype than a 16-bit flag is refused. ``strategy.plan``
+  is, after setup, the plan of the optimizer that runs: ``configure_optimizers``' class and
+  hyperparameters (not the config's ``optimizer`` block), and no config scheduler (Lightning
+  steps ``configure_optimizers``' schedulers; a plan warning says so).
 * the precision plugin is a plain 32-bit one (the plan decides every dtype: no autocast, no
   cast by Lightning); ``gradient_clip_val`` (and ``self.clip_gradients`` under manual
   optimization) clips through ``optimizer.clip_grad_norm_``; the norm is the optimizer's
@@ -26,6 +32,7 @@ changes, and works with automatic and manual optimization:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Mapping
@@ -36,12 +43,31 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 import dtypeplan
-from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
+from dtypeplan._dtypes import dtype_name
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
+from dtypeplan.integrations._common import (
+    fills_for_auto,
+    find_optimizer,
+    optimizer_dir,
+    refuse_loss_scaling,
+)
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
 
 __all__ = ["DtypeplanPrecision", "DtypeplanStrategy"]
+
+_PRECISION_FILLS: dict[str, dict[str, bool]] = {
+    "fp32": {"bf16.enabled": False, "fp16.enabled": False},
+    "bf16": {"bf16.enabled": True, "fp16.enabled": False},
+    "fp16": {"bf16.enabled": False, "fp16.enabled": True},
+}
+_LIGHTNING_PRECISION = {
+    "32-true": "fp32", "32": "fp32",
+    "bf16-true": "bf16", "bf16-mixed": "bf16", "bf16": "bf16",
+    "16-true": "fp16", "16-mixed": "fp16", "16": "fp16",
+}  # fmt: skip
+"""Lightning's precision flags as the dtype of the plan's parameters (the plan decides every
+dtype: "-mixed" runs no autocast here, the parameters are in that dtype)."""
 
 CHECKPOINT_SUFFIX = ".dtypeplan"
 """The directory beside a Lightning checkpoint file that holds its dtypeplan optimizers."""
@@ -100,9 +126,36 @@ class DtypeplanStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # Called by DDPStrategy.setup after the module moved to the device and before
         # configure_optimizers: ready it for the plan instead of wrapping it in DDP.
-        self.plan = dtypeplan.resolve(self.dtypeplan_config, auto=self.dtypeplan_auto)
+        told = self._told_precision()
+        told_fills = fills_for_auto(self.dtypeplan_config, _PRECISION_FILLS[told])
+        auto = {**told_fills, **self.dtypeplan_auto}
+        self.plan = dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        shown = dtype_name(self.plan.param_dtype)
+        if told != "fp32" and shown != told:
+            raise PrecisionConfigError(
+                f"DtypeplanStrategy: lightning.Trainer(precision=...) asks for {told} but the "
+                f'plan trains {shown} parameters: set {told}.enabled to true (or "auto") in '
+                "the config"
+            )
         assert self.model is not None
         self.model = self.plan.prepare_model(self.model)
+
+    def _told_precision(self) -> str:
+        """The dtype ``lightning.Trainer(precision=...)`` asked for: it fills the config's
+        ``"auto"`` precision keys (the plan's parameters are in it; no autocast runs)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        # The Trainer keeps the flag on its connector only: the strategy's own precision
+        # plugin (DtypeplanPrecision, 32-bit, no autocast) replaced the one it would make.
+        connector = getattr(trainer, "_accelerator_connector", None)
+        flag = str(getattr(connector, "_precision_flag", "32-true"))
+        told = _LIGHTNING_PRECISION.get(flag)
+        if told is None:
+            raise NotSupportedError(
+                f"DtypeplanStrategy: lightning.Trainer(precision={flag!r}) has no dtypeplan "
+                f"plan; use one of {sorted(_LIGHTNING_PRECISION)}"
+            )
+        return told
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -120,6 +173,26 @@ class DtypeplanStrategy(DDPStrategy):
                     config.scheduler.optimizer = wrapped
             taken.append(wrapped)
         self.optimizers = taken
+        self.plan = self._plan_that_runs()
+
+    def _plan_that_runs(self) -> PrecisionPlan:
+        """The plan as ``explain()`` should tell it: the optimizer ``configure_optimizers``
+        made (its class and hyperparameters, which replace the config's ``optimizer`` block),
+        and its schedulers, not the config's ``scheduler`` block, which Lightning does not
+        step."""
+        assert self.plan is not None
+        owned = self._owned()
+        plan = owned[0].plan if len(owned) == 1 else self.plan
+        if plan.scheduler is None:
+            return plan
+        note = (
+            "scheduler: the config's scheduler block is not run under Lightning; the "
+            "schedulers configure_optimizers returns are (none: a constant learning rate)"
+            if not self.lr_scheduler_configs
+            else "scheduler: the config's scheduler block is not run under Lightning; the "
+            "schedulers configure_optimizers returns are"
+        )
+        return dataclasses.replace(plan, scheduler=None, warnings=(*plan.warnings, note))
 
     def _owned(self) -> list[MixedPrecisionOptimizer]:
         return [o for o in (find_optimizer(x) for x in self.optimizers) if o is not None]

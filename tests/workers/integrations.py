@@ -628,6 +628,7 @@ def _recipe_facts(framework: str, namespace: dict[str, Any]) -> dict[str, Any]:
             "stage": optimizer.plan.zero_stage,
             "clip": optimizer.grad_norm is not None,
             "checkpoint": sorted(os.listdir("ckpt")),
+            "param_dtype": str(optimizer.plan.param_dtype),
         }
     trainer = namespace["trainer"]
     optimizer = find_optimizer(trainer.strategy.optimizers[0])
@@ -637,6 +638,10 @@ def _recipe_facts(framework: str, namespace: dict[str, Any]) -> dict[str, Any]:
         "stage": optimizer.plan.zero_stage,
         "clip": optimizer.grad_norm is not None,
         "global_step": trainer.global_step,
+        "param_dtype": str(optimizer.plan.param_dtype),
+        "explained_lr": trainer.strategy.plan.optimizer.params["lr"],
+        "explained_scheduler": trainer.strategy.plan.scheduler,
+        "explain": trainer.strategy.plan.explain(),
     }
 
 
