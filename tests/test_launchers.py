@@ -121,3 +121,39 @@ def test_accelerate_recipe_under_its_launcher(launcher: str, stage: int, tmp_pat
     for name, tensor in saved.items():
         assert tensor.dtype == torch.float32, name
         assert tensor.contiguous().view(torch.int32).flatten().tolist() == full[0]["masters"][name]
+
+
+def lightning_own(script: str, *args: str) -> list[str]:
+    """``python script.py``: Lightning starts the other process itself."""
+    return [sys.executable, str(ROOT / "tests" / "launched" / script), *args]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_lightning_recipe_under_its_launcher(launcher: str, stage: int, tmp_path: Path) -> None:
+    start = lightning_own if launcher == "python" else torchrun
+    for phase in ("straight", "first", "resume"):
+        run_launcher(start("lightning_recipe.py", launcher, str(stage), str(tmp_path), phase), ROOT)
+    straight, first = rank_facts(tmp_path, "straight"), rank_facts(tmp_path, "first")
+    resumed = rank_facts(tmp_path, "resume")
+    for facts in straight:
+        assert facts["world_size"] == 2 and facts["global_step"] == 4
+        assert facts["plan_param_dtype"] == "torch.bfloat16"  # from precision="bf16-true"
+        assert facts["explained_lr"] == 3e-3  # configure_optimizers', not the config's "auto"
+        assert (facts["launcher_env"]["TORCHELASTIC_RUN_ID"] is not None) == (
+            launcher == "torchrun"
+        )
+    assert [f["sampler"] for f in straight] == [
+        ["DistributedSampler", 2, 0],
+        ["DistributedSampler", 2, 1],
+    ], "the data is not split between the ranks"
+    assert resumed[0]["global_step"] == 4 and first[0]["global_step"] == 2
+    assert resumed[0]["masters"] == straight[0]["masters"], "resume is not bitwise"
+    from tests.launched.lightning_recipe import TinyLM
+
+    loaded = TinyLM.load_from_checkpoint(tmp_path / "straight.ckpt", map_location="cpu")
+    params = dict(loaded.named_parameters(remove_duplicate=False))
+    assert {str(p.dtype) for p in params.values()} == {"torch.float32"}
+    for name, bits in straight[0]["masters"].items():
+        assert params[name].detach().contiguous().view(torch.int32).flatten().tolist() == bits
