@@ -44,7 +44,24 @@ _HOMES = {
     "resolve": "dtypeplan._api",
 }
 
-__all__ = sorted([*_HOMES, "checkpoint"])
+__all__ = [
+    "CollectiveError",
+    "MixedPrecisionOptimizer",
+    "NotSupportedError",
+    "PrecisionConfigError",
+    "PrecisionPlan",
+    "RankMismatchError",
+    "RegistryError",
+    "RulesError",
+    "Status",
+    "auto_values_from",
+    "checkpoint",
+    "load_rules",
+    "register",
+    "registered_names",
+    "resolve",
+]
+assert set(__all__) == {*_HOMES, "checkpoint"}, "every public name has a home module"
 
 
 def __getattr__(name: str) -> Any:

@@ -126,7 +126,7 @@ def _world_size(plan: PrecisionPlan, given: int | None) -> int:
 
 def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]:
     from dtypeplan import Status
-    from dtypeplan.report import memory_report
+    from dtypeplan.report import memory_layout, memory_report
 
     args = argparse.Namespace(**{**vars(args), "world_size": _world_size(plan, args.world_size)})
     memory, no_memory = None, "the combination is an Error"
@@ -166,7 +166,8 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
         else:
             if plan.status == Status.NOT_SUPPORTED:
                 print("(not supported: the figures are what the plan would take)")
-            print(memory_report(memory, args.params, args.world_size))
+            layout = memory_layout(plan, args.world_size)
+            print(memory_report(memory, args.params, args.world_size, layout=layout))
         if traffic is not None:
             print(traffic.report())
     return data

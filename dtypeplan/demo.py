@@ -11,6 +11,7 @@ accumulation dtype, one reduction per step, and the memory each rank really hold
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from torch import nn
 from dtypeplan import PrecisionPlan, Status, resolve
 from dtypeplan.launch import RankFailure, spawn
 from dtypeplan.optimizers import MixedPrecisionOptimizer
-from dtypeplan.report import memory_report
+from dtypeplan.report import memory_layout, memory_report
 
 __all__ = ["DEFAULT_CONFIG", "TinyMLP", "default_config", "run_demo"]
 
@@ -70,6 +71,27 @@ def default_config() -> dict[str, Any]:
     if resolve(config).status != Status.OK:
         config["zero_optimization"]["stage"] = 0
     return config
+
+
+def _config_text(config: str | os.PathLike[str] | dict[str, Any]) -> str:
+    """The config the demo runs, as given (a file's text, or the dict as JSON)."""
+    if isinstance(config, dict):
+        body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items())
+        return f"config:\n{{\n{body}\n}}"
+    with open(config, encoding="utf-8") as handle:
+        return f"config ({os.fspath(config)}):\n{handle.read().rstrip()}"
+
+
+def _brief(explanation: str, reason: str) -> str:
+    """``explain()`` with the rule's reason cut to its first sentence: the rest of a reason
+    describes the rule's other cases (shard groups, sharded accumulators) that this config
+    does not use; ``dtypeplan check`` prints it whole."""
+    first = reason.split(". ", 1)[0].rstrip(".") + "."
+    if first == reason or f"reason: {reason}" not in explanation:
+        return explanation
+    return explanation.replace(
+        f"reason: {reason}", f"reason: {first} (dtypeplan check CONFIG prints the whole reason)"
+    )
 
 
 def _teacher() -> nn.Module:
@@ -125,10 +147,15 @@ def _train(
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
         if rank == 0:
+            # Loss scale and skipped steps mean something with loss scaling (fp16) only.
+            scaling = (
+                f"  loss scale {optimizer.loss_scale:g}  skipped {optimizer.skipped_steps}"
+                if plan.loss_scaling is not None
+                else ""
+            )
             print(
                 f"step {step + 1:>3}/{steps}  loss {losses[-1]:.5f}  "
-                f"grad norm {optimizer.grad_norm:.4f}  loss scale {optimizer.loss_scale:g}  "
-                f"skipped {optimizer.skipped_steps}  {elapsed_ms:6.1f} ms/step",
+                f"grad norm {optimizer.grad_norm:.4f}{scaling}  {elapsed_ms:6.1f} ms/step",
                 flush=True,
             )
     return {
@@ -152,8 +179,10 @@ def run_demo(
     """
     if config is None:
         config = default_config()
+    print(_config_text(config))
+    print()
     plan = resolve(config)
-    print(plan.explain())
+    print(_brief(plan.explain(), plan.reason))
     print(flush=True)
     if plan.status != Status.OK:
         print(f"demo: the plan is {plan.status}, nothing to train", file=sys.stderr)
@@ -174,10 +203,13 @@ def run_demo(
     losses = results[0]["losses"]
     num_params = results[0]["num_params"]
     print()
+    skipped = (
+        f"skipped steps {results[0]['skipped_steps']}; " if plan.loss_scaling is not None else ""
+    )
     print(
         f"loss: first {losses[0]:.5f}, last {losses[-1]:.5f} "
         f"({losses[-1] / losses[0]:.1%} of the first); "
-        f"skipped steps {results[0]['skipped_steps']}; {elapsed:.1f} s including rank start-up"
+        f"{skipped}{elapsed:.1f} s including rank start-up"
     )
     print()
     print(
@@ -186,6 +218,7 @@ def run_demo(
             num_params,
             world_size,
             [r["measured"] for r in results],
+            memory_layout(plan, world_size),
         )
     )
     measured = results[0]["measured"]

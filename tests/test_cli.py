@@ -79,8 +79,15 @@ def test_check_ok_prints_plan_and_memory(capsys: pytest.CaptureFixture[str]) -> 
     assert out.startswith(plan.explain())
     memory = plan.memory(7 * 10**9, 8)
     assert "7,000,000,000 parameters, 8 ranks" in out
+    table = out[out.index("memory per rank") :].splitlines()
+    assert "(nothing in host memory)" in table[0]
+    assert table[1].split()[:2] == ["component", "held"]
+    held = {line.split()[0]: line.split()[1] for line in table[2:]}
+    assert held["params"] == "whole" and held["master"] == held["optimizer_states"] == "1/8"
     for key, value in memory.items():
-        table = out[out.index("memory per rank") :].splitlines()
+        if key.startswith("host_"):
+            assert value == 0 and key not in held
+            continue
         row = next(line for line in table if line.strip().startswith(key + " "))
         assert f"{value:,}" in row
         assert format_bytes(value) in row
@@ -567,13 +574,20 @@ def test_demo_runs_on_two_ranks() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     lines = out.splitlines()
-    assert lines[0].startswith("status: OK (implementation ")
+    # The config it demonstrates first, then its plan.
+    assert lines[0] == "config:" and '"bf16": {"enabled": true}' in out
+    assert next(line for line in lines if line.startswith("status: ")).startswith(
+        "status: OK (implementation "
+    )
+    assert "shard_group_size" not in out, "the reason of features the demo does not use"
     assert "parameters             bf16" in out and "gradient accumulation  fp32" in out
     progress = [line for line in lines if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == ["1/3", "2/3", "3/3"]
     for line in progress:
-        for field in ("loss", "grad norm", "loss scale", "skipped", "ms/step"):
+        for field in ("loss", "grad norm", "ms/step"):
             assert field in line
+        # bf16: no loss scaling, so no loss-scale or skipped-step columns.
+        assert "loss scale" not in line and "skipped" not in line
     assert "loss: first " in out
     memory = out[out.index("memory per rank") :].splitlines()
     assert "rank 0 measured" in memory[1] and "rank 1 measured" in memory[1]
@@ -585,6 +599,8 @@ def test_demo_runs_on_two_ranks() -> None:
         "optimizer_states",
         "total",
     ]
+    assert [row.split()[1] for row in memory[2:7]] == ["whole", "-", "whole", "1/2", "1/2"]
+    assert not [row for row in memory if row.strip().startswith("host_")]
     total_row = memory[7].split()
     predicted, rank0, rank1 = (int(total_row[i].replace(",", "")) for i in (1, -2, -1))
     # Measured bytes exceed the byte model only by bucket padding and step counters.
@@ -598,7 +614,8 @@ def test_demo_with_a_config_that_is_not_ok(
     config = _write(tmp_path / "c.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
     assert main(["demo", "--config", str(config)]) == 1
     captured = capsys.readouterr()
-    assert captured.out.startswith("status: Error")
+    assert captured.out.startswith(f"config ({config}):\n")
+    assert "\nstatus: Error" in captured.out
     assert "nearest supported configs:" in captured.out
     bad = _write(tmp_path / "bad.json", {"bf16": {"enabled": "yes"}})
     assert main(["demo", "--config", str(bad)]) == 2
