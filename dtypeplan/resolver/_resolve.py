@@ -11,7 +11,7 @@ from typing import Any
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._auto import SHARD_GROUP_SIZE
 from dtypeplan.resolver._client_optimizer import ClientOptimizerConfig
-from dtypeplan.resolver._config import PrecisionConfig, load_config
+from dtypeplan.resolver._config import PrecisionConfig
 from dtypeplan.resolver._differences import deepspeed_differences
 from dtypeplan.resolver._dimensions import (
     DIMENSIONS,
@@ -24,6 +24,7 @@ from dtypeplan.resolver._dimensions import (
     shard_groups_value,
 )
 from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
 from dtypeplan.resolver._rules import RuleTable, load_rules
 
