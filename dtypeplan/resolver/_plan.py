@@ -2,11 +2,12 @@
 
 The plan holds effective values only (``check_nonfinite`` is True under fp16, which always
 checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
-derivation. It imports nothing of ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and
-:meth:`PrecisionPlan.prepare_model` call the builder that ``dtypeplan/__init__.py`` installs
-with :func:`install_builder` (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as
-torchtitan's ``build_optimizers``). Imports so run one way, optimizers -> resolver, and the
-package root, which imports both, is the one place the two layers are joined.
+derivation; the text of ``explain()`` is written by ``_explain.py``. It imports nothing of
+``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model`
+call the builder that ``dtypeplan/__init__.py`` installs with :func:`install_builder`
+(``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as torchtitan's
+``build_optimizers``). Imports so run one way, optimizers -> resolver, and the package root,
+which imports both, is the one place the two layers are joined.
 """
 
 from __future__ import annotations
