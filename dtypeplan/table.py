@@ -21,7 +21,6 @@ import itertools
 import os
 from typing import Any
 
-from dtypeplan.resolver._config import load_config
 from dtypeplan.resolver._dimensions import (
     ACCUM,
     DIMENSIONS,
@@ -33,6 +32,7 @@ from dtypeplan.resolver._dimensions import (
     config_for,
     value_text,
 )
+from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._resolve import resolve_config
 from dtypeplan.resolver._rules import Rule, RuleTable
 

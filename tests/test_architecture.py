@@ -153,3 +153,36 @@ def test_every_registered_update_kernel_keeps_the_interface() -> None:
     for module in kernel_modules:
         assert "dtypeplan.optimizers._engine" not in GRAPH[module], module
         assert "dtypeplan.optimizers._flat_state" not in GRAPH[module], module
+
+
+MAX_FUNCTION_LINES = 60
+"""A resolver function reads in one screen: its body, after the signature and the docstring."""
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body
+    first = body[0]
+    if (
+        len(body) > 1
+        and isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        first = body[1]
+    assert node.end_lineno is not None
+    return node.end_lineno - first.lineno + 1
+
+
+def test_no_resolver_function_is_over_60_lines() -> None:
+    """``load_config`` and ``resolve`` are pipelines of stages; every stage and block reader
+    stays short enough to read whole (nested functions and methods count on their own)."""
+    long = {}
+    for module, path in MODULES.items():
+        if not module.startswith("dtypeplan.resolver"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (lines := _body_lines(node)) > MAX_FUNCTION_LINES:
+                    long[f"{module}.{node.name}:{node.lineno}"] = lines
+    assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"
+    assert any(m.startswith("dtypeplan.resolver.") for m in MODULES)

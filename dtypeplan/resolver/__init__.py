@@ -6,7 +6,6 @@ from dtypeplan.resolver._config import (
     LossScaleConfig,
     OptimizerConfig,
     PrecisionConfig,
-    load_config,
 )
 from dtypeplan.resolver._dimensions import (
     ACCUM,
@@ -22,6 +21,7 @@ from dtypeplan.resolver._dimensions import (
     config_for,
 )
 from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules

@@ -28,6 +28,7 @@ __all__ = [
     "FROM_CALLER",
     "SHARD_GROUP_SIZE",
     "AutoValue",
+    "auto_filled",
     "auto_paths",
     "auto_values_from",
     "fill_auto",
@@ -176,7 +177,12 @@ def fill_auto(
     key (the HF Trainer refuses such a mismatch too); a fill equal to the config's value is
     accepted. A fill for a path the config does not hold is accepted only for the paths the HF
     integration fills (it then does nothing); any other is an error with the closest path.
+    Stage 3 of ``load_config``.
     """
+    if auto is not None and not isinstance(auto, Mapping):
+        raise PrecisionConfigError(
+            f"auto must be a mapping of dotted config paths to values, not {type(auto).__name__}"
+        )
     given = dict(auto or {})
     for path in given:
         if not isinstance(path, str):
@@ -215,6 +221,11 @@ def fill_auto(
     return filled, tuple(records)
 
 
+def auto_filled(auto_values: tuple[AutoValue, ...], prefix: str) -> list[AutoValue]:
+    """The ``"auto"`` values under ``prefix`` that took the HF defaults (not the caller's)."""
+    return [a for a in auto_values if a.path.startswith(prefix) and a.source != FROM_CALLER]
+
+
 def _known(total: int | None, what: str) -> int:
     """The run's step count, which a warmup given as a ratio needs."""
     if total is None:
@@ -231,9 +242,7 @@ def _attr(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def auto_values_from(
-    training_args: Any, num_training_steps: int | None = None
-) -> dict[str, Any]:
+def auto_values_from(training_args: Any, num_training_steps: int | None = None) -> dict[str, Any]:
     """The ``auto`` mapping that the HF Trainer would fill from ``training_args``.
 
     Duck-typed: reads attributes such as ``bf16``, ``fp16``, ``max_grad_norm``,

@@ -4,7 +4,7 @@ DeepSpeed 0.19.8 accepts several names for one setting (``stage3_prefetch_bucket
 ``prefetch_bucket_size``, the legacy ``bfloat16`` block for ``bf16``, ``cpu_offload: true`` for
 ``offload_optimizer: {device: cpu}``), refuses a few removed blocks outright, and ignores any
 top-level key it does not know. This module turns a raw document into one canonical spelling
-with DeepSpeed's meaning, so that ``_config.py`` parses only canonical names. The key lists are
+with DeepSpeed's meaning, so that ``_fields.py`` reads only canonical names. The key lists are
 DeepSpeed's own (``_deepspeed_keys.py``, generated from its config models).
 """
 
@@ -22,6 +22,7 @@ __all__ = [
     "canonical_spellings",
     "check_removed",
     "closest_hint",
+    "screen",
     "split_unknown_top_level",
 ]
 
@@ -104,6 +105,16 @@ def split_unknown_top_level(
     return kept, tuple(warnings)
 
 
+def screen(
+    document: dict[str, Any], known: Iterable[str], *, strict: bool
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Stage 4 of ``load_config``, before the schema: refuse the removed blocks
+    (:func:`check_removed`) and set the unknown top-level keys aside with a warning each
+    (:func:`split_unknown_top_level`)."""
+    check_removed(document)
+    return split_unknown_top_level(document, known, strict=strict)
+
+
 def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
@@ -156,7 +167,8 @@ def _canonical_zero(zero: dict[str, Any]) -> dict[str, Any]:
 
 
 def canonical_spellings(document: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The document under DeepSpeed's canonical names, and notes on what was rewritten.
+    """The document under DeepSpeed's canonical names, and notes on what was rewritten: stage 6
+    of ``load_config``.
 
     Expects a schema-valid document (the schema knows every spelling).
     """

@@ -29,12 +29,16 @@ from typing import Any
 
 import yaml
 
+from dtypeplan.errors import PrecisionConfigError
+
 __all__ = [
     "InputError",
     "InputLimits",
     "check_document",
     "parse_json",
+    "json_path",
     "parse_yaml_config",
+    "read_config",
     "read_text",
     "regular_file",
     "check_yaml_events",
@@ -56,6 +60,9 @@ class InputLimits:
 
 
 DEFAULT_LIMITS = InputLimits()
+# A DeepSpeed config has a few hundred values; these bounds leave room and keep error
+# formatting (jsonschema quotes offending values whole) cheap.
+CONFIG_LIMITS = InputLimits(max_bytes=4 * 2**20, max_nodes=100_000)
 
 # A JSON string (skipped whole, brackets inside it do not count) or a bracket.
 _JSON_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
@@ -298,3 +305,48 @@ def check_document(
                 raise InputError(
                     f"an integer of more than {limits.max_int_digits} digits at {path(where)}"
                 )
+
+
+def json_path(parts: Any) -> str:
+    """``["zero_optimization", "stage"]`` -> ``"$.zero_optimization.stage"`` (``[0]`` for
+    list indices)."""
+    path = "$"
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def read_config(config: Any) -> tuple[dict[str, Any], str | None]:
+    """Stages 1 and 2 of ``load_config``: the document ``config`` is (a dict, or a path to a
+    .json / .yaml file), bounded by :data:`CONFIG_LIMITS`, and the file it came from.
+
+    A file is bounded while it is parsed (bytes, depth, integer digits, YAML aliases, duplicate
+    keys); a dict by :func:`check_document`. Raises :class:`PrecisionConfigError`.
+    """
+    source = None
+    if isinstance(config, (str, os.PathLike)):
+        source = os.fspath(config)
+        document = _read_file(source)
+    else:
+        document = config
+        try:
+            check_document(document, CONFIG_LIMITS, path=json_path)
+        except InputError as exc:
+            raise PrecisionConfigError(f"config: {exc}") from None
+    if not isinstance(document, dict):
+        raise PrecisionConfigError(
+            f"a config must be a mapping of keys to values, not {type(document).__name__}"
+        )
+    return document, source
+
+
+def _read_file(path: str) -> Any:
+    is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        text = read_text(path, CONFIG_LIMITS)
+        return (
+            parse_yaml_config(text, CONFIG_LIMITS) if is_yaml else parse_json(text, CONFIG_LIMITS)
+        )
+    except InputError as exc:
+        line = f":{exc.line}" if exc.line is not None else ""
+        raise PrecisionConfigError(f"cannot read config file {path}{line}: {exc}") from None

@@ -2,11 +2,12 @@
 
 The plan holds effective values only (``check_nonfinite`` is True under fp16, which always
 checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
-derivation. It imports nothing of ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and
-:meth:`PrecisionPlan.prepare_model` call the builder that ``dtypeplan/__init__.py`` installs
-with :func:`install_builder` (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as
-torchtitan's ``build_optimizers``). Imports so run one way, optimizers -> resolver, and the
-package root, which imports both, is the one place the two layers are joined.
+derivation; the text of ``explain()`` is written by ``_explain.py``. It imports nothing of
+``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model`
+call the builder that ``dtypeplan/__init__.py`` installs with :func:`install_builder`
+(``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as torchtitan's
+``build_optimizers``). Imports so run one way, optimizers -> resolver, and the package root,
+which imports both, is the one place the two layers are joined.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import inspect
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from dtypeplan import _update_path as update_path
 from dtypeplan import schedulers
 from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
@@ -42,6 +40,7 @@ from dtypeplan.resolver._batch import (
 from dtypeplan.resolver._client_optimizer import client_optimizer_config
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
 from dtypeplan.resolver._dimensions import states_value
+from dtypeplan.resolver._explain import explain
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
 from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS
@@ -429,212 +428,11 @@ class PrecisionPlan:
             wire_across=self.wire_across_groups or comm,
         )
 
-    def _host_update(self) -> str | None:
-        """Which update runs a low-precision cell on the host (``optimizers/_update_kernel.py``,
-        ``_low_precision_update.py``), or None for fp32 masters with fp32 states (torch's fused
-        kernel)."""
-        states = {self.exp_avg_dtype, self.exp_avg_sq_dtype}
-        if self.master_dtype == torch.float32:
-            return None if states == {"fp32"} else "fp32 pieces around torch's fused Adam/AdamW"
-        if not states <= {"fp32", "bf16"}:
-            return "fp32 pieces around torch's fused Adam/AdamW (quantized states)"
-        if (
-            self.master_rounding == "nearest"
-            and self.master_dtype == torch.bfloat16
-            and self.grad_accum_dtype == self.master_dtype
-            and states == {"bf16"}
-        ):
-            return "torch's fused Adam/AdamW on the bf16 tensors"
-        return f"one pass, {update_path.path()}"
-
-    def _cuda_update(self) -> str | None:
-        """Which update runs a low-precision cell on a CUDA device (the registry,
-        ``optimizers/update_kernels/``): the one-pass Triton kernel where it serves the cell
-        and Triton is installed, else fp32 pieces; None for fp32 masters with fp32 states."""
-        host = self._host_update()
-        if host is None or host.startswith("torch's fused"):
-            return host
-        if not {self.exp_avg_dtype, self.exp_avg_sq_dtype} <= {"fp32", "bf16"}:
-            return host  # quantized moments: the same pieces on every device
-        pieces = "fp32 pieces around torch's fused Adam/AdamW"
-        if torch.float16 in (self.master_dtype, self.param_dtype):
-            return f"{pieces} (the Triton kernel rounds to bf16 only)"
-        if os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") == "0":
-            return f"{pieces} (DTYPEPLAN_FUSED_KERNEL=0)"
-        if importlib.util.find_spec("triton") is None:
-            return f"{pieces} (Triton is not installed)"
-        return "one pass, Triton (one launch per param group)"
-
     def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:
         """A human-readable account of the decision and of every effective setting; with
         ``num_params`` and ``world_size``, also the bytes each rank sends per step
-        (:meth:`traffic`)."""
-        head = f"status: {self.status}"
-        if self.implementation:
-            head += f" (implementation {self.implementation!r})"
-        lines = [head]
-        if self.single_process_implementation != self.implementation:
-            lines.append(
-                f"without torch.distributed (one process): "
-                f"implementation {self.single_process_implementation!r}"
-            )
-        lines += [
-            f"rule: {self.rule_id} at {self.rule_location}",
-            f"reason: {self.reason}",
-            "",
-            "effective settings:",
-        ]
-        scaling = "off"
-        ls = self.loss_scaling
-        if ls is not None:
-            scaling = (
-                f"static {ls.loss_scale:g}"
-                if ls.loss_scale > 0
-                else f"dynamic from 2**{ls.initial_scale_power}, window {ls.loss_scale_window}, "
-                f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g}"
-            )
-        rows = [
-            ("parameters", DTYPE_NAMES[self.param_dtype], "param_dtype"),
-            ("gradient accumulation", DTYPE_NAMES[self.grad_accum_dtype], "grad_accum_dtype"),
-            (
-                "accumulator",
-                "sharded" if self.accumulator_sharded else "whole",
-                "accumulator_sharded",
-            ),
-            ("communication", DTYPE_NAMES[self.comm_dtype], "comm_dtype"),
-            ("reduction", self.comm_reduction, "comm_reduction"),
-            (
-                "master weights",
-                DTYPE_NAMES[self.master_dtype]
-                + ("" if self.master_dtype == torch.float32 else f", {self.master_rounding}"),
-                "master_dtype",
-            ),
-            (
-                "optimizer states",
-                self.optimizer_states
-                if self.exp_avg_dtype == self.exp_avg_sq_dtype
-                else f"exp_avg {self.exp_avg_dtype}, exp_avg_sq {self.exp_avg_sq_dtype}",
-                "optimizer_states_dtype",
-            ),
-            ("ZeRO stage", str(self.zero_stage), "zero_stage"),
-        ]
-        if self.shard_group_size is not None:
-            rows += [
-                ("shard groups", f"{self.shard_group_size} ranks each", "shard_group_size"),
-                (
-                    "wire across groups",
-                    self.wire_across_groups or DTYPE_NAMES[self.comm_dtype],
-                    "wire_across_groups",
-                ),
-            ]
-        host_update = self._host_update()
-        if host_update is not None:
-            rows.append(("host update", host_update, "master_dtype"))
-            rows.append(("CUDA update", str(self._cuda_update()), "master_dtype"))
-        rows += [
-            ("pipeline parallel", "yes" if self.pipeline_parallel else "no", "pipeline_parallel"),
-            ("loss scaling", scaling, "loss_scaling"),
-            ("optimizer", f"{self.optimizer.type} {_kwargs(self.optimizer.params)}", "optimizer"),
-            ("optimizer kind", self.optimizer_kind, "optimizer_kind"),
-            (
-                "gradient clipping",
-                f"global L2 norm {self.gradient_clipping:g}" if self.gradient_clipping else "off",
-                "gradient_clipping",
-            ),
-            (
-                "non-finite check",
-                "on" if self.check_nonfinite else "off",
-                "check_nonfinite",
-            ),
-        ]
-        rows += [
-            (label, value, key)
-            for label, value, key, unused in (
-                (
-                    "autocast",
-                    DTYPE_NAMES[self.autocast_dtype] if self.autocast_dtype else "none",
-                    "autocast",
-                    "none",
-                ),
-                ("offload optimizer", self.offload_optimizer, "offload_optimizer", "none"),
-                ("offload params", self.offload_param, "offload_param", "none"),
-                (
-                    "quantized communication",
-                    self.quantized_communication,
-                    "quantized_communication",
-                    "none",
-                ),
-                (
-                    "hierarchical partitioning",
-                    "on" if self.hierarchical_partitioning else "off",
-                    "hierarchical_partitioning",
-                    "off",
-                ),
-                ("gradient prescaling", self.gradient_prescaling, "gradient_prescaling", "none"),
-                ("fp8", "on" if self.fp8 else "off", "fp8", "off"),
-            )
-            if value != unused  # features not in use would only lengthen the account
-        ]
-        width = max(len(r[0]) for r in rows)
-        value_width = min(max(len(r[1]) for r in rows), 12)
-        for label, value, key in rows:
-            lines.append(
-                f"  {label:<{width}}  {value:<{value_width}}  <- {self.origins.get(key, 'fixed')}"
-            )
-        if self.autocast_dtype is not None and self.status == Status.OK:
-            name = DTYPE_NAMES[self.autocast_dtype]
-            lines.append(
-                f"  autocast: forward runs under torch.autocast(dtype={name}) (prepare_model "
-                "installs it around the model; plan.autocast() for other code); parameters, "
-                "gradients and master weights stay fp32"
-                + ("; the loss is scaled as for fp16" if self.loss_scaling is not None else "")
-            )
-        if self.scheduler is not None:
-            kind, params = self.scheduler.get("type"), self.scheduler.get("params", {})
-            lines.append(
-                f"  scheduler: {kind} {_kwargs(params)}  <- $.scheduler (plan.build_scheduler)"
-            )
-        steps, train, micro = self._batch_sizes()
-        if steps is not None:
-            lines.append(
-                f"  gradient accumulation steps: {steps}"
-                "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
-            )
-        elif train is not None and micro is not None:
-            lines.append(
-                f"  gradient accumulation steps: train_batch_size {train} / "
-                f"(train_micro_batch_size_per_gpu {micro} x data-parallel ranks), worked out "
-                "at build as DeepSpeed does  <- $.train_batch_size, "
-                "$.train_micro_batch_size_per_gpu"
-            )
-        elif self.gradient_accumulation_steps is not None:
-            lines.append(
-                f"  gradient accumulation steps: {self.gradient_accumulation_steps}, the HF "
-                'Trainer\'s default for "auto": not counted (the loop decides; fill it with '
-                "auto={'gradient_accumulation_steps': N} to have the last backward known)"
-            )
-        if num_params is not None and world_size is not None:
-            lines += ["", self.traffic(num_params, world_size).report()]
-        if self.auto_values:
-            lines += ["", '"auto" values (path = value used <- where it came from):']
-            lines += [f"  {a.describe()}" for a in self.auto_values]
-        if self.warnings or self.config_warnings:
-            lines += ["", "warnings:"]
-            lines += [f"  - {w}" for w in (*self.warnings, *self.config_warnings)]
-        if self.deepspeed_differences:
-            lines += ["", "differences from DeepSpeed (and how to get DeepSpeed's behaviour):"]
-            lines += [f"  - {d}" for d in self.deepspeed_differences]
-        if self.ignored_keys:
-            lines += ["", "ignored (DeepSpeed keys that change neither numbers nor memory):"]
-            lines += [f"  {', '.join(self.ignored_keys)}"]
-        if self.status != Status.OK:
-            lines += ["", "nearest supported configs:"]
-            if not self.alternatives:
-                lines.append("  none: no rule of this table is OK")
-            for alt in self.alternatives:
-                changes = "; ".join(alt.changes)
-                lines.append(f"  - {changes}  -> OK ({alt.implementation}, rule {alt.rule_id})")
-        return "\n".join(lines)
+        (:meth:`traffic`). The text is written by ``resolver/_explain.py``."""
+        return explain(self, num_params, world_size)
 
     # --- running ------------------------------------------------------------------------------
     def autocast(self, device: DeviceLike = None) -> contextlib.AbstractContextManager[Any]:
@@ -792,7 +590,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def _kwargs(params: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items()) or "(torch defaults)"

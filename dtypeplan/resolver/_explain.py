@@ -1,0 +1,375 @@
+"""The plan's report: the text of :meth:`PrecisionPlan.explain`.
+
+The plan is data (``_plan.py``); this module writes it out: the decision, each effective
+setting with where it came from, which update runs a low-precision cell, the bytes on the wire,
+the config's ``"auto"`` values, warnings, DeepSpeed differences and the nearest supported
+configs. It reads the plan through :class:`ExplainedPlan` (``_plan.py`` imports this module, so
+this one cannot import the plan's class).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from dtypeplan import _update_path as update_path
+from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.resolver._auto import AutoValue
+from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
+from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._rules import Status
+from dtypeplan.resolver._traffic import Traffic
+
+__all__ = ["ExplainedPlan", "cuda_update", "explain", "host_update"]
+
+
+class _Alternative(Protocol):
+    @property
+    def changes(self) -> tuple[str, ...]: ...
+    @property
+    def rule_id(self) -> str: ...
+    @property
+    def implementation(self) -> str: ...
+
+
+class ExplainedPlan(Protocol):
+    """What the report reads of a :class:`PrecisionPlan` (its fields, read-only)."""
+
+    @property
+    def status(self) -> Status: ...
+    @property
+    def implementation(self) -> str | None: ...
+    @property
+    def single_process_implementation(self) -> str | None: ...
+    @property
+    def rule_id(self) -> str: ...
+    @property
+    def rule_location(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+    @property
+    def grad_accum_dtype(self) -> torch.dtype: ...
+    @property
+    def accumulator_sharded(self) -> bool: ...
+    @property
+    def comm_dtype(self) -> torch.dtype: ...
+    @property
+    def comm_reduction(self) -> str: ...
+    @property
+    def master_dtype(self) -> torch.dtype: ...
+    @property
+    def master_rounding(self) -> str: ...
+    @property
+    def optimizer_states(self) -> str: ...
+    @property
+    def exp_avg_dtype(self) -> str: ...
+    @property
+    def exp_avg_sq_dtype(self) -> str: ...
+    @property
+    def autocast_dtype(self) -> torch.dtype | None: ...
+    @property
+    def offload_optimizer(self) -> str: ...
+    @property
+    def offload_param(self) -> str: ...
+    @property
+    def quantized_communication(self) -> str: ...
+    @property
+    def hierarchical_partitioning(self) -> bool: ...
+    @property
+    def shard_group_size(self) -> int | None: ...
+    @property
+    def wire_across_groups(self) -> str | None: ...
+    @property
+    def gradient_prescaling(self) -> str: ...
+    @property
+    def fp8(self) -> bool: ...
+    @property
+    def optimizer_kind(self) -> str: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def pipeline_parallel(self) -> bool: ...
+    @property
+    def loss_scaling(self) -> LossScaleConfig | None: ...
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def gradient_clipping(self) -> float: ...
+    @property
+    def check_nonfinite(self) -> bool: ...
+    @property
+    def origins(self) -> FrozenDict[str, str]: ...
+    @property
+    def warnings(self) -> tuple[str, ...]: ...
+    @property
+    def ignored_keys(self) -> tuple[str, ...]: ...
+    @property
+    def alternatives(self) -> tuple[_Alternative, ...]: ...
+    @property
+    def scheduler(self) -> FrozenDict[str, Any] | None: ...
+    @property
+    def gradient_accumulation_steps(self) -> int | None: ...
+    @property
+    def auto_values(self) -> tuple[AutoValue, ...]: ...
+    @property
+    def config_warnings(self) -> tuple[str, ...]: ...
+    @property
+    def deepspeed_differences(self) -> tuple[str, ...]: ...
+    def traffic(self, num_params: int, world_size: int) -> Traffic: ...
+    def _batch_sizes(self) -> tuple[int | None, int | None, int | None]: ...
+
+
+def host_update(plan: ExplainedPlan) -> str | None:
+    """Which update runs a low-precision cell on the host (``optimizers/_update_kernel.py``,
+    ``_low_precision_update.py``), or None for fp32 masters with fp32 states (torch's fused
+    kernel)."""
+    states = {plan.exp_avg_dtype, plan.exp_avg_sq_dtype}
+    if plan.master_dtype == torch.float32:
+        return None if states == {"fp32"} else "fp32 pieces around torch's fused Adam/AdamW"
+    if not states <= {"fp32", "bf16"}:
+        return "fp32 pieces around torch's fused Adam/AdamW (quantized states)"
+    if (
+        plan.master_rounding == "nearest"
+        and plan.master_dtype == torch.bfloat16
+        and plan.grad_accum_dtype == plan.master_dtype
+        and states == {"bf16"}
+    ):
+        return "torch's fused Adam/AdamW on the bf16 tensors"
+    return f"one pass, {update_path.path()}"
+
+
+def cuda_update(plan: ExplainedPlan) -> str | None:
+    """Which update runs a low-precision cell on a CUDA device (the registry,
+    ``optimizers/update_kernels/``): the one-pass Triton kernel where it serves the cell
+    and Triton is installed, else fp32 pieces; None for fp32 masters with fp32 states."""
+    host = host_update(plan)
+    if host is None or host.startswith("torch's fused"):
+        return host
+    if not {plan.exp_avg_dtype, plan.exp_avg_sq_dtype} <= {"fp32", "bf16"}:
+        return host  # quantized moments: the same pieces on every device
+    pieces = "fp32 pieces around torch's fused Adam/AdamW"
+    if torch.float16 in (plan.master_dtype, plan.param_dtype):
+        return f"{pieces} (the Triton kernel rounds to bf16 only)"
+    if os.environ.get("DTYPEPLAN_FUSED_KERNEL", "1") == "0":
+        return f"{pieces} (DTYPEPLAN_FUSED_KERNEL=0)"
+    if importlib.util.find_spec("triton") is None:
+        return f"{pieces} (Triton is not installed)"
+    return "one pass, Triton (one launch per param group)"
+
+
+def explain(
+    plan: ExplainedPlan, num_params: int | None = None, world_size: int | None = None
+) -> str:
+    """:meth:`PrecisionPlan.explain`: a human-readable account of the decision and of every
+    effective setting; with ``num_params`` and ``world_size``, also the bytes each rank sends
+    per step (:meth:`PrecisionPlan.traffic`)."""
+    lines = _decision(plan)
+    rows = [*_dtype_rows(plan), *_setting_rows(plan), *_feature_rows(plan)]
+    width = max(len(r[0]) for r in rows)
+    value_width = min(max(len(r[1]) for r in rows), 12)
+    for label, value, key in rows:
+        lines.append(
+            f"  {label:<{width}}  {value:<{value_width}}  <- {plan.origins.get(key, 'fixed')}"
+        )
+    lines += _run_notes(plan)
+    lines += _sections(plan, num_params, world_size)
+    return "\n".join(lines)
+
+
+def _decision(plan: ExplainedPlan) -> list[str]:
+    """The status, the implementations and the deciding rule."""
+    head = f"status: {plan.status}"
+    if plan.implementation:
+        head += f" (implementation {plan.implementation!r})"
+    lines = [head]
+    if plan.single_process_implementation != plan.implementation:
+        lines.append(
+            f"without torch.distributed (one process): "
+            f"implementation {plan.single_process_implementation!r}"
+        )
+    lines += [
+        f"rule: {plan.rule_id} at {plan.rule_location}",
+        f"reason: {plan.reason}",
+        "",
+        "effective settings:",
+    ]
+    return lines
+
+
+def _dtype_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
+    """(label, value, origins key) of the dtypes, the layout and the update that runs."""
+    rows: list[tuple[str, str, str]] = [
+        ("parameters", DTYPE_NAMES[plan.param_dtype], "param_dtype"),
+        ("gradient accumulation", DTYPE_NAMES[plan.grad_accum_dtype], "grad_accum_dtype"),
+        (
+            "accumulator",
+            "sharded" if plan.accumulator_sharded else "whole",
+            "accumulator_sharded",
+        ),
+        ("communication", DTYPE_NAMES[plan.comm_dtype], "comm_dtype"),
+        ("reduction", plan.comm_reduction, "comm_reduction"),
+        (
+            "master weights",
+            DTYPE_NAMES[plan.master_dtype]
+            + ("" if plan.master_dtype == torch.float32 else f", {plan.master_rounding}"),
+            "master_dtype",
+        ),
+        (
+            "optimizer states",
+            plan.optimizer_states
+            if plan.exp_avg_dtype == plan.exp_avg_sq_dtype
+            else f"exp_avg {plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype}",
+            "optimizer_states_dtype",
+        ),
+        ("ZeRO stage", str(plan.zero_stage), "zero_stage"),
+    ]
+    if plan.shard_group_size is not None:
+        rows += [
+            ("shard groups", f"{plan.shard_group_size} ranks each", "shard_group_size"),
+            (
+                "wire across groups",
+                plan.wire_across_groups or DTYPE_NAMES[plan.comm_dtype],
+                "wire_across_groups",
+            ),
+        ]
+    host = host_update(plan)
+    if host is not None:
+        rows.append(("host update", host, "master_dtype"))
+        rows.append(("CUDA update", str(cuda_update(plan)), "master_dtype"))
+    return rows
+
+
+def _setting_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
+    """The rows of the settings that are no dtype: scaling, optimizer, clipping."""
+    scaling = "off"
+    ls = plan.loss_scaling
+    if ls is not None:
+        scaling = (
+            f"static {ls.loss_scale:g}"
+            if ls.loss_scale > 0
+            else f"dynamic from 2**{ls.initial_scale_power}, window {ls.loss_scale_window}, "
+            f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g}"
+        )
+    return [
+        ("pipeline parallel", "yes" if plan.pipeline_parallel else "no", "pipeline_parallel"),
+        ("loss scaling", scaling, "loss_scaling"),
+        ("optimizer", f"{plan.optimizer.type} {_kwargs(plan.optimizer.params)}", "optimizer"),
+        ("optimizer kind", plan.optimizer_kind, "optimizer_kind"),
+        (
+            "gradient clipping",
+            f"global L2 norm {plan.gradient_clipping:g}" if plan.gradient_clipping else "off",
+            "gradient_clipping",
+        ),
+        (
+            "non-finite check",
+            "on" if plan.check_nonfinite else "off",
+            "check_nonfinite",
+        ),
+    ]
+
+
+def _feature_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
+    """The rows of the DeepSpeed features in use."""
+    return [
+        (label, value, key)
+        for label, value, key, unused in (
+            (
+                "autocast",
+                DTYPE_NAMES[plan.autocast_dtype] if plan.autocast_dtype else "none",
+                "autocast",
+                "none",
+            ),
+            ("offload optimizer", plan.offload_optimizer, "offload_optimizer", "none"),
+            ("offload params", plan.offload_param, "offload_param", "none"),
+            (
+                "quantized communication",
+                plan.quantized_communication,
+                "quantized_communication",
+                "none",
+            ),
+            (
+                "hierarchical partitioning",
+                "on" if plan.hierarchical_partitioning else "off",
+                "hierarchical_partitioning",
+                "off",
+            ),
+            ("gradient prescaling", plan.gradient_prescaling, "gradient_prescaling", "none"),
+            ("fp8", "on" if plan.fp8 else "off", "fp8", "off"),
+        )
+        if value != unused  # features not in use would only lengthen the account
+    ]
+
+
+def _run_notes(plan: ExplainedPlan) -> list[str]:
+    """What the loop runs besides the optimizer: autocast, the scheduler, micro-batches."""
+    lines: list[str] = []
+    if plan.autocast_dtype is not None and plan.status == Status.OK:
+        name = DTYPE_NAMES[plan.autocast_dtype]
+        lines.append(
+            f"  autocast: forward runs under torch.autocast(dtype={name}) (prepare_model "
+            "installs it around the model; plan.autocast() for other code); parameters, "
+            "gradients and master weights stay fp32"
+            + ("; the loss is scaled as for fp16" if plan.loss_scaling is not None else "")
+        )
+    if plan.scheduler is not None:
+        kind, params = plan.scheduler.get("type"), plan.scheduler.get("params", {})
+        lines.append(
+            f"  scheduler: {kind} {_kwargs(params)}  <- $.scheduler (plan.build_scheduler)"
+        )
+    steps, train, micro = plan._batch_sizes()
+    if steps is not None:
+        lines.append(
+            f"  gradient accumulation steps: {steps}"
+            "  <- $.gradient_accumulation_steps (the caller runs the micro-batches)"
+        )
+    elif train is not None and micro is not None:
+        lines.append(
+            f"  gradient accumulation steps: train_batch_size {train} / "
+            f"(train_micro_batch_size_per_gpu {micro} x data-parallel ranks), worked out "
+            "at build as DeepSpeed does  <- $.train_batch_size, "
+            "$.train_micro_batch_size_per_gpu"
+        )
+    elif plan.gradient_accumulation_steps is not None:
+        lines.append(
+            f"  gradient accumulation steps: {plan.gradient_accumulation_steps}, the HF "
+            'Trainer\'s default for "auto": not counted (the loop decides; fill it with '
+            "auto={'gradient_accumulation_steps': N} to have the last backward known)"
+        )
+    return lines
+
+
+def _sections(plan: ExplainedPlan, num_params: int | None, world_size: int | None) -> list[str]:
+    """The traffic, the "auto" values, warnings, differences, ignored keys, alternatives."""
+    lines: list[str] = []
+    if num_params is not None and world_size is not None:
+        lines += ["", plan.traffic(num_params, world_size).report()]
+    if plan.auto_values:
+        lines += ["", '"auto" values (path = value used <- where it came from):']
+        lines += [f"  {a.describe()}" for a in plan.auto_values]
+    if plan.warnings or plan.config_warnings:
+        lines += ["", "warnings:"]
+        lines += [f"  - {w}" for w in (*plan.warnings, *plan.config_warnings)]
+    if plan.deepspeed_differences:
+        lines += ["", "differences from DeepSpeed (and how to get DeepSpeed's behaviour):"]
+        lines += [f"  - {d}" for d in plan.deepspeed_differences]
+    if plan.ignored_keys:
+        lines += ["", "ignored (DeepSpeed keys that change neither numbers nor memory):"]
+        lines += [f"  {', '.join(plan.ignored_keys)}"]
+    if plan.status != Status.OK:
+        lines += ["", "nearest supported configs:"]
+        if not plan.alternatives:
+            lines.append("  none: no rule of this table is OK")
+        for alt in plan.alternatives:
+            changes = "; ".join(alt.changes)
+            lines.append(f"  - {changes}  -> OK ({alt.implementation}, rule {alt.rule_id})")
+    return lines
+
+
+def _kwargs(params: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items()) or "(torch defaults)"
