@@ -48,11 +48,17 @@ import yaml
 from transformers import Trainer
 
 import dtypeplan
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
 
-__all__ = ["DtypeplanTrainer", "trainer_auto_values"]
+__all__ = [
+    "DtypeplanTrainer",
+    "check_trainer_precision",
+    "trainer_auto_values",
+    "use_for_unedited_scripts",
+]
 
 SCHEDULER_FILE = "scheduler.pt"
 """The Trainer's name for the scheduler state in a checkpoint (transformers' SCHEDULER_NAME)."""
@@ -68,6 +74,44 @@ def _document(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str
     return loaded if isinstance(loaded, Mapping) else {}
 
 
+ARGS_CONFIG = "dtypeplan_config"
+"""The ``TrainingArguments`` attribute that holds the config under ``dtypeplan run`` (the value
+of ``--deepspeed``, taken by :func:`use_for_unedited_scripts`)."""
+
+
+def trainer_dtype(args: Any) -> torch.dtype:
+    """The dtype the Trainer was told to train in: ``--bf16`` (or ``bf16_full_eval``), ``--fp16``
+    (or ``fp16_full_eval``), else fp32 (what the HF DeepSpeed integration fills
+    ``bf16.enabled`` / ``fp16.enabled`` from)."""
+    if getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
+        return torch.float16
+    return torch.float32
+
+
+def check_trainer_precision(plan: PrecisionPlan, args: Any) -> None:
+    """Refuse a plan that trains in another dtype than ``args`` ask for.
+
+    ``"auto"`` precision keys are filled from the arguments and a config value that disagrees
+    is refused already (:func:`dtypeplan.resolve`); this catches what is left: a config
+    without a ``bf16`` / ``fp16`` block while the Trainer was told ``--bf16`` or ``--fp16``
+    (the plan would train in fp32, and the Trainer's own autocast is off under dtypeplan).
+    """
+    from dtypeplan._dtypes import dtype_name
+
+    trains = plan.autocast_dtype if plan.autocast_dtype is not None else plan.param_dtype
+    told = trainer_dtype(args)
+    if trains != told:
+        flag = {torch.bfloat16: "--bf16", torch.float16: "--fp16"}.get(told, "no --bf16/--fp16")
+        raise PrecisionConfigError(
+            f"DtypeplanTrainer: the config trains in {dtype_name(trains)} but TrainingArguments "
+            f"ask for {dtype_name(told)} ({flag}); make them agree, e.g. "
+            '"bf16": {"enabled": "auto"} and "fp16": {"enabled": "auto"} in the config, '
+            "which the Trainer's setting fills"
+        )
+
+
 def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
     """What the HF Trainer's DeepSpeed integration fills each ``"auto"`` with, for ``args``
     (a ``TrainingArguments``) and the number of optimizer steps the Trainer computed
@@ -77,6 +121,28 @@ def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
         args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     )
     return auto
+
+
+def record_saved_dtype(output_dir: str, dtype: torch.dtype) -> None:
+    """Make ``config.json`` in ``output_dir`` name ``dtype``, that of the weights written there.
+
+    ``save_pretrained`` records the live model's dtype (``"bfloat16"`` for a bf16 plan), and
+    ``from_pretrained(dir)`` without a dtype argument loads in the recorded one, so the fp32
+    masters written came back rounded to bf16. The file is rewritten as transformers writes
+    it (``json.dumps(indent=2, sort_keys=True)``)."""
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    name = str(dtype).removeprefix("torch.")
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    keys = [key for key in ("dtype", "torch_dtype") if key in document] or ["dtype"]
+    if all(document.get(key) == name for key in keys):
+        return
+    for key in keys:
+        document[key] = name
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
 
 
 class DtypeplanTrainer(Trainer):
@@ -91,15 +157,25 @@ class DtypeplanTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str],
+        dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
-            dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
-        )
         self.plan: PrecisionPlan | None = None
         self.dtypeplan_optimizer: MixedPrecisionOptimizer | None = None
         super().__init__(*args, **kwargs)
+        if dtypeplan_config is None:
+            # Under ``dtypeplan run`` TrainingArguments' --deepspeed value is the config.
+            dtypeplan_config = getattr(self.args, ARGS_CONFIG, None)
+        if dtypeplan_config is None:
+            raise ValueError(
+                "DtypeplanTrainer: no dtypeplan config: pass dtypeplan_config=... (a "
+                "DeepSpeed-style dict or .json/.yaml path), or, for a script started with "
+                "`dtypeplan run`, give TrainingArguments the config as deepspeed "
+                "(--deepspeed ds_config.json)"
+            )
+        self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
+            dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
+        )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "DtypeplanTrainer: TrainingArguments also enable "
@@ -118,7 +194,9 @@ class DtypeplanTrainer(Trainer):
         """The plan of ``dtypeplan_config`` with its ``"auto"`` values filled as the HF
         DeepSpeed integration fills them."""
         auto = trainer_auto_values(self.args, num_training_steps)
-        return dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        plan = dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        check_trainer_precision(plan, self.args)
+        return plan
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dtypeplan_optimizer is not None:
@@ -212,6 +290,67 @@ class DtypeplanTrainer(Trainer):
         assert self.model is not None, "the optimizer exists, so the Trainer has its model"
         # Collective at ZeRO 1-3: every rank gathers, rank 0 keeps and writes.
         state = dtypeplan.checkpoint.export_model_state(optimizer, self.model, rank0_only=True)
+        # Read before saving: save_pretrained empties the dict it writes.
+        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
         self._save(output_dir, state_dict=state)
+        if self.args.should_save and output_dir is not None and len(dtypes) == 1:
+            record_saved_dtype(output_dir, dtypes.pop())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+# --- unedited scripts (``dtypeplan run``) ---------------------------------------------------------
+_PATCHED = "_dtypeplan_takes_deepspeed"
+
+
+def _config_value(value: Any) -> Any:
+    """``--deepspeed``'s value as dtypeplan reads it: a dict or a path; a JSON text (which the
+    HF integration also takes) as its dict."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        return json.loads(value)
+    return value
+
+
+def use_for_unedited_scripts() -> None:
+    """Make this process's HF Trainer scripts train with dtypeplan, unedited: what
+    ``dtypeplan run`` does in each rank before the script starts (idempotent).
+
+    * ``TrainingArguments`` (and every subclass: ``Seq2SeqTrainingArguments``, TRL's configs)
+      take their ``deepspeed`` value (``--deepspeed ds_config.json``, or
+      ``deepspeed=`` in code) as the dtypeplan config: it moves to ``args.dtypeplan_config``
+      and ``args.deepspeed`` becomes None before ``__post_init__`` runs, so DeepSpeed is
+      neither imported nor enabled;
+    * ``transformers.Trainer`` (also ``transformers.trainer.Trainer``) is
+      :class:`DtypeplanTrainer`, and ``transformers.Seq2SeqTrainer`` a subclass of both;
+      classes defined after this (a script's own ``class MyTrainer(Trainer)``, libraries
+      imported later) inherit from it. A Trainer whose arguments hold no config refuses to
+      start, naming ``--deepspeed``.
+    """
+    import transformers
+    import transformers.trainer
+    import transformers.trainer_seq2seq
+    from transformers.training_args import TrainingArguments
+
+    original = TrainingArguments.__post_init__
+    if not getattr(original, _PATCHED, False):
+
+        def __post_init__(self: Any) -> None:
+            if self.deepspeed:
+                setattr(self, ARGS_CONFIG, _config_value(self.deepspeed))
+                self.deepspeed = None
+            original(self)
+
+        setattr(__post_init__, _PATCHED, True)
+        TrainingArguments.__post_init__ = __post_init__  # type: ignore[method-assign]
+
+    transformers.Trainer = DtypeplanTrainer  # type: ignore[misc]
+    transformers.trainer.Trainer = DtypeplanTrainer  # type: ignore[misc]
+    seq2seq = transformers.trainer_seq2seq.Seq2SeqTrainer
+    if not issubclass(seq2seq, DtypeplanTrainer):
+
+        class Seq2SeqTrainer(DtypeplanTrainer, seq2seq):  # type: ignore[misc, valid-type]
+            """``transformers.Seq2SeqTrainer`` on dtypeplan (``dtypeplan run``)."""
+
+        Seq2SeqTrainer.__module__ = seq2seq.__module__
+        transformers.Seq2SeqTrainer = Seq2SeqTrainer  # type: ignore[misc]
+        transformers.trainer_seq2seq.Seq2SeqTrainer = Seq2SeqTrainer  # type: ignore[misc]
