@@ -42,3 +42,30 @@ def test_trainer_every_stage_and_dtype(tmp_path: Any) -> None:
             continue
         case = f"{framework}-stage{stage}-{dtype}"
         assert_framework_case([r[case] for r in results], case, MAX_GRAD_NORM)
+
+
+def test_plain_trainer_with_a_dtypeplan_optimizer_names_the_integration(tmp_path: Any) -> None:
+    """A plain ``transformers.Trainer`` given a dtypeplan optimizer (``optimizers=``) clips
+    with torch's clip_grad_norm_, which cannot see the optimizer's gradients: the error names
+    DtypeplanTrainer and ``dtypeplan run`` (issue 27). One process, ZeRO-0."""
+    import torch
+    import transformers
+
+    import dtypeplan
+    from dtypeplan.errors import OptimizerUsageError
+    from tests.workers.integrations import token_data
+    from tests.workers.real_models import build_model
+
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}})
+    model = plan.prepare_model(build_model("gpt2"))
+    optimizer = plan.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+        use_cpu=True, save_strategy="no", bf16=True, disable_tqdm=True, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=token_data(4), optimizers=(optimizer, schedule)
+    )
+    with pytest.raises(OptimizerUsageError, match=r"DtypeplanTrainer.*dtypeplan run"):
+        trainer.train()
