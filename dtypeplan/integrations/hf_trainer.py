@@ -30,10 +30,49 @@ The Trainer's own extension points do the rest, as the Trainer's DeepSpeed integ
   state, RNG and trainer state as the Trainer writes them.
 * ``save_model`` (and the model in every checkpoint) writes the fp32 master weights by
   parameter name (:func:`dtypeplan.checkpoint.export_model_state`, gathered on every rank at
-  ZeRO 1-3) with ``save_pretrained``: ``from_pretrained`` reloads them in fp32. Before the
-  optimizer exists it saves the model as the Trainer does.
+  ZeRO 1-3) with ``save_pretrained``, and ``config.json`` names their dtype (``"float32"``;
+  ``save_pretrained`` alone records the live model's bf16): ``from_pretrained(dir)``, with no
+  dtype argument, reloads the fp32 masters, at every ZeRO stage. Before the optimizer exists
+  it saves the model as the Trainer does.
+* Precision follows the Trainer's own setting: ``--bf16`` / ``--fp16`` (``bf16=True`` ...)
+  fill ``"bf16": {"enabled": "auto"}`` and ``"fp16": {"enabled": "auto"}``, as the HF
+  DeepSpeed integration fills them; a config value that disagrees is refused, and so is a
+  plan that would train in another dtype than the Trainer was told (a config without a
+  ``bf16`` block under ``--bf16``: :func:`check_trainer_precision`).
 
 fp16 plans are refused (loss scaling inside the Trainer's backward is not wired).
+
+Unedited scripts: ``dtypeplan run``
+-----------------------------------
+A script written for the plain Trainer (transformers' ``run_clm.py``, TRL scripts) that a
+DeepSpeed user starts with ``torchrun ... script.py --deepspeed ds_config.json`` is started
+unedited with::
+
+    dtypeplan run [torchrun options] script.py --deepspeed ds_config.json [script args]
+    # e.g. dtypeplan run --nproc_per_node 8 run_clm.py --deepspeed ds_config.json --bf16 ...
+
+``dtypeplan run`` is torchrun with the same options (``python -m torch.distributed.run``, its
+exit code), each rank starting :mod:`dtypeplan.integrations.hf_trainer_run`, which calls
+:func:`use_for_unedited_scripts` and then runs the script as ``python script.py ARGS`` would
+(``runpy``; ``-m module`` works too). So, in every rank, before the script's first line:
+
+* ``TrainingArguments`` (and subclasses) take ``deepspeed`` (``--deepspeed``, or
+  ``deepspeed=`` in code, a path or a dict) as the dtypeplan config: the value moves to
+  ``args.dtypeplan_config`` and ``args.deepspeed`` is None, so DeepSpeed is neither imported
+  nor enabled (it need not be installed);
+* ``transformers.Trainer`` is :class:`DtypeplanTrainer` (which reads
+  ``args.dtypeplan_config`` when no ``dtypeplan_config=`` is given), and
+  ``transformers.Seq2SeqTrainer`` a subclass of both; Trainer subclasses defined after that
+  (the script's own, or a library's imported by the script) inherit from it.
+
+The same config file works with both launchers; what dtypeplan does with DeepSpeed's keys is
+in the config's ``dtypeplan check`` output. Other launchers (``srun``, ``mpirun``) start
+``python -m dtypeplan.integrations.hf_trainer_run script.py ARGS`` in each rank themselves.
+
+A plain ``transformers.Trainer`` given a dtypeplan optimizer (``optimizers=(opt, sched)``)
+does not work: it wraps the model in DDP and clips with ``torch.nn.utils.clip_grad_norm_``,
+which cannot see the optimizer's gradients (the error names this class); use
+``DtypeplanTrainer`` (``optimizers=`` is taken over there) or ``dtypeplan run``.
 """
 
 from __future__ import annotations
