@@ -97,6 +97,19 @@ def test_trainer_recipe_under_torchrun(tmp_path: Path, stage: int) -> None:
         checkpoint = got["checkpoint_weights"]
         assert checkpoint["loaded_dtypes"] == checkpoint["stored_dtypes"] == ["torch.float32"]
         assert checkpoint["names"] == got["expected_names"]
+    got = results[0]
+    worst_loss = max(
+        abs(a - b) / abs(b) for a, b in zip(got["losses"], got["ref_losses"], strict=True)
+    )
+    print(
+        f"torchrun ZeRO-{stage} bf16: {len(got['losses'])} micro-batch losses, worst relative "
+        f"difference to the plain Trainer {worst_loss:.2e}, master_rel {got['master_rel']:.2e},"
+        f" exp_avg_rel {got['exp_avg_rel']:.2e}, logged norms {got['logged_norms']}; resumed "
+        f"{len(got['resumed_losses'])} losses bitwise, masters bitwise; saved "
+        f"{len(got['saved_weights']['names'])} weights loaded as "
+        f"{got['saved_weights']['loaded_dtypes']} (checkpoint "
+        f"{got['checkpoint_weights']['loaded_dtypes']})"
+    )
 
 
 # --- run_clm.py, unedited, under `dtypeplan run` ------------------------------------------------
@@ -167,7 +180,8 @@ def test_dtypeplan_run_unedited_run_clm_hf_zero2(tmp_path: Path) -> None:
     offloaded to the CPU, every value "auto" filled from the script's TrainingArguments)."""
     output = tmp_path / "zero2"
     _run_clm(output, HF_ZERO2, SAVE_AT + 1)
-    _assert_trained_fp32_out(output, 2, SAVE_AT + 1)
+    figures = _assert_trained_fp32_out(output, 2, SAVE_AT + 1)
+    print(f"dtypeplan run run_clm.py, HF ds_config_zero2.json: {figures}")
     args = torch.load(output / "training_args.bin", weights_only=False)
     # --deepspeed became the dtypeplan config; DeepSpeed was not enabled
     assert args.deepspeed is None and args.dtypeplan_config == str(HF_ZERO2)
@@ -193,6 +207,11 @@ def test_dtypeplan_run_unedited_run_clm_resumes_bitwise(tmp_path: Path, stage: i
     assert sorted(ours) == sorted(theirs)
     different = [n for n in ours if not torch.equal(ours[n], theirs[n])]
     assert not different, f"resume is not bitwise: {different}"
+    print(
+        f"dtypeplan run run_clm.py ZeRO-{stage} bf16: losses {figures['losses']}, norms "
+        f"{figures['norms']}; resumed from checkpoint-{SAVE_AT}: {len(ours)} fp32 tensors of "
+        "model.safetensors bitwise equal to the uninterrupted run's"
+    )
 
 
 def test_dtypeplan_run_is_torchrun_with_the_rank_module(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,3 +233,22 @@ def test_dtypeplan_run_is_torchrun_with_the_rank_module(monkeypatch: pytest.Monk
     ]
     assert cli.main(["run", "--no-python", "train.py"]) == cli.EXIT_ERROR
     assert cli.main(["run"]) == cli.EXIT_ERROR
+
+
+def test_use_for_unedited_scripts_in_a_fresh_process(tmp_path: Path) -> None:
+    """What ``dtypeplan run`` does in a rank before the script (a subprocess: it changes
+    transformers for the whole process): Trainer, Seq2SeqTrainer and classes defined later are
+    DtypeplanTrainers; TrainingArguments' deepspeed (a dict, a JSON text) is the dtypeplan
+    config and DeepSpeed is not enabled; a Trainer without one refuses, naming --deepspeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.workers.unedited_patch", str(tmp_path)], cwd=REPO,
+        env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    stage1, auto = {"zero_optimization": {"stage": 1}}, {"bf16": {"enabled": "auto"}}
+    assert facts == {
+        "trainer": True, "seq2seq": True, "mine": True,
+        "args": [None, stage1, None, auto, None],
+        "deepspeed_enabled": False, "config": stage1, "refused": True,
+    }  # fmt: skip
