@@ -282,6 +282,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     parser = get_args_parser()
     parser.prog = "dtypeplan run"
     parser.usage = "dtypeplan run [torchrun options] SCRIPT [SCRIPT ARGS, e.g. --deepspeed ds.json]"
+    parser.description = (
+        "torchrun with these options, each rank running SCRIPT (or -m MODULE) unedited with "
+        "transformers.Trainer as dtypeplan's DtypeplanTrainer and TrainingArguments' "
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled). The exit code "
+        "is torchrun's. torchrun's options:"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return EXIT_OK if argv else EXIT_ERROR
