@@ -1,4 +1,5 @@
-"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint`` and ``demo``.
+"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint``, ``demo``, ``docs`` and
+``run``.
 
 Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
 (``demo``: the config is not OK), 2 a bad config or rules file, an Error combination, or a
@@ -274,6 +275,47 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+_RANK_MODULE = "dtypeplan.integrations.hf_trainer_run"
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``dtypeplan run [torchrun options] SCRIPT [ARGS]``: torchrun, each rank running SCRIPT
+    unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG`` its config).
+    The exit code is torchrun's."""
+    import subprocess
+
+    from torch.distributed.run import get_args_parser
+
+    argv = list(args.torchrun_argv)
+    parser = get_args_parser()
+    parser.prog = "dtypeplan run"
+    parser.usage = "dtypeplan run [torchrun options] SCRIPT [SCRIPT ARGS, e.g. --deepspeed ds.json]"
+    parser.description = (
+        "torchrun with these options, each rank running SCRIPT (or -m MODULE) unedited with "
+        "transformers.Trainer as dtypeplan's DtypeplanTrainer and TrainingArguments' "
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled). The exit code "
+        "is torchrun's. torchrun's options:"
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return EXIT_OK if argv else EXIT_ERROR
+    try:
+        parsed = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    if parsed.no_python:
+        print("error: dtypeplan run: --no-python runs no Python script to start", file=sys.stderr)
+        return EXIT_ERROR
+    script_at = len(argv) - 1 - len(parsed.training_script_args)
+    options = [a for a in argv[:script_at] if a not in ("-m", "--module")]
+    rank = ["-m", _RANK_MODULE, *(["-m"] if parsed.module else []), parsed.training_script]
+    command = [sys.executable, "-m", "torch.distributed.run", *options, *rank]
+    try:
+        return subprocess.call([*command, *parsed.training_script_args])
+    except KeyboardInterrupt:
+        return 130
+
+
 # --- parser ------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -396,6 +438,18 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--check", action="store_true", help="exit 2 when a page is stale")
     docs.add_argument("--root", default=".", help="the repository root (default: .)")
     docs.set_defaults(handler=_cmd_docs, imports=[])
+    run = commands.add_parser(
+        "run",
+        help="torchrun an HF Trainer script, unedited, on dtypeplan (--deepspeed CONFIG)",
+        description="dtypeplan run [torchrun options] SCRIPT [ARGS]: torchrun with the same "
+        "options, each rank running SCRIPT (or -m MODULE) unedited with transformers.Trainer "
+        "as dtypeplan.integrations.DtypeplanTrainer and TrainingArguments' --deepspeed CONFIG "
+        "as its dtypeplan config (DeepSpeed is not enabled). The exit code is torchrun's.",
+        prefix_chars="\0",  # every argument is torchrun's or the script's
+        add_help=False,
+    )
+    run.add_argument("torchrun_argv", nargs=argparse.REMAINDER)
+    run.set_defaults(handler=_cmd_run, imports=[])
     return parser
 
 

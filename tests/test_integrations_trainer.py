@@ -42,3 +42,73 @@ def test_trainer_every_stage_and_dtype(tmp_path: Any) -> None:
             continue
         case = f"{framework}-stage{stage}-{dtype}"
         assert_framework_case([r[case] for r in results], case, MAX_GRAD_NORM)
+
+
+def test_plain_trainer_with_a_dtypeplan_optimizer_names_the_integration(tmp_path: Any) -> None:
+    """A plain ``transformers.Trainer`` given a dtypeplan optimizer (``optimizers=``) clips
+    with torch's clip_grad_norm_, which cannot see the optimizer's gradients: the error names
+    DtypeplanTrainer and ``dtypeplan run`` (issue 27). One process, ZeRO-0."""
+    import torch
+    import transformers
+
+    import dtypeplan
+    from dtypeplan.errors import OptimizerUsageError
+    from tests.workers.integrations import token_data
+    from tests.workers.real_models import build_model
+
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}})
+    model = plan.prepare_model(build_model("gpt2"))
+    optimizer = plan.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+        use_cpu=True, save_strategy="no", bf16=True, disable_tqdm=True, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=token_data(4), optimizers=(optimizer, schedule)
+    )
+    with pytest.raises(OptimizerUsageError, match=r"DtypeplanTrainer.*dtypeplan run"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [({}, "torch.float32"), ({"bf16": True}, "torch.bfloat16"), ({"fp16": True}, "torch.float16")],
+)
+def test_all_auto_config_trains_in_the_dtype_the_trainer_was_told(
+    tmp_path: Any, flags: dict[str, bool], expected: str
+) -> None:
+    """The HF docs' all-"auto" config takes its precision from TrainingArguments (issue 27)."""
+    import json
+
+    import transformers
+
+    import dtypeplan
+    from dtypeplan.integrations.hf_trainer import check_trainer_precision, trainer_auto_values
+    from tests.workers.integrations import HF_ZERO_CONFIG
+
+    with open(HF_ZERO_CONFIG, encoding="utf-8") as handle:
+        config = json.load(handle)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=5, **flags
+    )
+    plan = dtypeplan.resolve(config, auto=trainer_auto_values(args, 5))
+    assert str(plan.param_dtype) == expected and plan.autocast_dtype is None
+    check_trainer_precision(plan, args)  # agrees
+
+
+def test_a_config_without_a_bf16_block_under_bf16_is_refused(tmp_path: Any) -> None:
+    """--bf16 with a config that has no bf16 block would train in fp32 (the Trainer's autocast
+    is off under dtypeplan): refused, naming both dtypes."""
+    import transformers
+
+    import dtypeplan
+    from dtypeplan.errors import PrecisionConfigError
+    from dtypeplan.integrations.hf_trainer import check_trainer_precision, trainer_auto_values
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=5, bf16=True
+    )
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 1}}, auto=trainer_auto_values(args, 5))
+    with pytest.raises(PrecisionConfigError, match=r"trains in fp32 .* ask for bf16 \(--bf16\)"):
+        check_trainer_precision(plan, args)

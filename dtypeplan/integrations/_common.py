@@ -56,6 +56,28 @@ def refuse_loss_scaling(optimizer: MixedPrecisionOptimizer, framework: str) -> N
         )
 
 
+def record_saved_dtype(output_dir: str, dtype: torch.dtype) -> None:
+    """Make ``config.json`` in ``output_dir`` name ``dtype``, that of the weights written there.
+
+    ``save_pretrained`` records the live model's dtype (``"bfloat16"`` for a bf16 plan), and
+    ``from_pretrained(dir)`` without a dtype argument loads in the recorded one, so the fp32
+    masters written came back rounded to bf16. The file is rewritten as transformers writes
+    it (``json.dumps(indent=2, sort_keys=True)``)."""
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    name = str(dtype).removeprefix("torch.")
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    keys = [key for key in ("dtype", "torch_dtype") if key in document] or ["dtype"]
+    if all(document.get(key) == name for key in keys):
+        return
+    for key in keys:
+        document[key] = name
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+
 def record_state_dtype_on_save(model: torch.nn.Module) -> None:
     """Make an HF model's ``save_pretrained(dir, state_dict=...)`` record the dtype of the
     state it writes in ``config.json``, not its parameters' dtype.
@@ -78,17 +100,23 @@ def record_state_dtype_on_save(model: torch.nn.Module) -> None:
         }
         result = original(save_directory, *args, **kwargs)
         if len(dtypes) == 1 and kwargs.get("is_main_process", True):
-            written = config.dtype
-            config.dtype = str(dtypes.pop()).split(".")[1]
-            try:
-                config.save_pretrained(save_directory)
-            finally:
-                config.dtype = written
+            record_saved_dtype(os.fspath(save_directory), dtypes.pop())
         return result
 
     save_pretrained._dtypeplan = True  # type: ignore[attr-defined]
     # An instance attribute: only this model, only while it lives.
     object.__setattr__(model, "save_pretrained", save_pretrained)
+
+
+def config_document(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The config as a mapping, read only to see what it sets (resolve reads it again, with
+    its bounds and checks)."""
+    if isinstance(config, Mapping):
+        return config
+    with open(config, encoding="utf-8") as handle:
+        text = handle.read()
+    loaded = json.loads(text) if os.fspath(config).endswith(".json") else yaml.safe_load(text)
+    return loaded if isinstance(loaded, Mapping) else {}
 
 
 def fills_for_auto(
@@ -97,11 +125,7 @@ def fills_for_auto(
     """The entries of ``fills`` (dotted path -> value) whose key the config leaves ``"auto"``:
     what a framework's own setting fills. A value the config sets itself is the config's, and
     the resolver refuses a fill of it."""
-    document: Any = config
-    if not isinstance(config, Mapping):
-        with open(config, encoding="utf-8") as handle:
-            text = handle.read()
-        document = json.loads(text) if os.fspath(config).endswith(".json") else yaml.safe_load(text)
+    document = config_document(config)
     out = {}
     for path, value in fills.items():
         node: Any = document

@@ -30,10 +30,49 @@ The Trainer's own extension points do the rest, as the Trainer's DeepSpeed integ
   state, RNG and trainer state as the Trainer writes them.
 * ``save_model`` (and the model in every checkpoint) writes the fp32 master weights by
   parameter name (:func:`dtypeplan.checkpoint.export_model_state`, gathered on every rank at
-  ZeRO 1-3) with ``save_pretrained``: ``from_pretrained`` reloads them in fp32. Before the
-  optimizer exists it saves the model as the Trainer does.
+  ZeRO 1-3) with ``save_pretrained``, and ``config.json`` names their dtype (``"float32"``;
+  ``save_pretrained`` alone records the live model's bf16): ``from_pretrained(dir)``, with no
+  dtype argument, reloads the fp32 masters, at every ZeRO stage. Before the optimizer exists
+  it saves the model as the Trainer does.
+* Precision follows the Trainer's own setting: ``--bf16`` / ``--fp16`` (``bf16=True`` ...)
+  fill ``"bf16": {"enabled": "auto"}`` and ``"fp16": {"enabled": "auto"}``, as the HF
+  DeepSpeed integration fills them; a config value that disagrees is refused, and so is a
+  plan that would train in another dtype than the Trainer was told (a config without a
+  ``bf16`` block under ``--bf16``: :func:`check_trainer_precision`).
 
 fp16 plans are refused (loss scaling inside the Trainer's backward is not wired).
+
+Unedited scripts: ``dtypeplan run``
+-----------------------------------
+A script written for the plain Trainer (transformers' ``run_clm.py``, TRL scripts) that a
+DeepSpeed user starts with ``torchrun ... script.py --deepspeed ds_config.json`` is started
+unedited with::
+
+    dtypeplan run [torchrun options] script.py --deepspeed ds_config.json [script args]
+    # e.g. dtypeplan run --nproc_per_node 8 run_clm.py --deepspeed ds_config.json --bf16 ...
+
+``dtypeplan run`` is torchrun with the same options (``python -m torch.distributed.run``, its
+exit code), each rank starting :mod:`dtypeplan.integrations.hf_trainer_run`, which calls
+:func:`use_for_unedited_scripts` and then runs the script as ``python script.py ARGS`` would
+(``runpy``; ``-m module`` works too). So, in every rank, before the script's first line:
+
+* ``TrainingArguments`` (and subclasses) take ``deepspeed`` (``--deepspeed``, or
+  ``deepspeed=`` in code, a path or a dict) as the dtypeplan config: the value moves to
+  ``args.dtypeplan_config`` and ``args.deepspeed`` is None, so DeepSpeed is neither imported
+  nor enabled (it need not be installed);
+* ``transformers.Trainer`` is :class:`DtypeplanTrainer` (which reads
+  ``args.dtypeplan_config`` when no ``dtypeplan_config=`` is given), and
+  ``transformers.Seq2SeqTrainer`` a subclass of both; Trainer subclasses defined after that
+  (the script's own, or a library's imported by the script) inherit from it.
+
+The same config file works with both launchers; what dtypeplan does with DeepSpeed's keys is
+in the config's ``dtypeplan check`` output. Other launchers (``srun``, ``mpirun``) start
+``python -m dtypeplan.integrations.hf_trainer_run script.py ARGS`` in each rank themselves.
+
+A plain ``transformers.Trainer`` given a dtypeplan optimizer (``optimizers=(opt, sched)``)
+does not work: it wraps the model in DDP and clips with ``torch.nn.utils.clip_grad_norm_``,
+which cannot see the optimizer's gradients (the error names this class); use
+``DtypeplanTrainer`` (``optimizers=`` is taken over there) or ``dtypeplan run``.
 """
 
 from __future__ import annotations
@@ -44,28 +83,67 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import yaml
 from transformers import Trainer
 
 import dtypeplan
-from dtypeplan.integrations._common import find_optimizer, optimizer_dir, refuse_loss_scaling
+from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.integrations._common import (
+    config_document,
+    find_optimizer,
+    optimizer_dir,
+    record_saved_dtype,
+    refuse_loss_scaling,
+)
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
 
-__all__ = ["DtypeplanTrainer", "trainer_auto_values"]
+__all__ = [
+    "DtypeplanTrainer",
+    "check_trainer_precision",
+    "trainer_auto_values",
+    "use_for_unedited_scripts",
+]
 
 SCHEDULER_FILE = "scheduler.pt"
 """The Trainer's name for the scheduler state in a checkpoint (transformers' SCHEDULER_NAME)."""
 
 
-def _document(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
-    """The config as a mapping (read only to see which blocks it has; resolve reads it again)."""
-    if isinstance(config, Mapping):
-        return config
-    with open(config, encoding="utf-8") as handle:
-        text = handle.read()
-    loaded = json.loads(text) if os.fspath(config).endswith(".json") else yaml.safe_load(text)
-    return loaded if isinstance(loaded, Mapping) else {}
+ARGS_CONFIG = "dtypeplan_config"
+"""The ``TrainingArguments`` attribute that holds the config under ``dtypeplan run`` (the value
+of ``--deepspeed``, taken by :func:`use_for_unedited_scripts`)."""
+
+
+def trainer_dtype(args: Any) -> torch.dtype:
+    """The dtype the Trainer was told to train in: ``--bf16`` (or ``bf16_full_eval``), ``--fp16``
+    (or ``fp16_full_eval``), else fp32 (what the HF DeepSpeed integration fills
+    ``bf16.enabled`` / ``fp16.enabled`` from)."""
+    if getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
+        return torch.float16
+    return torch.float32
+
+
+def check_trainer_precision(plan: PrecisionPlan, args: Any) -> None:
+    """Refuse a plan that trains in another dtype than ``args`` ask for.
+
+    ``"auto"`` precision keys are filled from the arguments and a config value that disagrees
+    is refused already (:func:`dtypeplan.resolve`); this catches what is left: a config
+    without a ``bf16`` / ``fp16`` block while the Trainer was told ``--bf16`` or ``--fp16``
+    (the plan would train in fp32, and the Trainer's own autocast is off under dtypeplan).
+    """
+    from dtypeplan._dtypes import dtype_name
+
+    trains = plan.autocast_dtype if plan.autocast_dtype is not None else plan.param_dtype
+    told = trainer_dtype(args)
+    if trains != told:
+        flag = {torch.bfloat16: "--bf16", torch.float16: "--fp16"}.get(told, "no --bf16/--fp16")
+        raise PrecisionConfigError(
+            f"DtypeplanTrainer: the config trains in {dtype_name(trains)} but TrainingArguments "
+            f"ask for {dtype_name(told)} ({flag}); make them agree, e.g. "
+            '"bf16": {"enabled": "auto"} and "fp16": {"enabled": "auto"} in the config, '
+            "which the Trainer's setting fills"
+        )
 
 
 def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
@@ -91,15 +169,25 @@ class DtypeplanTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str],
+        dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
-            dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
-        )
         self.plan: PrecisionPlan | None = None
         self.dtypeplan_optimizer: MixedPrecisionOptimizer | None = None
         super().__init__(*args, **kwargs)
+        if dtypeplan_config is None:
+            # Under ``dtypeplan run`` TrainingArguments' --deepspeed value is the config.
+            dtypeplan_config = getattr(self.args, ARGS_CONFIG, None)
+        if dtypeplan_config is None:
+            raise ValueError(
+                "DtypeplanTrainer: no dtypeplan config: pass dtypeplan_config=... (a "
+                "DeepSpeed-style dict or .json/.yaml path), or, for a script started with "
+                "`dtypeplan run`, give TrainingArguments the config as deepspeed "
+                "(--deepspeed ds_config.json)"
+            )
+        self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
+            dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
+        )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "DtypeplanTrainer: TrainingArguments also enable "
@@ -118,7 +206,9 @@ class DtypeplanTrainer(Trainer):
         """The plan of ``dtypeplan_config`` with its ``"auto"`` values filled as the HF
         DeepSpeed integration fills them."""
         auto = trainer_auto_values(self.args, num_training_steps)
-        return dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        plan = dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        check_trainer_precision(plan, self.args)
+        return plan
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dtypeplan_optimizer is not None:
@@ -132,7 +222,7 @@ class DtypeplanTrainer(Trainer):
         # The model is readied before any optimizer sees its parameters: prepare_model keeps
         # their fp32 values for build (ZeRO-3 replaces them with FSDP2's sharded ones).
         prepared = plan.prepare_model(target)
-        if "optimizer" in _document(self.dtypeplan_config):
+        if "optimizer" in config_document(self.dtypeplan_config):
             trainable = [p for p in prepared.parameters() if p.requires_grad]
             optimizer = find_optimizer(plan.build(trainable))
         else:
@@ -212,6 +302,67 @@ class DtypeplanTrainer(Trainer):
         assert self.model is not None, "the optimizer exists, so the Trainer has its model"
         # Collective at ZeRO 1-3: every rank gathers, rank 0 keeps and writes.
         state = dtypeplan.checkpoint.export_model_state(optimizer, self.model, rank0_only=True)
+        # Read before saving: save_pretrained empties the dict it writes.
+        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
         self._save(output_dir, state_dict=state)
+        if self.args.should_save and output_dir is not None and len(dtypes) == 1:
+            record_saved_dtype(output_dir, dtypes.pop())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+# --- unedited scripts (``dtypeplan run``) ---------------------------------------------------------
+_PATCHED = "_dtypeplan_takes_deepspeed"
+
+
+def _config_value(value: Any) -> Any:
+    """``--deepspeed``'s value as dtypeplan reads it: a dict or a path; a JSON text (which the
+    HF integration also takes) as its dict."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        return json.loads(value)
+    return value
+
+
+def use_for_unedited_scripts() -> None:
+    """Make this process's HF Trainer scripts train with dtypeplan, unedited: what
+    ``dtypeplan run`` does in each rank before the script starts (idempotent).
+
+    * ``TrainingArguments`` (and every subclass: ``Seq2SeqTrainingArguments``, TRL's configs)
+      take their ``deepspeed`` value (``--deepspeed ds_config.json``, or
+      ``deepspeed=`` in code) as the dtypeplan config: it moves to ``args.dtypeplan_config``
+      and ``args.deepspeed`` becomes None before ``__post_init__`` runs, so DeepSpeed is
+      neither imported nor enabled;
+    * ``transformers.Trainer`` (also ``transformers.trainer.Trainer``) is
+      :class:`DtypeplanTrainer`, and ``transformers.Seq2SeqTrainer`` a subclass of both;
+      classes defined after this (a script's own ``class MyTrainer(Trainer)``, libraries
+      imported later) inherit from it. A Trainer whose arguments hold no config refuses to
+      start, naming ``--deepspeed``.
+    """
+    import transformers
+    import transformers.trainer
+    import transformers.trainer_seq2seq
+    from transformers.training_args import TrainingArguments
+
+    original = TrainingArguments.__post_init__
+    if not getattr(original, _PATCHED, False):
+
+        def __post_init__(self: Any) -> None:
+            if self.deepspeed:
+                setattr(self, ARGS_CONFIG, _config_value(self.deepspeed))
+                self.deepspeed = None
+            original(self)
+
+        setattr(__post_init__, _PATCHED, True)
+        TrainingArguments.__post_init__ = __post_init__  # type: ignore[method-assign]
+
+    transformers.Trainer = DtypeplanTrainer  # type: ignore[misc]
+    transformers.trainer.Trainer = DtypeplanTrainer  # type: ignore[misc]
+    seq2seq = transformers.trainer_seq2seq.Seq2SeqTrainer
+    if not issubclass(seq2seq, DtypeplanTrainer):
+
+        class Seq2SeqTrainer(DtypeplanTrainer, seq2seq):  # type: ignore[misc, valid-type]
+            """``transformers.Seq2SeqTrainer`` on dtypeplan (``dtypeplan run``)."""
+
+        Seq2SeqTrainer.__module__ = seq2seq.__module__
+        transformers.Seq2SeqTrainer = Seq2SeqTrainer  # type: ignore[misc]
+        transformers.trainer_seq2seq.Seq2SeqTrainer = Seq2SeqTrainer  # type: ignore[misc]

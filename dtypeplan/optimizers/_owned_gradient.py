@@ -40,7 +40,12 @@ OWNED_MESSAGE = (
     "other code reading .grad cannot see it (it would find no gradient and report a norm of "
     "0). Clip with optimizer.clip_grad_norm_(max_norm) between the last backward and step() "
     "(it returns the global norm), or set gradient_clipping in the config; the norm of the "
-    "last step is optimizer.grad_norm"
+    "last step is optimizer.grad_norm. A framework that clips for you calls "
+    "torch.nn.utils.clip_grad_norm_ (transformers.Trainer with max_grad_norm, 1.0 by "
+    "default): use its dtypeplan integration, which clips through the optimizer: "
+    "dtypeplan.integrations.DtypeplanTrainer instead of transformers.Trainer (or start the "
+    "unedited script with `dtypeplan run [torchrun options] script.py --deepspeed CONFIG`), "
+    "DtypeplanAccelerator for Accelerate, DtypeplanStrategy for Lightning"
 )
 
 

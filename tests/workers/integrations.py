@@ -190,6 +190,8 @@ def trainer_case(root: str, stage: int, dtype: str, world: int) -> dict[str, Any
     result["final_masters"] = master_bits(exported)
     dist.barrier()
     result["saved_weights"] = _saved_weights(os.path.join(out, "final"), exported)
+    # The checkpoint's model file too (the Trainer's _save_checkpoint calls save_model).
+    result["checkpoint_weights"] = _saved_weights(os.path.join(out, f"checkpoint-{SAVE_AT}"), None)
     result["expected_names"] = sorted(
         n for n, _ in build_model("gpt2").named_parameters(remove_duplicate=False)
     )
@@ -247,8 +249,8 @@ def _saved_weights(directory: str, exported: dict[str, torch.Tensor] | None) -> 
     """What ``save_pretrained`` wrote: reloaded with ``from_pretrained`` (rank 0 reads)."""
     import transformers
 
-    # The file holds fp32 masters; the config records the model's bf16, so ask for fp32.
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32)
+    # No dtype argument: the fp32 masters come back as written (config.json names their dtype).
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory)
     names = sorted(name for name, _ in model.named_parameters(remove_duplicate=False))
     from safetensors.torch import load_file
 
@@ -256,6 +258,7 @@ def _saved_weights(directory: str, exported: dict[str, torch.Tensor] | None) -> 
     out: dict[str, Any] = {
         "names": names,
         "stored_dtypes": sorted({str(t.dtype) for t in stored.values()}),
+        "loaded_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
     }
     if exported is not None:
         state = dict(model.named_parameters(remove_duplicate=False))

@@ -1,0 +1,48 @@
+"""Run an HF Trainer script, unedited, on dtypeplan, in every rank:
+``python -m dtypeplan.integrations.hf_trainer_run [-m] SCRIPT [ARGS...]``.
+
+``dtypeplan run`` (the command line) starts this module in each rank process under torchrun;
+other launchers (``srun``, ``mpirun``, a cluster's own) can start it directly. It calls
+:func:`dtypeplan.integrations.hf_trainer.use_for_unedited_scripts` (``transformers.Trainer``
+is ``DtypeplanTrainer``; ``--deepspeed CONFIG`` is the dtypeplan config, DeepSpeed is not
+enabled), then runs SCRIPT as ``python SCRIPT ARGS...`` would (``runpy``, ``__name__`` is
+``"__main__"``, ``sys.argv`` is ``[SCRIPT, *ARGS]``, the script's folder first on
+``sys.path``); with ``-m``, SCRIPT is a module name, run as ``python -m``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+USAGE = "usage: python -m dtypeplan.integrations.hf_trainer_run [-m] SCRIPT [ARGS...]"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run SCRIPT with the HF Trainer on dtypeplan (``argv``: ``[-m] SCRIPT ARGS...``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    module = bool(args) and args[0] in ("-m", "--module")
+    if module:
+        args = args[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(0 if args else 2)
+    from dtypeplan.integrations.hf_trainer import use_for_unedited_scripts
+
+    use_for_unedited_scripts()
+    target, rest = args[0], args[1:]
+    if module:
+        sys.argv = [target, *rest]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *rest]
+    sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` has it
+    runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
