@@ -30,9 +30,9 @@ from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._group_state import ShardPiece
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers._state_storage import QUANTIZED
+from dtypeplan.optimizers._state_values import ShardPiece
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,

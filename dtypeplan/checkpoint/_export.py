@@ -17,7 +17,7 @@ from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._group_state import ShardPiece
+from dtypeplan.optimizers._state_values import ShardPiece
 
 __all__ = ["export_model_state"]
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
@@ -33,7 +34,6 @@ from dtypeplan.optimizers._param_groups import IMPLEMENTATION_SWITCHES, checked_
 from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, restore_cast_values
 
 if TYPE_CHECKING:
-    from dtypeplan.optimizers._shard_units import WrapPolicy
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [
@@ -43,9 +43,13 @@ __all__ = [
     "hyperparameter_defaults",
     "MixedPrecisionOptimizer",
     "inner_optimizer",
-    "is_adam",
     "make_replicas_equal",
+    "WrapPolicy",
 ]
+
+WrapPolicy = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
+"""A callable ``module -> bool``, or the module classes whose instances become units
+(``prepare_model``'s ``wrap``, used at ZeRO-3)."""
 
 
 def hyperparameter_defaults(plan: PrecisionPlan) -> dict[str, Any]:
@@ -81,11 +85,6 @@ def bare_backward_refusal(plan: PrecisionPlan) -> str | None:
         "backward itself needs dtypeplan.resolve(..., pipeline_parallel=True) and a loss "
         "multiplied by opt.loss_scale (README: Pipeline parallelism)"
     )
-
-
-def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
-    """Whether the update is Adam or AdamW (a step counter beside its moments, the Triton path)."""
-    return issubclass(torch_class, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def inner_optimizer(

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers._base import MixedPrecisionOptimizer, WrapPolicy
 from dtypeplan.optimizers._registry import get_implementation
-from dtypeplan.optimizers._shard_units import WrapPolicy
 from dtypeplan.resolver import PrecisionPlan, Status
 
 __all__ = ["build_optimizer", "implementation_class", "prepare_model"]

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._group_state import GroupState, ShardPiece
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, LowPrecisionAdamUpdate
+from dtypeplan.optimizers._group_state import GroupState
+from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
 from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._own_histories import OwnHistories
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers._state_values import (
+    ShardPiece,
     element_state_names,
     is_element_state,
     is_scalar_state,

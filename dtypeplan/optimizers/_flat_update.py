@@ -36,6 +36,7 @@ __all__ = [
     "decoupled_weight_decay",
     "fused_adam_kernel",
     "inner_step_grads",
+    "is_adam",
 ]
 
 CPU_CHUNK = 1 << 20
@@ -197,3 +198,8 @@ def inner_step_grads(
         for name in ("grad_scale", "found_inf"):
             if hasattr(inner, name):
                 delattr(inner, name)
+
+
+def is_adam(torch_class: type[torch.optim.Optimizer]) -> bool:
+    """Whether the update is Adam or AdamW (a step counter beside its moments, the Triton path)."""
+    return issubclass(torch_class, (torch.optim.Adam, torch.optim.AdamW))

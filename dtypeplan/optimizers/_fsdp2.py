@@ -80,6 +80,7 @@ from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
+    WrapPolicy,
     bare_backward_refusal,
     inner_optimizer,
 )
@@ -92,17 +93,16 @@ from dtypeplan.optimizers._fsdp2_sharding import (
     hybrid_layout,
     shard_model,
 )
-from dtypeplan.optimizers._group_state import ShardPiece
 from dtypeplan.optimizers._low_precision_update import (
-    KAHAN_COMPENSATION,
     LowPrecisionAdamUpdate,
     held_compensations,
     held_states,
 )
 from dtypeplan.optimizers._owned_gradient import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers._registry import register
-from dtypeplan.optimizers._shard_units import WrapPolicy
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers._state_values import (
+    ShardPiece,
     element_state_names,
     is_element_state,
     is_scalar_state,

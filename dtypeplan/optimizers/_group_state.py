@@ -12,33 +12,13 @@ Built once per param group from its :class:`FlatGroup` (see ``_layout.py`` for t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from dtypeplan.optimizers._host_offload import HostOffload
 from dtypeplan.optimizers._layout import FlatGroup
+from dtypeplan.optimizers._state_values import ShardPiece
 
-__all__ = ["GroupState", "ShardPiece"]
-
-
-class ShardPiece(NamedTuple):
-    """Where this rank's master chunks hold part of one parameter."""
-
-    index: int  # type: ignore[assignment]  # shadows tuple.index; it is the parameter number
-    """The parameter's number in ``trainable_parameters()`` (and in the ``param.{i}`` keys)."""
-    begin: int
-    """First element of the flattened parameter held here."""
-    end: int
-    """One past the last element held here."""
-    master: torch.Tensor
-    """The master chunk that holds them (also the inner optimizer's key for its states)."""
-    offset: int
-    """Where element ``begin`` sits in ``master``."""
-
-    def of(self, chunk: torch.Tensor) -> torch.Tensor:
-        """The view of ``chunk`` (``master`` or a state laid out like it) that this piece covers."""
-        return chunk[self.offset : self.offset + self.end - self.begin]
+__all__ = ["GroupState"]
 
 
 class GroupState:

@@ -68,14 +68,13 @@ from dtypeplan.optimizers._flat_update import (
     fused_adam_kernel,
 )
 from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [
     "CODES",
-    "KAHAN_COMPENSATION",
-    "MOMENTS",
     "LowPrecisionAdamUpdate",
     "PIECE",
     "SCALES",
@@ -84,9 +83,6 @@ __all__ = [
     "held_states",
 ]
 
-KAHAN_COMPENSATION = "kahan_compensation"
-"""The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
-
 PIECE = CPU_CHUNK
 """Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
 (five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
@@ -94,9 +90,6 @@ PIECE = CPU_CHUNK
 SEED = 0x5EED
 """The stochastic-rounding generator's seed (plus the shard rank)."""
 
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""Adam's moments under torch's names; the first is signed, the second is not."""
 
 CODES, SCALES = ".codes", ".scales"
 """Suffixes of a state dict entry's quantized moment, stored as is beside its fp32 values
@@ -515,7 +508,12 @@ class LowPrecisionAdamUpdate:
             # below (tests/test_master_rounding.py), in one pass and no scratch.
             moments = [slot[name].view(-1) for name in MOMENTS]
             fused(
-                [master.view(-1)], [grad.reshape(-1)], [moments[0]], [moments[1]], [], [step],
+                [master.view(-1)],
+                [grad.reshape(-1)],
+                [moments[0]],
+                [moments[1]],
+                [],
+                [step],
                 **kwargs,
             )
             return

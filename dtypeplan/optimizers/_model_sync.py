@@ -38,7 +38,7 @@ import torch
 
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._group_state import GroupState
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 
 __all__ = ["ModelSync"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dtypeplan.optimizers._group_state import GroupState
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers._state_values import is_element_state, is_scalar_state
 
 __all__ = ["OwnHistories", "PendingPieces"]

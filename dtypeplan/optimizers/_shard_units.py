@@ -32,16 +32,14 @@ that asked for such a module gets a warning naming the parameter.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from torch import nn
 
 from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.optimizers._base import WrapPolicy
 
-__all__ = ["WrapPolicy", "choose_units", "is_container", "uncovered_parameters"]
-
-WrapPolicy = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
-"""A callable ``module -> bool``, or the module classes whose instances become units."""
+__all__ = ["choose_units", "is_container", "uncovered_parameters"]
 
 
 def is_container(module: nn.Module) -> bool:

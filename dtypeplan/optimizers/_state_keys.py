@@ -19,7 +19,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "KAHAN_COMPENSATION",
     "MASTER",
+    "MOMENTS",
     "LOSS_SCALE",
     "NO_STATE",
     "SKIPPED_STEPS",
@@ -47,6 +49,12 @@ _PARAM_SCALAR = "param."
 
 MASTER = "master"
 """The state name of the fp32 master weights."""
+KAHAN_COMPENSATION = "kahan_compensation"
+"""The state name of the Kahan compensation buffer (bf16, laid out like the master chunk)."""
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's moments under torch's names; the first is signed, the second is not."""
+
 STEP = "step"
 LOSS_SCALE = "loss_scale"
 SKIPPED_STEPS = "skipped_steps"

@@ -10,14 +10,15 @@ back where ``torch.optim`` keeps them (device, dtype), for every implementation'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 
 __all__ = [
+    "ShardPiece",
     "element_state_names",
     "is_element_state",
     "is_scalar_state",
@@ -29,6 +30,25 @@ __all__ = [
     "scalars_key",
     "stateful_scalars",
 ]
+
+
+class ShardPiece(NamedTuple):
+    """Where this rank's master chunks hold part of one parameter."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index; it is the parameter number
+    """The parameter's number in ``trainable_parameters()`` (and in the ``param.{i}`` keys)."""
+    begin: int
+    """First element of the flattened parameter held here."""
+    end: int
+    """One past the last element held here."""
+    master: torch.Tensor
+    """The master chunk that holds them (also the inner optimizer's key for its states)."""
+    offset: int
+    """Where element ``begin`` sits in ``master``."""
+
+    def of(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The view of ``chunk`` (``master`` or a state laid out like it) that this piece covers."""
+        return chunk[self.offset : self.offset + self.end - self.begin]
 
 
 def is_element_state(value: Any, master: torch.Tensor) -> bool:

@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from dtypeplan.optimizers._base import is_adam
-from dtypeplan.optimizers._flat_update import decoupled_weight_decay
+from dtypeplan.optimizers._flat_update import decoupled_weight_decay, is_adam
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,

@@ -21,7 +21,7 @@ import torch
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.optimizers import _update_kernel as update_kernel
 from dtypeplan.optimizers._flat_update import decoupled_weight_decay
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
