@@ -1,4 +1,4 @@
-"""The two-table int8 quantizer gives torchao's codes bit for bit (``_int8_codes.py``).
+"""The two-table int8 quantizer gives torchao's codes bit for bit (``int8_codes.py``).
 
 torchao's own ``quantize_8bit_with_qmap`` is the oracle, on the values a block scaling can
 produce: every code value and its float neighbours, every rounding step (found from torchao's
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeplan.optimizers import _int8_codes, _state_storage
+from dtypeplan.optimizers import _state_storage
+from dtypeplan.optimizers.kernels import int8_codes
 
 
 def _torchao_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -67,7 +68,7 @@ def test_codes_equal_torchao(signed: bool) -> None:
     for name, values in _cases(signed).items():
         values = values.clamp(-1.0, 1.0) if name != "special" else values
         expected = _torchao_codes(values, signed)
-        got = _int8_codes.quantize(values, tables)
+        got = int8_codes.quantize(values, tables)
         differ = expected != got
         assert not bool(differ.any()), (
             f"{name}: {int(differ.sum())} codes differ from torchao's, e.g. values "
@@ -82,7 +83,7 @@ def test_a_table_with_two_steps_in_a_bucket_is_refused() -> None:
         return (values >= 0.5001).to(torch.uint8) + (values >= 0.5002).to(torch.uint8)
 
     with pytest.raises(ValueError, match="more than one code step"):
-        _int8_codes.build_tables(crowded)
+        int8_codes.build_tables(crowded)
 
 
 def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:

@@ -1,4 +1,4 @@
-"""The rounding of fp32 updates into bf16 master weights (optimizers/_master_rounding.py)."""
+"""The rounding of fp32 updates into bf16 master weights (optimizers/kernels/rounding.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import dtypeplan
-from dtypeplan.optimizers._master_rounding import (
+from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
     kahan_store,
     round_nearest,

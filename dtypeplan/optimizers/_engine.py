@@ -51,7 +51,7 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    reads the gradients once, not twice (``ReductionScheduler.final_sq_norms``). The factor
    ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``_clip.py``): no host
    sync unless the step may be skipped (fp16, or the non-finite check), and no scaling pass,
-   since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``_flat_update.py``).
+   since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``kernels/torch_adam.py``).
    The update itself is the optimizer's update kernel's (``update_kernels/``): the first of
    its registry that serves the plan, device and optimizer class (host offload, the one-pass
    Triton AdamW on CUDA, torch's fused Adam/AdamW on fp32 or on 16-bit tensors, the
@@ -99,7 +99,6 @@ from dtypeplan.optimizers._base import (
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_state import FlatState
-from dtypeplan.optimizers._flat_update import FlatAdamUpdate
 from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import (
@@ -112,6 +111,7 @@ from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
+from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
 from dtypeplan.optimizers.update_kernels import UpdateKernel, choice_key, choose, write_params
 from dtypeplan.optimizers.update_kernels.host_offload import host_offload_for
 

@@ -24,7 +24,6 @@ from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
-from dtypeplan.optimizers._master_rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers._state_values import (
@@ -37,6 +36,7 @@ from dtypeplan.optimizers._state_values import (
     same_scalar,
     stateful_scalars,
 )
+from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 
 __all__ = ["FlatState"]
 

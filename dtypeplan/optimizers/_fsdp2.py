@@ -85,7 +85,6 @@ from dtypeplan.optimizers._base import (
     inner_optimizer,
 )
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
-from dtypeplan.optimizers._flat_update import inner_step_grads
 from dtypeplan.optimizers._fsdp2_sharding import (
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
@@ -110,6 +109,7 @@ from dtypeplan.optimizers._state_values import (
     placed_scalar,
     stateful_scalars,
 )
+from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

@@ -10,14 +10,14 @@ is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scr
    plus its compensation), the gradient piece (as it is when fp32, else upcast), and each
    moment (as it is when fp32, else upcast from bf16 or dequantized);
 2. update: torch's fused Adam/AdamW on the fp32 pieces, with ``grad_scale`` (the step's clip
-   and loss-scale factor) as in ``_flat_update.py``, so the fp32 math is torch's own, and the
+   and loss-scale factor) as in ``kernels/torch_adam.py``, so the fp32 math is torch's own, and the
    step uses the fp32 moments it computed (as torchao's optimizers do), not their stored
    rounding;
-3. store: a bf16 master rounded as ``plan.master_rounding`` says (``_master_rounding.py``),
+3. store: a bf16 master rounded as ``plan.master_rounding`` says (``kernels/rounding.py``),
    an fp32 master cast into the parameters' chunk; each moment rounded or quantized back.
 
 bf16 masters with fp32 or bf16 moments on the host skip the pieces: one pass of
-``_update_kernel.adam_one_pass`` (compiled with Inductor, or eager) reads and writes every
+``one_pass.adam_one_pass`` (compiled with Inductor, or eager) reads and writes every
 element once, with its own fp32 math (not bit-identical to torch's fused kernel; the bound is
 in that module) and hashed stochastic-rounding noise. bf16 masters rounded to nearest with bf16
 moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
@@ -60,15 +60,20 @@ import torch
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers import _state_storage as storage
-from dtypeplan.optimizers import _update_kernel as update_kernel
-from dtypeplan.optimizers._flat_update import (
+from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.kernels import one_pass as update_kernel
+from dtypeplan.optimizers.kernels.rounding import (
+    kahan_load,
+    kahan_store,
+    noise_key,
+    round_stochastic,
+)
+from dtypeplan.optimizers.kernels.torch_adam import (
     CPU_CHUNK,
     FlatAdamUpdate,
     decoupled_weight_decay,
     fused_adam_kernel,
 )
-from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store, round_stochastic
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -569,8 +574,8 @@ class LowPrecisionAdamUpdate:
                 storage.store_piece(values, slot[name], span, scratch)
 
     def one_pass(self, master: torch.Tensor, slot: dict[str, Any]) -> bool:
-        """Whether :mod:`._update_kernel`'s one-pass update serves ``master``: a 16-bit master
-        on the host, both moments fp32 or bf16. Quantized moments take the pieces of
+        """Whether the one-pass update (``kernels/one_pass.py``) serves ``master``: a 16-bit
+        master on the host, both moments fp32 or bf16. Quantized moments take the pieces of
         :meth:`bucket`, and so do fp32 masters: with bf16 moments Inductor's vectorized bf16
         conversions cost more than the pieces' fp32 scratch saves (measured 112 ms a step
         against 92 ms for 16.8 M parameters, one thread)."""
@@ -593,13 +598,14 @@ class LowPrecisionAdamUpdate:
         grad_scale: torch.Tensor,
         slot: dict[str, Any],
     ) -> None:
-        """:meth:`bucket` by :func:`._update_kernel.adam_one_pass`, a piece of ``PIECE`` at a
-        time (bounds the eager path's temporaries; the compiled one has none)."""
+        """:meth:`bucket` by :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`, a
+        piece of ``PIECE`` at a time (bounds the eager path's temporaries; the compiled one
+        has none)."""
         step = int(slot["step"].item())  # a host tensor: no device sync
         decoupled = decoupled_weight_decay(self.torch_class, group)
         hyper = update_kernel.hyperparameters(group, step, decoupled, master.device)
         number = self._numbers.get(id(master), 0)
-        key = torch.tensor(update_kernel.noise_key(self.seed, number, step), dtype=torch.int64)
+        key = torch.tensor(noise_key(self.seed, number, step), dtype=torch.int64)
         scale = grad_scale.to(device=master.device, dtype=torch.float32).reshape(())
         flat = [master.view(-1), grad.reshape(-1)]
         flat += [slot[name].view(-1) for name in MOMENTS]

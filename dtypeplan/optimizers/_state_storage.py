@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtypeplan.optimizers import _int8_codes
+from dtypeplan.optimizers.kernels import int8_codes
 from dtypeplan.resolver._memory import QUANTIZED, QUANTIZED_BLOCK
 
 __all__ = [
@@ -95,11 +95,11 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
-def _int8_tables(device: torch.device, signed: bool) -> _int8_codes.CodeTables:
-    """The two-table form of torchao's quantizer for the shared code table (``_int8_codes``)."""
+def _int8_tables(device: torch.device, signed: bool) -> int8_codes.CodeTables:
+    """The two-table form of torchao's quantizer for the shared code table (``int8_codes``)."""
     _, _, quant_utils = _torchao()
     qmap = _code_table(torch.device("cpu"), signed)
-    tables = _int8_codes.build_tables(lambda v: quant_utils.quantize_8bit_with_qmap(v, qmap))
+    tables = int8_codes.build_tables(lambda v: quant_utils.quantize_8bit_with_qmap(v, qmap))
     return tables.to(device)
 
 
@@ -330,14 +330,14 @@ def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -
 def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) -> None:
     """Quantize fp32 ``values`` (whole blocks) into ``[begin, end)`` of a quantized state: the
     codes of torchao's quantizers (what the subclass's ``copy_`` runs), int8 ones computed
-    without its search (``_int8_codes``)."""
+    without its search (``int8_codes``)."""
     subclass_8bit, subclass_fp8, quant_utils = _torchao()
     first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
     quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
     if isinstance(stored, subclass_8bit.OptimState8bit):
         scaled, scale = quant_utils.scale_tensor(values, QUANTIZED_BLOCK)
         if quantized.qmap is _code_table(quantized.qmap.device, quantized.signed):
-            codes = _int8_codes.quantize(scaled, _int8_tables(scaled.device, quantized.signed))
+            codes = int8_codes.quantize(scaled, _int8_tables(scaled.device, quantized.signed))
         else:  # a state made elsewhere with its own code table: torchao's search
             codes = quant_utils.quantize_8bit_with_qmap(scaled, quantized.qmap)
         quantized.codes[begin:end].copy_(codes)

@@ -16,9 +16,9 @@ engine builds the first that applies (``registry.py``) and stays the step's phas
     low_precision.py  16-bit masters or bf16 moments: one pass on the host, else fp32 pieces
     generic.py        any other elementwise optimizer: its own ``inner.step()``
 
-The numerical work stays in the modules the kernels call (``_flat_update.py``,
-``_low_precision_update.py``, ``_update_kernel.py``, ``_host_offload.py``,
-``_fused_adamw_triton.py``, ``_low_precision_triton.py``).
+The numerical work stays in the modules the kernels call (``kernels/torch_adam.py``,
+``_low_precision_update.py``, ``kernels/one_pass.py``, ``_host_offload.py``,
+``kernels/triton_adamw.py``, ``kernels/triton_one_pass.py``).
 """
 
 from __future__ import annotations

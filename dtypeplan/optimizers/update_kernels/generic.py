@@ -2,7 +2,7 @@
 
 The reduced gradients are set as the masters' ``.grad`` in fp32, scaled inside torch's step
 where the class takes a ``grad_scale`` (fused Adagrad, SGD, ...) and by one multiply otherwise
-(``_flat_update.inner_step_grads``). With optimizer offload they are copied to the host first.
+(``torch_adam.inner_step_grads``). With optimizer offload they are copied to the host first.
 Then every parameter chunk is written and all-gathered.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dtypeplan.optimizers._flat_update import inner_step_grads
+from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,

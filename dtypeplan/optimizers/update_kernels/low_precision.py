@@ -2,7 +2,7 @@
 
 ``LowPrecisionAdamUpdate.bucket`` (``_low_precision_update.py``) runs each bucket chunk: on the
 host, a 16-bit master with fp32 or bf16 moments takes the one-pass update
-(``_update_kernel.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
+(``kernels/one_pass.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
 torch's fused Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).
 """
 

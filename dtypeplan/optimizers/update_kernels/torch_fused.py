@@ -1,9 +1,10 @@
 """torch's fused Adam/AdamW per bucket chunk: fp32 masters and states, and the 16-bit hand-off.
 
-Both drive one update object's ``bucket`` over every bucket chunk in order (``_flat_update.py``
-for fp32 masters and states; ``_low_precision_update.py`` for the 16-bit hand-off, which gives
-bf16 master, gradient and moments rounded to nearest to torch's fused kernel as they are) and
-start each bucket's all-gather as soon as its chunk is written, while the next buckets update.
+Both drive one update object's ``bucket`` over every bucket chunk in order
+(``kernels/torch_adam.py`` for fp32 masters and states; ``_low_precision_update.py`` for the
+16-bit hand-off, which gives bf16 master, gradient and moments rounded to nearest to torch's
+fused kernel as they are) and start each bucket's all-gather as soon as its chunk is written,
+while the next buckets update.
 The low-precision and quantized kernels share this loop (:class:`BucketChunkKernel`).
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.optimizers._flat_update import FlatAdamUpdate
+from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,

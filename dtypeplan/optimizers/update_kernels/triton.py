@@ -1,7 +1,7 @@
 """The one-pass Triton AdamW on CUDA: one launch per param group, fp32 masters and states.
 
 Reads each accumulator chunk as it is (no fp32 copy), updates master and moments and writes
-the 16-bit parameters in a single pass (``_fused_adamw_triton.py``).
+the 16-bit parameters in a single pass (``kernels/triton_adamw.py``).
 ``DTYPEPLAN_FUSED_KERNEL=0`` turns it off.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from dtypeplan.optimizers._flat_update import decoupled_weight_decay, is_adam
+from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay, is_adam
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
@@ -32,7 +32,7 @@ class TritonKernel(HostStepKernel):
 
     @classmethod
     def applies(cls, engine: FlatEngine) -> bool:
-        from dtypeplan.optimizers import _fused_adamw_triton as kernel
+        from dtypeplan.optimizers.kernels import triton_adamw as kernel
 
         # Per-group settings count too: a param group may turn amsgrad on for itself.
         unsupported = any(
@@ -61,7 +61,7 @@ class TritonKernel(HostStepKernel):
         the bias corrections come from a host copy of the step counter (read once after a
         load), so nothing waits for the device.
         """
-        from dtypeplan.optimizers._fused_adamw_triton import fused_mixed_adamw_multi_
+        from dtypeplan.optimizers.kernels.triton_adamw import fused_mixed_adamw_multi_
 
         engine = self.engine
         step = self._host_step() + 1

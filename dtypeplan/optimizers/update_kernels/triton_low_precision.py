@@ -2,8 +2,8 @@
 
 bf16 masters rounded to nearest, stochastically or with Kahan compensation, with fp32 or bf16
 moments, and fp32 masters with bf16 moments: one launch per param group over all of its
-bucket chunks (``_low_precision_triton.adam_one_pass_triton_multi_``), which gives the bits
-of the host's one-pass update (``_update_kernel.adam_one_pass``, the same hashed
+bucket chunks (``triton_one_pass.adam_one_pass_triton_multi_``), which gives the bits
+of the host's one-pass update (``one_pass.adam_one_pass``, the same hashed
 stochastic-rounding noise) instead of the fp32 pieces around torch's fused kernel that
 ``low_precision.py`` runs on CUDA.
 bf16 masters rounded to nearest with bf16 moments and a bf16 accumulator stay with torch's
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.optimizers import _update_kernel as update_kernel
-from dtypeplan.optimizers._flat_update import decoupled_weight_decay
 from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.kernels import one_pass as update_kernel
+from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
@@ -52,8 +52,8 @@ class TritonLowPrecisionKernel(HostStepKernel):
 
     @classmethod
     def applies(cls, engine: FlatEngine) -> bool:
-        from dtypeplan.optimizers import _fused_adamw_triton as fp32_kernel
-        from dtypeplan.optimizers import _low_precision_triton as kernel
+        from dtypeplan.optimizers.kernels import triton_adamw as fp32_kernel
+        from dtypeplan.optimizers.kernels import triton_one_pass as kernel
 
         update = engine._low_precision
         plan = engine.plan
@@ -94,7 +94,7 @@ class TritonLowPrecisionKernel(HostStepKernel):
     ) -> None:
         """Every master chunk of a param group in one launch, from its gradient over
         ``factor[1]``; the group's all-gathers run while the next groups' launches do."""
-        from dtypeplan.optimizers import _low_precision_triton as kernel
+        from dtypeplan.optimizers.kernels import triton_one_pass as kernel
 
         engine = self.engine
         update = engine._low_precision

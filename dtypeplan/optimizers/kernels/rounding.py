@@ -14,18 +14,34 @@ survives of an update smaller than half a bf16 ulp (2**-9 relative):
   ``_fp32_to_bf16_sr`` is the same arithmetic).
 * ``kahan``: round to nearest and keep the error in a bf16 compensation buffer that is added
   back before the next update; master + compensation hold about 16 mantissa bits.
+
+Stochastic rounding has two sources of noise: :func:`round_stochastic` draws from a
+``torch.Generator`` (the fp32 pieces), :func:`round_stochastic_hashed` hashes a counter under a
+key (:func:`noise_key`; the one-pass update of ``kernels/one_pass.py`` and its Triton kernel),
+so that a resumed run draws the bits of the uninterrupted one. The arithmetic is the same.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUNDINGS", "kahan_load", "kahan_store", "round_nearest", "round_stochastic"]
+__all__ = [
+    "ROUNDINGS",
+    "kahan_load",
+    "kahan_store",
+    "noise_key",
+    "round_nearest",
+    "round_stochastic",
+    "round_stochastic_hashed",
+]
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 """The values of ``master_weights.rounding`` (``plan.master_rounding``)."""
 
 _HIGH_BITS = -0x10000  # 0xFFFF0000 as an int32: sign, exponent and bf16's 7 mantissa bits
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 in int64
+_EXPONENT = 0x7F800000
 
 
 def round_nearest(source: torch.Tensor, out: torch.Tensor) -> None:
@@ -60,6 +76,46 @@ def round_stochastic(
     # Non-finite values keep their bits: the conversion below keeps a NaN a NaN.
     bits.copy_(torch.where(finite, noise, bits))
     out.copy_(source)  # exact for finite values: their low 16 bits are zero
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 ``x`` in [0, 2**32)."""
+    x = torch.bitwise_and(torch.bitwise_xor(x, x >> 16) * _MIX, _MASK32)
+    x = torch.bitwise_and(torch.bitwise_xor(x, x >> 16) * _MIX, _MASK32)
+    return torch.bitwise_xor(x, x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    x &= _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    return (x >> 16) ^ x
+
+
+def noise_key(seed: int, master_number: int, step: int) -> int:
+    """The 32-bit key of the stochastic-rounding noise of one master at one step."""
+    return _mix32_int(_mix32_int(_mix32_int(seed) ^ master_number) + step)
+
+
+def round_stochastic_hashed(
+    values: torch.Tensor, key: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    """fp32 ``values`` rounded stochastically to bf16 precision (still fp32, low 16 bits zero;
+    unbiased: ``E[result] == values``), with the noise of counter ``offset + i`` under ``key``.
+
+    Adds 16 bits of noise to the bits bf16 drops and truncates, as :func:`round_stochastic`
+    does with a generator's bits (the noise of :func:`adam_one_pass
+    <dtypeplan.optimizers.kernels.one_pass.adam_one_pass>`). Infinities and NaNs
+    keep their bits."""
+    bits = values.view(torch.int32)
+    index = torch.arange(values.numel(), dtype=torch.int64, device=values.device) + offset
+    noise = torch.bitwise_and(_mix32(torch.bitwise_xor(index, key)), 0xFFFF).to(torch.int32)
+    # The carry out of the low 16 bits bumps the bf16 mantissa (and exponent) by one ulp.
+    rounded = torch.bitwise_and(bits + noise, _HIGH_BITS)
+    finite = torch.bitwise_and(bits, _EXPONENT) != _EXPONENT
+    # Non-finite values keep their bits (a NaN stays a NaN); finite ones have zero low bits,
+    # so converting them to bf16 is exact.
+    return torch.where(finite, rounded, bits).view(torch.float32)
 
 
 def kahan_load(master: torch.Tensor, compensation: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
-"""The one-pass update of ``_update_kernel.adam_one_pass`` as one Triton kernel (CUDA).
+"""The one-pass update of ``one_pass.adam_one_pass`` as one Triton kernel (CUDA).
 
-:func:`adam_one_pass_triton_` takes :func:`~dtypeplan.optimizers._update_kernel.adam_one_pass`'s
+:func:`adam_one_pass_triton_` takes :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`'s
 arguments and gives its bits: read the gradient (fp32, bf16 or fp16) over ``grad_scale``, the
 master (bf16 or fp32; bf16 plus its Kahan compensation), both moments (fp32 or bf16); do the
 Adam/AdamW math in fp32, operation for operation as that function writes it; round the master
@@ -28,17 +28,17 @@ How it keeps the host update's bits:
   fp32 -> bf16 cast truncates). A NaN becomes bf16's quiet NaN 0x7FC0 (torch's scalar
   conversion gives that; its vectorized one gives 0xFFFF: either is a NaN, and the tests
   compare NaNs as NaNs);
-* the stochastic-rounding noise is ``_update_kernel``'s hash: element ``i`` draws
+* the stochastic-rounding noise is ``kernels/rounding.py``'s hash: element ``i`` draws
   ``mix32((offset + i) ^ key) & 0xFFFF``. Its first xorshift runs on int64 (the counter may
   pass 2**32), after which only the low 32 bits matter: the multiplies run on uint32, which
   wrap in CUDA and in the interpreter as eager's int64 product masked to 32 bits does.
 
 :func:`adam_one_pass_triton_` updates one chunk; :func:`adam_one_pass_triton_multi_` a param
 group's bucket chunks in one launch, through a pointer table and a tile table as
-``_fused_adamw_triton.fused_mixed_adamw_multi_`` does (uploaded once per layout), each chunk's
+``triton_adamw.fused_mixed_adamw_multi_`` does (uploaded once per layout), each chunk's
 noise key computed in the kernel from a per-master base and the step (the table stays the
 same from step to step). ``BLOCK`` elements per program; offsets are int64. Triton is imported
-guarded (``_fused_adamw_triton.triton``): this module imports without it and the call raises.
+guarded (``triton_adamw.triton``): this module imports without it and the call raises.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from dtypeplan.optimizers import _fused_adamw_triton as fp32_kernel
-from dtypeplan.optimizers import _update_kernel as update_kernel
+from dtypeplan.optimizers.kernels import rounding
+from dtypeplan.optimizers.kernels import triton_adamw as fp32_kernel
 
 __all__ = [
     "ROUNDINGS",
@@ -73,7 +73,7 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 try:  # guarded: the module must import on machines without triton
     import triton
     import triton.language as tl
-except Exception:  # any failure to import means "no triton" (_fused_adamw_triton says why)
+except Exception:  # any failure to import means "no triton" (triton_adamw says why)
     triton = None
     tl = None
 
@@ -96,9 +96,9 @@ def supports(
 
 
 def noise_key_base(seed: int, master_number: int) -> int:
-    """What :func:`~dtypeplan.optimizers._update_kernel.noise_key` hashes the step with:
+    """What :func:`~dtypeplan.optimizers.kernels.rounding.noise_key` hashes the step with:
     ``noise_key(seed, number, step) == mix32((base + step) mod 2**32)``."""
-    return update_kernel._mix32_int(update_kernel._mix32_int(seed) ^ master_number)
+    return rounding._mix32_int(rounding._mix32_int(seed) ^ master_number)
 
 
 def bytes_per_param(
@@ -177,7 +177,7 @@ if triton is not None:
     ):
         """The update of elements ``offs`` (int64) of one chunk; the noise counter of
         element ``offs`` is ``offset + offs`` under ``key``."""
-        # The scalars, in _update_kernel's order: beta1, 1 - beta1, beta2, 1 - beta2, eps,
+        # The scalars, in one_pass's order: beta1, 1 - beta1, beta2, 1 - beta2, eps,
         # decay, step size, sqrt(bias correction 2).
         beta1 = tl.load(hyper_ptr + 0)
         one_minus_beta1 = tl.load(hyper_ptr + 1)
@@ -207,7 +207,7 @@ if triton is not None:
 
         if MASTER_BF16:
             if ROUNDING == 1:
-                # The noise of counter offset + i under key: _update_kernel._mix32. Past the
+                # The noise of counter offset + i under key: rounding._mix32. Past the
                 # first xorshift only the low 32 bits reach the result.
                 x = (offs + offset) ^ key
                 h = ((x ^ (x >> 16)) & 0xFFFFFFFF).to(tl.uint32)
@@ -274,7 +274,7 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        """_update_kernel._mix32 on an int64 value in [0, 2**32)."""
+        """rounding._mix32 on an int64 value in [0, 2**32)."""
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         return x ^ (x >> 16)
@@ -423,7 +423,7 @@ def _scalars(
     hyper: torch.Tensor, grad_scale: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if hyper.dtype != torch.float32 or hyper.numel() != 8 or grad_scale.numel() != 1:
-        raise ValueError("hyper must be _update_kernel.hyperparameters(); grad_scale one value")
+        raise ValueError("hyper must be one_pass.hyperparameters(); grad_scale one value")
     return hyper.to(device), grad_scale.reshape(()).to(device=device, dtype=torch.float32)
 
 
@@ -445,7 +445,7 @@ def adam_one_pass_triton_(
     block_size: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> None:
-    """:func:`~dtypeplan.optimizers._update_kernel.adam_one_pass` as one Triton launch, on
+    """:func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass` as one Triton launch, on
     flat contiguous tensors of one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
 
     ``key`` and ``offset`` are host integers here (``noise_key``; the index of ``master[0]``
@@ -500,7 +500,7 @@ def adam_one_pass_triton_multi_(
     """:func:`adam_one_pass_triton_` over many chunks (a param group's bucket chunks) with
     shared scalars, in one launch: each chunk's noise key is ``noise_key(seed, number, step)``
     with ``key_bases[i] = noise_key_base(seed, number)``, its counter starts at 0. The chunks
-    share their dtypes; a pointer table and a tile table (``_fused_adamw_triton``'s design:
+    share their dtypes; a pointer table and a tile table (``triton_adamw``'s design:
     a tile never straddles two chunks) are uploaded once per layout."""
     count = len(masters)
     lists = (grads, exp_avgs, exp_avg_sqs, compensations, params, key_bases)

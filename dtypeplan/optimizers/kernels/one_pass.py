@@ -33,7 +33,7 @@ torch keep their tolerances. This path serves bf16 masters only (``LowPrecisionA
 for fp32 masters with bf16 moments Inductor's bf16 conversions made it slower than the pieces.
 
 Stochastic rounding adds 16 bits of noise to the bits bf16 drops and truncates (unbiased, as
-``_master_rounding.round_stochastic``), but the bits come from a counter-based hash, not a
+``kernels/rounding.py``'s ``round_stochastic``), but the bits come from a counter-based hash, not a
 ``torch.Generator``: the noise of element ``i`` of master number ``k`` at step ``t`` is a hash
 of ``(seed + shard rank, k, t, i)``. The same run gives the same bits, the compiled and eager
 paths give the same bits, and since the step count is checkpointed, a resumed run draws the
@@ -51,39 +51,14 @@ from typing import Any
 import torch
 
 from dtypeplan import _update_path as update_path
+from dtypeplan.optimizers.kernels.rounding import round_stochastic_hashed
 
 __all__ = [
     "OnePassUpdate",
     "adam_one_pass",
     "compile_options",
     "hyperparameters",
-    "noise_key",
-    "round_stochastic",
 ]
-
-_MASK32 = 0xFFFFFFFF
-_MIX = 0x45D9F3B  # < 2**27: a 32-bit value times it stays below 2**59 in int64
-_HIGH_BITS = -0x10000  # 0xFFFF0000 as an int32: sign, exponent and bf16's 7 mantissa bits
-_EXPONENT = 0x7F800000
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 ``x`` in [0, 2**32)."""
-    x = torch.bitwise_and(torch.bitwise_xor(x, x >> 16) * _MIX, _MASK32)
-    x = torch.bitwise_and(torch.bitwise_xor(x, x >> 16) * _MIX, _MASK32)
-    return torch.bitwise_xor(x, x >> 16)
-
-
-def _mix32_int(x: int) -> int:
-    x &= _MASK32
-    x = (((x >> 16) ^ x) * _MIX) & _MASK32
-    x = (((x >> 16) ^ x) * _MIX) & _MASK32
-    return (x >> 16) ^ x
-
-
-def noise_key(seed: int, master_number: int, step: int) -> int:
-    """The 32-bit key of the stochastic-rounding noise of one master at one step."""
-    return _mix32_int(_mix32_int(_mix32_int(seed) ^ master_number) + step)
 
 
 # Indices of the scalars in the fp32 tensor ``hyper`` (see :func:`hyperparameters`).
@@ -126,8 +101,9 @@ def adam_one_pass(
     """One Adam/AdamW step of flat ``master`` (fp32 or bf16) from ``grad / grad_scale``, in
     place: the moments (fp32 or bf16) and, for ``rounding == "kahan"``, ``compensation``;
     ``param`` (or None) gets the new fp32 master's value in its dtype. ``hyper``: from
-    :func:`hyperparameters`; ``key`` (int64, 0-d): :func:`noise_key`; ``offset`` (int64, 0-d):
-    the index of ``master[0]`` in its whole master (the noise counter)."""
+    :func:`hyperparameters`; ``key`` (int64, 0-d): ``kernels/rounding.py``'s :func:`noise_key
+    <dtypeplan.optimizers.kernels.rounding.noise_key>`; ``offset`` (int64, 0-d): the index of
+    ``master[0]`` in its whole master (the noise counter)."""
     g = grad.float() / grad_scale
     w = master.float()
     if compensation is not None:
@@ -149,7 +125,7 @@ def adam_one_pass(
             param.copy_(w)
         return
     if rounding == "stochastic":
-        master.copy_(round_stochastic(w, key, offset))
+        master.copy_(round_stochastic_hashed(w, key, offset))
     elif rounding == "kahan":
         rounded = w.to(master.dtype)
         assert compensation is not None
@@ -157,24 +133,6 @@ def adam_one_pass(
         master.copy_(rounded)
     else:
         master.copy_(w)
-
-
-def round_stochastic(values: torch.Tensor, key: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """fp32 ``values`` rounded stochastically to bf16 precision (still fp32, low 16 bits zero;
-    unbiased: ``E[result] == values``), with the noise of counter ``offset + i`` under ``key``.
-
-    Adds 16 bits of noise to the bits bf16 drops and truncates, as
-    ``_master_rounding.round_stochastic`` does with a generator's bits. Infinities and NaNs
-    keep their bits."""
-    bits = values.view(torch.int32)
-    index = torch.arange(values.numel(), dtype=torch.int64, device=values.device) + offset
-    noise = torch.bitwise_and(_mix32(torch.bitwise_xor(index, key)), 0xFFFF).to(torch.int32)
-    # The carry out of the low 16 bits bumps the bf16 mantissa (and exponent) by one ulp.
-    rounded = torch.bitwise_and(bits + noise, _HIGH_BITS)
-    finite = torch.bitwise_and(bits, _EXPONENT) != _EXPONENT
-    # Non-finite values keep their bits (a NaN stays a NaN); finite ones have zero low bits,
-    # so converting them to bf16 is exact.
-    return torch.where(finite, rounded, bits).view(torch.float32)
 
 
 _COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
