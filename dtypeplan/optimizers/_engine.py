@@ -1,6 +1,6 @@
 """The flat-buffer mixed-precision optimizer behind ZeRO stages 0, 1 and 2.
 
-Design (one param group shown; every group has its own flat buffer, see ``_layout.py``)::
+Design (one param group shown; every group has its own flat buffer, see ``buffers/layout.py``)::
 
     model params (param dtype)  = views into FlatGroup.buffer
     accumulator (accum dtype)   whole:   one tensor laid out like the buffer
@@ -11,7 +11,7 @@ Design (one param group shown; every group has its own flat buffer, see ``_layou
     optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
                                 (bf16 with ``bf16_optimizer_states``)
     with offload_optimizer cpu  masters and states in host memory; the update runs there, a
-                                bucket chunk at a time, between copies (``_host_offload.py``)
+                                bucket chunk at a time, between copies (``buffers/host_offload.py``)
 
 Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the rest is
 ``step()``'s, one method each):
@@ -99,8 +99,6 @@ from dtypeplan.optimizers._base import (
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_state import FlatState
-from dtypeplan.optimizers._group_state import GroupState
-from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._low_precision_update import (
     LowPrecisionAdamUpdate,
     held_compensations,
@@ -111,6 +109,8 @@ from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._owned_gradient import is_owned_gradient
 from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
+from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.buffers.layout import FlatGroup
 from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
 from dtypeplan.optimizers.update_kernels import UpdateKernel, choice_key, choose, write_params
 from dtypeplan.optimizers.update_kernels.host_offload import host_offload_for

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
@@ -36,6 +35,7 @@ from dtypeplan.optimizers._state_values import (
     same_scalar,
     stateful_scalars,
 )
+from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 
 __all__ = ["FlatState"]

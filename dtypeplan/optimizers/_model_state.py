@@ -1,7 +1,7 @@
 """``model.state_dict()`` of a model whose parameters are views into the optimizer's flat buffer.
 
 At ZeRO 0-2 ``build`` makes every trainable parameter a view into one flat buffer per param
-group (``_layout.py``). ``model.state_dict()`` hands those views out as they are, and tools
+group (``buffers/layout.py``). ``model.state_dict()`` hands those views out as they are, and tools
 that save by storage take them for one shared tensor: ``safetensors.torch.save_model`` refuses
 ("None is covering the entire storage"), and Accelerate's ``save_state`` keeps one name per
 storage and drops the others (1 of 28 tensors of a small GPT-2), silently.

@@ -62,9 +62,9 @@ from dtypeplan.comm._levels import AcrossGroups
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import chunk_sq_norms
 from dtypeplan.optimizers._ddp import cooperate_with_ddp
-from dtypeplan.optimizers._group_state import GroupState
 from dtypeplan.optimizers._owned_gradient import OwnedGradient
 from dtypeplan.optimizers._ownership import HookSet
+from dtypeplan.optimizers.buffers.group_state import GroupState
 
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
 

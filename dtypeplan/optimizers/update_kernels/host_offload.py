@@ -1,6 +1,6 @@
 """Optimizer offload: Adam/AdamW on the host, a bucket chunk at a time, between copies.
 
-The pipeline of copies and waits is ``_host_offload.py``'s; this kernel gives it the update
+The pipeline of copies and waits is ``buffers/host_offload.py``'s; this kernel gives it the update
 (torch's fused CPU Adam/AdamW on each fp32 master chunk as its gradient arrives, through
 ``FlatAdamUpdate.bucket``) and starts each bucket's all-gather once its parameters are on their
 way back. Other optimizers on offloaded masters step through ``generic.py``. The engine brings
@@ -16,8 +16,8 @@ import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
-from dtypeplan.optimizers._group_state import GroupState
-from dtypeplan.optimizers._host_offload import HostOffload, OffloadedChunk
+from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.buffers.host_offload import HostOffload, OffloadedChunk
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,
@@ -69,7 +69,7 @@ class HostOffloadKernel(UpdateKernel):
     def update(
         self, grads: GradsByGroup, factor: tuple[torch.Tensor, torch.Tensor], gather: Gather | None
     ) -> None:
-        """The update on the host (``_host_offload.py``); ``factor`` is already there.
+        """The update on the host (``buffers/host_offload.py``); ``factor`` is already there.
 
         Each bucket chunk steps with torch's fused CPU kernel as its gradient arrives (the next
         chunk's copy runs meanwhile), and each chunk's parameters go back and are all-gathered

@@ -1,22 +1,22 @@
 """The tensors of one param group in the flat engine: buffer, accumulator and master chunks.
 
-Built once per param group from its :class:`FlatGroup` (see ``_layout.py`` for the layout)::
+Built once per param group from its :class:`FlatGroup` (see ``buffers/layout.py`` for the layout)::
 
     flat.buffer        the parameters, in the parameter dtype (they are views of it)
     accumulator        whole:   laid out like the buffer, with one view per parameter
                        sharded: this rank's chunk of every bucket, concatenated
     masters            one per bucket: this rank's chunk, fp32; views of the buffer itself
                        when the parameters are fp32, or bf16 with bf16 master weights; in
-                       host memory with optimizer offload (``_host_offload.py``), never views
+                       host memory with optimizer offload (``buffers/host_offload.py``), never views
 """
 
 from __future__ import annotations
 
 import torch
 
-from dtypeplan.optimizers._host_offload import HostOffload
-from dtypeplan.optimizers._layout import FlatGroup
 from dtypeplan.optimizers._state_values import ShardPiece
+from dtypeplan.optimizers.buffers.host_offload import HostOffload
+from dtypeplan.optimizers.buffers.layout import FlatGroup
 
 __all__ = ["GroupState"]
 
