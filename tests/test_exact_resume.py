@@ -30,7 +30,7 @@ from dtypeplan import checkpoint
 from dtypeplan.errors import RankMismatchError
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 from tests.workers import exact_resume as cases
 
 

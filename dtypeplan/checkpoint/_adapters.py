@@ -26,13 +26,13 @@ import torch
 
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.checkpoint._planners import Flat
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
-from dtypeplan.optimizers._state_storage import QUANTIZED
-from dtypeplan.optimizers._state_values import ShardPiece
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.state.storage import QUANTIZED
+from dtypeplan.optimizers.state.values import ShardPiece
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._state_values import ShardPiece
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.values import ShardPiece
 
 __all__ = ["export_model_state"]
 

@@ -17,8 +17,8 @@ import torch
 
 from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, PARAM_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.state import keys
 
 __all__ = [
     "FORMAT",

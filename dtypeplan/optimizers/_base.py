@@ -5,7 +5,7 @@ calls only, which is what lets every ZeRO stage run under a pipeline schedule (D
 ``'DeepSpeedZeroOptimizer' object has no attribute 'clear_lp_grads'`` was one implementation
 missing one of them). The state half of the contract (``state_dict``, the scalar states) is
 ``_optimizer_state.py``'s, the checking of the given param groups ``_param_groups.py``'s, and
-the tensors held for ``plan.memory()`` ``_held_tensors.py``'s.
+the tensors held for ``plan.memory()`` ``state/held.py``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
-from dtypeplan.optimizers._held_tensors import HeldTensors
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._model_state import give_parameters_own_storage
@@ -32,6 +31,7 @@ from dtypeplan.optimizers._optimizer_state import OptimizerState
 from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers._param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
 from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, restore_cast_values
+from dtypeplan.optimizers.state.held import HeldTensors
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

@@ -7,7 +7,7 @@ Design (one param group shown; every group has its own flat buffer, see ``buffer
                                 sharded: this rank's chunks only, laid out like its shard
     master weights (fp32)       this rank's chunk of every bucket (all chunks at stage 0);
                                 for fp32 parameters they are views of the buffer itself, and
-                                so are bf16 master weights (``_low_precision_update.py``)
+                                so are bf16 master weights (``state/low_precision.py``)
     optimizer states (fp32)     kept by a fused ``torch.optim`` instance over the master chunks
                                 (bf16 with ``bf16_optimizer_states``)
     with offload_optimizer cpu  masters and states in host memory; the update runs there, a
@@ -99,11 +99,6 @@ from dtypeplan.optimizers._base import (
 from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_state import FlatState
-from dtypeplan.optimizers._low_precision_update import (
-    LowPrecisionAdamUpdate,
-    held_compensations,
-    held_states,
-)
 from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
@@ -112,6 +107,11 @@ from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.buffers.layout import FlatGroup
 from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
+from dtypeplan.optimizers.state.low_precision import (
+    LowPrecisionAdamUpdate,
+    held_compensations,
+    held_states,
+)
 from dtypeplan.optimizers.update_kernels import UpdateKernel, choice_key, choose, write_params
 from dtypeplan.optimizers.update_kernels.host_offload import host_offload_for
 

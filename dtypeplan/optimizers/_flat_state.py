@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
 from dtypeplan.optimizers._own_histories import OwnHistories
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
-from dtypeplan.optimizers._state_values import (
+from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
+from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
+from dtypeplan.optimizers.state.values import (
     ShardPiece,
     element_state_names,
     is_element_state,
@@ -35,8 +37,6 @@ from dtypeplan.optimizers._state_values import (
     same_scalar,
     stateful_scalars,
 )
-from dtypeplan.optimizers.buffers.group_state import GroupState
-from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 
 __all__ = ["FlatState"]
 

@@ -6,7 +6,7 @@ owns the precision plan around it::
     sharded parameters (fp32)   this rank's shard of every parameter, a DTensor. These are
                                 the master weights: nothing else holds an fp32 copy. With
                                 bf16 master weights they are bf16, updated in fp32 and
-                                rounded back (``_low_precision_update.py``: to nearest,
+                                rounded back (``state/low_precision.py``: to nearest,
                                 stochastically, or with a Kahan compensation per shard)
     compute parameters          gathered in the parameter dtype (MixedPrecisionPolicy.param_dtype)
                                 before each forward and backward, released after
@@ -27,7 +27,7 @@ owns the precision plan around it::
                                 accumulator of the accumulation dtype: no extra rounding
     optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters;
                                 with ``optimizer_states`` other than fp32, or bf16 masters,
-                                ``_low_precision_update.py`` keeps each moment of a local shard
+                                ``state/low_precision.py`` keeps each moment of a local shard
                                 in its dtype (bf16, or torchao's int8 / fp8 blocks over the
                                 flattened shard padded to whole blocks) and computes in fp32
 
@@ -76,7 +76,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._base import (
     HeldTensors,
     MixedPrecisionOptimizer,
@@ -92,15 +91,17 @@ from dtypeplan.optimizers._fsdp2_sharding import (
     hybrid_layout,
     shard_model,
 )
-from dtypeplan.optimizers._low_precision_update import (
+from dtypeplan.optimizers._owned_gradient import is_owned_gradient, owned_sharded_gradient
+from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
+from dtypeplan.optimizers.state.low_precision import (
     LowPrecisionAdamUpdate,
     held_compensations,
     held_states,
 )
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient, owned_sharded_gradient
-from dtypeplan.optimizers._registry import register
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
-from dtypeplan.optimizers._state_values import (
+from dtypeplan.optimizers.state.values import (
     ShardPiece,
     element_state_names,
     is_element_state,
@@ -109,7 +110,6 @@ from dtypeplan.optimizers._state_values import (
     placed_scalar,
     stateful_scalars,
 )
-from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

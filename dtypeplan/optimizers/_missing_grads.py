@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-from dtypeplan.optimizers._state_values import is_element_state
 from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.state.values import is_element_state
 
 __all__ = ["keep_untouched"]
 

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 
 __all__ = ["ModelSync"]
 

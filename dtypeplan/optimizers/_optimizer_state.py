@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers import _state_keys as keys
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
 from dtypeplan.optimizers._loss_scaler import LossScaler
-from dtypeplan.optimizers._state_values import (
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.values import (
     is_scalar_state,
     placed_scalar,
     same_scalars,
@@ -30,7 +30,7 @@ from dtypeplan.optimizers._state_values import (
 )
 
 if TYPE_CHECKING:
-    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
+    from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
 
 __all__ = ["OptimizerState"]
 
@@ -374,7 +374,7 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
         """Layout-free state for resharding checkpoints.
 
-        Keys (built by ``_state_keys.py``): ``"param.{i}.{name}"`` with full-shape fp32
+        Keys (built by ``state/keys.py``): ``"param.{i}.{name}"`` with full-shape fp32
         tensors for the master weights (``name`` = ``master``) and each optimizer state of
         parameter ``i`` of :meth:`trainable_parameters`, plus scalars under
         ``"scalar.{name}"``. Every rank returns the same dict; the call is collective.

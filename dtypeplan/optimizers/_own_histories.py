@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
-from dtypeplan.optimizers._state_values import is_element_state, is_scalar_state
 from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
+from dtypeplan.optimizers.state.values import is_element_state, is_scalar_state
 
 __all__ = ["OwnHistories", "PendingPieces"]
 

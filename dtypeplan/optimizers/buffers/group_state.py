@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from dtypeplan.optimizers._state_values import ShardPiece
 from dtypeplan.optimizers.buffers.host_offload import HostOffload
 from dtypeplan.optimizers.buffers.layout import FlatGroup
+from dtypeplan.optimizers.state.values import ShardPiece
 
 __all__ = ["GroupState"]
 
@@ -83,7 +83,7 @@ class GroupState:
     def master_segments(self) -> list[list[int]]:
         """Per master chunk, the lengths of its segments in order: each parameter piece it
         holds, and each stretch of bucket padding between or after them (block layout of
-        quantized states, ``_state_storage.BlockLayout``)."""
+        quantized states, ``storage.BlockLayout``)."""
         held: list[list[tuple[int, int]]] = [[] for _ in self.flat.buckets]
         for _, begin, end, number, offset in self._pieces():
             held[number].append((offset, end - begin))

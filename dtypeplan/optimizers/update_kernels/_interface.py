@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
     from dtypeplan.optimizers.buffers.group_state import GroupState
     from dtypeplan.optimizers.buffers.host_offload import HostOffload
     from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
+    from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [

@@ -1,6 +1,6 @@
 """16-bit master weights or bf16 moments: the update in fp32, the results rounded back.
 
-``LowPrecisionAdamUpdate.bucket`` (``_low_precision_update.py``) runs each bucket chunk: on the
+``LowPrecisionAdamUpdate.bucket`` (``state/low_precision.py``) runs each bucket chunk: on the
 host, a 16-bit master with fp32 or bf16 moments takes the one-pass update
 (``kernels/one_pass.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
 torch's fused Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).

@@ -1,7 +1,7 @@
 """int8 or fp8 moments (torchao's blockwise codes): dequantize, update in fp32, quantize back.
 
-``LowPrecisionAdamUpdate.bucket`` (``_low_precision_update.py``) goes over each bucket chunk in
-pieces of whole blocks (``_state_storage.py``): each moment's piece is dequantized into fp32
+``LowPrecisionAdamUpdate.bucket`` (``state/low_precision.py``) goes over each bucket chunk in
+pieces of whole blocks (``state/storage.py``): each moment's piece is dequantized into fp32
 scratch, updated by torch's fused Adam/AdamW with the master (rounded back where 16-bit), and
 quantized into its blocks again.
 """

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.update_kernels._interface import (
     FlatEngine,
     Gather,

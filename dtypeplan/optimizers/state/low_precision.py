@@ -3,7 +3,7 @@
 With ``master_weights.dtype: bf16`` the bf16 parameters are the masters: a master chunk is a
 view of the parameter buffer, so no fp32 copy exists (4 bytes per parameter saved). With
 ``optimizer_states`` other than fp32, each moment is stored as its dtype says
-(``_state_storage.py``: bf16, or torchao's int8 / fp8 blockwise codes). Either way the update
+(``state/storage.py``: bf16, or torchao's int8 / fp8 blockwise codes). Either way the update
 is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scratch:
 
 1. load: the master piece (fp32 masters: the chunk itself; bf16: upcast, with Kahan rounding
@@ -26,7 +26,7 @@ A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard 
 parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
 ``inner.state[master]``. Quantized moments are torchao tensors over the master's
-:class:`~dtypeplan.optimizers._state_storage.BlockLayout`: each parameter piece of a flat chunk
+:class:`~dtypeplan.optimizers.state.storage.BlockLayout`: each parameter piece of a flat chunk
 (and each stretch of bucket padding) starts on a block boundary and is padded to whole blocks,
 so no block holds values of two parameters and a small parameter's moments keep their own
 absmax (a ZeRO-3 local shard is one segment). The update goes over the master in pieces of
@@ -59,8 +59,6 @@ import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
-from dtypeplan.optimizers import _state_storage as storage
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
@@ -74,6 +72,8 @@ from dtypeplan.optimizers.kernels.torch_adam import (
     decoupled_weight_decay,
     fused_adam_kernel,
 )
+from dtypeplan.optimizers.state import storage
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

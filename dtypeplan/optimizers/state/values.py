@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._state_keys import KAHAN_COMPENSATION
+from dtypeplan.optimizers.state import keys
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 
 __all__ = [
     "ShardPiece",
