@@ -23,14 +23,14 @@ from torch import nn
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._clip import NormProbe, device_gradient_factor
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
-from dtypeplan.optimizers._loss_scaler import LossScaler
 from dtypeplan.optimizers._model_state import give_parameters_own_storage
 from dtypeplan.optimizers._optimizer_state import OptimizerState
-from dtypeplan.optimizers._ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers._param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
 from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, restore_cast_values
+from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
+from dtypeplan.optimizers.grads.loss_scaler import LossScaler
+from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers.state.held import HeldTensors
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class MixedPrecisionOptimizer(OptimizerState):
     What the base class owns for every implementation, as ``torch.optim`` users expect:
     refusing a parameter listed twice and ``add_param_group`` after build; the hooks' lifetime
     (:attr:`hooks`, :meth:`close`, replacing the previous owner of the parameters:
-    ``_ownership.py``); the rank check and the first rank's weights on every rank;
+    ``grads/ownership.py``); the rank check and the first rank's weights on every rank;
     :attr:`last_step_skipped`; :meth:`clip_grad_norm_`; and ``torch.optim``'s state dict
     layout (``_optimizer_state.py``). A subclass registers its gradient hooks in :attr:`hooks`
     (holding itself weakly), calls :meth:`_take_ownership` at the end of its ``__init__`` and

@@ -13,7 +13,7 @@ Design (one param group shown; every group has its own flat buffer, see ``buffer
     with offload_optimizer cpu  masters and states in host memory; the update runs there, a
                                 bucket chunk at a time, between copies (``buffers/host_offload.py``)
 
-Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the rest is
+Phases of one step (the backward phase is ``grads/reduction.py``'s, the rest is
 ``step()``'s, one method each):
 
 1. backward, per micro-batch. A ``post_accumulate_grad`` hook on every parameter consumes
@@ -38,7 +38,7 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    accumulator (copied onto an empty one; a sharded accumulator refuses it: every rank would
    have to learn of it). One small all-reduce carries the step's facts: the squared norm and
    which parameters got a gradient on any rank (the others are not updated, as in
-   ``torch.optim``; ``_missing_grads.py``).
+   ``torch.optim``; ``grads/missing.py``).
    The accumulator is reduced over the group in the
    communication dtype (stage 0: all-reduce; stage 1 whole: reduce-scatter; sharded: already
    done). A whole accumulator starts that reduction earlier, bucket by bucket inside the last
@@ -49,7 +49,7 @@ Phases of one step (the backward phase is ``_reduction_scheduler.py``'s, the res
    means some rank overflowed). A backward that knows it is the boundary takes the squared norm
    of each chunk it finishes reducing right then, while the chunk is in cache, so the step
    reads the gradients once, not twice (``ReductionScheduler.final_sq_norms``). The factor
-   ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``_clip.py``): no host
+   ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``grads/factor.py``): no host
    sync unless the step may be skipped (fp16, or the non-finite check), and no scaling pass,
    since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``kernels/torch_adam.py``).
    The update itself is the optimizer's update kernel's (``update_kernels/``): the first of
@@ -96,16 +96,16 @@ from dtypeplan.optimizers._base import (
     constructor_arguments,
     inner_optimizer,
 )
-from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
-from dtypeplan.optimizers._ddp import wrappers_of
 from dtypeplan.optimizers._flat_state import FlatState
-from dtypeplan.optimizers._missing_grads import keep_untouched
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient
-from dtypeplan.optimizers._reduction_scheduler import ReductionScheduler
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.buffers.layout import FlatGroup
+from dtypeplan.optimizers.grads.ddp import wrappers_of
+from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
+from dtypeplan.optimizers.grads.missing import keep_untouched
+from dtypeplan.optimizers.grads.owned import is_owned_gradient
+from dtypeplan.optimizers.grads.reduction import ReductionScheduler
 from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
 from dtypeplan.optimizers.state.low_precision import (
     LowPrecisionAdamUpdate,
@@ -318,7 +318,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
                     self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
 
     def _drop_ddp_grads(self) -> None:
-        """Drop the ``.grad`` a DDP wrapper wrote at the end of backward (``_ddp.py``): the
+        """Drop the ``.grad`` a DDP wrapper wrote at the end of backward (``grads/ddp.py``): the
         zeros of a bucket that went nowhere. ``zero_grad(set_to_none=False)``'s zeros that
         nothing wrote into stay (a gradient of zero, as without DDP)."""
         zeros = {

@@ -19,7 +19,7 @@ owns the precision plan around it::
                                 accumulator and frees ``.grad``, so the sum is rounded to the
                                 accumulation dtype at every micro-batch, as the plan says.
                                 ``.grad`` then holds a storage-less placeholder on which torch's
-                                ``clip_grad_norm_`` raises (``_owned_gradient.py``)
+                                ``clip_grad_norm_`` raises (``grads/owned.py``)
                                 bf16 masters: FSDP2 casts each reduced shard to the sharded
                                 parameters' dtype (bf16); the hook instead reads the
                                 reduce-scatter's output as it came off the wire (kept by
@@ -83,7 +83,6 @@ from dtypeplan.optimizers._base import (
     bare_backward_refusal,
     inner_optimizer,
 )
-from dtypeplan.optimizers._clip import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers._fsdp2_sharding import (
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
@@ -91,8 +90,9 @@ from dtypeplan.optimizers._fsdp2_sharding import (
     hybrid_layout,
     shard_model,
 )
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
+from dtypeplan.optimizers.grads.owned import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION

@@ -35,9 +35,9 @@ from dtypeplan.comm._groups import HybridGroups, hybrid_groups
 from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.optimizers._base import WrapPolicy, make_replicas_equal
-from dtypeplan.optimizers._ownership import ParamWeakMap
 from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._shard_units import choose_units, uncovered_parameters
+from dtypeplan.optimizers.grads.ownership import ParamWeakMap
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -212,7 +212,7 @@ there may the optimizer leave an :class:`OwnedGradient` placeholder in ``.grad``
 
 def clear_owned_before_reduce(module: torch.nn.Module) -> None:
     """Before each reduce-scatter of ``module``'s FSDP2 unit, drop the ``OwnedGradient``
-    placeholders (``_owned_gradient.py``) of the unit's parameters.
+    placeholders (``grads/owned.py``) of the unit's parameters.
 
     FSDP2 adds a new reduced shard into a sharded ``.grad`` it finds (``grad += new``), which
     on a placeholder would raise; the optimizer holds the earlier sums in its accumulator, so
@@ -243,7 +243,7 @@ def clear_owned_before_reduce(module: torch.nn.Module) -> None:
 def _clearing(group: Any, post_backward: Any) -> Any:
     """``post_backward`` run after clearing the group's placeholders, when it will reduce
     (without gradient sync FSDP2 keeps unsharded sums and leaves ``.grad`` alone)."""
-    from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+    from dtypeplan.optimizers.grads.owned import is_owned_gradient
 
     def run(*args: Any) -> Any:
         if getattr(group, "reduce_grads", True):

@@ -26,7 +26,7 @@ identity).
 Reading the sums never waits for the device: on the CPU they are there when the all-reduce
 returns, and the step raises before its update, on every rank alike (every rank reads the same
 sums). On an accelerator they are copied to pinned host memory after an event and checked when
-the copy has completed (a later step), as the non-finite norm is (``_clip.NormProbe``): the
+the copy has completed (a later step), as the non-finite norm is (``factor.NormProbe``): the
 error then comes a step or so late, and a rank that is still inside a collective when its peer
 raises fails with the collective's timeout; a checkpoint save or ``state_dict()`` checks what
 is still pending first. A tensor-valued hyperparameter (``lr`` as a

@@ -18,7 +18,7 @@ import torch
 
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
-from dtypeplan.optimizers._loss_scaler import LossScaler
+from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.values import (
     is_scalar_state,

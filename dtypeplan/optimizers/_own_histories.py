@@ -9,7 +9,7 @@ which is that lifecycle only while every parameter of the chunk steps together.
 So a parameter's piece leaves its chunk's history the first time the chunk steps without it:
 it keeps the chunk's scalar states as they were (or none, where the chunk had no state yet, as
 a parameter that never had a gradient has none in torch). From then on the chunk's update
-leaves the piece as it was (``_missing_grads.keep_untouched``), and the piece is stepped on its
+leaves the piece as it was (``missing.keep_untouched``), and the piece is stepped on its
 own, by a ``torch.optim`` instance of the same class and arguments over views of its master
 and of the chunk's per-element states: torch itself creates the state at the piece's first
 gradient and counts its steps. Its per-element states stay in the chunk's tensors, where

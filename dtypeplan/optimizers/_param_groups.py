@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers._ownership import user_stacklevel
+from dtypeplan.optimizers.grads.ownership import user_stacklevel
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

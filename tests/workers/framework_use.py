@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import dtypeplan
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+from dtypeplan.optimizers.grads.owned import is_owned_gradient
 from tests._helpers import make_batch, make_model, mse
 
 BULK = 64

@@ -36,16 +36,16 @@ are the same bits either way (the same fused kernel on the same fp32 values, the
 Tests set ``staged`` to run the accelerator's pipeline (slots, copies, waits) on a CPU-only
 machine.
 
-Waits for the device, each counted in :attr:`HostOffload.device_waits` (the staged pipeline
-counts them on the CPU as well, where the "device" is the host and nothing is in flight). Per
-staged step, with ``C`` bucket chunks: ``C`` for the gradient copies (the host cannot update a
-gradient still on its way); ``max(C - 2, 0)`` for parameter slots written again (16-bit
-parameters only); one for the step's gradient factor (clip / (loss scale * divisor)), which the
-host-side update divides by; and one after the last upload, so that the host may write the
-masters again as soon as the step returns (a checkpoint load, a model change picked up) without
-racing a copy that still reads them. Nothing else waits: the gradient norm, the non-finite check
-and the clip factor are still computed once, on the device, over the whole group (``_clip.py``),
-as without offload. Unstaged, only the factor's wait is counted (it is satisfied at once).
+Waits for the device, each counted in :attr:`HostOffload.device_waits` (the staged pipeline counts
+them on the CPU as well, where the "device" is the host and nothing is in flight). Per staged step,
+with ``C`` bucket chunks: ``C`` for the gradient copies (the host cannot update a gradient still on
+its way); ``max(C - 2, 0)`` for parameter slots written again (16-bit parameters only); one for the
+step's gradient factor (clip / (loss scale * divisor)), which the host-side update divides by; and
+one after the last upload, so that the host may write the masters again as soon as the step returns
+(a checkpoint load, a model change picked up) without racing a copy that still reads them. Nothing
+else waits: the gradient norm, the non-finite check and the clip factor are still computed once, on
+the device, over the whole group (``grads/factor.py``), as without offload. Unstaged, only the
+factor's wait is counted (it is satisfied at once).
 
 The step's host slots are dropped at its end (pinned memory comes back from torch's caching
 host allocator, so this costs no ``cudaHostAlloc`` per step), so between steps the host holds

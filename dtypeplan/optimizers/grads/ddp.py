@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers import _ownership
+from dtypeplan.optimizers.grads import ownership
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -106,7 +106,7 @@ def cooperate_with_ddp(params: Iterable[torch.Tensor]) -> bool:
 
 
 def _owned(param: torch.Tensor) -> bool:
-    return _ownership.owner_of(param) is not None
+    return ownership.owner_of(param) is not None
 
 
 def _reduced_by_dtypeplan(

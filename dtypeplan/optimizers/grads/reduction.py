@@ -60,11 +60,11 @@ import torch
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._levels import AcrossGroups
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._clip import chunk_sq_norms
-from dtypeplan.optimizers._ddp import cooperate_with_ddp
-from dtypeplan.optimizers._owned_gradient import OwnedGradient
-from dtypeplan.optimizers._ownership import HookSet
 from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.grads.ddp import cooperate_with_ddp
+from dtypeplan.optimizers.grads.factor import chunk_sq_norms
+from dtypeplan.optimizers.grads.owned import OwnedGradient
+from dtypeplan.optimizers.grads.ownership import HookSet
 
 __all__ = ["MAX_IN_FLIGHT", "InFlightReduction", "Phase", "ReductionScheduler", "accumulate_"]
 
@@ -213,7 +213,7 @@ class ReductionScheduler:
         cache, and off the step's critical path). The step takes the norms of the others."""
         self._look_for_wrappers = True
         self.ddp_wrapped = False
-        """A DDP wrapper holds the parameters (found at the first backward, ``_ddp.py``)."""
+        """A DDP wrapper holds the parameters (found at the first backward, ``grads/ddp.py``)."""
         self.after_wrapped_backward: Callable[[], None] | None = None
         """Run after DDP's end of backward (which writes ``.grad``), when ``ddp_wrapped``."""
         for gi, state in enumerate(groups):
@@ -398,7 +398,7 @@ class ReductionScheduler:
     def leave_placeholders(self) -> None:
         """Put an :class:`OwnedGradient` in the ``.grad`` of every parameter whose gradient
         the accumulator holds in this window, so that code reading ``.grad`` (torch's
-        ``clip_grad_norm_``) fails loudly instead of finding nothing (``_owned_gradient.py``)."""
+        ``clip_grad_norm_``) fails loudly instead of finding nothing (``grads/owned.py``)."""
         for state, touched in zip(self.groups, self.window_touched, strict=True):
             for param, was_touched in zip(state.flat.params, touched, strict=True):
                 if was_touched and param.grad is None:

@@ -1,0 +1,6 @@
+"""A gradient from autograd to ``step()``: which optimizer owns a parameter, what ``.grad``
+holds after the optimizer took it in, the cooperation with DDP, the backward-time reduction
+scheduler, parameters without a gradient, the factor (unscale, average, clip) and fp16 loss
+scaling."""
+
+__all__: list[str] = []
