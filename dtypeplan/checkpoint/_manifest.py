@@ -17,7 +17,7 @@ import torch
 
 from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, PARAM_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.state import keys
 
 __all__ = [

@@ -90,17 +90,17 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._levels import levels
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._base import (
-    HeldTensors,
-    bare_backward_refusal,
-    constructor_arguments,
-    inner_optimizer,
-)
 from dtypeplan.optimizers._flat_state import FlatState
 from dtypeplan.optimizers._model_sync import ModelSync
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.buffers.layout import FlatGroup
+from dtypeplan.optimizers.contract.base import (
+    HeldTensors,
+    bare_backward_refusal,
+    constructor_arguments,
+    inner_optimizer,
+)
 from dtypeplan.optimizers.grads.ddp import wrappers_of
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers.grads.missing import keep_untouched

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
 from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers.buffers.group_state import GroupState
+from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION

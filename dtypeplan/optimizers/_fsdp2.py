@@ -76,13 +76,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers._base import (
-    HeldTensors,
-    MixedPrecisionOptimizer,
-    WrapPolicy,
-    bare_backward_refusal,
-    inner_optimizer,
-)
 from dtypeplan.optimizers._fsdp2_sharding import (
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
@@ -90,7 +83,14 @@ from dtypeplan.optimizers._fsdp2_sharding import (
     hybrid_layout,
     shard_model,
 )
-from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers.contract.base import (
+    HeldTensors,
+    MixedPrecisionOptimizer,
+    WrapPolicy,
+    bare_backward_refusal,
+    inner_optimizer,
+)
+from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers.grads.owned import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
@@ -394,7 +394,8 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
         flags = torch.tensor([float(t) for t in touched] + check.slots(), dtype=torch.float32)
         summary = self.comm.all_reduce_scalars(torch.cat([sq, flags.to(device, non_blocking=True)]))
         if check.numel:
-            # The hyperparameters' fingerprint rides on this all-reduce (_hyperparameter_check).
+            # The hyperparameters' fingerprint rides on this all-reduce
+            # (contract/hyperparameters.py).
             check.post(summary[len(summary) - check.numel :])
             summary = summary[: len(summary) - check.numel]
         if all(touched):

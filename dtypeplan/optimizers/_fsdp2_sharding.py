@@ -34,9 +34,9 @@ from dtypeplan.comm import Communicator
 from dtypeplan.comm._groups import HybridGroups, hybrid_groups
 from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
-from dtypeplan.optimizers._base import WrapPolicy, make_replicas_equal
-from dtypeplan.optimizers._prepare import cast_floating_buffers
 from dtypeplan.optimizers._shard_units import choose_units, uncovered_parameters
+from dtypeplan.optimizers.contract.base import WrapPolicy, make_replicas_equal
+from dtypeplan.optimizers.contract.model import cast_floating_buffers
 from dtypeplan.optimizers.grads.ownership import ParamWeakMap
 
 if TYPE_CHECKING:

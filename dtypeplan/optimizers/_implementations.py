@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
-from dtypeplan.optimizers._registry import register
+from dtypeplan.optimizers.contract.registry import register
 
 __all__ = ["ReplicatedOptimizer", "ShardedOptimizer"]
 

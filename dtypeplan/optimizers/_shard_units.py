@@ -37,7 +37,7 @@ from collections.abc import Callable
 from torch import nn
 
 from dtypeplan.errors import PrecisionConfigError
-from dtypeplan.optimizers._base import WrapPolicy
+from dtypeplan.optimizers.contract.base import WrapPolicy
 
 __all__ = ["choose_units", "is_container", "uncovered_parameters"]
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dtypeplan.errors import RegistryError
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 
 __all__ = ["get_implementation", "register", "registered_names"]
 

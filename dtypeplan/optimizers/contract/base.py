@@ -4,8 +4,8 @@ A pipeline engine, a training loop and a checkpointer talk to any implementation
 calls only, which is what lets every ZeRO stage run under a pipeline schedule (DeepSpeed's
 ``'DeepSpeedZeroOptimizer' object has no attribute 'clear_lp_grads'`` was one implementation
 missing one of them). The state half of the contract (``state_dict``, the scalar states) is
-``_optimizer_state.py``'s, the checking of the given param groups ``_param_groups.py``'s, and
-the tensors held for ``plan.memory()`` ``state/held.py``'s.
+``contract/optimizer_state.py``'s, the checking of the given param groups
+``contract/param_groups.py``'s, and the tensors held for ``plan.memory()`` ``state/held.py``'s.
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ from torch import nn
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
-from dtypeplan.optimizers._model_state import give_parameters_own_storage
-from dtypeplan.optimizers._optimizer_state import OptimizerState
-from dtypeplan.optimizers._param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
-from dtypeplan.optimizers._prepare import cast_forward_inputs, cast_model, restore_cast_values
+from dtypeplan.optimizers.contract.hyperparameters import HyperparameterCheck
+from dtypeplan.optimizers.contract.model import (
+    cast_forward_inputs,
+    cast_model,
+    give_parameters_own_storage,
+    restore_cast_values,
+)
+from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
+from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
 from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
@@ -143,12 +147,12 @@ class MixedPrecisionOptimizer(OptimizerState):
     parameters and the hyperparameters (``lr``, ``weight_decay``, ...) so that LR schedulers
     work unchanged; implementations read them at every step.
 
-    What the base class owns for every implementation, as ``torch.optim`` users expect:
-    refusing a parameter listed twice and ``add_param_group`` after build; the hooks' lifetime
+    What the base class owns for every implementation, as ``torch.optim`` users expect: refusing
+    a parameter listed twice and ``add_param_group`` after build; the hooks' lifetime
     (:attr:`hooks`, :meth:`close`, replacing the previous owner of the parameters:
     ``grads/ownership.py``); the rank check and the first rank's weights on every rank;
-    :attr:`last_step_skipped`; :meth:`clip_grad_norm_`; and ``torch.optim``'s state dict
-    layout (``_optimizer_state.py``). A subclass registers its gradient hooks in :attr:`hooks`
+    :attr:`last_step_skipped`; :meth:`clip_grad_norm_`; and ``torch.optim``'s state dict layout
+    (``contract/optimizer_state.py``). A subclass registers its gradient hooks in :attr:`hooks`
     (holding itself weakly), calls :meth:`_take_ownership` at the end of its ``__init__`` and
     ``_check_open("step()")`` first in :meth:`step`.
     """
@@ -247,9 +251,9 @@ class MixedPrecisionOptimizer(OptimizerState):
 
         Default: cast it whole to ``plan.param_dtype`` (parameters, frozen ones too, and
         floating-point buffers), keeping the trainable parameters' wider values for the master
-        weights (see ``_prepare.py``); cast its forward's floating-point inputs to that dtype;
+        weights (see ``contract/model.py``); cast its forward's floating-point inputs to that dtype;
         and make its ``state_dict()`` give each parameter as its own tensor, though ``build``
-        makes them views into one buffer (``_model_state.py``). ZeRO-3 also shards it;
+        makes them views into one buffer (``contract/model.py``). ZeRO-3 also shards it;
         ``wrap`` chooses its FSDP2 units and means nothing to an implementation that does not
         shard the model.
         """

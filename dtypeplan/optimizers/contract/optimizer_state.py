@@ -1,7 +1,7 @@
 """The state every implementation shares: ``state_dict`` in ``torch.optim``'s layout and the
 scalar states (step counters, loss scaler, skipped steps) kept per param group and per parameter.
 
-:class:`OptimizerState` is the layer under ``MixedPrecisionOptimizer`` (``_base.py``) that
+:class:`OptimizerState` is the layer under ``MixedPrecisionOptimizer`` (``contract/base.py``) that
 turns an implementation's per-parameter state (:meth:`~OptimizerState._param_state`) and its
 layout-free state (:meth:`~OptimizerState.full_state`, for the resharding checkpoints) into
 what ``torch.optim`` users and ``dtypeplan.checkpoint`` read, and back.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
+from dtypeplan.optimizers.contract.hyperparameters import HyperparameterCheck
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.values import (
