@@ -130,25 +130,25 @@ def test_the_engine_and_the_base_class_stay_under_600_lines() -> None:
 
 def test_every_registered_update_kernel_keeps_the_interface() -> None:
     """Each kernel is a concrete :class:`UpdateKernel` in a module of its own under
-    ``update_kernels/`` (those of one family may share one), named uniquely, and the last one
+    ``update/`` (those of one family may share one), named uniquely, and the last one
     serves every plan; the kernels never import the engine (it imports them)."""
     import inspect
 
-    from dtypeplan.optimizers.update_kernels import KERNELS, UpdateKernel
-    from dtypeplan.optimizers.update_kernels.generic import GenericKernel
+    from dtypeplan.optimizers.update import KERNELS, UpdateKernel
+    from dtypeplan.optimizers.update.generic import GenericKernel
 
     names = [kernel.name for kernel in KERNELS]
     assert len(set(names)) == len(names), names
     for kernel in KERNELS:
         assert issubclass(kernel, UpdateKernel) and not inspect.isabstract(kernel), kernel
-        assert kernel.__module__.startswith("dtypeplan.optimizers.update_kernels."), kernel
+        assert kernel.__module__.startswith("dtypeplan.optimizers.update."), kernel
         for method in ("applies", "update", "describe", "state_changed"):
             assert callable(getattr(kernel, method)), (kernel, method)
         own = inspect.signature(kernel.update).parameters
         base = inspect.signature(UpdateKernel.update).parameters
         assert list(own) == list(base), (kernel, list(own))
     assert KERNELS[-1] is GenericKernel
-    kernel_modules = {m for m in GRAPH if m.startswith("dtypeplan.optimizers.update_kernels")}
+    kernel_modules = {m for m in GRAPH if m.startswith("dtypeplan.optimizers.update")}
     assert {k.__module__ for k in KERNELS} <= kernel_modules
     for module in kernel_modules:
         assert "dtypeplan.optimizers._engine" not in GRAPH[module], module

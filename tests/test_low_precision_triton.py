@@ -1,5 +1,5 @@
 """The one-pass Triton update of the 16-bit cells (``kernels/triton_one_pass.py``) and its
-registry entry (``update_kernels/triton_low_precision.py``).
+registry entry (``update/triton_low_precision.py``).
 
 The kernel must give the bits of the host's eager one-pass update
 (``one_pass.adam_one_pass``) for every master rounding x moment dtypes x (parameter

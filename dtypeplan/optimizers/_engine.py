@@ -52,7 +52,7 @@ Phases of one step (the backward phase is ``grads/reduction.py``'s, the rest is
    ``clip / (loss_scale * reduction_divisor)`` stays a device tensor (``grads/factor.py``): no host
    sync unless the step may be skipped (fp16, or the non-finite check), and no scaling pass,
    since torch's fused Adam/AdamW divide by it as their ``grad_scale`` (``kernels/torch_adam.py``).
-   The update itself is the optimizer's update kernel's (``update_kernels/``): the first of
+   The update itself is the optimizer's update kernel's (``update/``): the first of
    its registry that serves the plan, device and optimizer class (host offload, the one-pass
    Triton AdamW on CUDA, torch's fused Adam/AdamW on fp32 or on 16-bit tensors, the
    low-precision and quantized families, or ``inner.step()``), chosen once. It is handed the
@@ -112,8 +112,8 @@ from dtypeplan.optimizers.state.low_precision import (
     held_compensations,
     held_states,
 )
-from dtypeplan.optimizers.update_kernels import UpdateKernel, choice_key, choose, write_params
-from dtypeplan.optimizers.update_kernels.host_offload import host_offload_for
+from dtypeplan.optimizers.update import UpdateKernel, choice_key, choose, write_params
+from dtypeplan.optimizers.update.host_offload import host_offload_for
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
@@ -523,7 +523,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
 
     @property
     def update_kernel(self) -> UpdateKernel:
-        """The update of this optimizer's master chunks (``update_kernels/``): the first of the
+        """The update of this optimizer's master chunks (``update/``): the first of the
         registry that serves its plan, device and optimizer class, chosen at its first use,
         and again only if a param group turns amsgrad or maximize on or off."""
         key = choice_key(self)

@@ -346,7 +346,7 @@ def _check(
         raise RuntimeError(
             "the one-pass Triton update needs Triton, which failed to import "
             f"({fp32_kernel._TRITON_IMPORT_ERROR}); the update falls back to torch ops "
-            "(update_kernels/low_precision.py)"
+            "(update/low_precision.py)"
         )
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {sorted(ROUNDINGS)}, got {rounding!r}")

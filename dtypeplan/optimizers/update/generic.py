@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,

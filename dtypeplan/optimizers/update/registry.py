@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtypeplan.optimizers.update_kernels._interface import FlatEngine, UpdateKernel
-from dtypeplan.optimizers.update_kernels.generic import GenericKernel
-from dtypeplan.optimizers.update_kernels.host_offload import HostOffloadKernel
-from dtypeplan.optimizers.update_kernels.low_precision import LowPrecisionKernel
-from dtypeplan.optimizers.update_kernels.quantized import QuantizedKernel
-from dtypeplan.optimizers.update_kernels.torch_fused import Fused16BitKernel, TorchFusedKernel
-from dtypeplan.optimizers.update_kernels.triton import TritonKernel
-from dtypeplan.optimizers.update_kernels.triton_low_precision import TritonLowPrecisionKernel
+from dtypeplan.optimizers.update.generic import GenericKernel
+from dtypeplan.optimizers.update.host_offload import HostOffloadKernel
+from dtypeplan.optimizers.update.interface import FlatEngine, UpdateKernel
+from dtypeplan.optimizers.update.low_precision import LowPrecisionKernel, QuantizedKernel
+from dtypeplan.optimizers.update.torch_fused import Fused16BitKernel, TorchFusedKernel
+from dtypeplan.optimizers.update.triton import TritonKernel
+from dtypeplan.optimizers.update.triton_low_precision import TritonLowPrecisionKernel
 
 __all__ = ["KERNELS", "choice_key", "choose"]
 

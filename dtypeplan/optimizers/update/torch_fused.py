@@ -16,7 +16,7 @@ import torch
 
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,

@@ -1,6 +1,6 @@
-"""The update kernels of the flat engine: one module per way of running the step's update.
+"""The step's update in the flat engine: one interface, an ordered registry, one module per family.
 
-Every kernel keeps one interface (``_interface.py``: :class:`UpdateKernel`): ``applies(engine)``
+Every kernel keeps one interface (``interface.py``: :class:`UpdateKernel`): ``applies(engine)``
 says whether it serves the optimizer's plan, device and optimizer class, and
 ``update(grads, factor, gather)`` updates every master chunk of the step, writing the
 parameters and starting their all-gathers through the engine's ``gather`` where asked. The
@@ -10,10 +10,10 @@ engine builds the first that applies (``registry.py``) and stays the step's phas
     triton.py         the one-pass Triton AdamW (CUDA; fp32 masters and states)
     torch_fused.py    torch's fused Adam/AdamW per bucket chunk: fp32 masters and states, and
                       the hand-off of 16-bit masters, moments and accumulator of one dtype
-    quantized.py      int8 / fp8 moments: dequantize, update in fp32, quantize back
     triton_low_precision.py
                       bf16 masters or bf16 moments on CUDA: the one-pass update in Triton
-    low_precision.py  16-bit masters or bf16 moments: one pass on the host, else fp32 pieces
+    low_precision.py  16-bit masters or bf16 moments: one pass on the host, else fp32 pieces;
+                      int8 / fp8 moments: dequantize, update in fp32, quantize back
     generic.py        any other elementwise optimizer: its own ``inner.step()``
 
 The numerical work stays in the modules the kernels call (``kernels/torch_adam.py``,
@@ -23,14 +23,14 @@ The numerical work stays in the modules the kernels call (``kernels/torch_adam.p
 
 from __future__ import annotations
 
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,
     UpdateKernel,
     write_params,
 )
-from dtypeplan.optimizers.update_kernels.registry import KERNELS, choice_key, choose
+from dtypeplan.optimizers.update.registry import KERNELS, choice_key, choose
 
 __all__ = [
     "KERNELS",

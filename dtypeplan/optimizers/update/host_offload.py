@@ -18,14 +18,14 @@ from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.buffers.host_offload import HostOffload, OffloadedChunk
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,
     UpdateKernel,
     finish,
 )
-from dtypeplan.optimizers.update_kernels.torch_fused import torch_fused_adam
+from dtypeplan.optimizers.update.torch_fused import torch_fused_adam
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

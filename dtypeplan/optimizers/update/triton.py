@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay, is_adam
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,

@@ -22,14 +22,14 @@ from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
-from dtypeplan.optimizers.update_kernels._interface import (
+from dtypeplan.optimizers.update.interface import (
     FlatEngine,
     Gather,
     GradsByGroup,
     HostStepKernel,
     finish,
 )
-from dtypeplan.optimizers.update_kernels.torch_fused import torch_fused_adam
+from dtypeplan.optimizers.update.torch_fused import torch_fused_adam
 
 __all__ = ["TritonLowPrecisionKernel"]
 
