@@ -487,7 +487,7 @@ def test_lint_import_registers_user_implementations(
         textwrap.dedent(
             """
             import dtypeplan
-            from dtypeplan.optimizers._implementations import ShardedOptimizer
+            from dtypeplan.optimizers.flat import ShardedOptimizer
 
             @dtypeplan.register("cli-test-zero1")
             class MyZero1(ShardedOptimizer):

@@ -2,9 +2,9 @@
 
 from dtypeplan.optimizers._build import build_optimizer, implementation_class, prepare_model
 from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers.contract.base import HeldTensors, MixedPrecisionOptimizer
 from dtypeplan.optimizers.contract.registry import get_implementation, register, registered_names
+from dtypeplan.optimizers.flat import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler, MinimumLossScaleError
 
 __all__ = [

@@ -5,7 +5,7 @@ that, a hyperparameter set on one rank only (an LR scheduler that one rank steps
 written under ``if rank == 0``) would train the replicas apart without a word: each rank
 updates its masters, or its shard of them, with its own ``lr``. So every step folds a
 fingerprint of each param group's hyperparameters into the step's one summary all-reduce (the
-squared norm and the touched flags, ``_engine.py`` / ``_fsdp2.py``): no collective is added,
+squared norm and the touched flags, ``flat/engine.py`` / ``_fsdp2.py``): no collective is added,
 only ``world_size + 4 * keys * groups`` fp32 values.
 
 The fingerprint (the hyperparameters are the torch class's arguments, the param groups' keys

@@ -9,7 +9,7 @@ rank's elements of the master and of every optimizer state before the update and
 back after. That is the rare path; when every parameter got a gradient nothing is copied.
 
 The optimizer's state is one per master chunk (a bucket holds many parameters), so a
-parameter that skips a step leaves its chunk's history there: ``_own_histories.py`` keeps its
+parameter that skips a step leaves its chunk's history there: ``flat/own_histories.py`` keeps its
 own scalar states (``step``...) from then on, or none where it never had a gradient, and
 steps it on its own, so that its state is created at its first gradient and counts its own
 steps, as in ``torch.optim``. The pieces held apart here are those and the untouched ones.

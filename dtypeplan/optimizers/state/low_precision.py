@@ -22,7 +22,7 @@ element once, with its own fp32 math (not bit-identical to torch's fused kernel;
 in that module) and hashed stochastic-rounding noise. bf16 masters rounded to nearest with bf16
 moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
 
-A master is a flat chunk (ZeRO 0-2, ``_engine.py``) or a contiguous local shard of the
+A master is a flat chunk (ZeRO 0-2, ``flat/engine.py``) or a contiguous local shard of the
 parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
 ``inner.state[master]``. Quantized moments are torchao tensors over the master's

@@ -1,7 +1,7 @@
 """What an update kernel is: the one interface every way of running the step's update keeps.
 
 An update kernel updates this rank's master chunks of every param group from the step's
-reduced gradients and writes the parameters. The flat engine (``_engine.py``) picks one per
+reduced gradients and writes the parameters. The flat engine (``flat/engine.py``) picks one per
 optimizer from the registry (``registry.py``) and calls only :meth:`UpdateKernel.update`; it
 keeps the step's phases (reduce, check/clip, update, write back) and knows no kernel's
 internals. A kernel reads what it needs from the engine through :class:`FlatEngine`, a

@@ -1,9 +1,16 @@
-"""The built-in implementations, registered under the names ``precision_rules.yaml`` uses."""
+"""ZeRO 0-2: the flat-buffer engine, registered as ``replicated`` and ``sharded`` (the names
+``precision_rules.yaml`` uses).
+
+    engine.py             FlatMixedPrecisionOptimizer: the step's phases
+    checkpoint_state.py   masters and states saved, loaded, gathered
+    own_histories.py      per-parameter step counts inside flat chunks
+    model_sync.py         model changes after build picked up before the step
+"""
 
 from __future__ import annotations
 
-from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers.contract.registry import register
+from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
 
 __all__ = ["ReplicatedOptimizer", "ShardedOptimizer"]
 

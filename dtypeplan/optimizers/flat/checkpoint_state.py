@@ -3,7 +3,7 @@
 What ``state_dict`` / ``load_state_dict`` (per parameter piece: ``_param_state``), the
 resharding checkpoints (``full_state`` / ``load_full_state``: every parameter whole, gathered
 over the group) and a sharded checkpoint (``shard_pieces``) read and write of the flat engine
-(``_engine.py``), and the master chunks as the fp32 values they stand for (16-bit masters with
+(``flat/engine.py``), and the master chunks as the fp32 values they stand for (16-bit masters with
 their Kahan compensation, quantized moments as fp32 values inside :meth:`fp32_states`). The
 step's phases are the engine's; this layer only reads and writes what they leave.
 """
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.flat.own_histories import OwnHistories
 from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
@@ -138,7 +138,7 @@ class FlatState(MixedPrecisionOptimizer):
             first += len(group_state.flat.params)
 
     def _load_param_scalars(self, found: Mapping[int, dict[str, Any] | None]) -> None:
-        # A piece with scalars of its own leaves its chunk's history (_own_histories.py); its
+        # A piece with scalars of its own leaves its chunk's history (flat/own_histories.py); its
         # per-element states are the chunk's, loaded already.
         first = 0
         for gi, group_state in enumerate(self.groups):
@@ -171,7 +171,7 @@ class FlatState(MixedPrecisionOptimizer):
     def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
         """This rank's piece of each parameter: ``elements`` (begin, end of the flattened
         parameter), ``master`` and each state over those elements, and its scalar states
-        (its chunk's, or its own: ``_own_histories.py``; none before its first gradient)."""
+        (its chunk's, or its own: ``flat/own_histories.py``; none before its first gradient)."""
         state: dict[int, dict[str, Any]] = {}
         for gi, group_state in enumerate(self.groups):
             params = group_state.flat.params

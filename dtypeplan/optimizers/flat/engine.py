@@ -34,7 +34,7 @@ Phases of one step (the backward phase is ``grads/reduction.py``'s, the rest is
 2. ``step()`` at the accumulation boundary: pick up model changes -> reduce -> check/clip ->
    update -> write back.
    Model changes made after build (``model.load_state_dict``, ``param.data = ...``) are
-   picked up first (``_model_sync.py``), and a ``.grad`` set by hand is taken in with a whole
+   picked up first (``flat/model_sync.py``), and a ``.grad`` set by hand is taken in with a whole
    accumulator (copied onto an empty one; a sharded accumulator refuses it: every rank would
    have to learn of it). One small all-reduce carries the step's facts: the squared norm and
    which parameters got a gradient on any rank (the others are not updated, as in
@@ -73,8 +73,9 @@ scale backs off). ``comm`` stays the whole group (the step summary, whose square
 slot per shard group so that each element counts once). Stage 0 has nothing to shard and
 stays flat.
 
-On one process every collective is skipped and the update is the plain ``torch.optim`` one.
-What ``state_dict`` and the checkpoints read and write of this engine is ``_flat_state.py``'s.
+On one process every collective is skipped and the update is the plain ``torch.optim`` one. What
+``state_dict`` and the checkpoints read and write of this engine is
+``flat/checkpoint_state.py``'s.
 """
 
 from __future__ import annotations
@@ -90,9 +91,6 @@ import torch.distributed as dist
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._levels import levels
 from dtypeplan.errors import OptimizerUsageError
-from dtypeplan.optimizers._flat_state import FlatState
-from dtypeplan.optimizers._model_sync import ModelSync
-from dtypeplan.optimizers._own_histories import OwnHistories
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.buffers.layout import FlatGroup
 from dtypeplan.optimizers.contract.base import (
@@ -101,6 +99,9 @@ from dtypeplan.optimizers.contract.base import (
     constructor_arguments,
     inner_optimizer,
 )
+from dtypeplan.optimizers.flat.checkpoint_state import FlatState
+from dtypeplan.optimizers.flat.model_sync import ModelSync
+from dtypeplan.optimizers.flat.own_histories import OwnHistories
 from dtypeplan.optimizers.grads.ddp import wrappers_of
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers.grads.missing import keep_untouched
@@ -201,7 +202,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
             )
         self._inner = self._build_inner_optimizer()
         self.own_histories = OwnHistories(plan.optimizer.torch_class, constructor_arguments(plan))
-        """The parameter pieces whose state left their chunk's (``_own_histories.py``)."""
+        """The parameter pieces whose state left their chunk's (``flat/own_histories.py``)."""
         self._adam_update: FlatAdamUpdate | LowPrecisionAdamUpdate = FlatAdamUpdate(
             self._inner, plan.optimizer.torch_class
         )
@@ -506,7 +507,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
             factor = (on_host[0], on_host[1])
         if any(untouched) or self.own_histories:
             # The rare path: parameters that skip this step, or that keep their own history
-            # (_own_histories.py). Quantized moments are restored as fp32 values.
+            # (flat/own_histories.py). Quantized moments are restored as fp32 values.
             apart, pending = self.own_histories.held_apart(
                 self.groups, self.inner, untouched, grads_by_group, factor[0]
             )
