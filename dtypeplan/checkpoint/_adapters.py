@@ -26,9 +26,9 @@ import torch
 
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.checkpoint._planners import Flat
-from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers.fsdp2.optimizer import FSDP2Optimizer
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.state.storage import QUANTIZED

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers.fsdp2.optimizer import FSDP2Optimizer
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.values import ShardPiece
 

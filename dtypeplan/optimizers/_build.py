@@ -91,7 +91,7 @@ def prepare_model(
     loses no precision (``contract/model.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
     sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
-    there and is ignored at the other stages (``_shard_units.py``). With ``torch_autocast`` the
+    there and is ignored at the other stages (``fsdp2/units.py``). With ``torch_autocast`` the
     model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
     """
     if plan.status != Status.OK:

@@ -2,11 +2,11 @@
 
 Build checks that every rank was given the same param groups (``_check_ranks_agree``). After
 that, a hyperparameter set on one rank only (an LR scheduler that one rank steps, a warm-up
-written under ``if rank == 0``) would train the replicas apart without a word: each rank
-updates its masters, or its shard of them, with its own ``lr``. So every step folds a
-fingerprint of each param group's hyperparameters into the step's one summary all-reduce (the
-squared norm and the touched flags, ``flat/engine.py`` / ``_fsdp2.py``): no collective is added,
-only ``world_size + 4 * keys * groups`` fp32 values.
+written under ``if rank == 0``) would train the replicas apart without a word: each rank updates
+its masters, or its shard of them, with its own ``lr``. So every step folds a fingerprint of
+each param group's hyperparameters into the step's one summary all-reduce (the squared norm and
+the touched flags, ``flat/engine.py`` / ``fsdp2/optimizer.py``): no collective is added, only
+``world_size + 4 * keys * groups`` fp32 values.
 
 The fingerprint (the hyperparameters are the torch class's arguments, the param groups' keys
 at build: ``lr``, ``betas``, ``weight_decay``...; keys added later, such as a scheduler's

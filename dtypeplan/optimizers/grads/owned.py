@@ -15,11 +15,11 @@ config). Reading ``p.grad is not None`` still says that the parameter got a grad
 clears it before autograd accumulates (a gradient pre-hook), and ``step()`` ignores it.
 
 ZeRO-3 (FSDP2) with 16-bit accumulation or 16-bit master weights takes each reduced shard
-into its accumulator too (``_fsdp2.py``); there the placeholder is a DTensor of the sharded
+into its accumulator too (``fsdp2/optimizer.py``); there the placeholder is a DTensor of the sharded
 gradient's mesh and placements whose local tensor is an :class:`OwnedGradient`
 (:func:`owned_sharded_gradient`), so that torch's norm over DTensors reaches it and raises.
 FSDP2 adds each new shard into a ``.grad`` it finds, so the sharding
-(``_fsdp2_sharding.clear_owned_before_reduce``) clears the placeholders of a unit's
+(``sharding.clear_owned_before_reduce``) clears the placeholders of a unit's
 parameters right before the unit's next reduce-scatter.
 """
 

@@ -23,7 +23,7 @@ in that module) and hashed stochastic-rounding noise. bf16 masters rounded to ne
 moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
 
 A master is a flat chunk (ZeRO 0-2, ``flat/engine.py``) or a contiguous local shard of the
-parameter's shape (ZeRO-3, ``_fsdp2.py``); the update reads both flattened. The moments and
+parameter's shape (ZeRO-3, ``fsdp2/optimizer.py``); the update reads both flattened. The moments and
 the Kahan compensation (``kahan_compensation``, bf16, laid out like the master) live in
 ``inner.state[master]``. Quantized moments are torchao tensors over the master's
 :class:`~dtypeplan.optimizers.state.storage.BlockLayout`: each parameter piece of a flat chunk

@@ -23,7 +23,7 @@ owns the precision plan around it::
                                 bf16 masters: FSDP2 casts each reduced shard to the sharded
                                 parameters' dtype (bf16); the hook instead reads the
                                 reduce-scatter's output as it came off the wire (kept by
-                                ``_fsdp2_sharding.NamedReduceScatter`` until backward ends) into an
+                                ``sharding.NamedReduceScatter`` until backward ends) into an
                                 accumulator of the accumulation dtype: no extra rounding
     optimizer states (fp32)     a fused ``torch.optim`` instance over the sharded parameters;
                                 with ``optimizer_states`` other than fp32, or bf16 masters,
@@ -40,7 +40,7 @@ reduce-scatter every micro-batch. What it does not do: ``communication_reduction
 (FSDP2's reduce-scatter sums in the wire dtype); the table marks that NotSupported.
 
 A hybrid layout (``plan.shard_group_size`` ``S`` below the world ``W``: HSDP, see
-``_fsdp2_sharding.py``) shards all of the above within groups of ``S`` ranks and replicates it
+``fsdp2/sharding.py``) shards all of the above within groups of ``S`` ranks and replicates it
 across the ``W / S`` groups: each rank holds what flat ZeRO-3 on ``S`` ranks would. The
 replicas hold the same reduced gradient shards, so the squared norm is summed over one replica
 (the others add zero into the step's one summary all-reduce); stochastic rounding draws by the
@@ -76,13 +76,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
-from dtypeplan.optimizers._fsdp2_sharding import (
-    CLEARS_OWNED,
-    REDUCE_SCATTER_OF,
-    as_reduced,
-    hybrid_layout,
-    shard_model,
-)
 from dtypeplan.optimizers.contract.base import (
     HeldTensors,
     MixedPrecisionOptimizer,
@@ -91,6 +84,13 @@ from dtypeplan.optimizers.contract.base import (
     inner_optimizer,
 )
 from dtypeplan.optimizers.contract.registry import register
+from dtypeplan.optimizers.fsdp2.sharding import (
+    CLEARS_OWNED,
+    REDUCE_SCATTER_OF,
+    as_reduced,
+    hybrid_layout,
+    shard_model,
+)
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers.grads.owned import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
@@ -150,7 +150,7 @@ class FSDP2Optimizer(MixedPrecisionOptimizer):
     ) -> torch.nn.Module:
         """Shard ``model`` with ``fully_shard``, one unit per block, then the root; in place.
 
-        Units: see ``_shard_units.py`` (by default each module of a ``ModuleList`` /
+        Units: see ``fsdp2/units.py`` (by default each module of a ``ModuleList`` /
         ``ModuleDict`` and each top-level child; ``wrap`` chooses others; tied parameters
         share a unit). The mesh lives on the process group's device (NCCL: the current CUDA
         device; gloo: CPU), and FSDP2 moves each unit there as it shards it, so a model built

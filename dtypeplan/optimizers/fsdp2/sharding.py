@@ -2,11 +2,11 @@
 
 What ``plan.prepare_model`` does at ZeRO-3 (``FSDP2Optimizer.prepare_model`` calls
 :func:`shard_model`): the mesh on the process group's device, one ``fully_shard`` unit per block
-(``_shard_units.py``), each unit's trainable parameters in the master dtype just before it is
+(``fsdp2/units.py``), each unit's trainable parameters in the master dtype just before it is
 sharded, FSDP2's mixed-precision and offload policies from the plan, and FSDP2's all-gather and
 reduce-scatter wrapped so that a failure is a ``CollectiveError`` naming them. The
 reduce-scatter also keeps its output for the 16-bit-master accumulation hook
-(:func:`as_reduced`). The optimizer that steps the sharded model is ``_fsdp2.py``'s.
+(:func:`as_reduced`). The optimizer that steps the sharded model is ``fsdp2/optimizer.py``'s.
 
 A hybrid layout (``plan.shard_group_size`` ``S`` below the world ``W``) is FSDP2's HSDP: a 2-D
 mesh of ``W / S`` rows (``"replicate"``, the replica groups of ``comm/_groups.py``) by ``S``
@@ -34,9 +34,9 @@ from dtypeplan.comm import Communicator
 from dtypeplan.comm._groups import HybridGroups, hybrid_groups
 from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
-from dtypeplan.optimizers._shard_units import choose_units, uncovered_parameters
 from dtypeplan.optimizers.contract.base import WrapPolicy, make_replicas_equal
 from dtypeplan.optimizers.contract.model import cast_floating_buffers
+from dtypeplan.optimizers.fsdp2.units import choose_units, uncovered_parameters
 from dtypeplan.optimizers.grads.ownership import ParamWeakMap
 
 if TYPE_CHECKING:

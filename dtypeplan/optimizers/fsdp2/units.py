@@ -17,7 +17,7 @@ hold every parameter, and a unit would add nothing.
 
 ``wrap`` replaces the first two: a set of module classes (``{LlamaDecoderLayer}``) or a
 callable ``module -> bool``. The root is always a unit (except under a pipeline, see
-``_fsdp2.py``).
+``fsdp2/optimizer.py``).
 
 Never a unit: a container without ``forward`` (``ModuleList``, ``ModuleDict``), which FSDP2
 cannot hook; a module without parameters; and a module holding a parameter that is also held
