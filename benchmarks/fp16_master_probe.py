@@ -3,7 +3,7 @@
     python -m benchmarks.fp16_master_probe
 
 The 3-layer MLP of the tests in fp16 (static loss scale 1024), updated by torch's fused AdamW
-in fp32 and written back into fp16 masters as ``state/low_precision.py`` would: rounded to
+in fp32 and written back into fp16 masters as ``update/pieces.py`` would: rounded to
 nearest (DeepSpeed's ``fp16_master_weights_and_grads``) or with an fp16 Kahan compensation
 (``kernels/rounding.py``), next to fp32 masters. "lost" is the share of elementwise updates
 after which the fp16 weight did not move (rounded away with nearest; held by the fp32 master or

@@ -87,7 +87,7 @@ def test_torch_fused_bf16_step_gives_the_bits_of_the_fp32_pieces(monkeypatch: An
     """bf16 masters rounded to nearest, bf16 moments and a bf16 accumulator go to torch's
     fused kernel on the bf16 tensors in one pass: the same bits as the fp32 pieces (upcast,
     fused fp32 update, round each back), with and without clipping and weight decay."""
-    from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
+    from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
     original = LowPrecisionAdamUpdate._torch_runs_it
 

@@ -197,7 +197,7 @@ class Bench:
     def _torch_path(self, cell: str, grad: torch.Tensor) -> float:
         """Median ms of the same cell's update without the kernel (what the registry ran on
         CUDA before it: fp32 pieces around torch's fused AdamW; on the host, the one pass)."""
-        from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
+        from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
         master, rounding, m, v, param = CELLS[cell]
         t = self._tensors(cell, self.args.numel, self.device)

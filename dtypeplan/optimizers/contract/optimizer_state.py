@@ -30,7 +30,7 @@ from dtypeplan.optimizers.state.values import (
 )
 
 if TYPE_CHECKING:
-    from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
+    from dtypeplan.optimizers.state.low_precision import LowPrecisionState
 
 __all__ = ["OptimizerState"]
 
@@ -59,7 +59,7 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
         """The parameters the optimizer updates, in the numbering of the ``param.{i}`` keys."""
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
-    _low_precision: LowPrecisionAdamUpdate | None = None
+    _low_precision: LowPrecisionState | None = None
     """Set by an optimizer whose masters are 16-bit or whose moments are low-precision."""
 
     def master_values(self, master: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
         self._low_precision.load_master_(master, values, compensation)
 
     @property
-    def low_precision_update(self) -> LowPrecisionAdamUpdate | None:
+    def low_precision_update(self) -> LowPrecisionState | None:
         """The update that keeps 16-bit masters or low-precision moments (their Kahan
         compensations, quantized codes), or None where masters and states are fp32."""
         return self._low_precision

@@ -26,7 +26,6 @@ from dtypeplan.optimizers.flat.own_histories import OwnHistories
 from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
-from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
 from dtypeplan.optimizers.state.values import (
     ShardPiece,
     element_state_names,
@@ -37,6 +36,7 @@ from dtypeplan.optimizers.state.values import (
     same_scalar,
     stateful_scalars,
 )
+from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
 __all__ = ["FlatState"]
 

@@ -108,13 +108,10 @@ from dtypeplan.optimizers.grads.missing import keep_untouched
 from dtypeplan.optimizers.grads.owned import is_owned_gradient
 from dtypeplan.optimizers.grads.reduction import ReductionScheduler
 from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
-from dtypeplan.optimizers.state.low_precision import (
-    LowPrecisionAdamUpdate,
-    held_compensations,
-    held_states,
-)
+from dtypeplan.optimizers.state.low_precision import held_compensations, held_states
 from dtypeplan.optimizers.update import UpdateKernel, choice_key, choose, write_params
 from dtypeplan.optimizers.update.host_offload import host_offload_for
+from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

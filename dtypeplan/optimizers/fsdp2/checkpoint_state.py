@@ -23,7 +23,6 @@ from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.fsdp2.sharding import HybridGroups
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
-from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
 from dtypeplan.optimizers.state.values import (
     ShardPiece,
     element_state_names,
@@ -33,6 +32,7 @@ from dtypeplan.optimizers.state.values import (
     placed_scalar,
     stateful_scalars,
 )
+from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
 __all__ = ["FSDP2State"]
 

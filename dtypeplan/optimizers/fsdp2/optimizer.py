@@ -6,7 +6,7 @@ owns the precision plan around it::
     sharded parameters (fp32)   this rank's shard of every parameter, a DTensor. These are
                                 the master weights: nothing else holds an fp32 copy. With
                                 bf16 master weights they are bf16, updated in fp32 and
-                                rounded back (``state/low_precision.py``: to nearest,
+                                rounded back (``update/pieces.py``: to nearest,
                                 stochastically, or with a Kahan compensation per shard)
     compute parameters          gathered in the parameter dtype (MixedPrecisionPolicy.param_dtype)
                                 before each forward and backward, released after
@@ -93,11 +93,8 @@ from dtypeplan.optimizers.fsdp2.sharding import (
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
 from dtypeplan.optimizers.grads.owned import is_owned_gradient, owned_sharded_gradient
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
-from dtypeplan.optimizers.state.low_precision import (
-    LowPrecisionAdamUpdate,
-    held_compensations,
-    held_states,
-)
+from dtypeplan.optimizers.state.low_precision import held_compensations, held_states
+from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan

@@ -1,6 +1,6 @@
 """Rounding an fp32 update into bf16 master weights: to nearest, stochastically, or with Kahan.
 
-With bf16 master weights the update is computed in fp32 (see ``state/low_precision.py``) and
+With bf16 master weights the update is computed in fp32 (see ``update/pieces.py``) and
 written back into the bf16 parameters, which are the masters. How it is written decides what
 survives of an update smaller than half a bf16 ulp (2**-9 relative):
 

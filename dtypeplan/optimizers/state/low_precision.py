@@ -1,26 +1,13 @@
-"""Adam/AdamW on bf16 master weights and/or low-precision optimizer states in the flat engine.
+"""bf16 master weights and low-precision moments: how their state is held (the state half).
 
 With ``master_weights.dtype: bf16`` the bf16 parameters are the masters: a master chunk is a
 view of the parameter buffer, so no fp32 copy exists (4 bytes per parameter saved). With
 ``optimizer_states`` other than fp32, each moment is stored as its dtype says
-(``state/storage.py``: bf16, or torchao's int8 / fp8 blockwise codes). Either way the update
-is computed in fp32, a piece of ``PIECE`` elements at a time, in reused fp32 scratch:
-
-1. load: the master piece (fp32 masters: the chunk itself; bf16: upcast, with Kahan rounding
-   plus its compensation), the gradient piece (as it is when fp32, else upcast), and each
-   moment (as it is when fp32, else upcast from bf16 or dequantized);
-2. update: torch's fused Adam/AdamW on the fp32 pieces, with ``grad_scale`` (the step's clip
-   and loss-scale factor) as in ``kernels/torch_adam.py``, so the fp32 math is torch's own, and the
-   step uses the fp32 moments it computed (as torchao's optimizers do), not their stored
-   rounding;
-3. store: a bf16 master rounded as ``plan.master_rounding`` says (``kernels/rounding.py``),
-   an fp32 master cast into the parameters' chunk; each moment rounded or quantized back.
-
-bf16 masters with fp32 or bf16 moments on the host skip the pieces: one pass of
-``one_pass.adam_one_pass`` (compiled with Inductor, or eager) reads and writes every
-element once, with its own fp32 math (not bit-identical to torch's fused kernel; the bound is
-in that module) and hashed stochastic-rounding noise. bf16 masters rounded to nearest with bf16
-moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
+(``state/storage.py``: bf16, or torchao's int8 / fp8 blockwise codes). The update of such state
+is ``update/pieces.py``'s (:class:`~dtypeplan.optimizers.update.pieces.LowPrecisionAdamUpdate`,
+a :class:`LowPrecisionState`); this module holds what every state call needs of it: the
+moments' slots in their dtypes, a master's fp32 values and their loading (Kahan pairs included),
+the quantized moments' block layout and codes, and the fp32 view of them.
 
 A master is a flat chunk (ZeRO 0-2, ``flat/engine.py``) or a contiguous local shard of the
 parameter's shape (ZeRO-3, ``fsdp2/optimizer.py``); the update reads both flattened. The moments and
@@ -36,64 +23,30 @@ several segments is gathered from and scattered to its stored blocks. The generi
 such a tensor per parameter: it runs inside :meth:`fp32_view`, which holds every state as fp32
 values in the master's own layout while it runs and stores them back after. Quantizing those
 values again is not idempotent, so a save also takes each parameter piece's codes and block
-scales as they are (:meth:`LowPrecisionAdamUpdate.segment_codes`), and a load into the same
-piece restores them after the values (:meth:`LowPrecisionAdamUpdate.load_segment_codes`): a
+scales as they are (:meth:`LowPrecisionState.segment_codes`), and a load into the same
+piece restores them after the values (:meth:`LowPrecisionState.load_segment_codes`): a
 same-layout round trip through ``state_dict`` or a checkpoint changes no bit.
-
-Stochastic rounding in the pieces (quantized moments, or off the host) draws from one
-``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every rank updates
-every chunk and draws the same bits, so the replicas stay equal; a run is reproducible from the
-same seed, and a resumed run draws other bits than an uninterrupted one (the generator is not
-checkpointed), which changes nothing in expectation. The one-pass update hashes ``(SEED + shard
-rank, master number, step, element)`` instead: reproducible, and a resumed run draws the bits
-of the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.errors import NotSupportedError
-from dtypeplan.optimizers.kernels import one_pass as update_kernel
-from dtypeplan.optimizers.kernels.rounding import (
-    kahan_load,
-    kahan_store,
-    noise_key,
-    round_stochastic,
-)
-from dtypeplan.optimizers.kernels.torch_adam import (
-    CPU_CHUNK,
-    FlatAdamUpdate,
-    decoupled_weight_decay,
-    fused_adam_kernel,
-)
+from dtypeplan.optimizers.kernels.rounding import kahan_store
 from dtypeplan.optimizers.state import storage
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
 
-if TYPE_CHECKING:
-    from dtypeplan.resolver._plan import PrecisionPlan
-
 __all__ = [
     "CODES",
-    "LowPrecisionAdamUpdate",
-    "PIECE",
+    "LowPrecisionState",
     "SCALES",
-    "SEED",
     "held_compensations",
     "held_states",
 ]
-
-PIECE = CPU_CHUNK
-"""Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
-(five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
-
-SEED = 0x5EED
-"""The stochastic-rounding generator's seed (plus the shard rank)."""
 
 
 CODES, SCALES = ".codes", ".scales"
@@ -121,26 +74,21 @@ def held_states(inner: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
     )
 
 
-class LowPrecisionAdamUpdate:
-    """Adam/AdamW with 16-bit masters or low-precision moments, computed in fp32."""
+class LowPrecisionState:
+    """The optimizer state of 16-bit masters or low-precision moments: the moments in their
+    dtypes, the masters' fp32 values, quantized moments' layouts and codes."""
 
     def __init__(
         self,
         inner: torch.optim.Optimizer,
-        torch_class: type[torch.optim.Optimizer],
         *,
         rounding: str,
         exp_avg_dtype: str,
         exp_avg_sq_dtype: str,
-        shard_rank: int,
     ) -> None:
         self.inner = inner
-        self.torch_class = torch_class
         self.rounding = rounding
         self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
-        self.seed = SEED + shard_rank
-        self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._fp32_depth = 0
         self._layouts: dict[int, storage.BlockLayout] = {}
         """Each master's block layout for quantized moments, by ``id(master)`` (the masters
@@ -150,10 +98,6 @@ class LowPrecisionAdamUpdate:
         it, and that tensor's version counter when made (to tell whether it was written)."""
         self._pending_codes: list[tuple[torch.Tensor, str, int, int, torch.Tensor, torch.Tensor]]
         self._pending_codes = []
-        self._numbers: dict[int, int] = {}
-        """Each master's number (its place in the plan's masters): the stochastic-rounding
-        noise of each master is its own."""
-        self._kernel = update_kernel.OnePassUpdate()
         """Saved codes to restore once :meth:`fp32_view` has stored the moments back
         (:meth:`load_segment_codes`)."""
 
@@ -194,56 +138,6 @@ class LowPrecisionAdamUpdate:
             values.reshape(-1), want, signed=name == "exp_avg", layout=self.layout(master)
         )
         return stored if storage.is_quantized(stored) else stored.view(values.shape)
-
-    @classmethod
-    def for_plan(
-        cls,
-        plan: PrecisionPlan,
-        inner: torch.optim.Optimizer,
-        masters: list[torch.Tensor],
-        shard_rank: int,
-        segments: Sequence[Sequence[int]] | None = None,
-    ) -> LowPrecisionAdamUpdate | None:
-        """The update of ``plan``'s ``masters`` (keys of ``inner``), their states made, for
-        16-bit masters or moments other than fp32; None for fp32 masters with fp32 moments.
-        ``segments``: per master, the lengths of its parameter pieces (and padding) in order
-        (:meth:`set_segments`); None: each master holds one parameter (ZeRO-3 local shards).
-        Refuses an optimizer other than torch's fused Adam/AdamW."""
-        states = plan.optimizer_states
-        if plan.master_dtype == torch.float32 and states == "fp32":
-            return None
-        torch_class = plan.optimizer.torch_class
-        if not FlatAdamUpdate.supports(inner, torch_class):
-            if states != "fp32":
-                raise NotSupportedError(
-                    f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
-                    f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
-                    "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
-                    f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
-                    "without fused kernels) keeps other states, which it would update in their "
-                    "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
-                    "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
-                )
-            raise NotSupportedError(
-                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
-                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
-                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
-                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
-                "master weights (remove master_weights / bf16_master_weights_and_grads)"
-            )
-        update = cls(
-            inner,
-            torch_class,
-            rounding=plan.master_rounding,
-            exp_avg_dtype=plan.exp_avg_dtype,
-            exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
-            shard_rank=shard_rank,
-        )
-        if segments is not None and update.quantized:
-            update.set_segments(masters, segments)
-        update.conform(masters)
-        update._numbers = {id(master): i for i, master in enumerate(masters)}
-        return update
 
     def master_values(self, master: torch.Tensor) -> torch.Tensor:
         """``master`` as the fp32 values it stands for: with Kahan rounding, the bf16 weights
@@ -485,179 +379,3 @@ class LowPrecisionAdamUpdate:
             self._fp32_depth -= 1
             if self._fp32_depth == 0:
                 self.conform(masters)
-
-    def bucket(
-        self,
-        group: dict[str, Any],
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        param_chunk: torch.Tensor | None,
-        grad_scale: torch.Tensor,
-    ) -> None:
-        """Update one master (chunk or local shard) from ``grad / grad_scale``, laid out like
-        it; cast an fp32 master into ``param_chunk`` (None where the master is the
-        parameters' own memory)."""
-        slot = self.slot(master)
-        if self._fp32_depth:
-            # Inside fp32_view this update writes the fp32 moments, so they must be quantized
-            # anew on exit; torch's fused kernels write in place without bumping the version
-            # counter that tells an untouched view from a written one.
-            for name in MOMENTS:
-                self._viewed.pop((id(slot), name), None)
-        step = slot["step"]
-        step += 1
-        fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
-        if self._torch_runs_it(master, grad, slot):
-            # bf16 weights, gradient and moments rounded to nearest: torch's fused kernel on
-            # bf16 tensors computes in fp32 and rounds each back, the same bits as the pieces
-            # below (tests/test_master_rounding.py), in one pass and no scratch.
-            moments = [slot[name].view(-1) for name in MOMENTS]
-            fused(
-                [master.view(-1)],
-                [grad.reshape(-1)],
-                [moments[0]],
-                [moments[1]],
-                [],
-                [step],
-                **kwargs,
-            )
-            return
-        if self.one_pass(master, slot):
-            self._one_pass_bucket(group, master, grad, param_chunk, grad_scale, slot)
-            return
-        device = master.device
-        fp32_master = master.dtype == torch.float32
-        layout = self.layout(master)
-        # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
-        # keyed by the master itself. Quantized states are flat already.
-        master, grad = master.view(-1), grad.reshape(-1)
-        slot = {
-            name: value.view(-1)
-            if torch.is_tensor(value) and value.dim() and not storage.is_quantized(value)
-            else value
-            for name, value in slot.items()
-        }
-        # Pieces of whole segments (a long one alone, in parts): a quantized moment's piece is
-        # then whole blocks of its own storage, whose values belong to this piece only.
-        for span in layout.pieces(PIECE):
-            begin, end = span.begin, span.end
-            n = end - begin
-            if fp32_master:
-                weights = master[begin:end]
-            else:
-                weights = self._scratch_for(device, "weights", n)
-                if self.rounding == "kahan":
-                    kahan_load(master[begin:end], slot[KAHAN_COMPENSATION][begin:end], weights)
-                else:
-                    weights.copy_(master[begin:end])
-            piece = grad[begin:end]
-            if piece.dtype != torch.float32:
-                piece = self._scratch_for(device, "grad", n)
-                piece.copy_(grad[begin:end])
-            moments = []
-            for name in MOMENTS:
-                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
-                moments.append(storage.load_piece(slot[name], span, scratch))
-            fused([weights], [piece], [moments[0]], [moments[1]], [], [step], **kwargs)
-            if fp32_master:
-                if param_chunk is not None:
-                    param_chunk[begin:end].copy_(weights)
-            elif self.rounding == "kahan":
-                kahan_store(weights, master[begin:end], slot[KAHAN_COMPENSATION][begin:end])
-            elif self.rounding == "stochastic":
-                noise = self._scratch_for(device, "noise", n, torch.int32)
-                round_stochastic(weights, master[begin:end], self._generator(device), noise)
-            else:
-                master[begin:end].copy_(weights)
-            for name, values in zip(MOMENTS, moments, strict=True):
-                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
-                storage.store_piece(values, slot[name], span, scratch)
-
-    def one_pass(self, master: torch.Tensor, slot: dict[str, Any]) -> bool:
-        """Whether the one-pass update (``kernels/one_pass.py``) serves ``master``: a 16-bit
-        master on the host, both moments fp32 or bf16. Quantized moments take the pieces of
-        :meth:`bucket`, and so do fp32 masters: with bf16 moments Inductor's vectorized bf16
-        conversions cost more than the pieces' fp32 scratch saves (measured 112 ms a step
-        against 92 ms for 16.8 M parameters, one thread)."""
-        return (
-            master.device.type == "cpu"
-            and master.dtype != torch.float32
-            and all(
-                not storage.is_quantized(slot[name])
-                and slot[name].dtype in (torch.float32, torch.bfloat16)
-                for name in MOMENTS
-            )
-        )
-
-    def _one_pass_bucket(
-        self,
-        group: dict[str, Any],
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        param_chunk: torch.Tensor | None,
-        grad_scale: torch.Tensor,
-        slot: dict[str, Any],
-    ) -> None:
-        """:meth:`bucket` by :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`, a
-        piece of ``PIECE`` at a time (bounds the eager path's temporaries; the compiled one
-        has none)."""
-        step = int(slot["step"].item())  # a host tensor: no device sync
-        decoupled = decoupled_weight_decay(self.torch_class, group)
-        hyper = update_kernel.hyperparameters(group, step, decoupled, master.device)
-        number = self._numbers.get(id(master), 0)
-        key = torch.tensor(noise_key(self.seed, number, step), dtype=torch.int64)
-        scale = grad_scale.to(device=master.device, dtype=torch.float32).reshape(())
-        flat = [master.view(-1), grad.reshape(-1)]
-        flat += [slot[name].view(-1) for name in MOMENTS]
-        compensation = slot[KAHAN_COMPENSATION].view(-1) if self.rounding == "kahan" else None
-        weight_decay = float(group["weight_decay"]) != 0.0
-        for begin in range(0, master.numel(), PIECE):
-            end = min(begin + PIECE, master.numel())
-            self._kernel(
-                *(t[begin:end] for t in flat),
-                None if compensation is None else compensation[begin:end],
-                None if param_chunk is None else param_chunk.view(-1)[begin:end],
-                hyper,
-                scale,
-                key,
-                torch.tensor(begin, dtype=torch.int64),
-                decoupled=decoupled,
-                weight_decay=weight_decay,
-                rounding=self.rounding,
-            )
-
-    def _torch_runs_it(
-        self, master: torch.Tensor, grad: torch.Tensor, slot: dict[str, Any]
-    ) -> bool:
-        """Whether torch's fused kernel does this update exactly as it is: 16-bit master,
-        gradient and moments all of one dtype, rounded to nearest (no Kahan, no noise)."""
-        return (
-            self.rounding == "nearest"
-            and master.dtype != torch.float32
-            and grad.dtype == master.dtype
-            and all(
-                not storage.is_quantized(slot[name]) and slot[name].dtype == master.dtype
-                for name in MOMENTS
-            )
-        )
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._generators[device] = generator
-        return generator
-
-    def release_scratch(self) -> None:
-        """Drop the fp32 working copies at the end of a step: between steps (where
-        ``plan.memory()`` counts) the optimizer holds none of them."""
-        self._scratch.clear()
-
-    def _scratch_for(
-        self, device: torch.device, name: str, numel: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        scratch = self._scratch.get((device, name))
-        if scratch is None or scratch.numel() < numel:
-            scratch = torch.empty(max(numel, 1), dtype=dtype, device=device)
-            self._scratch[(device, name)] = scratch
-        return scratch[:numel]

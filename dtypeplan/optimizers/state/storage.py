@@ -1,7 +1,7 @@
 """How one optimizer state (an Adam moment) is stored between steps: fp32, bf16, int8 or fp8.
 
 The update never computes in the storage dtype: each step loads a piece of a state into fp32
-scratch, runs torch's fused Adam/AdamW on it, and stores it back (``state/low_precision.py``).
+scratch, runs torch's fused Adam/AdamW on it, and stores it back (``update/pieces.py``).
 This module says what "load" and "store" mean for each dtype of the ``states`` dimension:
 
 * ``fp32``: the state itself (no copy);

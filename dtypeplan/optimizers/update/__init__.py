@@ -17,7 +17,7 @@ engine builds the first that applies (``registry.py``) and stays the step's phas
     generic.py        any other elementwise optimizer: its own ``inner.step()``
 
 The numerical work stays in the modules the kernels call (``kernels/torch_adam.py``,
-``state/low_precision.py``, ``kernels/one_pass.py``, ``buffers/host_offload.py``,
+``update/pieces.py``, ``kernels/one_pass.py``, ``buffers/host_offload.py``,
 ``kernels/triton_adamw.py``, ``kernels/triton_one_pass.py``).
 """
 

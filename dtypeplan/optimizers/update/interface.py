@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dtypeplan.optimizers.buffers.group_state import GroupState
     from dtypeplan.optimizers.buffers.host_offload import HostOffload
     from dtypeplan.optimizers.kernels.torch_adam import FlatAdamUpdate
-    from dtypeplan.optimizers.state.low_precision import LowPrecisionAdamUpdate
+    from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [

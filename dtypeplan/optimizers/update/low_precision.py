@@ -3,14 +3,14 @@ fp32, the results rounded or quantized back. Two kernels share the bucket loop o
 :class:`BucketChunkKernel` and split the plans between them.
 
 **16-bit master weights or bf16 moments** (:class:`LowPrecisionKernel`):
-``LowPrecisionAdamUpdate.bucket`` (``state/low_precision.py``) runs each bucket chunk: on the
+``LowPrecisionAdamUpdate.bucket`` (``update/pieces.py``) runs each bucket chunk: on the
 host, a 16-bit master with fp32 or bf16 moments takes the one-pass update
 (``kernels/one_pass.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
 torch's fused Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).
 
 **int8 or fp8 moments** (torchao's blockwise codes; :class:`QuantizedKernel`): dequantize,
 update in fp32, quantize back.
-``LowPrecisionAdamUpdate.bucket`` (``state/low_precision.py``) goes over each bucket chunk in
+``LowPrecisionAdamUpdate.bucket`` (``update/pieces.py``) goes over each bucket chunk in
 pieces of whole blocks (``state/storage.py``): each moment's piece is dequantized into fp32
 scratch, updated by torch's fused Adam/AdamW with the master (rounded back where 16-bit), and
 quantized into its blocks again.

@@ -1,7 +1,7 @@
 """torch's fused Adam/AdamW per bucket chunk: fp32 masters and states, and the 16-bit hand-off.
 
 Both drive one update object's ``bucket`` over every bucket chunk in order
-(``kernels/torch_adam.py`` for fp32 masters and states; ``state/low_precision.py`` for the
+(``kernels/torch_adam.py`` for fp32 masters and states; ``update/pieces.py`` for the
 16-bit hand-off, which gives bf16 master, gradient and moments rounded to nearest to torch's
 fused kernel as they are) and start each bucket's all-gather as soon as its chunk is written,
 while the next buckets update.
