@@ -32,7 +32,7 @@ from dtypeplan.checkpoint._manifest import (
     restore_hyperparameters,
 )
 from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
-from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 
 __all__ = ["load", "save"]
 

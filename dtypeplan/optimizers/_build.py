@@ -25,8 +25,7 @@ import torch.distributed as dist
 from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
-from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy
-from dtypeplan.optimizers.contract.registry import get_implementation
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer, WrapPolicy, get_implementation
 from dtypeplan.resolver import PrecisionPlan, Status
 
 __all__ = ["build_optimizer", "implementation_class", "prepare_model"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
 
-__all__ = ["ReplicatedOptimizer", "ShardedOptimizer"]
+__all__ = ["FlatMixedPrecisionOptimizer", "ReplicatedOptimizer", "ShardedOptimizer"]
 
 
 @register("replicated")

@@ -8,4 +8,8 @@ Split as the flat engine is::
     units.py              which modules become FSDP2 units
 """
 
-__all__: list[str] = []
+from dtypeplan.optimizers.fsdp2.optimizer import FSDP2Optimizer
+
+__all__ = [
+    "FSDP2Optimizer",
+]

@@ -3,4 +3,9 @@ holds after the optimizer took it in, the cooperation with DDP, the backward-tim
 scheduler, parameters without a gradient, the factor (unscale, average, clip) and fp16 loss
 scaling."""
 
-__all__: list[str] = []
+from dtypeplan.optimizers.grads.loss_scaler import LossScaler, MinimumLossScaleError
+
+__all__ = [
+    "LossScaler",
+    "MinimumLossScaleError",
+]
