@@ -42,7 +42,7 @@ from benchmarks._common import (
     write_result,
 )
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._owned_gradient import OwnedGradient
+from dtypeplan.optimizers.grads.owned import OwnedGradient
 
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCHES = 2

@@ -4,7 +4,7 @@
 
 1. Accumulation over micro-batches (1..256). bf16 gradients ``g_k = mu + noise_k`` (the same
    mean every micro-batch, fresh noise, as micro-batch gradients are) are summed by
-   ``dtypeplan.optimizers._reduction_scheduler.accumulate_`` into an fp32 and into a bf16
+   ``dtypeplan.optimizers.grads.reduction.accumulate_`` into an fp32 and into a bf16
    accumulator, the first one copied as the engine does;
    error = ||acc - sum_k g_k (float64)|| / ||sum||.
    The same is then done by the real optimizer on 1 rank: a bf16 MLP built with
@@ -42,7 +42,7 @@ from benchmarks._common import (
 )
 from dtypeplan.comm import Communicator
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._reduction_scheduler import accumulate_
+from dtypeplan.optimizers.grads.reduction import accumulate_
 
 MICRO_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SIM_WORLDS = (2, 4, 8, 16, 32, 64, 128, 256)

@@ -11,7 +11,7 @@ the all-gathers), bf16 parameters, fp32 gradient accumulation, fp32 master weigh
 
 * ``plain``: everything on the device (``zero_optimization.offload_optimizer`` absent);
 * ``offloaded``: ``offload_optimizer: {device: cpu}``: masters and states in host memory
-  (pinned on CUDA), the update on the host (``dtypeplan/optimizers/_host_offload.py``).
+  (pinned on CUDA), the update on the host (``dtypeplan/optimizers/buffers/host_offload.py``).
 
 For each: ``opt.step()`` alone, after an untimed backward that fills the accumulator, timed
 between device synchronizations (median of ``--steps`` after one warm-up step), and the
@@ -49,8 +49,8 @@ import torch
 import dtypeplan
 from benchmarks._common import base_parser, environment, finish, format_table, write_result
 from benchmarks.gpu.bench_engine_step import Block
-from dtypeplan.optimizers import _host_offload
-from dtypeplan.optimizers._host_offload import HostOffload
+from dtypeplan.optimizers.buffers import host_offload
+from dtypeplan.optimizers.buffers.host_offload import HostOffload
 
 CLIP = 1.0
 
@@ -296,7 +296,7 @@ def main() -> None:
 
 
 # The patched names must exist (a rename in the module would silently time nothing).
-assert hasattr(_host_offload.HostOffload, "_wait") and hasattr(_host_offload.HostOffload, "step")
+assert hasattr(host_offload.HostOffload, "_wait") and hasattr(host_offload.HostOffload, "step")
 
 if __name__ == "__main__":
     main()

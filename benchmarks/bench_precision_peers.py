@@ -25,7 +25,7 @@ it reads the gradient and reads and writes parameter and both moments, 28 B/para
 ZeRO-Offload the engine around it copies gradients down and parameters up and computes the norm
 on the device. dtypeplan's ``opt.step()`` on one CPU process does the whole optimizer step: it
 takes the hand-set ``.grad`` into its fp32 accumulator, computes the gradient norm and
-non-finite check (``opt.grad_norm``), and runs the host step (``_host_offload.py``): torch's
+non-finite check (``opt.grad_norm``), and runs the host step (``buffers/host_offload.py``): torch's
 fused AdamW on the host master chunks and states, writing the parameters in the same pass (a
 separate buffer: offloaded masters never alias the parameters; 32 B/param). Rows: ``dtypeplan
 ...`` is the whole ``opt.step()``, ``(host step)`` only ``HostOffload.step`` (timed by a wrapper

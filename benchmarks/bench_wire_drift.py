@@ -22,7 +22,7 @@ run's, the held-out loss after the last step and its deviation from the fp32 run
 against the bf16 wire's (the ratio), and the bytes each rank sends across groups per step
 (counted at the collectives). The across-group all-reduce is called here directly rather than
 through ``plan.build``: the engine's across-group wire is the hybrid-layout work of
-``_reduction_scheduler.py``.
+``grads/reduction.py``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python -m benchmarks.fp16_master_probe
 
 The 3-layer MLP of the tests in fp16 (static loss scale 1024), updated by torch's fused AdamW
-in fp32 and written back into fp16 masters as ``_low_precision_update.py`` would: rounded to
+in fp32 and written back into fp16 masters as ``update/pieces.py`` would: rounded to
 nearest (DeepSpeed's ``fp16_master_weights_and_grads``) or with an fp16 Kahan compensation
-(``_master_rounding.py``), next to fp32 masters. "lost" is the share of elementwise updates
+(``kernels/rounding.py``), next to fp32 masters. "lost" is the share of elementwise updates
 after which the fp16 weight did not move (rounded away with nearest; held by the fp32 master or
 the compensation otherwise). Then small weights: 1000 updates of ``delta`` on one weight kept as
 an fp16 or a bf16 Kahan pair, and the share of the movement the pair lost. Evidence for the rule
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dtypeplan.optimizers._master_rounding import kahan_load, kahan_store
+from dtypeplan.optimizers.kernels.rounding import kahan_load, kahan_store
 from tests._helpers import make_batch, make_model, mse
 
 STEPS, LOSS_SCALE = 200, 1024.0

@@ -1,6 +1,6 @@
 """Which way the host's one-pass optimizer update runs in this process: compiled or eager.
 
-``optimizers/_update_kernel.py`` compiles its update with torch.compile unless
+``optimizers/kernels/one_pass.py`` compiles its update with torch.compile unless
 ``DTYPEPLAN_EAGER_UPDATE=1`` is set, and runs it eagerly (the same numbers) for the rest of the
 process once a compile failed (no C++ compiler). Kept apart from the kernel so that
 ``plan.explain()`` can say which runs without the resolver importing the optimizers.

@@ -1,4 +1,5 @@
-"""The package's structure: no module imports in a circle, imports run one way, the flat
+"""The package's structure: no module imports in a circle, imports run one way (the resolver
+imports nothing of the optimizers; the optimizers' rooms import only rooms below them), the flat
 engine and the base class stay small, and every update kernel keeps one interface.
 
 For the graph every module of ``dtypeplan`` is read with ``ast`` (nothing is imported), and
@@ -123,36 +124,51 @@ kernels, the state save/load, the param-group checks and the held tensors live a
 
 
 def test_the_engine_and_the_base_class_stay_under_600_lines() -> None:
-    for module in ("dtypeplan.optimizers._engine", "dtypeplan.optimizers._base"):
+    for module in ("dtypeplan.optimizers.flat.engine", "dtypeplan.optimizers.contract.base"):
         lines = len(MODULES[module].read_text().splitlines())
         assert lines < MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES - 1})"
 
 
 def test_every_registered_update_kernel_keeps_the_interface() -> None:
     """Each kernel is a concrete :class:`UpdateKernel` in a module of its own under
-    ``update_kernels/`` (those of one family may share one), named uniquely, and the last one
-    serves every plan; the kernels never import the engine (it imports them)."""
+    ``update/`` (those of one family may share one: they share a base below
+    :class:`UpdateKernel`), named uniquely, and the last one serves every plan; every module of
+    ``update/`` but its interface, registry and the piecewise update holds a kernel; the
+    kernels never import the engines (they import them)."""
     import inspect
 
-    from dtypeplan.optimizers.update_kernels import KERNELS, UpdateKernel
-    from dtypeplan.optimizers.update_kernels.generic import GenericKernel
+    from dtypeplan.optimizers.update import KERNELS, UpdateKernel
+    from dtypeplan.optimizers.update.generic import GenericKernel
 
     names = [kernel.name for kernel in KERNELS]
     assert len(set(names)) == len(names), names
     for kernel in KERNELS:
         assert issubclass(kernel, UpdateKernel) and not inspect.isabstract(kernel), kernel
-        assert kernel.__module__.startswith("dtypeplan.optimizers.update_kernels."), kernel
+        assert kernel.__module__.startswith("dtypeplan.optimizers.update."), kernel
         for method in ("applies", "update", "describe", "state_changed"):
             assert callable(getattr(kernel, method)), (kernel, method)
         own = inspect.signature(kernel.update).parameters
         base = inspect.signature(UpdateKernel.update).parameters
         assert list(own) == list(base), (kernel, list(own))
     assert KERNELS[-1] is GenericKernel
-    kernel_modules = {m for m in GRAPH if m.startswith("dtypeplan.optimizers.update_kernels")}
-    assert {k.__module__ for k in KERNELS} <= kernel_modules
-    for module in kernel_modules:
-        assert "dtypeplan.optimizers._engine" not in GRAPH[module], module
-        assert "dtypeplan.optimizers._flat_state" not in GRAPH[module], module
+    kernel_modules = {m for m in GRAPH if m.startswith("dtypeplan.optimizers.update.")}
+    holding = {k.__module__ for k in KERNELS}
+    infrastructure = {
+        f"dtypeplan.optimizers.update.{m}" for m in ("interface", "registry", "pieces")
+    }
+    assert holding <= kernel_modules
+    assert kernel_modules - infrastructure == holding, kernel_modules - infrastructure - holding
+    for module in holding:
+        family = [k for k in KERNELS if k.__module__ == module]
+        if len(family) > 1:
+            shared = set.intersection(*(set(k.__mro__[1:]) for k in family))
+            assert any(b is not UpdateKernel and issubclass(b, UpdateKernel) for b in shared), (
+                module,
+                family,
+            )
+    for module in kernel_modules | {"dtypeplan.optimizers.update"}:
+        engines = {t for t in GRAPH[module] if _room(t) in ("flat", "fsdp2")}
+        assert not engines, (module, sorted(engines))
 
 
 MAX_FUNCTION_LINES = 60
@@ -186,3 +202,109 @@ def test_no_resolver_function_is_over_60_lines() -> None:
                     long[f"{module}.{node.name}:{node.lineno}"] = lines
     assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"
     assert any(m.startswith("dtypeplan.resolver.") for m in MODULES)
+
+
+OPTIMIZERS = "dtypeplan.optimizers"
+
+ROOMS = {
+    "kernels": 0,
+    "state": 1,
+    "buffers": 2,
+    "grads": 3,
+    "contract": 4,
+    "update": 5,
+    "flat": 6,
+    "fsdp2": 6,
+}
+"""The rooms of ``dtypeplan/optimizers/``, by level: a module imports modules of its own room or
+of a room of a lower level, never of one of its own level or above (``flat/`` and ``fsdp2/``,
+both 6, never import each other).
+
+* 0 ``kernels/``: the update math, tensors in, tensors out (no optimizer object, no plan);
+* 1 ``state/``: what the optimizer state holds, how it is named, stored and counted;
+* 2 ``buffers/``: the flat engine's buffers, buckets, master chunks and host slots (a group's
+  ``shard_pieces`` are ``state/``'s ``ShardPiece``);
+* 3 ``grads/``: a gradient from autograd to ``step()`` (ownership, DDP, the reduction
+  scheduler, the factor, the loss scaler);
+* 4 ``contract/``: the ``torch.optim``-like contract (base class, ``state_dict``, param groups,
+  hyperparameters, ``prepare_model``, the registry);
+* 5 ``update/``: the step's update (the kernels and their registry, the piecewise update);
+* 6 ``flat/`` (ZeRO 0-2) and ``fsdp2/`` (ZeRO-3): the implementations.
+
+Above them, at level ``TOP``, ``optimizers/__init__.py`` and ``_build.py`` import the rooms'
+public names only (each room's ``__init__``); nothing outside ``optimizers/`` imports a module
+inside a room."""
+
+TOP = max(ROOMS.values()) + 1
+TOP_MODULES = {OPTIMIZERS, f"{OPTIMIZERS}._build"}
+
+
+def _room(module: str) -> str | None:
+    """The room ``module`` belongs to (a room's own ``__init__`` included), else None."""
+    if not module.startswith(OPTIMIZERS + "."):
+        return None
+    room = module[len(OPTIMIZERS) + 1 :].split(".")[0]
+    return room if room in ROOMS else None
+
+
+def _room_edges() -> list[tuple[str, str]]:
+    """Every import edge from a module of one room to a module of another."""
+    return [
+        (module, target)
+        for module, targets in GRAPH.items()
+        for target in targets
+        if _room(module) and _room(target) and _room(module) != _room(target)
+    ]
+
+
+def test_optimizers_hold_no_module_outside_a_room() -> None:
+    """Only the public ``__init__`` and ``_build`` stay at the top of ``optimizers/``; every
+    room is a package, and inside a room modules drop the underscore."""
+    optimizers = {m for m in MODULES if m == OPTIMIZERS or m.startswith(OPTIMIZERS + ".")}
+    outside = sorted(m for m in optimizers - TOP_MODULES if _room(m) is None)
+    assert not outside, outside
+    for room in ROOMS:
+        assert MODULES[f"{OPTIMIZERS}.{room}"].name == "__init__.py", room
+    private = sorted(m for m in optimizers if _room(m) and m.rpartition(".")[2].startswith("_"))
+    assert not private, private
+
+
+def test_every_import_between_rooms_points_to_a_lower_room() -> None:
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, target in _room_edges()
+        if ROOMS[_room(target) or ""] >= ROOMS[_room(module) or ""]
+    )
+    assert not upward, upward
+    assert len(_room_edges()) > 0  # the graph sees the rooms
+
+
+def test_the_top_of_the_optimizers_imports_the_rooms_public_names_only() -> None:
+    """``optimizers/__init__.py`` and ``_build.py`` import rooms' ``__init__`` (and each other),
+    and no room imports them."""
+    for module in TOP_MODULES:
+        inside = sorted(t for t in GRAPH[module] if _room(t) and t.count(".") > 2)
+        assert not inside, (module, inside)
+    for module, targets in GRAPH.items():
+        if _room(module):
+            assert not targets & TOP_MODULES, (module, sorted(targets & TOP_MODULES))
+
+
+def test_the_checkpointer_and_the_integrations_import_no_module_inside_a_room() -> None:
+    """Outside ``optimizers/`` (the checkpointer, the integrations, the demo, the command line)
+    only ``dtypeplan.optimizers`` and the rooms' public names (their ``__init__``) are
+    imported; each room's ``__init__`` lists them in ``__all__``."""
+    outside = [m for m in GRAPH if not m.startswith(OPTIMIZERS)]
+    assert any(m.startswith("dtypeplan.checkpoint.") for m in outside)
+    assert any(m.startswith("dtypeplan.integrations.") for m in outside)
+    for module in outside:
+        inside = sorted(t for t in GRAPH[module] if _room(t) and t.count(".") > 2)
+        assert not inside, (module, inside)
+        assert f"{OPTIMIZERS}._build" not in GRAPH[module], module
+    import importlib
+
+    for room in ROOMS:
+        package = importlib.import_module(f"{OPTIMIZERS}.{room}")
+        names = package.__all__
+        assert len(set(names)) == len(names), room
+        assert all(hasattr(package, name) for name in names), room

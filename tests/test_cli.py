@@ -15,7 +15,7 @@ import pytest
 
 import dtypeplan
 from dtypeplan.cli import main, parse_count
-from dtypeplan.optimizers import _registry
+from dtypeplan.optimizers.contract import registry
 from dtypeplan.report import format_bytes
 from dtypeplan.resolver import DIMENSIONS, PARAMS, Rule
 from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, value_text
@@ -511,13 +511,13 @@ def test_lint_broken_rules_exits_2_with_file_line(
 def test_lint_import_registers_user_implementations(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     module = "dtypeplan_cli_test_impl"
     (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(
             """
             import dtypeplan
-            from dtypeplan.optimizers._implementations import ShardedOptimizer
+            from dtypeplan.optimizers.flat import ShardedOptimizer
 
             @dtypeplan.register("cli-test-zero1")
             class MyZero1(ShardedOptimizer):

@@ -786,7 +786,7 @@ def test_zero3_table_agrees_with_what_hsdp_runs(comm: str) -> None:
     build, nor a plan that build runs be refused by the table."""
     from dtypeplan.comm._groups import HybridGroups
     from dtypeplan.errors import NotSupportedError
-    from dtypeplan.optimizers._fsdp2_sharding import check_wire_across_groups
+    from dtypeplan.optimizers.fsdp2.sharding import check_wire_across_groups
 
     layout = HybridGroups(2, 2, 0, 0, (0, 1), (0, 2), None, None)
     for wire in (None, "fp32", "bf16", "fp16", "int8", "fp8"):

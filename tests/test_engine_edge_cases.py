@@ -12,7 +12,7 @@ import torch
 import dtypeplan
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._reduction_scheduler import InFlightReduction
+from dtypeplan.optimizers.grads.reduction import InFlightReduction
 from tests._helpers import make_batch, make_model, mse
 from tests.workers.engine_edge_cases import (
     empty_micro_batch_on_one_rank,

@@ -29,8 +29,8 @@ import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.errors import RankMismatchError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._hyperparameter_check import HyperparameterCheck
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION
+from dtypeplan.optimizers.contract.hyperparameters import HyperparameterCheck
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 from tests.workers import exact_resume as cases
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeplan.optimizers._fused_adamw_triton import (
+from dtypeplan.optimizers.kernels.triton_adamw import (
     bytes_per_param,
     fused_mixed_adamw_,
     fused_mixed_adamw_multi_,

@@ -21,7 +21,7 @@ import pytest
 import dtypeplan
 from dtypeplan import PrecisionConfigError, RulesError
 from dtypeplan.cli import main
-from dtypeplan.optimizers._loss_scaler import LossScaler
+from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.resolver._config import LossScaleConfig
 from dtypeplan.resolver._rules import load_rules
 

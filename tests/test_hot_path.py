@@ -22,7 +22,7 @@ import dtypeplan
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import mean_reduction
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._flat_update import decoupled_weight_decay
+from dtypeplan.optimizers.kernels.torch_adam import decoupled_weight_decay
 from tests._helpers import make_batch, make_model, mse
 from tests.workers.hot_path import SHARDED_BOUNDARY_RUNS, boundary_case, hot_path_cases
 

@@ -1,4 +1,4 @@
-"""The two-table int8 quantizer gives torchao's codes bit for bit (``_int8_codes.py``).
+"""The two-table int8 quantizer gives torchao's codes bit for bit (``int8_codes.py``).
 
 torchao's own ``quantize_8bit_with_qmap`` is the oracle, on the values a block scaling can
 produce: every code value and its float neighbours, every rounding step (found from torchao's
@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeplan.optimizers import _int8_codes, _state_storage
+from dtypeplan.optimizers.kernels import int8_codes
+from dtypeplan.optimizers.state import storage
 
 
 def _torchao_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
-    _, _, quant_utils = _state_storage._torchao()
-    qmap = _state_storage._code_table(torch.device("cpu"), signed)
+    _, _, quant_utils = storage._torchao()
+    qmap = storage._code_table(torch.device("cpu"), signed)
     return quant_utils.quantize_8bit_with_qmap(values, qmap)
 
 
@@ -35,7 +36,7 @@ def _neighbours(values: torch.Tensor, ulps: int = 3) -> torch.Tensor:
 
 def _cases(signed: bool) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
-    qmap = _state_storage._code_table(torch.device("cpu"), signed)
+    qmap = storage._code_table(torch.device("cpu"), signed)
     low = -1.0 if signed else 0.0
     grid = torch.linspace(low, 1.0, 1 << 21)
     codes = _torchao_codes(grid, signed)
@@ -63,11 +64,11 @@ def _cases(signed: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_codes_equal_torchao(signed: bool) -> None:
-    tables = _state_storage._int8_tables(torch.device("cpu"), signed)
+    tables = storage._int8_tables(torch.device("cpu"), signed)
     for name, values in _cases(signed).items():
         values = values.clamp(-1.0, 1.0) if name != "special" else values
         expected = _torchao_codes(values, signed)
-        got = _int8_codes.quantize(values, tables)
+        got = int8_codes.quantize(values, tables)
         differ = expected != got
         assert not bool(differ.any()), (
             f"{name}: {int(differ.sum())} codes differ from torchao's, e.g. values "
@@ -82,15 +83,15 @@ def test_a_table_with_two_steps_in_a_bucket_is_refused() -> None:
         return (values >= 0.5001).to(torch.uint8) + (values >= 0.5002).to(torch.uint8)
 
     with pytest.raises(ValueError, match="more than one code step"):
-        _int8_codes.build_tables(crowded)
+        int8_codes.build_tables(crowded)
 
 
 def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
     """A stored int8 state holds torchao's codes (what its own ``copy_`` would write)."""
     values = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e-2
     for signed, data in ((True, values), (False, values.abs())):
-        stored: object = _state_storage.to_storage(data, "int8", signed=signed)
-        _, _, quant_utils = _state_storage._torchao()
+        stored: object = storage.to_storage(data, "int8", signed=signed)
+        _, _, quant_utils = storage._torchao()
         scaled, _ = quant_utils.scale_tensor(data, 256)
         expected = _torchao_codes(scaled, signed)
         assert torch.equal(stored.codes, expected)  # type: ignore[attr-defined]
@@ -98,21 +99,21 @@ def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
 
 def test_dequantized_values_equal_torchao() -> None:
     """Reading an int8 state back gives torchao's own dequantization, bit for bit."""
-    _, _, quant_utils = _state_storage._torchao()
+    _, _, quant_utils = storage._torchao()
     values = torch.randn(8192, generator=torch.Generator().manual_seed(5)) * 1e-3
     for signed, data in ((True, values), (False, values.abs())):
-        stored: Any = _state_storage.to_storage(data, "int8", signed=signed)
+        stored: Any = storage.to_storage(data, "int8", signed=signed)
         expected = quant_utils.dequant_with_qmap(stored.codes, stored.qmap, stored.scale)
-        assert torch.equal(_state_storage.state_values(stored, data.numel()), expected)
+        assert torch.equal(storage.state_values(stored, data.numel()), expected)
 
 
 def test_fp8_state_reads_back_as_torch_converts_it() -> None:
     """The e4m3 lookup table gives torch's conversion of every code, NaN included."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    table = _state_storage._fp8_values(torch.device("cpu"))
+    table = storage._fp8_values(torch.device("cpu"))
     assert torch.equal(table.isnan(), codes.float().isnan())
     assert torch.equal(table.nan_to_num(), codes.float().nan_to_num())
     values = torch.randn(8192, generator=torch.Generator().manual_seed(6)) * 1e-3
-    stored: Any = _state_storage.to_storage(values, "fp8", signed=True)
+    stored: Any = storage.to_storage(values, "fp8", signed=True)
     expected = (stored.codes.float().view(-1, 256) * stored.scale.view(-1, 1)).view(-1)
-    assert torch.equal(_state_storage.state_values(stored, values.numel()), expected)
+    assert torch.equal(storage.state_values(stored, values.numel()), expected)

@@ -1,4 +1,4 @@
-"""The flat engine's update-kernel registry (``dtypeplan/optimizers/update_kernels/``).
+"""The flat engine's update-kernel registry (``dtypeplan/optimizers/update/``).
 
 Each precision cell is served by the kernel the registry names for it (on one CPU process:
 no Triton), and a param group that turns ``maximize`` on after build moves the engine off
@@ -15,7 +15,7 @@ import torch
 
 import dtypeplan
 from dtypeplan.optimizers import MixedPrecisionOptimizer
-from dtypeplan.optimizers.update_kernels import KERNELS
+from dtypeplan.optimizers.update import KERNELS
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}
 BF16 = {"bf16": {"enabled": True}}

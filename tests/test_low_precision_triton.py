@@ -1,8 +1,8 @@
-"""The one-pass Triton update of the 16-bit cells (``_low_precision_triton.py``) and its
-registry entry (``update_kernels/triton_low_precision.py``).
+"""The one-pass Triton update of the 16-bit cells (``kernels/triton_one_pass.py``) and its
+registry entry (``update/triton_low_precision.py``).
 
 The kernel must give the bits of the host's eager one-pass update
-(``_update_kernel.adam_one_pass``) for every master rounding x moment dtypes x (parameter
+(``one_pass.adam_one_pass``) for every master rounding x moment dtypes x (parameter
 written or aliased), in Triton's CPU interpreter (a subprocess, skipped without Triton) and on
 CUDA (skipped without a GPU). One operation of the eager path is not IEEE on this CPU:
 ``torch.sqrt`` on fp32 (MKL/Sleef) misrounds values near a rounding midpoint (21 of 3,000
@@ -27,8 +27,9 @@ from unittest import mock
 import pytest
 import torch
 
-from dtypeplan.optimizers import _low_precision_triton as triton_kernel
-from dtypeplan.optimizers import _update_kernel as update_kernel
+from dtypeplan.optimizers.kernels import one_pass as update_kernel
+from dtypeplan.optimizers.kernels import rounding as master_rounding
+from dtypeplan.optimizers.kernels import triton_one_pass as triton_kernel
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _HAS_CUDA_TRITON = torch.cuda.is_available() and _HAS_TRITON
@@ -40,7 +41,7 @@ STEPS = 3
 
 
 class _IeeeSqrtTorch:
-    """``torch`` as ``_update_kernel`` sees it, with a correctly rounded fp32 square root."""
+    """``torch`` as ``one_pass`` sees it, with a correctly rounded fp32 square root."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -132,7 +133,7 @@ def check_case(case: dict[str, Any], device: str) -> None:
     for step in range(1, STEPS + 1):
         grad = _grad(case, step)
         hyper = update_kernel.hyperparameters(GROUP, step, case["decoupled"], torch.device("cpu"))
-        key = update_kernel.noise_key(0x5EED + 1, case["number"], step)
+        key = master_rounding.noise_key(0x5EED + 1, case["number"], step)
         kahan = ref["compensation"]
         with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
             update_kernel.adam_one_pass(
@@ -236,7 +237,7 @@ def check_multi(device: str) -> None:
             grads = [_grad(case, step) for case in cases]
             hyper = update_kernel.hyperparameters(GROUP, step, True, torch.device("cpu"))
             for case, r, grad in zip(cases, ref, grads, strict=True):
-                key = update_kernel.noise_key(seed, case["number"], step)
+                key = master_rounding.noise_key(seed, case["number"], step)
                 with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
                     update_kernel.adam_one_pass(
                         r["master"], grad, r["exp_avg"], r["exp_avg_sq"], r["compensation"],
@@ -274,7 +275,8 @@ def run_all(device: str) -> None:
 def test_noise_key_base_gives_noise_key() -> None:
     for seed, number, step in [(0x5EED, 0, 1), (0x5EED + 7, 12345, 2**31 + 5), (1, 2**31, 7)]:
         base = triton_kernel.noise_key_base(seed, number)
-        assert update_kernel._mix32_int(base + step) == update_kernel.noise_key(seed, number, step)
+        key = master_rounding.noise_key(seed, number, step)
+        assert master_rounding._mix32_int(base + step) == key
 
 
 _KERNEL_SCRIPT = """
@@ -353,7 +355,7 @@ os.environ["DTYPEPLAN_EAGER_UPDATE"] = "1"
 from unittest import mock
 import torch
 import dtypeplan
-from dtypeplan.optimizers import _update_kernel as update_kernel
+from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from tests.test_low_precision_triton import _IeeeSqrtTorch
 
 ADAMW = {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}

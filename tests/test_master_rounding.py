@@ -1,4 +1,4 @@
-"""The rounding of fp32 updates into bf16 master weights (optimizers/_master_rounding.py)."""
+"""The rounding of fp32 updates into bf16 master weights (optimizers/kernels/rounding.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import dtypeplan
-from dtypeplan.optimizers._master_rounding import (
+from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
     kahan_store,
     round_nearest,
@@ -87,7 +87,7 @@ def test_torch_fused_bf16_step_gives_the_bits_of_the_fp32_pieces(monkeypatch: An
     """bf16 masters rounded to nearest, bf16 moments and a bf16 accumulator go to torch's
     fused kernel on the bf16 tensors in one pass: the same bits as the fp32 pieces (upcast,
     fused fp32 update, round each back), with and without clipping and weight decay."""
-    from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
+    from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
     original = LowPrecisionAdamUpdate._torch_runs_it
 

@@ -2,7 +2,7 @@
 
 What only a GPU shows: the masters and states are pinned host memory, the device holds no
 master or state (its allocated bytes after build are the plain run's less those), the copies
-are asynchronous and waited for as _host_offload.py says (2 per bucket chunk for bf16
+are asynchronous and waited for as buffers/host_offload.py says (2 per bucket chunk for bf16
 parameters), and the offloaded run
 trains as the plain one does, within bf16 rounding (the host's fused Adam may round the fp32
 update differently from the device's kernel).

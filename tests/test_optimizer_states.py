@@ -19,7 +19,7 @@ import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers import _state_storage as storage
+from dtypeplan.optimizers.state import storage
 from dtypeplan.resolver._dimensions import STATE_PAIRS
 from tests import _models
 from tests._helpers import (

@@ -19,7 +19,7 @@ import pytest
 import dtypeplan
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._layout import ALIGN
+from dtypeplan.optimizers.buffers.layout import ALIGN
 from dtypeplan.resolver._traffic import QUANTIZED_WIRE_BLOCK
 from tests.workers.traffic import traffic_cases
 

@@ -1,4 +1,4 @@
-"""The one-pass Adam/AdamW update of bf16 masters (optimizers/_update_kernel.py): compiled and
+"""The one-pass Adam/AdamW update of bf16 masters (optimizers/kernels/one_pass.py): compiled and
 eager give the same bits, the fallback, its difference from torch's fused kernel, explain()."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 import dtypeplan
 from dtypeplan import _update_path as update_path
-from dtypeplan.optimizers import _update_kernel as kernel
+from dtypeplan.optimizers.kernels import one_pass as kernel
+from dtypeplan.optimizers.kernels import rounding as master_rounding
 from tests._helpers import make_batch, make_model, mse
 
 GROUP = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
@@ -50,7 +51,7 @@ def _run(fn: Any, tensors: list[Any], rounding: str, step: int, offset: int) -> 
         None,
         kernel.hyperparameters(GROUP, step, True, CPU),
         torch.tensor(0.5),
-        torch.tensor(kernel.noise_key(7, 1, step)),
+        torch.tensor(master_rounding.noise_key(7, 1, step)),
         torch.tensor(offset),
     )
     return [master, exp_avg, exp_avg_sq, compensation]
@@ -168,22 +169,26 @@ def test_the_environment_variable_forces_eager(monkeypatch: Any) -> None:
 
 def test_hashed_stochastic_rounding_is_unbiased_and_reproducible() -> None:
     n = 200_000
-    key, offset = torch.tensor(kernel.noise_key(1, 0, 1)), torch.tensor(0)
+    key, offset = torch.tensor(master_rounding.noise_key(1, 0, 1)), torch.tensor(0)
     for base in (1.0, -3.0, 2.0**-20):
         ulp = 2.0 ** (math.floor(math.log2(abs(base))) - 7)
         for p in (0.01, 0.25, 0.5, 0.9):
             exact = base + math.copysign(p * ulp, base)
-            rounded = kernel.round_stochastic(torch.full((n,), exact), key, offset).double()
+            rounded = master_rounding.round_stochastic_hashed(
+                torch.full((n,), exact), key, offset
+            ).double()
             assert set(rounded.unique().tolist()) <= {base, base + math.copysign(ulp, base)}
             sigma = ulp * math.sqrt(p * (1 - p) / n)
             assert abs(float(rounded.mean()) - exact) <= 5 * sigma, (base, p)
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
-    first = kernel.round_stochastic(values, key, offset)
-    assert torch.equal(first, kernel.round_stochastic(values, key, offset))
-    other_step = torch.tensor(kernel.noise_key(1, 0, 2))
-    assert not torch.equal(first, kernel.round_stochastic(values, other_step, offset))
+    first = master_rounding.round_stochastic_hashed(values, key, offset)
+    assert torch.equal(first, master_rounding.round_stochastic_hashed(values, key, offset))
+    other_step = torch.tensor(master_rounding.noise_key(1, 0, 2))
+    assert not torch.equal(
+        first, master_rounding.round_stochastic_hashed(values, other_step, offset)
+    )
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
-    out = kernel.round_stochastic(special.clone(), key, offset)
+    out = master_rounding.round_stochastic_hashed(special.clone(), key, offset)
     assert torch.equal(out[:4], special[:4]) and math.copysign(1.0, float(out[1])) == -1.0
     assert bool(torch.isnan(out[4]))
 

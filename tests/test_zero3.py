@@ -18,8 +18,8 @@ from torch import nn
 import dtypeplan
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers._fsdp2_sharding import mesh_device, mesh_device_type
-from dtypeplan.optimizers._shard_units import choose_units
+from dtypeplan.optimizers.fsdp2.sharding import mesh_device, mesh_device_type
+from dtypeplan.optimizers.fsdp2.units import choose_units
 from tests._models import Block, norm_and_frozen, tied_lm
 from tests.workers.zero3 import run_cases
 

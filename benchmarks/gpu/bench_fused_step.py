@@ -21,7 +21,7 @@ size with ``TRITON_INTERPRET=1`` (the kernel in Triton's interpreter, where Trit
 the logic is exercised, the timings mean nothing, and the result is named
 ``gpu_fused_step_dryrun``. Writes ``results/gpu_fused_step-<date>.json/.md``.
 
-The kernel is an internal of dtypeplan (``dtypeplan.optimizers._fused_adamw_triton``); this is
+The kernel is an internal of dtypeplan (``dtypeplan.optimizers.kernels.triton_adamw``); this is
 the one benchmark that calls it directly, as its subject is the kernel itself.
 """
 
@@ -54,9 +54,9 @@ def log(msg: str) -> None:
 def kernel_module() -> ModuleType:
     """The kernel's module, imported after ``TRITON_INTERPRET`` is settled (Triton reads it when
     the kernel is defined)."""
-    from dtypeplan.optimizers import _fused_adamw_triton
+    from dtypeplan.optimizers.kernels import triton_adamw
 
-    return _fused_adamw_triton
+    return triton_adamw
 
 
 class Bench:

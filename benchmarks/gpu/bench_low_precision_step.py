@@ -6,8 +6,8 @@ For each cell the registry's ``triton-low-precision`` kernel serves (bf16 master
 nearest, stochastically or with Kahan compensation, with fp32 or bf16 moments; fp32 masters
 with bf16 moments and bf16 parameters; an fp32 accumulator):
 
-1. check: 3 steps of ``_low_precision_triton.adam_one_pass_triton_`` on the device against
-   the host's eager one-pass update (``_update_kernel.adam_one_pass``, with a correctly
+1. check: 3 steps of ``triton_one_pass.adam_one_pass_triton_`` on the device against
+   the host's eager one-pass update (``one_pass.adam_one_pass``, with a correctly
    rounded square root: ``tests/test_low_precision_triton.py`` says why) on CPU copies:
    the values that differ in any bit (a NaN counts as equal to a NaN), which must be 0;
 2. copy bandwidth: a device-to-device fp32 copy, (bytes read + written) / time;
@@ -67,10 +67,11 @@ class _IeeeSqrtTorch:
 
 class Bench:
     def __init__(self, args: Any) -> None:
-        from dtypeplan.optimizers import _low_precision_triton, _update_kernel
+        from dtypeplan.optimizers.kernels import one_pass, rounding, triton_one_pass
 
-        self.k = _low_precision_triton
-        self.eager = _update_kernel
+        self.k = triton_one_pass
+        self.eager = one_pass
+        self.rounding = rounding
         self.args = args
         self.device = torch.device(args.device)
         self.errors: list[dict[str, str]] = []
@@ -143,7 +144,7 @@ class Bench:
             ref = self._tensors(cell, n, torch.device("cpu"))
             for step in range(1, 4):
                 grad = torch.randn(n, generator=torch.Generator().manual_seed(step))
-                key = self.eager.noise_key(0x5EED, 0, step)
+                key = self.rounding.noise_key(0x5EED, 0, step)
                 self._run(self.k.adam_one_pass_triton_, mine, grad.to(self.device), step,
                           rounding, key, 0)  # fmt: skip
                 with mock.patch.object(self.eager, "torch", _IeeeSqrtTorch()):
@@ -172,7 +173,7 @@ class Bench:
         grad = torch.randn(n, device=self.device).mul_(1e-3)  # the fp32 accumulator
         for cell, (master, rounding, m, v, param) in CELLS.items():
             t = self._tensors(cell, n, self.device)
-            key = self.eager.noise_key(0x5EED, 0, 10)
+            key = self.rounding.noise_key(0x5EED, 0, 10)
             timed = self.time_ms(
                 lambda t=t, r=rounding, key=key: self._run(
                     self.k.adam_one_pass_triton_, t, grad, 10, r, key, 0
@@ -196,7 +197,7 @@ class Bench:
     def _torch_path(self, cell: str, grad: torch.Tensor) -> float:
         """Median ms of the same cell's update without the kernel (what the registry ran on
         CUDA before it: fp32 pieces around torch's fused AdamW; on the host, the one pass)."""
-        from dtypeplan.optimizers._low_precision_update import LowPrecisionAdamUpdate
+        from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
         master, rounding, m, v, param = CELLS[cell]
         t = self._tensors(cell, self.args.numel, self.device)

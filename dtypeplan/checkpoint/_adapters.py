@@ -26,13 +26,28 @@ import torch
 
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.checkpoint._planners import Flat
-from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
-from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._group_state import ShardPiece
-from dtypeplan.optimizers._low_precision_update import KAHAN_COMPENSATION, MOMENTS
-from dtypeplan.optimizers._state_storage import QUANTIZED
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
+from dtypeplan.optimizers.flat import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers.state import (
+    KAHAN_COMPENSATION,
+    LOSS_SCALE,
+    MASTER,
+    MOMENTS,
+    QUANTIZED,
+    SKIPPED_STEPS,
+    STEP,
+    ShardPiece,
+    param_index,
+    param_key,
+    param_state_names,
+    parse_group_scalar_key,
+    parse_param_key,
+    parse_param_scalar_key,
+    scalar_key,
+    scaler_key,
+    scaler_state,
+)
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
@@ -73,13 +88,13 @@ def encode_group_states(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``scalar.group.*`` entries of ``state`` as JSON: ``{"value": x, "dtype": "float32"}``
     for a 0-dim tensor (a float32 or float64 value is exact as a JSON number), ``{"value": x}``
     for a Python number."""
-    return _encode(state, keys.parse_group_scalar_key)
+    return _encode(state, parse_group_scalar_key)
 
 
 def encode_param_states(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``scalar.param.*`` entries of ``state`` as JSON, as :func:`encode_group_states`
     (``scalar.param.{i}.no_state`` is ``{"value": 1}``)."""
-    return _encode(state, keys.parse_param_scalar_key)
+    return _encode(state, parse_param_scalar_key)
 
 
 def _encode(
@@ -120,18 +135,18 @@ def merge_group_states(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
                     "together"
                 )
             merged.setdefault(key, entry)
-    if any(keys.parse_param_scalar_key(key) for key in merged):
+    if any(parse_param_scalar_key(key) for key in merged):
         # A parameter's pieces on other ranks share its history: all its names or none.
         names: dict[int, set[str]] = {}
         for key in merged:
-            parsed = keys.parse_param_scalar_key(key)
+            parsed = parse_param_scalar_key(key)
             if parsed is not None:
                 names.setdefault(parsed[0], set()).add(parsed[1])
         for rank, states in enumerate(per_rank):
             for index, found in names.items():
                 held = {
                     parsed[1]
-                    for parsed in map(keys.parse_param_scalar_key, states)
+                    for parsed in map(parse_param_scalar_key, states)
                     if parsed is not None and parsed[0] == index
                 }
                 if held and held != found:
@@ -152,9 +167,7 @@ def _numel(shape: list[int]) -> int:
 def _empty_flats(names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
     """A :class:`Flat` without pieces for every state ``name`` of every parameter."""
     return {
-        keys.param_key(i, name): Flat(_numel(shape))
-        for name in names
-        for i, shape in enumerate(shapes)
+        param_key(i, name): Flat(_numel(shape)) for name in names for i, shape in enumerate(shapes)
     }
 
 
@@ -230,7 +243,7 @@ class FlatAdapter:
         for piece in self._saved_pieces():
             slot = self.opt.inner.state.get(piece.master, {})
             for name in names:
-                if name == keys.MASTER:
+                if name == MASTER:
                     key = id(piece.master)
                     if key not in values:
                         values[key] = self.opt.master_values(piece.master)
@@ -245,7 +258,7 @@ class FlatAdapter:
                 else:
                     # A state this rank has not created yet is still zero (as in full_state).
                     source = torch.zeros_like(piece.master)
-                flats[keys.param_key(piece.index, name)].pieces.append(
+                flats[param_key(piece.index, name)].pieces.append(
                     (piece.begin, _piece_of(piece, source))
                 )
         return flats
@@ -274,7 +287,7 @@ class FlatAdapter:
                 staging = torch.empty(
                     piece.end - piece.begin, dtype=torch.float32, device=piece.master.device
                 )
-                flats[keys.param_key(piece.index, name)].pieces.append((piece.begin, staging))
+                flats[param_key(piece.index, name)].pieces.append((piece.begin, staging))
         self._codes = []
         update = self.opt.low_precision_update
         if update is None or not codes:
@@ -311,7 +324,7 @@ class FlatAdapter:
         update = opt.low_precision_update
         kahan = update is not None and update.rounding == "kahan"
         opt.reset_update_state(
-            [n for n in names if n not in (keys.MASTER, KAHAN_COMPENSATION)],
+            [n for n in names if n not in (MASTER, KAHAN_COMPENSATION)],
             opt.group_scalars_from(_scalar_entries(scalars)),
         )
         compensations: dict[int, torch.Tensor] = {}
@@ -321,7 +334,7 @@ class FlatAdapter:
         masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for piece in opt.shard_pieces():
             for name in names:
-                if name == keys.MASTER:
+                if name == MASTER:
                     key = id(piece.master)
                     if key not in masters:
                         masters[key] = (piece.master, opt.master_values(piece.master))
@@ -337,9 +350,7 @@ class FlatAdapter:
                     target = compensations[key]
                 else:
                     target = opt.inner.state[piece.master][name]
-                _piece_of(piece, target).copy_(
-                    pieces[keys.param_key(piece.index, name)][piece.begin]
-                )
+                _piece_of(piece, target).copy_(pieces[param_key(piece.index, name)][piece.begin])
         for key, (master, values) in masters.items():
             opt.load_master_(master, values, compensations.get(key))
         for piece, name, codes, scales in self._codes:
@@ -372,16 +383,16 @@ class FullStateAdapter:
     def shapes(self) -> list[list[int]]:
         if self._shapes is None:
             template = self._full if self._full is not None else self.opt.full_state_template()
-            masters = [keys.parse_param_key(key) for key in template]
-            count = sum(1 for parsed in masters if parsed is not None and parsed[1] == keys.MASTER)
+            masters = [parse_param_key(key) for key in template]
+            count = sum(1 for parsed in masters if parsed is not None and parsed[1] == MASTER)
             self._shapes = [
-                list(_tensor(template[keys.param_key(i, keys.MASTER)]).shape) for i in range(count)
+                list(_tensor(template[param_key(i, MASTER)]).shape) for i in range(count)
             ]
         return self._shapes
 
     def state_names(self) -> list[str]:
-        found = keys.param_state_names(self._state())
-        return [keys.MASTER] + [name for name in found if name != keys.MASTER]
+        found = param_state_names(self._state())
+        return [MASTER] + [name for name in found if name != MASTER]
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         state = self._state()
@@ -393,11 +404,11 @@ class FullStateAdapter:
     def scalars(self) -> dict[str, Any]:
         state = self._state()
         return {
-            "step": int(state.get(keys.scalar_key(keys.STEP), 0)),
-            "loss_scale": float(state.get(keys.scalar_key(keys.LOSS_SCALE), 1.0)),
-            "skipped_steps": int(state.get(keys.scalar_key(keys.SKIPPED_STEPS), 0)),
+            "step": int(state.get(scalar_key(STEP), 0)),
+            "loss_scale": float(state.get(scalar_key(LOSS_SCALE), 1.0)),
+            "skipped_steps": int(state.get(scalar_key(SKIPPED_STEPS), 0)),
             "scaler_enabled": self.opt.plan.param_dtype == torch.float16,
-            "scaler": keys.scaler_state(state),
+            "scaler": scaler_state(state),
             GROUP_STATES: encode_group_states(state),
             PARAM_STATES: encode_param_states(state),
         }
@@ -416,13 +427,13 @@ class FullStateAdapter:
         shapes = self.shapes()
         state: dict[str, Any] = {}
         for key, flat in flats.items():
-            state[key] = flat.pieces[0][1].view(shapes[keys.param_index(key)])
+            state[key] = flat.pieces[0][1].view(shapes[param_index(key)])
         state.update(_scalar_entries(scalars))
-        state[keys.scalar_key(keys.SKIPPED_STEPS)] = int(scalars["skipped_steps"])
+        state[scalar_key(SKIPPED_STEPS)] = int(scalars["skipped_steps"])
         if scalars.get("scaler_enabled") and self.opt.plan.param_dtype == torch.float16:
-            state[keys.scalar_key(keys.LOSS_SCALE)] = float(scalars["loss_scale"])
+            state[scalar_key(LOSS_SCALE)] = float(scalars["loss_scale"])
             for field, value in scalars["scaler"].items():
-                state[keys.scaler_key(field)] = value
+                state[scaler_key(field)] = value
         self.opt.load_full_state(state)
 
 
@@ -443,7 +454,7 @@ def _scalar_entries(scalars: dict[str, Any]) -> dict[str, Any]:
     ``scalar.param.*`` ones."""
     entries = decode_group_states(scalars.get(GROUP_STATES, {}))
     entries.update(decode_group_states(scalars.get(PARAM_STATES, {})))
-    entries[keys.scalar_key(keys.STEP)] = int(scalars["step"])
+    entries[scalar_key(STEP)] = int(scalars["step"])
     return entries
 
 

@@ -13,11 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._engine import FlatMixedPrecisionOptimizer
-from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._group_state import ShardPiece
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
+from dtypeplan.optimizers.flat import FlatMixedPrecisionOptimizer
+from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers.state import MASTER, ShardPiece, param_key
 
 __all__ = ["export_model_state"]
 
@@ -89,7 +88,7 @@ def _values(optimizer: MixedPrecisionOptimizer) -> Callable[[torch.Tensor], torc
     def from_full_state(param: torch.Tensor) -> torch.Tensor:
         if id(param) not in index:
             return _current(param)
-        master = state[keys.param_key(index[id(param)], keys.MASTER)]
+        master = state[param_key(index[id(param)], MASTER)]
         assert isinstance(master, torch.Tensor)
         return master.float().reshape(param.shape)
 

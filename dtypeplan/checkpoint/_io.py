@@ -33,7 +33,7 @@ from dtypeplan.checkpoint._manifest import (
 )
 from dtypeplan.checkpoint._metadata import MetadataReader, read_metadata
 from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 
 __all__ = ["load", "save"]
 

@@ -17,8 +17,8 @@ import torch
 
 from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, PARAM_STATES, Adapter
 from dtypeplan.checkpoint._errors import CheckpointError
-from dtypeplan.optimizers import _state_keys as keys
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
+from dtypeplan.optimizers.state import NO_STATE, parse_group_scalar_key, parse_param_scalar_key
 
 __all__ = [
     "FORMAT",
@@ -152,7 +152,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     _check_scalar_states(
         manifest["scalars"],
         GROUP_STATES,
-        keys.parse_group_scalar_key,
+        parse_group_scalar_key,
         len(manifest["param_groups"]),
         "param groups",
         where,
@@ -160,7 +160,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     _check_scalar_states(
         manifest["scalars"],
         PARAM_STATES,
-        keys.parse_param_scalar_key,
+        parse_param_scalar_key,
         len(shapes),
         "trainable parameters",
         where,
@@ -259,7 +259,7 @@ def _check_scalar_states(
                 f"{where}: the manifest's scalars.{entry_name} key {key!r} is not the scalar "
                 f"state of one of its {count} {what}"
             )
-        if parsed[1] == keys.NO_STATE and entry_name == PARAM_STATES:
+        if parsed[1] == NO_STATE and entry_name == PARAM_STATES:
             if entry != {"value": 1}:
                 raise CheckpointError(
                     f"{where}: the manifest's scalars.{entry_name}[{key!r}] is {entry!r}; it "

@@ -1,11 +1,16 @@
 """Optimizer implementations and the registry the rules table names them in."""
 
-from dtypeplan.optimizers._base import HeldTensors, MixedPrecisionOptimizer
 from dtypeplan.optimizers._build import build_optimizer, implementation_class, prepare_model
-from dtypeplan.optimizers._fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers._implementations import ReplicatedOptimizer, ShardedOptimizer
-from dtypeplan.optimizers._loss_scaler import LossScaler, MinimumLossScaleError
-from dtypeplan.optimizers._registry import get_implementation, register, registered_names
+from dtypeplan.optimizers.contract import (
+    MixedPrecisionOptimizer,
+    get_implementation,
+    register,
+    registered_names,
+)
+from dtypeplan.optimizers.flat import ReplicatedOptimizer, ShardedOptimizer
+from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers.grads import LossScaler, MinimumLossScaleError
+from dtypeplan.optimizers.state import HeldTensors
 
 __all__ = [
     "FSDP2Optimizer",

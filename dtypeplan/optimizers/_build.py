@@ -25,9 +25,7 @@ import torch.distributed as dist
 from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
-from dtypeplan.optimizers._base import MixedPrecisionOptimizer
-from dtypeplan.optimizers._registry import get_implementation
-from dtypeplan.optimizers._shard_units import WrapPolicy
+from dtypeplan.optimizers.contract import MixedPrecisionOptimizer, WrapPolicy, get_implementation
 from dtypeplan.resolver import PrecisionPlan, Status
 
 __all__ = ["build_optimizer", "implementation_class", "prepare_model"]
@@ -89,10 +87,10 @@ def prepare_model(
     Every stage casts the model whole to ``plan.param_dtype``: parameters, frozen ones too,
     and floating-point buffers (integer buffers stay). At stages 0-2 the trainable parameters'
     fp32 values are kept until ``build`` takes them as the master weights, so casting first
-    loses no precision (``_prepare.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
+    loses no precision (``contract/model.py``). ZeRO-3 keeps the trainable parameters in fp32 (the
     sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
-    there and is ignored at the other stages (``_shard_units.py``). With ``torch_autocast`` the
+    there and is ignored at the other stages (``fsdp2/units.py``). With ``torch_autocast`` the
     model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
     """
     if plan.status != Status.OK:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import dtypeplan
 from dtypeplan import checkpoint
-from dtypeplan.optimizers import _state_storage as storage
+from dtypeplan.optimizers.state import storage
 from tests._helpers import make_model
 from tests.workers.checkpoint import capture, train
 

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import dtypeplan
-from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+from dtypeplan.optimizers.grads.owned import is_owned_gradient
 from tests._helpers import make_batch, make_model, mse
 
 BULK = 64
@@ -182,7 +182,7 @@ def _reference_norm(rank: int, world_size: int, micro_batches: int) -> float:
 
 
 def _zero3_clip_run(rank: int, world_size: int, extra: dict[str, Any], placeholders: bool):
-    from dtypeplan.optimizers import _fsdp2_sharding
+    from dtypeplan.optimizers.fsdp2 import sharding
 
     config: dict[str, Any] = {
         "bf16": {"enabled": True},
@@ -192,7 +192,7 @@ def _zero3_clip_run(rank: int, world_size: int, extra: dict[str, Any], placehold
     }
     plan = dtypeplan.resolve(config)
     model = plan.prepare_model(make_model(0))
-    clears = getattr(_fsdp2_sharding, "CLEARS_OWNED", None)  # absent before the change
+    clears = getattr(sharding, "CLEARS_OWNED", None)  # absent before the change
     if not placeholders and clears is not None:
         clears._map.clear()  # the code before: .grad left empty after the accumulation hook
     optimizer = plan.build(model.parameters())

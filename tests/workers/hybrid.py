@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import dtypeplan
 import dtypeplan.checkpoint
-from dtypeplan.optimizers._state_keys import MASTER, parse_param_key
+from dtypeplan.optimizers.state.keys import MASTER, parse_param_key
 from tests._helpers import make_batch, make_model, mse
 
 MICRO, PER_MICRO = 2, 4

@@ -445,7 +445,7 @@ def _lightning_module(manual: bool) -> Any:
                 self._optimizer_norm()
 
         def _grad_norm(self) -> None:
-            from dtypeplan.optimizers._owned_gradient import is_owned_gradient
+            from dtypeplan.optimizers.grads.owned import is_owned_gradient
 
             # Under dtypeplan .grad holds a placeholder that refuses arithmetic (the gradient
             # is in the optimizer): the plain run's norm only.

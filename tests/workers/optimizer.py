@@ -158,7 +158,7 @@ def accumulation_cases(
 def fsdp2_memory_cases(
     rank: int, world_size: int, configs: list[dict[str, Any]], width: int
 ) -> list[Any]:
-    from dtypeplan.optimizers._fsdp2_sharding import REDUCE_SCATTER_OF
+    from dtypeplan.optimizers.fsdp2.sharding import REDUCE_SCATTER_OF
 
     results = []
     for config in configs:

@@ -1,0 +1,425 @@
+"""Sharding a model with FSDP2 for a plan: the mesh, the units, the policies, the collectives.
+
+What ``plan.prepare_model`` does at ZeRO-3 (``FSDP2Optimizer.prepare_model`` calls
+:func:`shard_model`): the mesh on the process group's device, one ``fully_shard`` unit per block
+(``fsdp2/units.py``), each unit's trainable parameters in the master dtype just before it is
+sharded, FSDP2's mixed-precision and offload policies from the plan, and FSDP2's all-gather and
+reduce-scatter wrapped so that a failure is a ``CollectiveError`` naming them. The
+reduce-scatter also keeps its output for the 16-bit-master accumulation hook
+(:func:`as_reduced`). The optimizer that steps the sharded model is ``fsdp2/optimizer.py``'s.
+
+A hybrid layout (``plan.shard_group_size`` ``S`` below the world ``W``) is FSDP2's HSDP: a 2-D
+mesh of ``W / S`` rows (``"replicate"``, the replica groups of ``comm/_groups.py``) by ``S``
+columns (``"shard"``, the shard groups), placements ``(Replicate(), Shard(0))``. FSDP2 then
+all-gathers and reduce-scatters within the shard group and all-reduces the reduced shards
+across the replica group, in ``reduce_dtype``, inside its own reduction: no hook replaces that
+all-reduce, so the wire across groups is ``communication_data_type`` and nothing else
+(:func:`check_wire_across_groups`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.tensor import DTensor
+
+from dtypeplan._dtypes import dtype_name
+from dtypeplan.comm import Communicator
+from dtypeplan.comm._groups import HybridGroups, hybrid_groups
+from dtypeplan.comm._quantized_wire import WIRE_FORMATS
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.optimizers.contract.base import WrapPolicy, make_replicas_equal
+from dtypeplan.optimizers.contract.model import cast_floating_buffers
+from dtypeplan.optimizers.fsdp2.units import choose_units, uncovered_parameters
+from dtypeplan.optimizers.grads.ownership import ParamWeakMap
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dtypeplan.resolver._plan import PrecisionPlan
+
+__all__ = [
+    "REDUCE_SCATTER_OF",
+    "NamedReduceScatter",
+    "CLEARS_OWNED",
+    "as_reduced",
+    "check_wire_across_groups",
+    "clear_owned_before_reduce",
+    "hybrid_layout",
+    "mesh_device",
+    "mesh_device_type",
+    "shard_mesh",
+    "shard_model",
+]
+
+REDUCE_SCATTER_OF = ParamWeakMap()
+"""Sharded parameter -> the reduce-scatter of its model (:func:`shard_model` sets it); weak
+through the local shard, so that ``model.to(...)`` can still swap the parameter."""
+
+
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    plan: PrecisionPlan,
+    process_group: dist.ProcessGroup | None = None,
+    wrap: WrapPolicy | None = None,
+) -> torch.nn.Module:
+    """Shard ``model`` with ``fully_shard`` for ``plan``, in place (see
+    ``FSDP2Optimizer.prepare_model``); without torch.distributed, return it as it is."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return model  # one process: nothing to shard (the builder runs another class)
+    if isinstance(model, FSDPModule):
+        raise PrecisionConfigError(
+            "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
+            "call it once, on the unsharded model"
+        )
+    group = process_group or dist.group.WORLD
+    assert group is not None  # torch.distributed is initialized here
+    device = mesh_device(dist.get_backend(group), model)
+    layout = hybrid_layout(group, plan)
+    check_wire_across_groups(plan, layout)
+    mesh = shard_mesh(group, layout, device.type)
+    policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
+    low_precision_masters = plan.master_dtype != torch.float32
+    # Replicas equal by construction (as DDP): every rank shards the first rank's weights.
+    make_replicas_equal(Communicator(group), model.parameters())
+    own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
+    if plan.pipeline_parallel and own:
+        raise PrecisionConfigError(
+            f"under pipeline parallelism ZeRO-3 shards the stage module's children, but the "
+            f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
+            "torch.nn.Sequential(stage_module), before plan.prepare_model"
+        )
+    units = choose_units(model, wrap)
+    if plan.pipeline_parallel:
+        # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
+        # schedule turns gradient sync off for all but the last micro-batch of a module
+        # that is an FSDPModule, which would accumulate whole gradients; the units, the
+        # outermost of each its own FSDP root, reduce-scatter every micro-batch.
+        left = uncovered_parameters(model, units)
+        if left:
+            raise PrecisionConfigError(
+                "under pipeline parallelism ZeRO-3 shards units below the stage module, and "
+                f"no unit holds these trainable parameters: {', '.join(left)} (tied across "
+                "units, or chosen by no wrap policy). Wrap the modules that share them in "
+                "one module, or pass wrap= so that one unit holds each"
+            )
+    _cast_frozen_and_buffers(model, plan.param_dtype)
+    offload = _offload_policy(plan, device)
+    for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+        _masters_to(unit, plan.master_dtype)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
+    # FSDP2's all-gathers and reduce-scatters run within the shard group.
+    comm = Communicator(layout.shard if layout is not None else group)
+    # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
+    reduce_scatter = NamedReduceScatter(comm, keep_output=low_precision_masters)
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            REDUCE_SCATTER_OF[param] = reduce_scatter
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # NCCL averages natively (no divide kernel); elsewhere SUM and an explicit
+            # divide, as gloo's AVG has been reported to return sums.
+            module.set_force_sum_reduction_for_comms(comm.backend != "nccl")
+            # FSDP2's own collectives fail as CollectiveError naming them, like ours.
+            module.set_custom_all_gather(NamedAllGather(comm))
+            module.set_custom_reduce_scatter(reduce_scatter)
+            clear_owned_before_reduce(module)
+    # Frameworks wrap the models they receive in DDP, which would broadcast and all-reduce
+    # DTensors it has no rule for. With every name on DDP's own ignore list, DDP refuses to
+    # wrap, saying it is not needed: FSDP2 reduces the gradients already.
+    model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
+        *(name for name, _ in model.named_parameters()),
+        *(name for name, _ in model.named_buffers()),
+    ]
+    return model
+
+
+def hybrid_layout(group: dist.ProcessGroup | None, plan: PrecisionPlan) -> HybridGroups | None:
+    """The shard and replica groups of ``plan``'s hybrid layout over ``group``; None for the
+    flat layout (``shard_group_size`` unset, or the whole group), where no subgroup is made."""
+    if plan.shard_group_size is None:
+        return None
+    layout = hybrid_groups(group, plan.shard_group_size)
+    return layout if layout.hybrid else None
+
+
+def shard_mesh(
+    group: dist.ProcessGroup, layout: HybridGroups | None, device_type: str
+) -> DeviceMesh:
+    """The mesh ZeRO-3 shards on: 1-D over ``group`` (flat), or HSDP's 2-D mesh, dim 0
+    ``"replicate"`` (size ``W / S``) over the replica groups and dim 1 ``"shard"`` (size ``S``)
+    over the shard groups that ``comm/_groups.py`` made (no other subgroups are created)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if layout is None:
+        return DeviceMesh.from_group(group, device_type=device_type)
+    assert layout.replica is not None and layout.shard is not None  # distributed here
+    ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64)
+    return DeviceMesh.from_group(
+        [layout.replica, layout.shard],
+        device_type,
+        mesh=ranks.view(layout.replicas, layout.shard_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups | None) -> None:
+    """Refuse a wire across shard groups other than ``communication_data_type`` at ZeRO-3.
+
+    FSDP2 (HSDP) all-reduces the reduced gradient shards across the replica groups with
+    ``dist.all_reduce`` in its ``reduce_dtype``, inside its reduction, with no hook that could
+    replace it: neither a block-quantized (int8 / fp8) wire nor another dtype can be put there.
+    """
+    wire = plan.wire_across_groups
+    comm = dtype_name(plan.comm_dtype)
+    if layout is None or wire is None or wire == comm:
+        return
+    where = (
+        f"ZeRO-3 with shard_group_size {layout.shard_size} ({layout.replicas} shard groups) "
+        f"and the gradients' wire across groups {wire}"
+    )
+    why = (
+        "FSDP2 (HSDP) all-reduces the gradient shards across the shard groups inside its own "
+        f"reduction, in communication_data_type ({comm}), and offers no hook to replace that "
+        "collective"
+    )
+    if wire in WIRE_FORMATS:
+        fix = (
+            "use a block-quantized wire at ZeRO stage 1 or 2 (whose two-level reduction is "
+            "dtypeplan's), or leave the wire across groups unset at ZeRO-3"
+        )
+    else:
+        fix = (
+            f"set communication_data_type to {wire} (the wire within and across groups), or "
+            "leave the wire across groups unset"
+        )
+    raise NotSupportedError(f"{where}: {why}; {fix}")
+
+
+CLEARS_OWNED = ParamWeakMap()
+"""Sharded parameter -> True where :func:`clear_owned_before_reduce` covers its unit: only
+there may the optimizer leave an :class:`OwnedGradient` placeholder in ``.grad``."""
+
+
+def clear_owned_before_reduce(module: torch.nn.Module) -> None:
+    """Before each reduce-scatter of ``module``'s FSDP2 unit, drop the ``OwnedGradient``
+    placeholders (``grads/owned.py``) of the unit's parameters.
+
+    FSDP2 adds a new reduced shard into a sharded ``.grad`` it finds (``grad += new``), which
+    on a placeholder would raise; the optimizer holds the earlier sums in its accumulator, so
+    the new shard must start a fresh ``.grad``. FSDP2 offers no public hook before its
+    reduce-scatter, so each parameter group's ``post_backward`` (which reduces) is wrapped on
+    the instance; where this torch's FSDP2 lays its state out otherwise, nothing is wrapped,
+    no parameter enters :data:`CLEARS_OWNED`, and the optimizer leaves no placeholder there.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if get_state is not None else None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if not isinstance(groups, list):
+        return
+    for group in groups:
+        post_backward = getattr(group, "post_backward", None)
+        fsdp_params = getattr(group, "fsdp_params", None)
+        if post_backward is None or not isinstance(fsdp_params, list):
+            continue
+        params = [getattr(fp, "sharded_param", None) for fp in fsdp_params]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        if len(sharded) != len(params):
+            continue
+        group.post_backward = _clearing(group, post_backward)
+        for param in sharded:
+            CLEARS_OWNED[param] = True
+
+
+def _clearing(group: Any, post_backward: Any) -> Any:
+    """``post_backward`` run after clearing the group's placeholders, when it will reduce
+    (without gradient sync FSDP2 keeps unsharded sums and leaves ``.grad`` alone)."""
+    from dtypeplan.optimizers.grads.owned import is_owned_gradient
+
+    def run(*args: Any) -> Any:
+        if getattr(group, "reduce_grads", True):
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                if is_owned_gradient(param.grad):
+                    param.grad = None
+        return post_backward(*args)
+
+    return run
+
+
+def _current_accelerator() -> str | None:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else None
+
+
+def mesh_device_type(backend: str, accelerator: str | None = None) -> str | None:
+    """The device type a process group with ``backend`` communicates on; None if ambiguous.
+
+    ``backend`` is what ``dist.get_backend(group)`` says: one name (``"nccl"``, ``"gloo"``)
+    or a device map (``"cpu:gloo,cuda:nccl"``); ``accelerator`` is this machine's
+    (``torch.accelerator``'s device type, None without one). A group serving this machine's
+    accelerator runs on it (NCCL hands CPU tensors nothing but errors); else one serving the
+    CPU (gloo) on the CPU; else the one device it serves (``nccl`` -> ``cuda``).
+    """
+    backend = backend.lower()
+    if ":" in backend:
+        devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",")]
+    else:
+        devices = [d for d, b in dist.Backend.default_device_backend_map.items() if b == backend]
+    if accelerator is not None and accelerator in devices:
+        return accelerator
+    if "cpu" in devices:
+        return "cpu"
+    return devices[0] if len(devices) == 1 else None
+
+
+def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
+    """Where ZeRO-3's mesh, and so the sharded model, lives for a group with ``backend``.
+
+    An accelerator means its current device (``torch.cuda.current_device()``: set it before
+    ``prepare_model``, as FSDP2 expects). A backend of unknown kind keeps the model's device.
+    """
+    kind = mesh_device_type(backend, _current_accelerator())
+    if kind is None:
+        return next(model.parameters(), torch.empty(0)).device
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:
+    """``fully_shard``'s offload argument for ``offload_param: cpu``: FSDP2's CPUOffloadPolicy
+    keeps the fp32 shards (the master weights) and their gradients in host memory (pinned on
+    CUDA), copies each unit's shards to the device for its all-gather and the reduced
+    gradients back, so the optimizer steps on the host too (its states are created like the
+    shards). It moves parameters, gradients and states together: offload_param and
+    offload_optimizer at once."""
+    if plan.offload_param == "none":
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if plan.offload_param != "cpu":
+        raise NotSupportedError(
+            f"offload_param {plan.offload_param}: FSDP2 offloads to host memory only "
+            "(CPUOffloadPolicy); use offload_param device cpu"
+        )
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+
+
+def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    cast_floating_buffers(model, dtype)
+
+
+def _masters_to(unit: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The trainable parameters of ``unit`` not sharded yet to the master dtype, just before
+    sharding (fp32; bf16 master weights round to nearest, as at stages 0-2)."""
+    with torch.no_grad():
+        for param in unit.parameters():
+            if param.requires_grad and not isinstance(param, DTensor):
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
+class NamedAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, whose failure (a dead or stalled peer) is a CollectiveError.
+
+    FSDP2 all-gathers synchronously unless explicit prefetching asks otherwise; an asynchronous
+    one fails later, in FSDP2's wait, with the backend's own error.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), output_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class NamedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, failing as a CollectiveError.
+
+    With ``keep_output`` it also keeps the last tensor it allocated (the reduced shards in
+    the communication dtype, before FSDP2 casts them to the sharded parameters' dtype) until
+    the end of the backward pass, for the 16-bit-master accumulation hook
+    (:meth:`FSDP2Optimizer._fold`). FSDP2 allocates that output last, right before the
+    collective (or, on one rank, the copy standing for it), and runs the hooks of its
+    parameters before the next reduce-scatter allocates anything.
+    """
+
+    def __init__(self, comm: Communicator, keep_output: bool = False) -> None:
+        self.comm = comm
+        self.keep_output = keep_output
+        self.last_output: torch.Tensor | None = None
+        self._release_queued = False
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = super().allocate(size, dtype=dtype, device=device)
+        if self.keep_output:
+            self.last_output = tensor
+            if not self._release_queued:
+                # Dropped when backward ends, so that between steps no gradient buffer of
+                # FSDP2's outlives the accumulator (what plan.memory() counts). A reduction
+                # outside backward keeps it until the optimizer's zero_grad or step.
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.release)
+                    self._release_queued = True
+                except RuntimeError:
+                    pass
+        return tensor
+
+    def release(self) -> None:
+        """Drop the kept output (at the end of backward; at ``zero_grad`` and ``step``)."""
+        self.last_output = None
+        self._release_queued = False
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work:
+        with self.comm._guard("FSDP2 reduce_scatter", input_tensor.numel(), input_tensor.dtype):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def as_reduced(shard: torch.Tensor, reduce_scatter: NamedReduceScatter | None) -> torch.Tensor:
+    """``shard`` (a micro-batch's sharded gradient, cast by FSDP2 to the sharded parameter's
+    dtype) as the reduce-scatter produced it, in the communication dtype.
+
+    FSDP2 casts its whole reduce-scatter output at once and hands each parameter a view of
+    the cast copy at the same offset, so the same view of the kept output is the uncast value.
+    """
+    output = reduce_scatter.last_output if reduce_scatter is not None else None
+    if output is not None and output.dtype == shard.dtype:
+        return shard  # nothing was cast
+    if output is None or shard.untyped_storage().nbytes() != output.numel() * shard.element_size():
+        raise NotSupportedError(
+            "ZeRO-3 with 16-bit master weights reads each reduced gradient shard before FSDP2 "
+            "casts it to the masters' dtype, and this torch's FSDP2 handed the gradient hook a "
+            "shard that is not a view of its reduce-scatter output. Use "
+            "communication_data_type equal to the master dtype (nothing is cast then), or "
+            "stage 2 with bf16 masters"
+        )
+    return torch.as_strided(output, shard.size(), shard.stride(), shard.storage_offset())

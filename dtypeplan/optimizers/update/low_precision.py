@@ -1,0 +1,62 @@
+"""Adam/AdamW on low-precision state, through ``LowPrecisionAdamUpdate.bucket``: the update in
+fp32, the results rounded or quantized back. Two kernels share the bucket loop of
+:class:`BucketChunkKernel` and split the plans between them.
+
+**16-bit master weights or bf16 moments** (:class:`LowPrecisionKernel`):
+``LowPrecisionAdamUpdate.bucket`` (``update/pieces.py``) runs each bucket chunk: on the
+host, a 16-bit master with fp32 or bf16 moments takes the one-pass update
+(``kernels/one_pass.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
+torch's fused Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).
+
+**int8 or fp8 moments** (torchao's blockwise codes; :class:`QuantizedKernel`): dequantize,
+update in fp32, quantize back.
+``LowPrecisionAdamUpdate.bucket`` (``update/pieces.py``) goes over each bucket chunk in
+pieces of whole blocks (``state/storage.py``): each moment's piece is dequantized into fp32
+scratch, updated by torch's fused Adam/AdamW with the master (rounded back where 16-bit), and
+quantized into its blocks again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtypeplan import _update_path as update_path
+from dtypeplan.optimizers.update.interface import FlatEngine
+from dtypeplan.optimizers.update.torch_fused import BucketChunkKernel, torch_fused_adam
+
+__all__ = ["LowPrecisionKernel", "QuantizedKernel"]
+
+
+class LowPrecisionKernel(BucketChunkKernel):
+    """Adam/AdamW with 16-bit masters or bf16 moments (not quantized ones)."""
+
+    name = "low-precision"
+
+    @classmethod
+    def applies(cls, engine: FlatEngine) -> bool:
+        update = engine._low_precision
+        return update is not None and not update.quantized and torch_fused_adam(engine)
+
+    def describe(self) -> str:
+        plan = self.engine.plan
+        if plan.master_dtype != torch.float32 and self.engine.device.type == "cpu":
+            return f"one pass over master, gradient and moments ({update_path.path()})"
+        return "fp32 pieces around torch's fused Adam/AdamW, rounded back"
+
+
+class QuantizedKernel(BucketChunkKernel):
+    """Adam/AdamW with a moment stored as int8 or fp8 blocks."""
+
+    name = "quantized"
+
+    @classmethod
+    def applies(cls, engine: FlatEngine) -> bool:
+        update = engine._low_precision
+        return update is not None and update.quantized and torch_fused_adam(engine)
+
+    def describe(self) -> str:
+        plan = self.engine.plan
+        return (
+            f"fp32 pieces around torch's fused Adam/AdamW, moments dequantized and quantized "
+            f"again (exp_avg {plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype})"
+        )

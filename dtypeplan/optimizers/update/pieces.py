@@ -1,0 +1,325 @@
+"""The update of bf16 master weights and low-precision moments in fp32 (the update half).
+
+The state is :class:`~dtypeplan.optimizers.state.low_precision.LowPrecisionState`'s
+(``state/low_precision.py``: slots, master values, codes, the fp32 view); this module is how a
+step updates it, used by the flat engine's update kernels (``update/``) and by ZeRO-3
+(``fsdp2/optimizer.py``). The update is computed in fp32, a piece of ``PIECE`` elements at a
+time, in reused fp32 scratch:
+
+1. load: the master piece (fp32 masters: the chunk itself; bf16: upcast, with Kahan rounding
+   plus its compensation), the gradient piece (as it is when fp32, else upcast), and each
+   moment (as it is when fp32, else upcast from bf16 or dequantized);
+2. update: torch's fused Adam/AdamW on the fp32 pieces, with ``grad_scale`` (the step's clip
+   and loss-scale factor) as in ``kernels/torch_adam.py``, so the fp32 math is torch's own, and the
+   step uses the fp32 moments it computed (as torchao's optimizers do), not their stored
+   rounding;
+3. store: a bf16 master rounded as ``plan.master_rounding`` says (``kernels/rounding.py``),
+   an fp32 master cast into the parameters' chunk; each moment rounded or quantized back.
+
+bf16 masters with fp32 or bf16 moments on the host skip the pieces: one pass of
+``one_pass.adam_one_pass`` (compiled with Inductor, or eager) reads and writes every
+element once, with its own fp32 math (not bit-identical to torch's fused kernel; the bound is
+in that module) and hashed stochastic-rounding noise. bf16 masters rounded to nearest with bf16
+moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
+
+Stochastic rounding in the pieces (quantized moments, or off the host) draws from one
+``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every rank updates
+every chunk and draws the same bits, so the replicas stay equal; a run is reproducible from the
+same seed, and a resumed run draws other bits than an uninterrupted one (the generator is not
+checkpointed), which changes nothing in expectation. The one-pass update hashes ``(SEED + shard
+rank, master number, step, element)`` instead: reproducible, and a resumed run draws the bits
+of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import NotSupportedError
+from dtypeplan.optimizers.kernels import one_pass as update_kernel
+from dtypeplan.optimizers.kernels.rounding import (
+    kahan_load,
+    kahan_store,
+    noise_key,
+    round_stochastic,
+)
+from dtypeplan.optimizers.kernels.torch_adam import (
+    CPU_CHUNK,
+    FlatAdamUpdate,
+    decoupled_weight_decay,
+    fused_adam_kernel,
+)
+from dtypeplan.optimizers.state import storage
+from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.state.low_precision import LowPrecisionState
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
+
+__all__ = ["LowPrecisionAdamUpdate", "PIECE", "SEED"]
+
+PIECE = CPU_CHUNK
+"""Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
+(five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
+
+SEED = 0x5EED
+"""The stochastic-rounding generator's seed (plus the shard rank)."""
+
+
+class LowPrecisionAdamUpdate(LowPrecisionState):
+    """Adam/AdamW with 16-bit masters or low-precision moments, computed in fp32."""
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        torch_class: type[torch.optim.Optimizer],
+        *,
+        rounding: str,
+        exp_avg_dtype: str,
+        exp_avg_sq_dtype: str,
+        shard_rank: int,
+    ) -> None:
+        super().__init__(
+            inner,
+            rounding=rounding,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+        )
+        self.torch_class = torch_class
+        self.seed = SEED + shard_rank
+        self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._numbers: dict[int, int] = {}
+        """Each master's number (its place in the plan's masters): the stochastic-rounding
+        noise of each master is its own."""
+        self._kernel = update_kernel.OnePassUpdate()
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: PrecisionPlan,
+        inner: torch.optim.Optimizer,
+        masters: list[torch.Tensor],
+        shard_rank: int,
+        segments: Sequence[Sequence[int]] | None = None,
+    ) -> LowPrecisionAdamUpdate | None:
+        """The update of ``plan``'s ``masters`` (keys of ``inner``), their states made, for
+        16-bit masters or moments other than fp32; None for fp32 masters with fp32 moments.
+        ``segments``: per master, the lengths of its parameter pieces (and padding) in order
+        (:meth:`set_segments`); None: each master holds one parameter (ZeRO-3 local shards).
+        Refuses an optimizer other than torch's fused Adam/AdamW."""
+        states = plan.optimizer_states
+        if plan.master_dtype == torch.float32 and states == "fp32":
+            return None
+        torch_class = plan.optimizer.torch_class
+        if not FlatAdamUpdate.supports(inner, torch_class):
+            if states != "fp32":
+                raise NotSupportedError(
+                    f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
+                    f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
+                    "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
+                    f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
+                    "without fused kernels) keeps other states, which it would update in their "
+                    "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
+                    "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
+                )
+            raise NotSupportedError(
+                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
+                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
+                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
+                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
+                "master weights (remove master_weights / bf16_master_weights_and_grads)"
+            )
+        update = cls(
+            inner,
+            torch_class,
+            rounding=plan.master_rounding,
+            exp_avg_dtype=plan.exp_avg_dtype,
+            exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
+            shard_rank=shard_rank,
+        )
+        if segments is not None and update.quantized:
+            update.set_segments(masters, segments)
+        update.conform(masters)
+        update._numbers = {id(master): i for i, master in enumerate(masters)}
+        return update
+
+    def bucket(
+        self,
+        group: dict[str, Any],
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        param_chunk: torch.Tensor | None,
+        grad_scale: torch.Tensor,
+    ) -> None:
+        """Update one master (chunk or local shard) from ``grad / grad_scale``, laid out like
+        it; cast an fp32 master into ``param_chunk`` (None where the master is the
+        parameters' own memory)."""
+        slot = self.slot(master)
+        if self._fp32_depth:
+            # Inside fp32_view this update writes the fp32 moments, so they must be quantized
+            # anew on exit; torch's fused kernels write in place without bumping the version
+            # counter that tells an untouched view from a written one.
+            for name in MOMENTS:
+                self._viewed.pop((id(slot), name), None)
+        step = slot["step"]
+        step += 1
+        fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
+        if self._torch_runs_it(master, grad, slot):
+            # bf16 weights, gradient and moments rounded to nearest: torch's fused kernel on
+            # bf16 tensors computes in fp32 and rounds each back, the same bits as the pieces
+            # below (tests/test_master_rounding.py), in one pass and no scratch.
+            moments = [slot[name].view(-1) for name in MOMENTS]
+            fused(
+                [master.view(-1)],
+                [grad.reshape(-1)],
+                [moments[0]],
+                [moments[1]],
+                [],
+                [step],
+                **kwargs,
+            )
+            return
+        if self.one_pass(master, slot):
+            self._one_pass_bucket(group, master, grad, param_chunk, grad_scale, slot)
+            return
+        device = master.device
+        fp32_master = master.dtype == torch.float32
+        layout = self.layout(master)
+        # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
+        # keyed by the master itself. Quantized states are flat already.
+        master, grad = master.view(-1), grad.reshape(-1)
+        slot = {
+            name: value.view(-1)
+            if torch.is_tensor(value) and value.dim() and not storage.is_quantized(value)
+            else value
+            for name, value in slot.items()
+        }
+        # Pieces of whole segments (a long one alone, in parts): a quantized moment's piece is
+        # then whole blocks of its own storage, whose values belong to this piece only.
+        for span in layout.pieces(PIECE):
+            begin, end = span.begin, span.end
+            n = end - begin
+            if fp32_master:
+                weights = master[begin:end]
+            else:
+                weights = self._scratch_for(device, "weights", n)
+                if self.rounding == "kahan":
+                    kahan_load(master[begin:end], slot[KAHAN_COMPENSATION][begin:end], weights)
+                else:
+                    weights.copy_(master[begin:end])
+            piece = grad[begin:end]
+            if piece.dtype != torch.float32:
+                piece = self._scratch_for(device, "grad", n)
+                piece.copy_(grad[begin:end])
+            moments = []
+            for name in MOMENTS:
+                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
+                moments.append(storage.load_piece(slot[name], span, scratch))
+            fused([weights], [piece], [moments[0]], [moments[1]], [], [step], **kwargs)
+            if fp32_master:
+                if param_chunk is not None:
+                    param_chunk[begin:end].copy_(weights)
+            elif self.rounding == "kahan":
+                kahan_store(weights, master[begin:end], slot[KAHAN_COMPENSATION][begin:end])
+            elif self.rounding == "stochastic":
+                noise = self._scratch_for(device, "noise", n, torch.int32)
+                round_stochastic(weights, master[begin:end], self._generator(device), noise)
+            else:
+                master[begin:end].copy_(weights)
+            for name, values in zip(MOMENTS, moments, strict=True):
+                scratch = self._scratch_for(device, name, storage.scratch_numel(span))
+                storage.store_piece(values, slot[name], span, scratch)
+
+    def one_pass(self, master: torch.Tensor, slot: dict[str, Any]) -> bool:
+        """Whether the one-pass update (``kernels/one_pass.py``) serves ``master``: a 16-bit
+        master on the host, both moments fp32 or bf16. Quantized moments take the pieces of
+        :meth:`bucket`, and so do fp32 masters: with bf16 moments Inductor's vectorized bf16
+        conversions cost more than the pieces' fp32 scratch saves (measured 112 ms a step
+        against 92 ms for 16.8 M parameters, one thread)."""
+        return (
+            master.device.type == "cpu"
+            and master.dtype != torch.float32
+            and all(
+                not storage.is_quantized(slot[name])
+                and slot[name].dtype in (torch.float32, torch.bfloat16)
+                for name in MOMENTS
+            )
+        )
+
+    def _one_pass_bucket(
+        self,
+        group: dict[str, Any],
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        param_chunk: torch.Tensor | None,
+        grad_scale: torch.Tensor,
+        slot: dict[str, Any],
+    ) -> None:
+        """:meth:`bucket` by :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`, a
+        piece of ``PIECE`` at a time (bounds the eager path's temporaries; the compiled one
+        has none)."""
+        step = int(slot["step"].item())  # a host tensor: no device sync
+        decoupled = decoupled_weight_decay(self.torch_class, group)
+        hyper = update_kernel.hyperparameters(group, step, decoupled, master.device)
+        number = self._numbers.get(id(master), 0)
+        key = torch.tensor(noise_key(self.seed, number, step), dtype=torch.int64)
+        scale = grad_scale.to(device=master.device, dtype=torch.float32).reshape(())
+        flat = [master.view(-1), grad.reshape(-1)]
+        flat += [slot[name].view(-1) for name in MOMENTS]
+        compensation = slot[KAHAN_COMPENSATION].view(-1) if self.rounding == "kahan" else None
+        weight_decay = float(group["weight_decay"]) != 0.0
+        for begin in range(0, master.numel(), PIECE):
+            end = min(begin + PIECE, master.numel())
+            self._kernel(
+                *(t[begin:end] for t in flat),
+                None if compensation is None else compensation[begin:end],
+                None if param_chunk is None else param_chunk.view(-1)[begin:end],
+                hyper,
+                scale,
+                key,
+                torch.tensor(begin, dtype=torch.int64),
+                decoupled=decoupled,
+                weight_decay=weight_decay,
+                rounding=self.rounding,
+            )
+
+    def _torch_runs_it(
+        self, master: torch.Tensor, grad: torch.Tensor, slot: dict[str, Any]
+    ) -> bool:
+        """Whether torch's fused kernel does this update exactly as it is: 16-bit master,
+        gradient and moments all of one dtype, rounded to nearest (no Kahan, no noise)."""
+        return (
+            self.rounding == "nearest"
+            and master.dtype != torch.float32
+            and grad.dtype == master.dtype
+            and all(
+                not storage.is_quantized(slot[name]) and slot[name].dtype == master.dtype
+                for name in MOMENTS
+            )
+        )
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+    def release_scratch(self) -> None:
+        """Drop the fp32 working copies at the end of a step: between steps (where
+        ``plan.memory()`` counts) the optimizer holds none of them."""
+        self._scratch.clear()
+
+    def _scratch_for(
+        self, device: torch.device, name: str, numel: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        scratch = self._scratch.get((device, name))
+        if scratch is None or scratch.numel() < numel:
+            scratch = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._scratch[(device, name)] = scratch
+        return scratch[:numel]
