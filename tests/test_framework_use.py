@@ -246,3 +246,28 @@ def test_torch_clip_grad_norm_at_zero3_fails_loudly_where_the_optimizer_holds_gr
             for error in new["torch_clip"]:
                 assert isinstance(error, str) and error.startswith("OptimizerUsageError"), error
                 assert "optimizer.clip_grad_norm_" in error
+
+
+def test_finding_ddp_wrappers_reads_no_live_object_attributes() -> None:
+    """The first backward looks for DDP wrappers among the live objects: a dead
+    ``weakref.proxy`` among them must not raise ``ReferenceError``, and torch's deprecated
+    ``reduce_op`` must not warn (both ran code through ``isinstance``)."""
+    import gc
+    import weakref
+
+    from dtypeplan.launch import spawn
+    from tests.workers.framework_use import ddp_wrappers_found
+
+    class Gone:
+        pass
+
+    target = Gone()
+    proxy = weakref.proxy(target)
+    del target
+    gc.collect()
+    with pytest.raises(ReferenceError):
+        isinstance(proxy, int)  # what a walk with isinstance met
+    del proxy
+    for found, caught in spawn(ddp_wrappers_found, 2):
+        assert found == 1
+        assert not [w for w in caught if "reduce_op" in w], caught

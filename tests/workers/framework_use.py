@@ -250,3 +250,29 @@ def zero3_clipping(rank: int, world_size: int) -> dict[str, Any]:
             run = _zero3_clip_run(rank, world_size, extra, placeholders)
             out[f"{name}/placeholders={placeholders}"] = run
     return out
+
+
+def ddp_wrappers_found(rank: int, world: int) -> tuple[int, list[str]]:
+    """A DDP wrapper is found with a dead weakref.proxy alive, warning about nothing."""
+    import gc
+    import warnings
+    import weakref
+
+    import torch.distributed  # noqa: F401 - its deprecated reduce_op is among the objects
+
+    from dtypeplan.optimizers.grads.ddp import wrappers_of
+
+    class Gone:
+        pass
+
+    target = Gone()
+    proxy = weakref.proxy(target)
+    del target
+    gc.collect()
+    model = torch.nn.Linear(2, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = wrappers_of(model.parameters())
+    assert proxy is not None
+    return (sum(w is ddp for w in found), [str(w.message) for w in caught])

@@ -67,10 +67,13 @@ def wrappers_of(params: Iterable[torch.Tensor]) -> list[DistributedDataParallel]
     ids = {id(p) for p in params}
     if not ids:
         return []
+    # The type, not isinstance: isinstance reads an object's __class__, which runs code on
+    # some live objects (torch.distributed.reduce_op warns that it is deprecated; a dead
+    # weakref.proxy raises ReferenceError).
     return [
         obj
         for obj in gc.get_objects()
-        if isinstance(obj, DistributedDataParallel)
+        if issubclass(type(obj), DistributedDataParallel)
         and any(id(p) in ids for p in obj.module.parameters())
     ]
 
