@@ -58,3 +58,21 @@ def test_integrations_import_their_frameworks_lazily() -> None:
         "assert all(m in sys.modules for m in frameworks)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_integrations_import_without_log_noise() -> None:
+    """torchao (imported by transformers' Trainer and model modules, and for int8/fp8 states)
+    logs lines on a CPU build that no user acts on: every rank printed them."""
+    import subprocess
+    import sys
+
+    code = (
+        "from dtypeplan.integrations import DtypeplanTrainer, DtypeplanAccelerator\n"
+        "DtypeplanTrainer, DtypeplanAccelerator\n"
+        "from dtypeplan.optimizers.state.storage import _torchao\n"
+        "_torchao()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stderr == "" and done.stdout == "", done.stderr

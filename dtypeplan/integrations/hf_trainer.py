@@ -83,9 +83,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import Trainer
 
 import dtypeplan
+from dtypeplan._quiet_imports import torchao_import_quiet
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.integrations._common import (
     config_document,
@@ -96,6 +96,11 @@ from dtypeplan.integrations._common import (
 )
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
+
+# transformers' Trainer module imports torchao, which logs lines no user acts on (see
+# dtypeplan/_quiet_imports.py).
+with torchao_import_quiet():
+    from transformers import Trainer
 
 __all__ = [
     "DtypeplanTrainer",

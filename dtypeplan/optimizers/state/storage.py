@@ -28,12 +28,12 @@ torchao is imported only when an int8 or fp8 state is made (importing it costs s
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from dtypeplan._quiet_imports import torchao_import_quiet
 from dtypeplan.optimizers.kernels import int8_codes
 from dtypeplan.resolver._memory import QUANTIZED, QUANTIZED_BLOCK
 
@@ -58,25 +58,13 @@ _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @functools.cache
 def _torchao() -> Any:
-    # torchao's import logs warnings that are not the user's to act on: on a CPU build of torch
-    # one per CUDA kernel library it cannot load (the quantizers used here are plain torch code
-    # and need none), and a deprecation of how torchao registers an enum with torch's pytree.
-    names = ["torch.utils._pytree"]
-    if torch.version.cuda is None and torch.version.hip is None:
-        names.append("torchao")
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
     try:
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        from torchao.optim import quant_utils, subclass_8bit, subclass_fp8
+        with torchao_import_quiet():
+            from torchao.optim import quant_utils, subclass_8bit, subclass_fp8
     except ImportError as error:  # pragma: no cover - torchao is a dependency
         raise ImportError(
             "int8 and fp8 optimizer states are torchao's quantized states: pip install torchao"
         ) from error
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
     return subclass_8bit, subclass_fp8, quant_utils
 
 
