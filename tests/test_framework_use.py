@@ -170,15 +170,18 @@ def test_safetensors_saves_every_tensor_after_build(stage: int, tmp_path: pytest
 def test_a_zero3_model_survives_what_frameworks_do_to_it() -> None:
     """model.to(its device) / .cpu() before and after build (failed: "_apply(): Couldn't swap
     Linear.weight", weak references on the DTensor parameters), the same losses bit for bit as
-    without; DDP around the FSDP2-sharded model refused by DDP itself as not needed (was a
-    NotImplementedError about a sharding strategy for broadcast)."""
+    without; DDP around the FSDP2-sharded model refused, naming the integrations that work
+    (was a NotImplementedError about a sharding strategy for broadcast, then torch's "DDP is
+    not needed" that named none)."""
     from dtypeplan.launch import spawn
     from tests.workers.framework_use import zero3_handling
 
     for result in spawn(zero3_handling, 2):
         for bf16 in (False, True):
             assert result[f"moved_bf16={bf16}"] == result[f"still_bf16={bf16}"]
-        assert "DistributedDataParallel is not needed" in result["ddp"]
+        assert "takes no DDP wrapper" in result["ddp"], result["ddp"]
+        for integration in ("DtypeplanTrainer", "dtypeplan run", "DtypeplanAccelerator"):
+            assert integration in result["ddp"], result["ddp"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import dtypeplan
+from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers.grads.owned import is_owned_gradient
 from tests._helpers import make_batch, make_model, mse
 
@@ -154,7 +155,7 @@ def zero3_handling(rank: int, world_size: int) -> dict[str, Any]:
     try:
         DistributedDataParallel(model)
         out["ddp"] = "wrapped"
-    except RuntimeError as exc:
+    except (RuntimeError, OptimizerUsageError) as exc:
         out["ddp"] = str(exc)
     return out
 

@@ -19,6 +19,7 @@ all-reduce, so the wire across groups is ``communication_data_type`` and nothing
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ from dtypeplan._dtypes import dtype_name
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._groups import HybridGroups, hybrid_groups
 from dtypeplan.comm._quantized_wire import WIRE_FORMATS
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers.contract.base import WrapPolicy, make_replicas_equal
 from dtypeplan.optimizers.contract.model import cast_floating_buffers
 from dtypeplan.optimizers.fsdp2.units import choose_units, uncovered_parameters
@@ -134,13 +135,27 @@ def shard_model(
             module.set_custom_reduce_scatter(reduce_scatter)
             clear_owned_before_reduce(module)
     # Frameworks wrap the models they receive in DDP, which would broadcast and all-reduce
-    # DTensors it has no rule for. With every name on DDP's own ignore list, DDP refuses to
-    # wrap, saying it is not needed: FSDP2 reduces the gradients already.
-    model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
-        *(name for name, _ in model.named_parameters()),
-        *(name for name, _ in model.named_buffers()),
-    ]
+    # DTensors it has no rule for. DDP reads its ignore list first thing: reading this one
+    # refuses the wrap with what to use instead (FSDP2 reduces the gradients already).
+    model._ddp_params_and_buffers_to_ignore = _NotForDDP()  # type: ignore[assignment]
     return model
+
+
+class _NotForDDP(list[str]):
+    """DDP's ignore list on a ZeRO-3 model: DDP's constructor reads it (``set(...)``) and gets
+    the reason a dtypeplan ZeRO-3 model takes no DDP wrapper, naming the integrations (the
+    frameworks that wrap every model they prepare)."""
+
+    def __iter__(self) -> Iterator[str]:
+        raise OptimizerUsageError(
+            "DistributedDataParallel around a model dtypeplan shards at ZeRO-3: FSDP2 reduces "
+            "its gradients already, so it takes no DDP wrapper. A framework that wraps every "
+            "model it prepares needs its dtypeplan integration: "
+            "dtypeplan.integrations.DtypeplanTrainer instead of transformers.Trainer (or "
+            "`dtypeplan run [torchrun options] script.py --deepspeed CONFIG` for an unedited "
+            "script), DtypeplanAccelerator instead of accelerate.Accelerator, "
+            "DtypeplanStrategy for Lightning"
+        )
 
 
 def hybrid_layout(group: dist.ProcessGroup | None, plan: PrecisionPlan) -> HybridGroups | None:
