@@ -324,8 +324,39 @@ def render_deepspeed_differences() -> str:
     return "\n".join(out) + "\n"
 
 
+# --- the modules -------------------------------------------------------------------------------
+def _first_docstring_line(path: Path) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+    return " ".join((doc or "").split("\n\n", 1)[0].split())
+
+
+def render_modules() -> str:
+    """Every module of the package with the first paragraph of its docstring (its concern),
+    package by package: the architecture page's map, which cannot drift from the code."""
+    package = Path(__file__).resolve().parent
+    out = [
+        "# Modules",
+        "",
+        GENERATED.format(source="the modules' docstrings"),
+        "",
+        "Every module of `dtypeplan` and its concern (the first paragraph of its docstring).",
+        "The rooms and the way they import: [Architecture](../architecture.md).",
+    ]
+    folders: dict[str, list[Path]] = {}
+    for path in sorted(package.rglob("*.py")):
+        folders.setdefault(path.parent.relative_to(package.parent).as_posix(), []).append(path)
+    for folder, paths in folders.items():
+        out += ["", f"## `{folder}/`", "", "| module | concern |", "| --- | --- |"]
+        for path in paths:
+            out.append(f"| `{path.name}` | {_cell(_first_docstring_line(path))} |")
+    return "\n".join(out) + "\n"
+
+
 # --- the pages ---------------------------------------------------------------------------------
 PAGES: dict[str, Callable[[], str]] = {
+    "docs/reference/modules.md": render_modules,
     "docs/reference/config.md": render_config_reference,
     "docs/reference/truth-table.md": render_truth_table,
     "docs/reference/deepspeed-keys.md": render_deepspeed_keys,

@@ -126,8 +126,8 @@ class ExplainedPlan(Protocol):
 
 
 def host_update(plan: ExplainedPlan) -> str | None:
-    """Which update runs a low-precision cell on the host (``optimizers/_update_kernel.py``,
-    ``_low_precision_update.py``), or None for fp32 masters with fp32 states (torch's fused
+    """Which update runs a low-precision cell on the host (``optimizers/kernels/one_pass.py``,
+    ``update/pieces.py``), or None for fp32 masters with fp32 states (torch's fused
     kernel)."""
     states = {plan.exp_avg_dtype, plan.exp_avg_sq_dtype}
     if plan.master_dtype == torch.float32:
@@ -146,7 +146,7 @@ def host_update(plan: ExplainedPlan) -> str | None:
 
 def cuda_update(plan: ExplainedPlan) -> str | None:
     """Which update runs a low-precision cell on a CUDA device (the registry,
-    ``optimizers/update_kernels/``): the one-pass Triton kernel where it serves the cell
+    ``optimizers/update/``): the one-pass Triton kernel where it serves the cell
     and Triton is installed, else fp32 pieces; None for fp32 masters with fp32 states."""
     host = host_update(plan)
     if host is None or host.startswith("torch's fused"):

@@ -82,7 +82,7 @@ def state_bytes(dtype: str, numel: int) -> int:
 
     int8 and fp8 states are torchao tensors over ``numel`` padded to whole blocks: one code
     byte a value and one fp32 scale a block. Each parameter's values start a block of their
-    own (``_state_storage.BlockLayout``), so a state of several parameters is the sum of this
+    own (``optimizers/state/storage.BlockLayout``), so a state of several parameters is the sum of this
     over their sizes; ``memory_model`` adds the int8 code tables (1 KiB per moment).
     """
     if dtype == "fp32":
