@@ -517,6 +517,9 @@ print("ENGINE-KERNEL-OK")
 """
 
 
+# Slow: about 20 s here (the engine in the interpreter). The default run keeps the
+# kernel-level interpreter test; tests/test_triton_sm90.py compiles the engine's launches.
+@pytest.mark.slow
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
 def test_engine_step_through_the_kernel_matches_torch_optim() -> None:
     """The flat engine's kernel path (CUDA in production) against plain fp32 torch.optim."""

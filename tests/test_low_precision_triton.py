@@ -444,6 +444,9 @@ print("ENGINE-OK")
 """
 
 
+# Slow: about 14 s here (the engine in the interpreter). The default run keeps the
+# kernel-level interpreter test; tests/test_triton_sm90.py compiles the engine's launches.
+@pytest.mark.slow
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
 def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
     """The engine picks the kernel for the 16-bit cells; with bf16 masters its steps give the

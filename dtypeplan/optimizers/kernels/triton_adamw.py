@@ -326,6 +326,7 @@ if triton is not None:
         HAS_OUT: tl.constexpr,
         ZERO_GRAD: tl.constexpr,
         BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
         # Tile -> (chunk, first element, elements); chunk -> its five addresses.
         pid = tl.program_id(0).to(tl.int64)
@@ -338,6 +339,16 @@ if triton is not None:
         v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         grad_ptr = tl.load(row + 3).to(tl.pointer_type(grad_example.dtype.element_ty))
         out_ptr = tl.load(row + 4).to(tl.pointer_type(out_example.dtype.element_ty))
+        if ALIGNED:
+            # What the launcher checked (see _aligned); without it the compiler knows nothing
+            # of addresses read from a table and loads one element at a time.
+            master_ptr = tl.multiple_of(master_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            grad_ptr = tl.multiple_of(grad_ptr, 16)
+            out_ptr = tl.multiple_of(out_ptr, 16)
+            begin = tl.multiple_of(begin, 16)
+            count = tl.multiple_of(count, 16)
         lane = tl.arange(0, BLOCK)
         offs = begin + lane
         mask = lane < count
@@ -402,6 +413,15 @@ def _table(
         table = torch.tensor(rows(), dtype=torch.int64).to(device, non_blocking=True)
         _TABLES[key] = table
     return table
+
+
+def aligned(addresses: tuple[tuple[int, ...], ...], sizes: tuple[int, ...]) -> bool:
+    """Whether a multi-chunk launch may use 128-bit accesses: every address 16-byte aligned
+    and every chunk a multiple of 16 elements (so a tile's start and length are; the flat
+    layout's chunks are, ``buffers/layout.ALIGN``)."""
+    return all(a % 16 == 0 for row in addresses for a in row) and all(
+        size % 16 == 0 for size in sizes
+    )
 
 
 def check_block_size(block_size: int) -> int:
@@ -531,6 +551,7 @@ def fused_mixed_adamw_multi_(
         HAS_OUT=with_out,
         ZERO_GRAD=bool(zero_grad),
         BLOCK=block,
+        ALIGNED=aligned(addresses, sizes),
         num_warps=int(num_warps or DEFAULT_NUM_WARPS),
     )
 

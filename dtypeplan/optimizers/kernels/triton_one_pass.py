@@ -238,7 +238,10 @@ if triton is not None:
             if HAS_PARAM:
                 _store(param_ptr, offs, mask, w, PARAM_BF16)
 
-    @triton.jit
+    # An int argument equal to 1 would be specialized into a constexpr Python int (no
+    # ``.to``: every step-1 launch failed to compile) and one divisible by 16 into another
+    # variant: the per-step values are plain runtime arguments, so steps never recompile.
+    @triton.jit(do_not_specialize=["key", "offset"])
     def _adam_one_pass_kernel(
         master_ptr,
         grad_ptr,
@@ -267,7 +270,7 @@ if triton is not None:
         mask = offs < n_elements
         _update(
             master_ptr, grad_ptr, m_ptr, v_ptr, comp_ptr, param_ptr, hyper_ptr, scale_ptr,
-            offs, mask, key.to(tl.int64), offset.to(tl.int64),
+            offs, mask, key.to(tl.int64) & 0xFFFFFFFF, offset.to(tl.int64),
             MASTER_BF16, GRAD_BF16, M_BF16, V_BF16, PARAM_BF16, HAS_PARAM, DECOUPLED,
             WEIGHT_DECAY, ROUNDING,
         )  # fmt: skip
@@ -279,7 +282,7 @@ if triton is not None:
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["step"])
     def _adam_one_pass_multi_kernel(
         pointers,
         tiles,
@@ -302,6 +305,7 @@ if triton is not None:
         WEIGHT_DECAY: tl.constexpr,
         ROUNDING: tl.constexpr,
         BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
         # Tile -> (chunk, first element, elements); chunk -> its six addresses and the base
         # of its noise key (noise_key(seed, number, step) == mix32(base + step)).
@@ -317,6 +321,15 @@ if triton is not None:
         comp_ptr = tl.load(row + 4).to(tl.pointer_type(comp_example.dtype.element_ty))
         param_ptr = tl.load(row + 5).to(tl.pointer_type(param_example.dtype.element_ty))
         key = _mix32((tl.load(row + 6) + step.to(tl.int64)) & 0xFFFFFFFF)
+        if ALIGNED:  # what the launcher checked (triton_adamw.aligned): 128-bit accesses
+            master_ptr = tl.multiple_of(master_ptr, 16)
+            grad_ptr = tl.multiple_of(grad_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            comp_ptr = tl.multiple_of(comp_ptr, 16)
+            param_ptr = tl.multiple_of(param_ptr, 16)
+            begin = tl.multiple_of(begin, 16)
+            count = tl.multiple_of(count, 16)
         lane = tl.arange(0, BLOCK).to(tl.int64)
         _update(
             master_ptr, grad_ptr, m_ptr, v_ptr, comp_ptr, param_ptr, hyper_ptr, scale_ptr,
@@ -329,6 +342,16 @@ if triton is not None:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """bf16 tensors as their int16 bits (the kernel rounds them itself); others as they are."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _as_int32(key: int) -> int:
+    """A 32-bit noise key as the signed int32 of its bits: Triton types an int argument by
+    its value (int32 below 2**31, int64 above), so half the keys would compile a second
+    variant; the kernel masks it back to 32 bits."""
+    key = int(key)
+    if not 0 <= key < 1 << 32:
+        raise ValueError(f"key is a 32-bit noise key (rounding.noise_key), got {key}")
+    return key - (1 << 32) if key >= 1 << 31 else key
 
 
 def _check(
@@ -468,7 +491,7 @@ def adam_one_pass_triton_(
         hyper,
         scale,
         n,
-        int(key),
+        _as_int32(key),
         int(offset),
         BLOCK=block_size,
         num_warps=num_warps,
@@ -550,6 +573,7 @@ def adam_one_pass_triton_multi_(
         scale,
         int(step),
         BLOCK=block_size,
+        ALIGNED=fp32_kernel.aligned(tuple(row[:6] for row in table), sizes),
         num_warps=num_warps,
         **_flags(
             masters[0], grads[0], exp_avgs[0], exp_avg_sqs[0], first[5] if has_param else None,
