@@ -17,7 +17,7 @@ import torch
 
 import dtypeplan
 from dtypeplan import checkpoint
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers.state import storage
 from dtypeplan.resolver._dimensions import STATE_PAIRS
@@ -524,13 +524,26 @@ def test_optimizer_states_config_spellings() -> None:
         dtypeplan.resolve({"optimizer_states": {"exp_avg": "int4"}})
 
 
-def test_low_precision_states_refuse_optimizers_other_than_adam() -> None:
-    plan = dtypeplan.resolve(
-        {"optimizer_states": "bf16", "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    )
-    assert plan.status == "OK"
-    with pytest.raises(NotSupportedError, match="Adam's two moments"):
-        plan.build(_models.two_heads(0).parameters())
+def test_low_precision_states_of_other_optimizers_are_stored_in_their_dtypes() -> None:
+    """SGD's momentum buffer in bf16, Adagrad's sum in int8 codes (issue 30: the table's OK is
+    what build does); each steps with torch's own update on fp32 copies."""
+    for name, states, kind in (("SGD", "bf16", torch.bfloat16), ("Adagrad", "int8", None)):
+        hyper = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+        plan = dtypeplan.resolve(
+            {"optimizer_states": states, "optimizer": {"type": name, "params": hyper}}
+        )
+        assert plan.status == "OK", plan.explain()
+        model = _models.two_heads(0)
+        optimizer = plan.build(model.parameters())
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        held = [t for slot in optimizer.inner.state.values() for t in slot.values()]
+        stored = [t for t in held if torch.is_tensor(t) and t.dim() > 0]
+        assert stored, name
+        if kind is not None:
+            assert all(t.dtype == kind for t in stored), (name, [t.dtype for t in stored])
+        else:
+            assert all(storage.is_quantized(t) for t in stored), name
 
 
 def test_zero3_fp32_sum_refuses_with_a_reason() -> None:

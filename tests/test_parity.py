@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dtypeplan
-from dtypeplan.errors import NotSupportedError
 from dtypeplan.launch import spawn
 from tests._helpers import (
     assert_replicas_equal,
@@ -218,7 +217,9 @@ def test_bf16_master_drift_is_bounded(lr: float) -> None:
                 assert deviation <= DRIFT_LOSS_RTOL, (rounding, states, final, reference)
 
 
-def test_bf16_masters_refuse_optimizers_other_than_adam() -> None:
+def test_bf16_masters_of_other_optimizers_are_the_parameters() -> None:
+    """SGD with bf16 masters (issue 30): the bf16 parameters are the masters, updated by
+    torch's SGD on fp32 copies and rounded back."""
     plan = dtypeplan.resolve(
         {
             "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
@@ -227,6 +228,11 @@ def test_bf16_masters_refuse_optimizers_other_than_adam() -> None:
     )
     assert plan.status == "OK"
     model = plan.prepare_model(make_model(0))
-    with pytest.raises(NotSupportedError, match="fused Adam/AdamW"):
-        plan.build(model.parameters())
+    before = model[0].weight.detach().clone()
+    optimizer = plan.build(model.parameters())
+    x = torch.randn(4, model[0].in_features, dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()
+    optimizer.step()
     assert model[0].weight.dtype == torch.bfloat16
+    assert optimizer.update_kernel.name == "torch-class-low-precision"
+    assert not torch.equal(model[0].weight, before)

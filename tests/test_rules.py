@@ -192,9 +192,12 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
         and (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
     )
     states = name == "states" and _states_proven(point)
+    # Rprop and ASGD with fp32 states: torch's own step wherever the point is OK.
+    kinds = name == "state_kind" and dtypeplan.load_rules().lookup(point).status == "OK"
     return (
         offload
         or states
+        or kinds
         or _implemented_layout(point, name, value)
         or _implemented_autocast(point, name, value)
         or (
@@ -263,9 +266,11 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
                 if value != dim.default_value:
                     implemented = _implemented_feature(point, name, value)
                     assert (rule.status == "OK") == implemented, (name, value, rule.id, point)
-                    if name == "shard_groups" and name not in rule.when:
+                    if name in ("shard_groups", "state_kind") and name not in rule.when:
                         # A rule that does not name the layout decides every layout as it
-                        # decides the flat one (the layout changes only where states live).
+                        # decides the flat one (the layout changes only where states live);
+                        # one that does not name the state kind decides every kind as it
+                        # decides moments (fp32 states are torch's own).
                         assert rule is table.lookup(point), (value, rule.id)
                     else:
                         assert rule.reason and dim.name in rule.when, (name, rule.id)

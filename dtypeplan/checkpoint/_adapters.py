@@ -33,7 +33,6 @@ from dtypeplan.optimizers.state import (
     KAHAN_COMPENSATION,
     LOSS_SCALE,
     MASTER,
-    MOMENTS,
     QUANTIZED,
     SKIPPED_STEPS,
     STEP,
@@ -223,7 +222,7 @@ class FlatAdapter:
         if update is None:
             return flats
         for piece in self._saved_pieces():
-            for name in MOMENTS:
+            for name in update.names:
                 if name not in names:
                     continue
                 found = update.segment_codes(
@@ -294,7 +293,7 @@ class FlatAdapter:
             return flats
         saved = set(codes)
         for piece in self.opt.shard_pieces():
-            for name in MOMENTS:
+            for name in update.names:
                 staged = update.codes_like(
                     piece.master, name, piece.offset, piece.end - piece.begin
                 )

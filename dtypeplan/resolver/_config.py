@@ -21,6 +21,7 @@ from dtypeplan.resolver._optimizer_kind import (
     optimizer_kind,
     shaped_reason,
     state_bytes_per_param,
+    state_kind,
 )
 from dtypeplan.resolver._schema import config_schema
 
@@ -85,6 +86,12 @@ class OptimizerConfig:
     def kind(self) -> str:
         """The table's ``optimizer`` dimension: ``"elementwise"`` or ``"shaped"``."""
         return optimizer_kind(self._class_or_none())
+
+    @property
+    def state_kind(self) -> str:
+        """The table's ``state_kind`` dimension: ``"moments"``, ``"step_sizes"`` (Rprop) or
+        ``"averaged_weights"`` (ASGD)."""
+        return state_kind(self._class_or_none())
 
     @property
     def kind_reason(self) -> str:

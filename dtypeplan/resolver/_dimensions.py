@@ -49,6 +49,7 @@ __all__ = [
     "STAGE",
     "STATES",
     "STATE_DTYPES",
+    "STATE_KIND",
     "STATE_PAIRS",
     "WIRES_ACROSS",
     "config_for",
@@ -486,6 +487,25 @@ OPTIMIZER_KIND = Dimension(
         "shaped": {"optimizer": {"type": "Adafactor"}},
     },
 )
+STATE_KIND = Dimension(
+    name="state_kind",
+    values=("moments", "step_sizes", "averaged_weights"),
+    doc="what the elementwise optimizer's per-element states are: moments (running averages "
+    "or sums of gradients: SGD's momentum, the Adam family, Adagrad, RMSprop, Adadelta, "
+    "Adamax, NAdam, RAdam), step_sizes (Rprop: a step size per element and the last "
+    "gradient's sign) or averaged_weights (ASGD's ax). A rule that does not name it decides "
+    "every kind as it decides moments",
+    config_key="optimizer.type / build(optimizer=...) / wrap(...)",
+    default="moments (AdamW)",
+    default_value="moments",
+    choices=("moments",),
+    title="state kind",
+    value_configs={
+        "moments": {"optimizer": {"type": "AdamW"}},
+        "step_sizes": {"optimizer": {"type": "Rprop"}},
+        "averaged_weights": {"optimizer": {"type": "ASGD"}},
+    },
+)
 
 CORE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
     {dim.name: dim for dim in (PARAMS, ACCUM, SHARDED, STAGE, PIPELINE, COMM, REDUCTION)}
@@ -507,6 +527,7 @@ FEATURE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
             GRADIENT_PRESCALING,
             FP8,
             OPTIMIZER_KIND,
+            STATE_KIND,
         )
     }
 )

@@ -162,6 +162,7 @@ def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> di
         "gradient_prescaling": config.gradient_prescaling,
         "fp8": config.fp8,
         "optimizer": config.optimizer.kind,
+        "state_kind": config.optimizer.state_kind,
     }
     if config.wire_across_groups == comm:
         # The wire across named as the communication dtype is no other wire: the same

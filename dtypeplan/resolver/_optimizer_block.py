@@ -73,6 +73,10 @@ class OptimizerReading:
     """``fp32_optimizer_states: false``: DeepSpeed's CPU Adam keeps moments in the param dtype."""
 
 
+_FAST_PATH_CHOICES = ("foreach", "fused")
+"""torch's choices of an implementation of the same update: accepted and left to dtypeplan,
+which runs the update on its flat chunks as its kernels say (build and wrap drop them too)."""
+
 # DeepSpeed's Adam/AdamW params that torch.optim does not take (ADAM_PARAMS in
 # _deepspeed_keys.py); what each becomes is decided in read_optimizer.
 _DEEPSPEED_ADAM_ONLY = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
@@ -123,6 +127,16 @@ def read_optimizer(document: dict[str, Any]) -> OptimizerReading:
                 'optimizer.params.adam_w_mode false does not apply to type "AdamW", which '
                 'DeepSpeed always runs as AdamW; use type "Adam" for L2 weight decay'
             )
+    for key in _FAST_PATH_CHOICES:
+        # As build(optimizer=...) and wrap() do: the same update, run as dtypeplan chooses.
+        if key in params:
+            path = f"$.optimizer.params.{key}"
+            if params[key] is not None and not isinstance(params[key], bool):
+                raise PrecisionConfigError(
+                    f"invalid value {params[key]!r} at {path}: must be true, false or null", path
+                )
+            params.pop(key)
+            ignored.append(path)
     _check_optimizer_params(name, params)
     return OptimizerReading(
         config=OptimizerConfig(type=name, params=freeze(params)),

@@ -42,8 +42,10 @@ __all__ = [
     "canonical_name",
     "optimizer_class",
     "optimizer_kind",
+    "STATE_KINDS",
     "shaped_reason",
     "state_bytes_per_param",
+    "state_kind",
 ]
 
 
@@ -71,6 +73,15 @@ ELEMENTWISE: FrozenDict[type[torch.optim.Optimizer], Callable[[Mapping[str, Any]
     )
 )
 """The elementwise ``torch.optim`` classes, each with its state bytes per parameter."""
+
+STATE_KINDS: FrozenDict[type[torch.optim.Optimizer], str] = FrozenDict(
+    {torch.optim.Rprop: "step_sizes", torch.optim.ASGD: "averaged_weights"}
+)
+"""The elementwise classes whose per-element states are not moments (the table's
+``state_kind``): Rprop keeps a step size per element (grown by etaplus, shrunk by etaminus,
+clamped to step_sizes) and the last gradient, whose sign picks the next change; ASGD keeps
+``ax``, the averaged weights. Every other class keeps running averages or sums of gradients
+(``moments``)."""
 
 FAST_PATH_ARGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Arguments that choose an implementation of the same update; dtypeplan sets them itself
@@ -180,6 +191,11 @@ def optimizer_kind(torch_class: type | None) -> str:
     """``"elementwise"`` for the classes of :data:`ELEMENTWISE`, else ``"shaped"`` (None: no
     ``torch.optim`` class runs it)."""
     return "elementwise" if torch_class in ELEMENTWISE else "shaped"
+
+
+def state_kind(torch_class: type | None) -> str:
+    """The table's ``state_kind`` of a class: :data:`STATE_KINDS`, else ``"moments"``."""
+    return STATE_KINDS.get(torch_class, "moments") if torch_class is not None else "moments"
 
 
 def shaped_reason(name: str, torch_class: type | None) -> str:

@@ -180,6 +180,9 @@ class PrecisionPlan:
     """The fp8 block enabled."""
     optimizer_kind: str = "elementwise"
     """``"elementwise"`` or ``"shaped"`` (see ``resolver/_optimizer_kind.py``)."""
+    state_kind: str = "moments"
+    """The table's ``state_kind``: ``"moments"``, ``"step_sizes"`` (Rprop) or
+    ``"averaged_weights"`` (ASGD) (``resolver/_optimizer_kind.py``)."""
     zero_stage: int
     pipeline_parallel: bool
     loss_scaling: LossScaleConfig | None
@@ -272,6 +275,7 @@ class PrecisionPlan:
             "gradient_prescaling": self.gradient_prescaling,
             "fp8": self.fp8,
             "optimizer_kind": self.optimizer_kind,
+            "state_kind": self.state_kind,
             "zero_stage": self.zero_stage,
             "pipeline_parallel": self.pipeline_parallel,
             "loss_scaling": None if self.loss_scaling is None else vars(self.loss_scaling).copy(),

@@ -116,6 +116,7 @@ def _plan(
         gradient_prescaling=config.gradient_prescaling,
         fp8=config.fp8,
         optimizer_kind=features["optimizer"],
+        state_kind=features["state_kind"],
         zero_stage=effective.stage,
         pipeline_parallel=bool(pipeline_parallel),
         loss_scaling=config.loss_scaling if scaled else None,

@@ -22,6 +22,8 @@ __all__ = [
     "KAHAN_COMPENSATION",
     "MASTER",
     "MOMENTS",
+    "ELEMENT_STATES",
+    "SIGNED_STATES",
     "LOSS_SCALE",
     "NO_STATE",
     "SKIPPED_STEPS",
@@ -54,6 +56,29 @@ KAHAN_COMPENSATION = "kahan_compensation"
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's moments under torch's names; the first is signed, the second is not."""
+
+SIGNED_STATES = ("exp_avg", "momentum_buffer", "grad_avg", "prev", "ax")
+"""The per-element states of the elementwise ``torch.optim`` classes that can be negative:
+first moments and momenta (Adam family, SGD, RMSprop's ``momentum_buffer`` and centered
+``grad_avg``), Rprop's last gradient ``prev``, ASGD's averaged weights ``ax``. They are stored
+as ``exp_avg_dtype`` says (the signed int8 code table)."""
+
+ELEMENT_STATES = (
+    *SIGNED_STATES,
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "sum",
+    "square_avg",
+    "acc_delta",
+    "exp_inf",
+    "step_size",
+)
+"""Every per-element state of the elementwise ``torch.optim`` classes (torch 2.13): the signed
+ones, then the non-negative ones (second moments and accumulators: Adam's ``exp_avg_sq`` and
+amsgrad's ``max_exp_avg_sq``, Adagrad's ``sum``, RMSprop's and Adadelta's ``square_avg``,
+Adadelta's ``acc_delta``, Adamax's ``exp_inf``, Rprop's ``step_size``), stored as
+``exp_avg_sq_dtype`` says (the unsigned int8 code table). Scalar states (``step``, NAdam's
+``mu_product``, ASGD's ``eta`` and ``mu``) stay as torch keeps them."""
 
 STEP = "step"
 LOSS_SCALE = "loss_scale"

@@ -38,7 +38,11 @@ import torch
 
 from dtypeplan.optimizers.kernels.rounding import kahan_store
 from dtypeplan.optimizers.state import storage
-from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.state.keys import (
+    KAHAN_COMPENSATION,
+    MOMENTS,
+    SIGNED_STATES,
+)
 
 __all__ = [
     "CODES",
@@ -85,10 +89,14 @@ class LowPrecisionState:
         rounding: str,
         exp_avg_dtype: str,
         exp_avg_sq_dtype: str,
+        names: tuple[str, ...] = MOMENTS,
     ) -> None:
         self.inner = inner
         self.rounding = rounding
         self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        self.names = names
+        """The per-element states this update stores in their dtypes (Adam's moments, or
+        every per-element state of the ``torch.optim`` classes: ``keys.ELEMENT_STATES``)."""
         self._fp32_depth = 0
         self._layouts: dict[int, storage.BlockLayout] = {}
         """Each master's block layout for quantized moments, by ``id(master)`` (the masters
@@ -101,10 +109,17 @@ class LowPrecisionState:
         """Saved codes to restore once :meth:`fp32_view` has stored the moments back
         (:meth:`load_segment_codes`)."""
 
+    def dtype_of(self, name: str) -> str:
+        """The storage dtype of per-element state ``name``: the signed states
+        (``keys.SIGNED_STATES``) as ``exp_avg_dtype`` says, the non-negative ones as
+        ``exp_avg_sq_dtype``."""
+        role = "exp_avg" if name in SIGNED_STATES else "exp_avg_sq"
+        return self.moment_dtypes[role]
+
     @property
     def quantized(self) -> bool:
-        """Whether a moment is stored as torchao codes (then :meth:`fp32_view` matters)."""
-        return any(d in storage.QUANTIZED for d in self.moment_dtypes.values())
+        """Whether a state is stored as torchao codes (then :meth:`fp32_view` matters)."""
+        return any(self.dtype_of(name) in storage.QUANTIZED for name in self.names)
 
     def set_segments(
         self, masters: Sequence[torch.Tensor], segments: Sequence[Sequence[int]]
@@ -131,11 +146,11 @@ class LowPrecisionState:
     def _stored(self, values: torch.Tensor, name: str, master: torch.Tensor) -> torch.Tensor:
         """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
         :meth:`fp32_view`; plain results keep ``values``' shape."""
-        want = "fp32" if self._fp32_depth else self.moment_dtypes[name]
+        want = "fp32" if self._fp32_depth else self.dtype_of(name)
         if storage.state_dtype_name(values) == want:
             return values
         stored = storage.to_storage(
-            values.reshape(-1), want, signed=name == "exp_avg", layout=self.layout(master)
+            values.reshape(-1), want, signed=name in SIGNED_STATES, layout=self.layout(master)
         )
         return stored if storage.is_quantized(stored) else stored.view(values.shape)
 
@@ -185,12 +200,12 @@ class LowPrecisionState:
         if "exp_avg" not in slot:
             slot["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
             for name in MOMENTS:
-                dtype = "fp32" if self._fp32_depth else self.moment_dtypes[name]
+                dtype = "fp32" if self._fp32_depth else self.dtype_of(name)
                 state = storage.new_state(
                     dtype,
                     master.numel(),
                     master.device,
-                    signed=name == "exp_avg",
+                    signed=name in SIGNED_STATES,
                     layout=self.layout(master),
                 )
                 # Plain states are laid out like the master (a ZeRO-3 shard has its shape).
@@ -209,9 +224,9 @@ class LowPrecisionState:
         """
         for master in masters:
             slot = self.inner.state[master]
-            for name in MOMENTS:
+            for name in self.names:
                 value = slot.get(name)
-                if value is None:
+                if not torch.is_tensor(value):
                     continue
                 if storage.is_quantized(value) and self._fp32_depth:
                     values = storage.state_values(value, master.numel(), self.layout(master))
@@ -265,7 +280,7 @@ class LowPrecisionState:
         """Empty codes and scales of the shapes and dtypes :meth:`segment_codes` gives for
         that piece in this update's layout and moment dtype, or None (not quantized, or not
         one segment): what a load stages saved codes in."""
-        dtype = self.moment_dtypes[name]
+        dtype = self.dtype_of(name)
         span = self._segment(master, offset, numel) if dtype in storage.QUANTIZED else None
         if span is None:
             return None
@@ -300,7 +315,7 @@ class LowPrecisionState:
     ) -> None:
         """Add the quantized moments' codes and scales of a parameter piece to its state dict
         ``entry`` (:data:`CODES`, :data:`SCALES`)."""
-        for name in MOMENTS:
+        for name in self.names:
             found = self.segment_codes(master, name, offset, numel)
             if found is not None:
                 entry[name + CODES], entry[name + SCALES] = found
@@ -309,7 +324,7 @@ class LowPrecisionState:
         self, entry: Mapping[str, Any], master: torch.Tensor, offset: int, numel: int
     ) -> None:
         """Restore the codes and scales :meth:`save_codes` put in ``entry``, if any."""
-        for name in MOMENTS:
+        for name in self.names:
             codes, scales = entry.get(name + CODES), entry.get(name + SCALES)
             if torch.is_tensor(codes) and torch.is_tensor(scales):
                 self.load_segment_codes(master, name, offset, numel, codes, scales)

@@ -14,6 +14,11 @@ update in fp32, quantize back.
 pieces of whole blocks (``state/storage.py``): each moment's piece is dequantized into fp32
 scratch, updated by torch's fused Adam/AdamW with the master (rounded back where 16-bit), and
 quantized into its blocks again.
+
+**Any other elementwise class** (SGD, Adagrad, RMSprop, ..., Adam with amsgrad;
+:class:`TorchClassKernel`): ``TorchClassUpdate.bucket`` (``update/pieces.py``) decodes the
+master and every per-element state of a bucket chunk into fp32, runs the class's own torch
+step on them, and rounds or quantizes them back.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import torch
 
 from dtypeplan import _update_path as update_path
 from dtypeplan.optimizers.update.interface import FlatEngine
+from dtypeplan.optimizers.update.pieces import TorchClassUpdate
 from dtypeplan.optimizers.update.torch_fused import BucketChunkKernel, torch_fused_adam
 
-__all__ = ["LowPrecisionKernel", "QuantizedKernel"]
+__all__ = ["LowPrecisionKernel", "QuantizedKernel", "TorchClassKernel"]
 
 
 class LowPrecisionKernel(BucketChunkKernel):
@@ -59,4 +65,24 @@ class QuantizedKernel(BucketChunkKernel):
         return (
             f"fp32 pieces around torch's fused Adam/AdamW, moments dequantized and quantized "
             f"again (exp_avg {plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype})"
+        )
+
+
+class TorchClassKernel(BucketChunkKernel):
+    """An elementwise class other than plain fused Adam/AdamW with 16-bit masters or
+    low-precision states: torch's own step on fp32 copies of each bucket chunk."""
+
+    name = "torch-class-low-precision"
+
+    @classmethod
+    def applies(cls, engine: FlatEngine) -> bool:
+        return isinstance(engine._low_precision, TorchClassUpdate)
+
+    def describe(self) -> str:
+        plan = self.engine.plan
+        masters = plan.master_rounding if plan.master_dtype != torch.float32 else "fp32"
+        return (
+            f"{plan.optimizer.torch_class.__name__}'s torch step on fp32 copies per bucket "
+            f"chunk (masters {masters}, "
+            f"signed states {plan.exp_avg_dtype}, non-negative states {plan.exp_avg_sq_dtype})"
         )

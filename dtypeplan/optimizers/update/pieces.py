@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtypeplan._dtypes import DTYPE_NAMES
-from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
@@ -54,13 +52,13 @@ from dtypeplan.optimizers.kernels.torch_adam import (
     fused_adam_kernel,
 )
 from dtypeplan.optimizers.state import storage
-from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.state.keys import ELEMENT_STATES, KAHAN_COMPENSATION, MOMENTS
 from dtypeplan.optimizers.state.low_precision import LowPrecisionState
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["LowPrecisionAdamUpdate", "PIECE", "SEED"]
+__all__ = ["LowPrecisionAdamUpdate", "PIECE", "SEED", "TorchClassUpdate"]
 
 PIECE = CPU_CHUNK
 """Elements per fused call (stored values, for quantized moments): bounds the fp32 scratch
@@ -111,29 +109,16 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         16-bit masters or moments other than fp32; None for fp32 masters with fp32 moments.
         ``segments``: per master, the lengths of its parameter pieces (and padding) in order
         (:meth:`set_segments`); None: each master holds one parameter (ZeRO-3 local shards).
-        Refuses an optimizer other than torch's fused Adam/AdamW."""
+        Adam/AdamW on torch's fused path get this class; any other elementwise class (or
+        Adam with amsgrad, maximize...) gets :class:`TorchClassUpdate`."""
         states = plan.optimizer_states
         if plan.master_dtype == torch.float32 and states == "fp32":
             return None
         torch_class = plan.optimizer.torch_class
         if not FlatAdamUpdate.supports(inner, torch_class):
-            if states != "fp32":
-                raise NotSupportedError(
-                    f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
-                    f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
-                    "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
-                    f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
-                    "without fused kernels) keeps other states, which it would update in their "
-                    "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
-                    "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
-                )
-            raise NotSupportedError(
-                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
-                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
-                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
-                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
-                "master weights (remove master_weights / bf16_master_weights_and_grads)"
-            )
+            # Any other elementwise class (SGD, Adagrad, ..., Adam with amsgrad): torch's own
+            # step on fp32 copies of the master and every per-element state.
+            cls = TorchClassUpdate
         update = cls(
             inner,
             torch_class,
@@ -323,3 +308,126 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
             scratch = torch.empty(max(numel, 1), dtype=dtype, device=device)
             self._scratch[(device, name)] = scratch
         return scratch[:numel]
+
+
+class TorchClassUpdate(LowPrecisionAdamUpdate):
+    """Any elementwise ``torch.optim`` class with 16-bit masters or low-precision states:
+    torch's own step on fp32 copies, per master.
+
+    For each master (a flat chunk, or a ZeRO-3 local shard): the master is loaded into fp32
+    (a bf16 one upcast, with its Kahan compensation where kept), every per-element state
+    (``keys.ELEMENT_STATES``: SGD's ``momentum_buffer``, Adagrad's ``sum``, amsgrad's
+    ``max_exp_avg_sq``...) decoded into fp32 (an fp32 one used in place), and one step of a
+    private instance of the optimizer's class, with the param group's own settings, runs on
+    them: the fp32 math is torch's for that class, whatever it is. Then the master is rounded
+    back as ``plan.master_rounding`` says and each state stored in its dtype again (signed
+    states as ``exp_avg_dtype`` says, non-negative ones as ``exp_avg_sq_dtype``). Scalar states
+    (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) stay torch's tensors. The
+    fp32 copies live for one master's update only.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        torch_class: type[torch.optim.Optimizer],
+        *,
+        rounding: str,
+        exp_avg_dtype: str,
+        exp_avg_sq_dtype: str,
+        shard_rank: int,
+    ) -> None:
+        super().__init__(
+            inner,
+            torch_class,
+            rounding=rounding,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+            shard_rank=shard_rank,
+        )
+        self.names = ELEMENT_STATES
+        self._stepper: torch.optim.Optimizer | None = None
+
+    def _step_fp32(
+        self, group: dict[str, Any], weights: torch.Tensor, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        """One step of the optimizer's class on ``weights`` (fp32, its ``.grad`` set) with
+        ``state``, under ``group``'s settings; the state after it."""
+        stepper = self._stepper
+        if stepper is None:
+            stepper = self.torch_class([torch.zeros(1)])  # type: ignore[call-arg]
+            self._stepper = stepper
+        stepper.param_groups[0] = {**group, "params": [weights]}
+        stepper.state.clear()
+        stepper.state[weights] = state
+        try:
+            stepper.step()
+            return stepper.state[weights]
+        finally:
+            stepper.state.clear()
+            stepper.param_groups[0] = {**group, "params": []}
+
+    @torch.no_grad()
+    def bucket(
+        self,
+        group: dict[str, Any],
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        param_chunk: torch.Tensor | None,
+        grad_scale: torch.Tensor,
+    ) -> None:
+        slot = self.inner.state[master]
+        if self._fp32_depth:
+            for name in self.names:
+                self._viewed.pop((id(slot), name), None)
+        device = master.device
+        numel = master.numel()
+        flat = master.view(-1)
+        layout = self.layout(master)
+        fp32_master = master.dtype == torch.float32
+        if fp32_master:
+            weights = flat
+        else:
+            weights = torch.empty(numel, dtype=torch.float32, device=device)
+            if self.rounding == "kahan":
+                kahan_load(flat, slot[KAHAN_COMPENSATION].view(-1), weights)
+            else:
+                weights.copy_(flat)
+        state: dict[str, Any] = {}
+        for name, value in slot.items():
+            if name == KAHAN_COMPENSATION:
+                continue
+            if name in self.names and torch.is_tensor(value):
+                plain32 = not storage.is_quantized(value) and value.dtype == torch.float32
+                # An fp32 state is updated in place; any other is decoded into a copy.
+                state[name] = (
+                    value.view(-1) if plain32 else storage.state_values(value, numel, layout)
+                ).view(-1)
+            else:
+                state[name] = value
+        weights.grad = grad.reshape(-1).to(torch.float32).div(grad_scale)
+        try:
+            after = self._step_fp32(group, weights, state)
+        finally:
+            weights.grad = None
+        for name, value in after.items():
+            if name in self.names and torch.is_tensor(value):
+                held = slot.get(name)
+                if held is not None and held.data_ptr() == value.data_ptr():
+                    continue  # an fp32 state, updated in place
+                if torch.is_tensor(held) and not storage.is_quantized(held):
+                    if held.dtype == torch.float32 and self.dtype_of(name) == "fp32":
+                        held.view(-1).copy_(value)
+                        continue
+                slot[name] = self._stored(value.view(master.shape), name, master)
+            else:
+                slot[name] = value
+        if fp32_master:
+            if param_chunk is not None:
+                param_chunk.view(-1).copy_(weights)
+        elif self.rounding == "kahan":
+            kahan_store(weights, flat, slot[KAHAN_COMPENSATION].view(-1))
+        elif self.rounding == "stochastic":
+            noise = self._scratch_for(device, "noise", numel, torch.int32)
+            round_stochastic(weights, flat, self._generator(device), noise)
+        else:
+            flat.copy_(weights)

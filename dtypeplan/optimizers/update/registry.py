@@ -15,7 +15,11 @@ from typing import Any
 from dtypeplan.optimizers.update.generic import GenericKernel
 from dtypeplan.optimizers.update.host_offload import HostOffloadKernel
 from dtypeplan.optimizers.update.interface import FlatEngine, UpdateKernel
-from dtypeplan.optimizers.update.low_precision import LowPrecisionKernel, QuantizedKernel
+from dtypeplan.optimizers.update.low_precision import (
+    LowPrecisionKernel,
+    QuantizedKernel,
+    TorchClassKernel,
+)
 from dtypeplan.optimizers.update.torch_fused import Fused16BitKernel, TorchFusedKernel
 from dtypeplan.optimizers.update.triton import TritonKernel
 from dtypeplan.optimizers.update.triton_low_precision import TritonLowPrecisionKernel
@@ -30,6 +34,7 @@ KERNELS: tuple[type[UpdateKernel], ...] = (
     QuantizedKernel,
     TritonLowPrecisionKernel,
     LowPrecisionKernel,
+    TorchClassKernel,
     GenericKernel,
 )
 """Every update kernel, most preferred first; :class:`GenericKernel` applies to every plan."""
