@@ -164,7 +164,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         drawn,
         _memory_configs(),
         WIDTH,
-        ["fp32", "bf16"],
+        ["bf16"],
         timeout_s=500,
     )
     return {"cases": drawn, "per_rank": per_rank}
@@ -229,7 +229,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16"])
 def test_offloaded_zero3_resumes_bitwise_and_reshards(
     group: dict[str, Any], precision: str
 ) -> None:
@@ -258,7 +258,7 @@ def test_offloaded_zero3_resumes_bitwise_and_reshards(
 
 def test_parity_offloaded_zero3_one_rank_group() -> None:
     """One rank: FSDP2 on a 1-rank process group (offload_param needs FSDP2)."""
-    points = [p for p in default_points() if p["params"] in ("fp32", "bf16")][:3]
+    points = [p for p in default_points() if p["params"] in ("fp32", "bf16")][:2]
 
     @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
