@@ -304,7 +304,7 @@ def _block_path(block: str, name: str) -> str:
 
 def render_deepspeed_differences() -> str:
     from dtypeplan.resolver import _deepspeed_keys as ds
-    from dtypeplan.resolver._differences import DIFFERENCES
+    from dtypeplan.resolver._differences import DIFFERENCES, ZERO_DIFFERENCES
 
     out = [
         GENERATED.format(source="dtypeplan/resolver/_differences.py"),
@@ -319,7 +319,8 @@ def render_deepspeed_differences() -> str:
         "| --- | --- | --- | --- |",
     ]
     out += [
-        f"| {row.point} | {row.deepspeed} | {row.dtypeplan} | {row.fix} |" for row in DIFFERENCES
+        f"| {row.point} | {row.deepspeed} | {row.dtypeplan} | {row.fix} |"
+        for row in (*DIFFERENCES, *ZERO_DIFFERENCES.values())
     ]
     return "\n".join(out) + "\n"
 

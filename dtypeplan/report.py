@@ -26,6 +26,8 @@ def memory_layout(plan: PrecisionPlan, world_size: int) -> dict[str, str]:
         "accumulator": sharded if plan.accumulator_sharded else "whole",
         "master": states,
         "optimizer_states": states,
+        "host_params": sharded if stage >= 3 else "whole",
+        "host_accumulator": sharded if plan.accumulator_sharded else "whole",
         "host_master": states,
         "host_optimizer_states": states,
     }

@@ -108,6 +108,8 @@ def test_plan_attributes_have_the_documented_types(
         assert name in data, name
     assert data["status"] == status
     assert set(plan.memory(1000, 2)) == {
+        "host_params",
+        "host_accumulator",
         "host_master",
         "host_optimizer_states",
         "host_total",

@@ -500,7 +500,6 @@ IGNORED = {
     "wall_clock_breakdown": False,
     "zero_optimization": {
         "stage": 2,
-        "overlap_comm": True,
         "contiguous_gradients": True,
         "allgather_bucket_size": 5e8,
     },
@@ -509,7 +508,6 @@ IGNORED = {
 IGNORED_PATHS = [
     "$.steps_per_print",
     "$.wall_clock_breakdown",
-    "$.zero_optimization.overlap_comm",
     "$.zero_optimization.contiguous_gradients",
     "$.zero_optimization.allgather_bucket_size",
     "$.bf16.immediate_grad_update",
@@ -529,6 +527,52 @@ def test_ignored_keys_are_accepted_listed_and_change_nothing() -> None:
     for data in (with_keys, without):
         data.pop("ignored_keys")
     assert with_keys == without
+
+
+@pytest.mark.parametrize(
+    ("zero", "stated", "ignored"),
+    [
+        # ZeRO-3: every ZeRO setting DeepSpeed reads for memory or overlap is a difference.
+        (
+            {
+                "stage": 3,
+                "stage3_max_live_parameters": 1e9,
+                "stage3_max_reuse_distance": 1e9,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 0,
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "sub_group_size": 1e9,
+                "overlap_comm": False,
+                "offload_param": {"device": "cpu", "pin_memory": False},
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            },
+            [
+                "max_live_parameters", "max_reuse_distance", "param_persistence_threshold",
+                "prefetch_bucket_size", "gather_16bit_weights_on_model_save", "sub_group_size",
+                "overlap_comm", "offload_param.pin_memory", "offload_optimizer.pin_memory",
+            ],
+            [],
+        ),
+        # Below ZeRO-3 DeepSpeed reads none of the stage-3 keys: ignored, as DeepSpeed does.
+        (
+            {"stage": 2, "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9,
+             "overlap_comm": True},
+            ["overlap_comm"],
+            ["$.zero_optimization.stage3_max_live_parameters",
+             "$.zero_optimization.sub_group_size"],
+        ),
+    ],
+)  # fmt: skip
+def test_zero_memory_keys_are_differences_never_silently_ignored(
+    zero: dict[str, Any], stated: list[str], ignored: list[str]
+) -> None:
+    plan = dtypeplan.resolve({"zero_optimization": zero})
+    lines = [d for d in plan.deepspeed_differences if d.startswith("zero_optimization.")]
+    assert sorted(d.split(" = ")[0].removeprefix("zero_optimization.") for d in lines) == sorted(
+        stated
+    ), lines
+    assert sorted(plan.ignored_keys) == sorted(ignored)
+    assert any("overlap_comm = " in d and "always overlaps" in d for d in lines)
 
 
 def test_offload_is_parsed_never_ignored() -> None:
@@ -661,8 +705,12 @@ def test_stage3_alias_and_plain_name_are_one_setting() -> None:
     plain = {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 10}}
     alias = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}}
     plain_plan, alias_plan = dtypeplan.resolve(plain).to_dict(), dtypeplan.resolve(alias).to_dict()
-    assert plain_plan.pop("ignored_keys") == ["$.zero_optimization.prefetch_bucket_size"]
-    assert alias_plan.pop("ignored_keys") == ["$.zero_optimization.stage3_prefetch_bucket_size"]
+    # A key with which DeepSpeed changes memory: stated as a difference, not "ignored".
+    assert plain_plan["ignored_keys"] == alias_plan["ignored_keys"] == []
+    assert any(
+        d.startswith("zero_optimization.prefetch_bucket_size = 10:")
+        for d in plain_plan["deepspeed_differences"]
+    )
     assert plain_plan == alias_plan
     both = {"zero_optimization": {"prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 20}}
     error = _error(both)

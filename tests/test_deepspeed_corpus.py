@@ -71,6 +71,17 @@ OK_WITH_OPTIMIZER_OFFLOAD = {
     "llamafactory__ds_z2_offload_config.json",
 }
 
+# offload_param and offload_optimizer cpu at ZeRO-3: the table's offload-zero3 cells (FSDP2's
+# CPUOffloadPolicy: shards, gradients and states in host memory, stepped on the CPU).
+OK_WITH_ZERO3_OFFLOAD = {
+    "alpaca__default_offload_opt_param.json",
+    "axolotl__zero3_bf16_cpuoffload_all.json",
+    "fastchat__deepspeed_config_s3.json",
+    "hf_accelerate__zero_stage3_offload_config.json",
+    "llamafactory__ds_z3_offload_config.json",
+    "llava__zero3_offload.json",
+}
+
 
 # Keys that change numbers or memory (issue 11, item 4), never listed as ignored.
 NUMBER_CHANGING = {
@@ -114,6 +125,8 @@ def _outcome(name: str) -> str:
         return f"{plan.status} ({how}; a setting the table does not run)"
     if name in OK_WITH_OPTIMIZER_OFFLOAD:
         return f"OK with the optimizer offloaded to the CPU ({how})"
+    if name in OK_WITH_ZERO3_OFFLOAD:
+        return f"OK at ZeRO-3 with parameters and optimizer offloaded to the CPU ({how})"
     if _has_new_settings(config):
         return f"OK with the table's missing settings stated ({how})"
     return f"OK ({how})"
@@ -217,6 +230,12 @@ def test_files_deepspeed_runs_resolve_with_its_meaning_or_say_where_not(name: st
         assert plan.rule_id.startswith("offload-optimizer-cpu"), plan.rule_id
         assert plan.offload_optimizer == "cpu" and plan.offload_param == "none"
         assert plan.memory(10**6, 2)["host_total"] > 0
+    elif name in OK_WITH_ZERO3_OFFLOAD:
+        assert plan.status == "OK", text
+        assert plan.rule_id.startswith("offload-zero3"), plan.rule_id
+        assert (plan.offload_optimizer, plan.offload_param, plan.zero_stage) == ("cpu", "cpu", 3)
+        figures = plan.memory(10**6, 2)
+        assert figures["total"] == 0 and figures["host_params"] > 0
     elif _has_new_settings(config):
         assert plan.status == "NotSupported", text
         assert "not implemented yet" in plan.reason or "NotSupported" in text, text

@@ -112,3 +112,36 @@ def test_a_config_without_a_bf16_block_under_bf16_is_refused(tmp_path: Any) -> N
     plan = dtypeplan.resolve({"zero_optimization": {"stage": 1}}, auto=trainer_auto_values(args, 5))
     with pytest.raises(PrecisionConfigError, match=r"trains in fp32 .* ask for bf16 \(--bf16\)"):
         check_trainer_precision(plan, args)
+
+
+def test_a_config_without_the_told_block_gets_it_as_accelerate_adds_it(tmp_path: Any) -> None:
+    """--bf16 (--fp16) with a config that has no bf16 (fp16) block: the block Accelerate's
+    DeepSpeedPlugin.set_mixed_precision adds under the HF DeepSpeed integration, so the HF
+    docs' ds_config_zero3.json (fp16 "auto", no bf16 block) trains in bf16 under --bf16, as
+    under DeepSpeed. A config with the block, or a path to one, is left as it is."""
+    import json
+
+    import transformers
+
+    import dtypeplan
+    from dtypeplan.integrations.hf_trainer import trainer_auto_values, trainer_precision_config
+
+    zero3 = "tests/data/hf_docs/ds_config_zero3.json"
+    with open(zero3, encoding="utf-8") as handle:
+        document = json.load(handle)
+    bf16 = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=5, bf16=True
+    )
+    config = trainer_precision_config(zero3, bf16)
+    assert config == {**document, "bf16": {"enabled": True}}
+    plan = dtypeplan.resolve(config, auto=trainer_auto_values(bf16, 5))
+    assert plan.status == "OK" and str(plan.param_dtype) == "torch.bfloat16", plan.explain()
+    assert (plan.offload_param, plan.offload_optimizer, plan.zero_stage) == ("cpu", "cpu", 3)
+    fp32 = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=5
+    )
+    assert trainer_precision_config(zero3, fp32) == zero3  # fp32: nothing to add
+    assert trainer_precision_config({"bf16": {"enabled": "auto"}}, bf16) == {
+        "bf16": {"enabled": "auto"}
+    }
+    assert trainer_precision_config({}, bf16) == {"bf16": {"enabled": True}}

@@ -234,7 +234,7 @@ def test_offloaded_tensors_are_on_the_host_and_none_on_the_device() -> None:
     ("extra", "match"),
     [
         ({"zero_optimization": {"stage": 0}}, "stage 1"),
-        ({"zero_optimization": {"stage": 3}}, "offload_param"),
+        ({"zero_optimization": {"stage": 3}}, "offload_param device cpu too"),
         ({"master_weights": {"dtype": "bf16"}}, "fp32 master weights"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "fp32 optimizer states"),
     ],
@@ -278,45 +278,16 @@ def test_model_changes_after_build_reach_the_host_masters() -> None:
             assert moved <= 1.1e-2, (precision, name, float(moved))  # one Adam step of lr 1e-2
 
 
-ZERO3_OFFLOAD_RULES = """\
-version: 1
-defaults:
-  grad_accum_dtype: {fp32: fp32, fp16: fp16, bf16: fp32}
-  accumulator_sharded: {0: false, 1: false, 2: true, 3: true}
-  communication_data_type: accum
-rules:
-  - id: fp16-and-bf16
-    when: {params: fp16+bf16}
-    status: Error
-    reason: one dtype
-  - id: zero3-fsdp2-cpu-offload
-    when: {params: [fp32, fp16, bf16]}
-    status: OK
-    implementation: fsdp2
-    reason: every config to FSDP2 (the test gives ZeRO-3 with offload_param cpu)
-"""
-
-
-def test_zero3_fsdp2_cpu_offload_runs_on_a_gloo_cpu_mesh(tmp_path: Any) -> None:
-    """FSDP2's CPUOffloadPolicy, which plan.prepare_model passes for offload_param cpu, runs on
-    a gloo CPU mesh and trains exactly as ZeRO-3 without it. The shipped table still says
-    NotSupported for the cell (see the offload-param rule: on CUDA the host-resident shards
-    would meet NCCL in the step's summary all-reduce and checkpoint gathers, untested); a
-    rules file sends it to FSDP2 here."""
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(ZERO3_OFFLOAD_RULES)
+def test_zero3_fsdp2_cpu_offload_trains_exactly_as_zero3_without_it() -> None:
+    """FSDP2's CPUOffloadPolicy, which plan.prepare_model passes for offload_param cpu (with
+    offload_optimizer cpu: the table's offload-zero3 rule), runs on a gloo CPU mesh and trains
+    bit for bit as ZeRO-3 without it: the host-resident shards take the same fused update."""
     shipped = dtypeplan.resolve(
-        {
-            "zero_optimization": {
-                "stage": 3,
-                **cases.OFFLOAD,
-                "offload_param": {"device": "cpu"},
-            }
-        }
+        {"zero_optimization": {"stage": 3, **cases.OFFLOAD, "offload_param": {"device": "cpu"}}}
     )
-    assert shipped.status == "NotSupported" and "CPUOffloadPolicy" in shipped.reason
+    assert shipped.status == "OK" and shipped.rule_id == "offload-zero3", shipped.explain()
     precisions = ["fp32", "bf16"]
-    results = spawn(cases.zero3_offload_cases, 2, str(rules), precisions, timeout_s=300)
+    results = spawn(cases.zero3_offload_cases, 2, None, precisions, timeout_s=300)
     for rank in results:
         for precision, result in zip(precisions, rank, strict=True):
             value = _ok(result)

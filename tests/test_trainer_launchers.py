@@ -36,6 +36,8 @@ from tests.workers.integrations import MAX_GRAD_NORM, SAVE_AT, hf_config
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "data" / "hf_scripts" / "run_clm.py"
 HF_ZERO2 = REPO / "tests" / "data" / "deepspeed_configs" / "hf_transformers__ds_config_zero2.json"
+HF_DOCS_ZERO3 = REPO / "tests" / "data" / "hf_docs" / "ds_config_zero3.json"
+"""The HF docs' ZeRO-3 file (offload_param and offload_optimizer cpu; tests/data/hf_docs/)."""
 TIMEOUT_S = 600
 OVERRIDES = (
     "vocab_size=128,n_positions=32,n_embd=32,n_layer=2,n_head=2,"
@@ -187,11 +189,36 @@ def test_dtypeplan_run_unedited_run_clm_hf_zero2(tmp_path: Path) -> None:
     assert args.deepspeed is None and args.dtypeplan_config == str(HF_ZERO2)
 
 
+def test_dtypeplan_run_unedited_run_clm_hf_docs_zero3_offloaded(tmp_path: Path) -> None:
+    """The HF docs' ds_config_zero3.json as it is: ZeRO-3 with the parameters and the optimizer
+    offloaded to the host (the table's offload-zero3 rule), no bf16 block (the Trainer's
+    --bf16 adds it, as Accelerate does for DeepSpeed), every "auto" filled; the weights it
+    writes are the fp32 masters."""
+    output = tmp_path / "zero3"
+    _run_clm(output, HF_DOCS_ZERO3, SAVE_AT + 1)
+    figures = _assert_trained_fp32_out(output, 3, SAVE_AT + 1)
+    plan = _plan_in(output / f"checkpoint-{SAVE_AT}")
+    assert (plan["rule_id"], plan["offload_param"], plan["offload_optimizer"]) == (
+        "offload-zero3", "cpu", "cpu"
+    ), plan  # fmt: skip
+    print(f"dtypeplan run run_clm.py, HF docs ds_config_zero3.json: {figures}")
+
+
+@pytest.mark.slow
+def test_dtypeplan_run_hf_docs_zero3_resumes_bitwise(tmp_path: Path) -> None:
+    """The HF docs' ZeRO-3 file, offloaded: resumed from its checkpoint, bitwise."""
+    _resumes_bitwise(tmp_path, HF_DOCS_ZERO3, 3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_dtypeplan_run_unedited_run_clm_resumes_bitwise(tmp_path: Path, stage: int) -> None:
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(hf_config(stage)), encoding="utf-8")
+    _resumes_bitwise(tmp_path, config, stage)
+
+
+def _resumes_bitwise(tmp_path: Path, config: Path, stage: int) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     steps = 2 * SAVE_AT
     _run_clm(full, config, steps)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat import FlatMixedPrecisionOptimizer
-from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer, gatherable
 from dtypeplan.optimizers.state import MASTER, ShardPiece, param_key
 
 __all__ = ["export_model_state"]
@@ -71,7 +71,7 @@ def _current(param: torch.Tensor) -> torch.Tensor:
     """A parameter's own value, whole, in fp32 (a ZeRO-3 shard is gathered: collective)."""
     value = param.detach()
     if isinstance(value, DTensor):
-        value = value.full_tensor()
+        value = gatherable(value).full_tensor()
     return value.float()
 
 

@@ -36,9 +36,10 @@ The Trainer's own extension points do the rest, as the Trainer's DeepSpeed integ
   it saves the model as the Trainer does.
 * Precision follows the Trainer's own setting: ``--bf16`` / ``--fp16`` (``bf16=True`` ...)
   fill ``"bf16": {"enabled": "auto"}`` and ``"fp16": {"enabled": "auto"}``, as the HF
-  DeepSpeed integration fills them; a config value that disagrees is refused, and so is a
-  plan that would train in another dtype than the Trainer was told (a config without a
-  ``bf16`` block under ``--bf16``: :func:`check_trainer_precision`).
+  DeepSpeed integration fills them; a config without the block gets it as Accelerate adds it
+  for DeepSpeed (:func:`trainer_precision_config`); a config value that disagrees is refused,
+  and so is a plan that would train in another dtype than the Trainer was told
+  (:func:`check_trainer_precision`).
 
 fp16 plans are refused (loss scaling inside the Trainer's backward is not wired).
 
@@ -106,6 +107,7 @@ __all__ = [
     "DtypeplanTrainer",
     "check_trainer_precision",
     "trainer_auto_values",
+    "trainer_precision_config",
     "use_for_unedited_scripts",
 ]
 
@@ -149,6 +151,24 @@ def check_trainer_precision(plan: PrecisionPlan, args: Any) -> None:
             '"bf16": {"enabled": "auto"} and "fp16": {"enabled": "auto"} in the config, '
             "which the Trainer's setting fills"
         )
+
+
+def trainer_precision_config(
+    config: dict[str, Any] | str | os.PathLike[str], args: Any
+) -> dict[str, Any] | str | os.PathLike[str]:
+    """``config`` with the precision block the Trainer adds for ``--bf16`` / ``--fp16`` where the
+    config has none, as Accelerate's ``DeepSpeedPlugin.set_mixed_precision`` does under the HF
+    DeepSpeed integration: ``"bf16": {"enabled": true}`` (no ``bf16`` / ``bfloat16`` block) or
+    ``"fp16": {"enabled": true, "auto_cast": true}`` (no ``fp16`` block). So a file without the
+    block (the HF docs' ds_config_zero3.json has only ``fp16``) trains in the dtype the Trainer
+    was told, as under DeepSpeed. Otherwise ``config`` itself."""
+    told = trainer_dtype(args)
+    document = config_document(config)
+    if told == torch.bfloat16 and not {"bf16", "bfloat16"} & set(document):
+        return {**document, "bf16": {"enabled": True}}  # a copy: the caller's stays as given
+    if told == torch.float16 and "fp16" not in document:
+        return {**document, "fp16": {"enabled": True, "auto_cast": True}}
+    return config
 
 
 def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
@@ -211,7 +231,8 @@ class DtypeplanTrainer(Trainer):
         """The plan of ``dtypeplan_config`` with its ``"auto"`` values filled as the HF
         DeepSpeed integration fills them."""
         auto = trainer_auto_values(self.args, num_training_steps)
-        plan = dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        config = trainer_precision_config(self.dtypeplan_config, self.args)
+        plan = dtypeplan.resolve(config, auto=auto)
         check_trainer_precision(plan, self.args)
         return plan
 

@@ -163,6 +163,11 @@ class PrecisionConfig:
     """``"weights"``, ``"gradients"`` or ``"both"`` (ZeRO++ ``zero_quantized_*``); ``"none"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ ``zero_hpz_partition_size`` above 1."""
+    zero_settings: tuple[tuple[str, Any], ...] = ()
+    """``(canonical name, value)`` of each ``_fields.ZERO_SETTINGS`` key the config gives
+    (ZeRO-3 prefetch / persistence / live-parameter limits, ``sub_group_size``,
+    ``overlap_comm``, the offloads' ``pin_memory``): DeepSpeed changes memory or overlap with
+    them, dtypeplan does otherwise, and ``explain()`` says how."""
     shard_group_size: int | None = None
     """``zero_optimization.shard_group_size`` (``"auto"`` filled from ``LOCAL_WORLD_SIZE``);
     None: the flat layout."""

@@ -23,7 +23,14 @@ each stated by ``explain()`` for the configs it touches:
   ZeRO-3 parameters in the autocast dtype, and scales fp16 autocast with
   ``torch.amp.GradScaler``; dtypeplan sends every gradient in ``communication_data_type``,
   gathers fp32 shards (autocast casts them per op, to the same values) and scales with the
-  fp16 block's DeepSpeed loss scaler (see :func:`_autocast_differences`).
+  fp16 block's DeepSpeed loss scaler (see :func:`_autocast_differences`);
+- the ZeRO-3 schedule keys (``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
+  ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``), ``sub_group_size``,
+  ``overlap_comm``, the offloads' ``pin_memory`` and ``stage3_gather_16bit_weights_on_model_save``:
+  DeepSpeed's ZeRO-3 gathers, keeps and steps by these; dtypeplan's FSDP2 by its units (one unit
+  gathered ahead, every parameter sharded, resharded after forward, each local shard stepped
+  whole), so the numbers agree and the peak memory and overlap differ (see
+  :func:`zero_differences`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,13 @@ from dtypeplan.resolver import _deepspeed_keys as ds
 from dtypeplan.resolver._batch import counted_sizes
 from dtypeplan.resolver._config import PrecisionConfig
 
-__all__ = ["DIFFERENCES", "Difference", "deepspeed_differences"]
+__all__ = [
+    "DIFFERENCES",
+    "Difference",
+    "ZERO_DIFFERENCES",
+    "deepspeed_differences",
+    "zero_differences",
+]
 
 DEEPSPEED = f"DeepSpeed {ds.DEEPSPEED_VERSION}"
 
@@ -108,8 +121,106 @@ DIFFERENCES: tuple[Difference, ...] = (
         '`"torch_autocast": {"dtype": "..."}` makes both agree',
     ),
 )
-"""Every point of ``deepspeed_differences``, one row each: what the reference page
+"""Every point of ``deepspeed_differences`` but the ZeRO keys' (:data:`ZERO_DIFFERENCES`), one
+row each: what the reference page
 ``docs/reference/deepspeed-differences.md`` is generated from (``dtypeplan docs``)."""
+
+
+ZERO_DIFFERENCES: dict[str, Difference] = {
+    "prefetch_bucket_size": Difference(
+        "`stage3_prefetch_bucket_size`",
+        "prefetches the next parameters, up to this many elements, ahead of their use",
+        "FSDP2 gathers one unit ahead (the next unit in forward and in backward)",
+        "choose the units (`plan.prepare_model(model, wrap=...)`): one unit is the most that "
+        "is gathered ahead",
+    ),
+    "param_persistence_threshold": Difference(
+        "`stage3_param_persistence_threshold`",
+        "keeps parameters with fewer elements than this gathered whole on every rank",
+        "shards every parameter, small ones too (gathered with their unit)",
+        "none: the numbers agree; DeepSpeed's persistent parameters cost it device memory and "
+        "save it gathers",
+    ),
+    "max_live_parameters": Difference(
+        "`stage3_max_live_parameters`",
+        "caps the gathered parameter elements held at once",
+        "holds the running unit and the one prefetched, whatever their size",
+        "smaller units (`wrap=`) bound the gathered bytes",
+    ),
+    "max_reuse_distance": Difference(
+        "`stage3_max_reuse_distance`",
+        "keeps a gathered parameter if it is used again within this many elements",
+        "FSDP2 reshards each unit after its forward and gathers it again for backward",
+        "none: the numbers agree; the backward's gathers are not skipped",
+    ),
+    "gather_16bit_weights_on_model_save": Difference(
+        "`stage3_gather_16bit_weights_on_model_save`",
+        "true: `save_16bit_model` (the HF Trainer's `save_model`) gathers the 16-bit weights on "
+        "rank 0; false: it writes none",
+        "the integrations' `save_model` writes the fp32 master weights, gathered one parameter "
+        "at a time (`export_model_state`), whatever the key says; checkpoints never gather",
+        "none needed: the weights written are the masters, which DeepSpeed's "
+        "`zero_to_fp32.py` recovers",
+    ),
+    "sub_group_size": Difference(
+        "`sub_group_size`",
+        "steps the (offloaded) optimizer in groups of this many elements",
+        "steps each local shard (ZeRO-3) or bucket chunk (ZeRO 1-2) in one fused call",
+        "none: the numbers agree; only the host step's transient memory differs",
+    ),
+    "overlap_comm": Difference(
+        "`overlap_comm`",
+        "true: reduces in buckets while backward runs (extra buffers); false: after backward",
+        "always overlaps: FSDP2 reduce-scatters each unit as its backward ends (ZeRO 1-2: each "
+        "bucket as it fills)",
+        "none: the numbers agree",
+    ),
+    "offload_param.pin_memory": Difference(
+        "`offload_param.pin_memory`",
+        "pins the host parameters only when true",
+        "FSDP2's CPUOffloadPolicy pins them whenever the mesh is on CUDA",
+        "none: the numbers and sizes agree; pinned memory is not pageable",
+    ),
+    "offload_optimizer.pin_memory": Difference(
+        "`offload_optimizer.pin_memory`",
+        "pins the host masters and states only when true",
+        "pins them whenever the parameters are on an accelerator",
+        "none: the numbers and sizes agree; pinned memory is not pageable",
+    ),
+}
+"""The ZeRO keys of ``_fields.ZERO_SETTINGS``: how DeepSpeed reads each, and dtypeplan."""
+
+
+ALL_STAGES = ("overlap_comm", "offload_optimizer.pin_memory")
+"""The ZERO_DIFFERENCES keys DeepSpeed reads at every stage; it reads the others at ZeRO-3."""
+
+
+def zero_differences(config: PrecisionConfig, stage: int) -> list[str]:
+    """One line per ZeRO setting the config gives (``PrecisionConfig.zero_settings``, and the
+    ones left ``"auto"`` for the HF Trainer to fill from the model) that DeepSpeed reads at
+    ``stage``."""
+    given = list(config.zero_settings)
+    for auto in config.auto_values:
+        name = auto.path.removeprefix("zero_optimization.").removeprefix("stage3_")
+        if name in ZERO_DIFFERENCES and name not in {n for n, _ in given}:
+            given.append((name, "auto"))
+    found = []
+    for name, value in given:
+        if stage != 3 and name not in ALL_STAGES:
+            continue
+        difference = ZERO_DIFFERENCES[name]
+        if value == "auto":
+            shown = '"auto" (the HF Trainer fills it from the model)'
+        elif isinstance(value, float) and value.is_integer():
+            shown = f"{int(value):,}"
+        else:
+            shown = str(value).lower() if isinstance(value, bool) else f"{value:,}"
+        fix = difference.fix[0].upper() + difference.fix[1:]
+        found.append(
+            f"zero_optimization.{name} = {shown}: {DEEPSPEED}: {difference.deepspeed}; "
+            f"dtypeplan: {difference.dtypeplan}. {fix}"
+        )
+    return found
 
 
 def _deepspeed_wire(params: str) -> str:
@@ -153,6 +264,7 @@ def deepspeed_differences(
             "with lr 1e-3. Give an optimizer block, or pass your optimizer to plan.build"
         )
     found += _autocast_differences(config, point)
+    found += zero_differences(config, point["stage"])
     steps, train, micro = counted_sizes(
         (
             config.gradient_accumulation_steps,

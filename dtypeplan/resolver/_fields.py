@@ -183,7 +183,34 @@ def _zero(
         "shard_group_size": shard_group_size,
         "wire_across_groups": wire_across,
         "wire_across_groups_key": wire_key,
+        "zero_settings": _zero_settings(zero),
     }
+
+
+ZERO_SETTINGS = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "sub_group_size",
+    "overlap_comm",
+    "offload_param.pin_memory",
+    "offload_optimizer.pin_memory",
+)
+"""The ``zero_optimization`` keys (canonical names) with which DeepSpeed changes memory or
+overlap and dtypeplan does otherwise: ``explain()`` states each one given
+(``_differences.zero_differences``)."""
+
+
+def _zero_settings(zero: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    found = []
+    for name in ZERO_SETTINGS:
+        block, _, key = name.rpartition(".")
+        node = zero.get(block) if block else zero
+        if isinstance(node, dict) and key in node:
+            found.append((name, node[key]))
+    return tuple(found)
 
 
 def _offload(zero: dict[str, Any]) -> str:

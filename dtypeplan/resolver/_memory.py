@@ -28,8 +28,14 @@ states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
 With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
 parameters get a host copy too) and the states live in host memory: they count under
 ``host_master`` and ``host_optimizer_states`` (and ``host_total``), and ``master`` and
-``optimizer_states`` are 0. The six device keys mean device bytes for every plan; the host keys
-are 0 when nothing is offloaded.
+``optimizer_states`` are 0. At ZeRO-3 with ``offload_param: cpu`` too (FSDP2's
+CPUOffloadPolicy, which needs both) the shards ``M * N / W`` (the master weights) and the
+sharded accumulator ``A * N / W`` live in host memory as well, under ``host_params`` and
+``host_accumulator``, with the states under ``host_optimizer_states`` (a Kahan compensation
+under ``host_master``): the device holds none of it between steps, only the gathered unit
+(``P`` bytes for each of its parameters) while it runs, which is not counted, like activations.
+One process with ``offload_param`` runs FSDP2 on a one-rank group (``W = 1``). The six device
+keys mean device bytes for every plan; the host keys are 0 when nothing is offloaded.
 
 In a hybrid layout (``zero_optimization.shard_group_size`` ``S``) everything sharded is sharded
 over the ``S`` ranks of a shard group and replicated across the ``W / S`` groups: ``W`` above
@@ -64,8 +70,15 @@ __all__ = [
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
 """Device bytes (shared/API.md)."""
-HOST_MEMORY_KEYS = ("host_master", "host_optimizer_states", "host_total")
-"""Host bytes of an offloaded optimizer; 0 without offload."""
+HOST_MEMORY_KEYS = (
+    "host_params",
+    "host_accumulator",
+    "host_master",
+    "host_optimizer_states",
+    "host_total",
+)
+"""Host bytes of an offloaded optimizer (and, at ZeRO-3 with ``offload_param``, of the shards
+and their gradients); 0 without offload."""
 
 QUANTIZED_BLOCK = 256
 """Values per fp32 scale in int8 and fp8 states (torchao's default block for both)."""
@@ -82,8 +95,8 @@ def state_bytes(dtype: str, numel: int) -> int:
 
     int8 and fp8 states are torchao tensors over ``numel`` padded to whole blocks: one code
     byte a value and one fp32 scale a block. Each parameter's values start a block of their
-    own (``optimizers/state/storage.BlockLayout``), so a state of several parameters is the sum of this
-    over their sizes; ``memory_model`` adds the int8 code tables (1 KiB per moment).
+    own (``optimizers/state/storage.BlockLayout``), so a state of several parameters is the sum
+    of this over their sizes; ``memory_model`` adds the int8 code tables (1 KiB per moment).
     """
     if dtype == "fp32":
         return 4 * numel
@@ -123,6 +136,7 @@ def memory_model(
     exp_avg_dtype: str = "fp32",
     exp_avg_sq_dtype: str = "fp32",
     offload_optimizer: bool = False,
+    offload_param: bool = False,
     param_numels: Sequence[int] | None = None,
     shard_group_size: int | None = None,
 ) -> dict[str, int]:
@@ -137,7 +151,7 @@ def memory_model(
     # every "/ W" of the flat layout becomes "/ S".
     w = shard_group_size if shard_group_size is not None and world_size > 1 else world_size
     state_divisor = w if zero_stage >= 1 else 1
-    if zero_stage >= 3 and world_size == 1:
+    if zero_stage >= 3 and world_size == 1 and not offload_param:
         zero_stage = 2  # one process: the flat sharded optimizer, not FSDP2
     if zero_stage >= 3:
         # FSDP2 keeps the shards in the master dtype: they are the master weights; the
@@ -147,6 +161,9 @@ def memory_model(
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
     aliased = (param_dtype == master_dtype and not offload_optimizer) or zero_stage >= 3
+    # ZeRO-3 with offload_param (FSDP2's CPUOffloadPolicy): the shards, masters, gradient
+    # shards and states all live on the host; the device holds only the unit being run.
+    zero3_offload = zero_stage >= 3 and offload_param
     master = 0 if aliased else 4 * n // state_divisor
     if master_dtype != torch.float32 and master_rounding == "kahan":
         master = master_dtype.itemsize * n // state_divisor
@@ -165,10 +182,13 @@ def memory_model(
         "master": master,
         "optimizer_states": states,
     }
-    host = {"host_master": 0, "host_optimizer_states": 0}
-    if offload_optimizer:
-        host = {"host_master": master, "host_optimizer_states": states}
-        figures["master"] = figures["optimizer_states"] = 0
+    host = dict.fromkeys(HOST_MEMORY_KEYS[:-1], 0)
+    moved: tuple[str, ...] = ("master", "optimizer_states") if offload_optimizer else ()
+    if zero3_offload:
+        moved = ("params", "accumulator", "master", "optimizer_states")
+    for component in moved:
+        host[f"host_{component}"] = figures[component]
+        figures[component] = 0
     figures["total"] = sum(figures.values())
     figures.update(host)
     figures["host_total"] = sum(host.values())

@@ -357,30 +357,33 @@ class PrecisionPlan:
         spans two parameters); without the sizes that padding is left out, like bucket
         padding, which matters only for models with many small parameters.
 
-        The six keys of shared/API.md are device bytes; ``host_master``,
-        ``host_optimizer_states`` and ``host_total`` are what ``offload_optimizer: cpu`` keeps
-        in host memory (0 without it). Raises :class:`NotSupportedError` for NVMe offload, for
-        ``offload_param`` and for an offloaded optimizer at ZeRO-3, which dtypeplan does not
-        implement: no figure would be true.
+        The six keys of shared/API.md are device bytes; ``host_params``,
+        ``host_accumulator``, ``host_master``, ``host_optimizer_states`` and ``host_total`` are
+        what ``offload_optimizer: cpu`` (and at ZeRO-3 ``offload_param: cpu`` with it) keeps in
+        host memory (0 without it). Raises :class:`NotSupportedError` for an offload dtypeplan
+        does not implement (NVMe; ``offload_param`` below ZeRO-3 or without
+        ``offload_optimizer``; ``offload_optimizer`` alone at ZeRO-3): no figure would be true.
         Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
         copies of weights and activations live only during forward and backward, like the
         activations themselves, and are not optimizer memory.
         """
-        offloaded = [
-            f"{what} to {where}"
-            for what, where in (
-                ("offload_optimizer", self.offload_optimizer),
-                ("offload_param", self.offload_param),
-            )
-            if where != "none"
-            and not (what == "offload_optimizer" and where == "cpu" and self.zero_stage < 3)
-        ]
-        if offloaded:
+        offload = (self.offload_optimizer, self.offload_param)
+        served = offload == ("none", "none") or (
+            offload == ("cpu", "none") if self.zero_stage < 3 else offload == ("cpu", "cpu")
+        )
+        if not served:
+            offloaded = [
+                f"{what} to {where}"
+                for what, where in zip(("offload_optimizer", "offload_param"), offload, strict=True)
+                if where != "none"
+            ]
             raise NotSupportedError(
-                f"memory(): the plan asks for {' and '.join(offloaded)}, which dtypeplan does "
-                "not implement, so no device figure would be true: the device would not hold "
-                "what is offloaded, and dtypeplan cannot offload it. Remove the setting (or "
-                "use offload_optimizer device cpu) to see what the device and host hold."
+                f"memory(): the plan asks for {' and '.join(offloaded)} at ZeRO stage "
+                f"{self.zero_stage}, which dtypeplan does not implement, so no device figure "
+                "would be true: the device would not hold what is offloaded, and dtypeplan "
+                "cannot offload it. dtypeplan offloads offload_optimizer cpu at stages 1-2 and "
+                "offload_optimizer with offload_param cpu at stage 3; use one of them (or "
+                "remove the settings) to see what the device and host hold."
             )
         shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         return memory_model(
@@ -397,6 +400,7 @@ class PrecisionPlan:
             exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype,
             offload_optimizer=self.offload_optimizer == "cpu",
+            offload_param=self.offload_param == "cpu",
             param_numels=param_numels,
         )
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig
-from dtypeplan.resolver._differences import deepspeed_differences
+from dtypeplan.resolver._differences import ALL_STAGES, deepspeed_differences
 from dtypeplan.resolver._dimensions import DIMENSIONS, MASTER_ROUNDING, STATE_PAIRS
 from dtypeplan.resolver._effective import Effective, effective_values
 from dtypeplan.resolver._frozen import FrozenDict
@@ -127,7 +127,7 @@ def _plan(
         collective_timeout_s=config.collective_timeout_s,
         origins=FrozenDict(origins),
         warnings=tuple(_warnings(point, config)),
-        ignored_keys=config.ignored_keys,
+        ignored_keys=_still_ignored(config, point["stage"]),
         alternatives=() if ok else _alternatives(point, table),
         scheduler=config.scheduler,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -205,3 +205,15 @@ def _alternatives(point: dict[str, Any], table: RuleTable) -> tuple[Alternative,
         if found:
             return tuple(found)
     return ()
+
+
+def _still_ignored(config: PrecisionConfig, stage: int) -> tuple[str, ...]:
+    """The ignored keys but those ``explain()`` states as differences at ``stage``
+    (``zero_settings``): a key with which DeepSpeed changes memory is not listed as changing
+    neither. Each is matched under every spelling DeepSpeed reads (``stage3_`` aliases)."""
+    names = [n for n, _ in config.zero_settings if stage == 3 or n in ALL_STAGES]
+    stated = {f"$.zero_optimization.{n}" for n in names}
+    stated |= {f"$.zero_optimization.stage3_{n}" for n in names if "." not in n}
+    if "gather_16bit_weights_on_model_save" in names:
+        stated.add("$.zero_optimization.stage3_gather_fp16_weights_on_model_save")
+    return tuple(path for path in config.ignored_keys if path not in stated)

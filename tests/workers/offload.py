@@ -125,9 +125,12 @@ def offload_group(
 
 
 # --- ZeRO-3: FSDP2's CPUOffloadPolicy (offload_param and offload_optimizer cpu) -----------------
-def zero3_offload_case(rank: int, world_size: int, rules: str, precision: str) -> dict[str, Any]:
-    """The same ZeRO-3 training with FSDP2's CPU offload (through ``rules``, which routes
-    offload_param cpu to FSDP2) and without; losses and final shards of both."""
+def zero3_offload_case(
+    rank: int, world_size: int, rules: str | None, precision: str
+) -> dict[str, Any]:
+    """The same ZeRO-3 training with FSDP2's CPU offload (offload_param and offload_optimizer
+    cpu; ``rules``: a rules file, else the shipped table) and without; losses and final shards
+    of both."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     out: dict[str, Any] = {}
@@ -159,8 +162,106 @@ def zero3_offload_case(rank: int, world_size: int, rules: str, precision: str) -
 
 
 def zero3_offload_cases(
-    rank: int, world_size: int, rules: str, precisions: list[str]
+    rank: int, world_size: int, rules: str | None, precisions: list[str]
 ) -> list[dict[str, Any]]:
     return [
         ckpt.capture(lambda p=p: zero3_offload_case(rank, world_size, rules, p)) for p in precisions
     ]
+
+
+# --- ZeRO-3 offloaded as the shipped table serves it (offload-zero3 rules) ---------------------
+ZERO3_OFFLOAD = {
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu", "pin_memory": True},
+}
+
+
+def zero3_config(precision: str, offload: bool, stage: int = 3) -> dict[str, Any]:
+    """A checkpoint-test config at ``stage``, offloaded as that stage offloads (ZeRO-3: the
+    parameters and the optimizer; ZeRO 1-2: the optimizer)."""
+    config = ckpt.config(precision, stage, ckpt.SMALL_BUCKETS)
+    if offload:
+        config["zero_optimization"].update(ZERO3_OFFLOAD if stage == 3 else OFFLOAD)
+    return config
+
+
+def offload_policies(model: torch.nn.Module) -> list[str]:
+    """The FSDP2 offload policy of every unit of ``model`` (class names)."""
+    names = set()
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = get_state()._fsdp_param_group if get_state is not None else None
+        if group is not None:
+            names.add(type(group.offload_policy).__name__)
+    return sorted(names)
+
+
+def zero3_placement(config: dict[str, Any]) -> dict[str, Any]:
+    """Where an offloaded ZeRO-3 model and optimizer keep what they hold after one step."""
+    model, opt = _build(config, seed=0)
+    ckpt.train(model, opt, range(1))
+    held = opt.held_tensors()
+    return {
+        "policies": offload_policies(model),
+        "on_host": sorted(held.on_host),
+        "devices": sorted({t.device.type for _, ts in held.items() for t in ts}),
+        "pinned": sorted({t.is_pinned() for _, ts in held.items() for t in ts}),
+    }
+
+
+def zero3_resume(root: str, precision: str) -> dict[str, Any]:
+    """Save an offloaded ZeRO-3 run at step STEPS_BEFORE and load it into a fresh one (another
+    seed), into ZeRO-2 with the optimizer offloaded, and into ZeRO-3 without offload; each
+    continues STEPS_AFTER steps."""
+    path = os.path.join(root, f"zero3-offload-{precision}")
+    out = {"saved": save_run_any(path, zero3_config(precision, True))}
+    for name, config in (
+        ("zero3_offloaded", zero3_config(precision, True)),
+        ("zero2_offloaded", zero3_config(precision, True, stage=2)),
+        ("zero3_plain", zero3_config(precision, False)),
+    ):
+        out[name] = ckpt.capture(lambda c=config: load_run_any(path, c))
+    # And the other way: a ZeRO-2 offloaded checkpoint into offloaded ZeRO-3.
+    other = os.path.join(root, f"zero2-offload-{precision}")
+    out["from_zero2"] = {
+        "saved": save_run_any(other, zero3_config(precision, True, stage=2)),
+        "loaded": ckpt.capture(lambda: load_run_any(other, zero3_config(precision, True))),
+    }
+    return out
+
+
+def save_run_any(path: str, config: dict[str, Any]) -> dict[str, Any]:
+    model, opt = _build(config, seed=0)
+    ckpt.train(model, opt, range(ckpt.STEPS_BEFORE))
+    checkpoint.save(opt, path)
+    saved = ckpt.snapshot(opt)
+    after = ckpt.train(model, opt, range(ckpt.STEPS_BEFORE, ckpt.STEPS_BEFORE + ckpt.STEPS_AFTER))
+    return {**saved, "losses_after": after, "final": ckpt.snapshot(opt)["masters"]}
+
+
+def load_run_any(path: str, config: dict[str, Any]) -> dict[str, Any]:
+    model, opt = _build(config, seed=7)
+    checkpoint.load(opt, path)
+    loaded = ckpt.snapshot(opt)
+    after = ckpt.train(model, opt, range(ckpt.STEPS_BEFORE, ckpt.STEPS_BEFORE + ckpt.STEPS_AFTER))
+    return {**loaded, "losses_after": after, "final": ckpt.snapshot(opt)["masters"]}
+
+
+def zero3_offload_group(
+    rank: int,
+    world_size: int,
+    root: str,
+    parity_cases: list[dict[str, Any]],
+    memory_configs: list[dict[str, Any]],
+    width: int,
+    resume_precisions: list[str],
+) -> dict[str, Any]:
+    """Everything multi-rank of tests/test_offload_zero3.py, on one spawned group."""
+    from tests.workers.optimizer import fsdp2_memory_cases
+
+    return {
+        "parity": run_cases(rank, world_size, parity_cases),
+        "placement": ckpt.capture(lambda: zero3_placement(zero3_config("bf16", True))),
+        "memory": ckpt.capture(lambda: fsdp2_memory_cases(rank, world_size, memory_configs, width)),
+        "resume": {p: ckpt.capture(lambda p=p: zero3_resume(root, p)) for p in resume_precisions},
+    }

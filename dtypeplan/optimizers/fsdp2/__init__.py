@@ -9,7 +9,9 @@ Split as the flat engine is::
 """
 
 from dtypeplan.optimizers.fsdp2.optimizer import FSDP2Optimizer
+from dtypeplan.optimizers.fsdp2.sharding import gatherable
 
 __all__ = [
     "FSDP2Optimizer",
+    "gatherable",
 ]

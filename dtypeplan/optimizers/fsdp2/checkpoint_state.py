@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
-from dtypeplan.optimizers.fsdp2.sharding import HybridGroups
+from dtypeplan.optimizers.fsdp2.sharding import HybridGroups, gatherable, mesh_compute_device
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers.state.values import (
@@ -202,7 +202,8 @@ class FSDP2State(MixedPrecisionOptimizer):
                     shape=param.shape,
                     stride=param.stride(),
                 )
-                result[keys.param_key(index, name)] = whole.full_tensor().float().cpu()
+                gathered = gatherable(whole).full_tensor()
+                result[keys.param_key(index, name)] = gathered.float().cpu()
         result.update(self._scalar_state())
         return result
 
@@ -222,8 +223,10 @@ class FSDP2State(MixedPrecisionOptimizer):
             for name in names:
                 saved = state[keys.param_key(index, name)]
                 assert isinstance(saved, torch.Tensor), "full_state holds tensors per parameter"
-                full = saved.to(param.device, torch.float32)
-                shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+                mesh = param.device_mesh
+                full = saved.to(mesh_compute_device(mesh), torch.float32)
+                shard = distribute_tensor(full, mesh, param.placements).to_local()
+                shard = shard.to(local.device)  # host memory under CPUOffloadPolicy
                 if name == keys.MASTER:
                     self.load_master_(local, shard)
                 else:

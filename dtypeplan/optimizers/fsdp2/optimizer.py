@@ -88,6 +88,7 @@ from dtypeplan.optimizers.fsdp2.sharding import (
     REDUCE_SCATTER_OF,
     as_reduced,
     hybrid_layout,
+    mesh_compute_device,
     shard_model,
 )
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
@@ -100,6 +101,10 @@ if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["FSDP2Optimizer"]
+
+HOST_RESIDENT = frozenset({"params", "accumulator", "master", "optimizer_states"})
+"""What CPUOffloadPolicy (``offload_param: cpu``) keeps in host memory: the shards, the gradient
+shards and every tensor made like them (16-bit accumulators, Kahan compensations, states)."""
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -147,6 +152,12 @@ class FSDP2Optimizer(FSDP2State):
     ) -> None:
         super().__init__(params, plan=plan, process_group=process_group)
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not all(isinstance(p, DTensor) for p in trainable) and plan.offload_param != "none":
+            raise ValueError(
+                "ZeRO-3 with offload_param runs on FSDP2, which needs torch.distributed: "
+                "initialize a process group (one rank is enough) and call "
+                "model = plan.prepare_model(model) before plan.build(model.parameters())"
+            )
         if not all(isinstance(p, DTensor) for p in trainable):
             raise ValueError(
                 "ZeRO-3 needs the model sharded before the optimizer is built: call "
@@ -240,6 +251,7 @@ class FSDP2Optimizer(FSDP2State):
             if p.grad is not None and not is_owned_gradient(p.grad)
         )
         return HeldTensors(
+            on_host=HOST_RESIDENT if self.plan.offload_param != "none" else frozenset(),
             params=tuple(self._locals()),
             grads=tuple(
                 p.grad
@@ -335,8 +347,12 @@ class FSDP2Optimizer(FSDP2State):
             self._low_precision.release_scratch()
 
     def _device(self) -> torch.device:
-        locals_ = self._locals()
-        return locals_[0].device if locals_ else torch.device("cpu")
+        """Where the step's summary is reduced: the mesh's device, which under CPUOffloadPolicy
+        is not where the (host-resident) shards are; NCCL takes device tensors only."""
+        params = self._params()
+        if not params:
+            return torch.device("cpu")
+        return mesh_compute_device(_sharded(params[0]).device_mesh)
 
     def _touched(self) -> list[bool]:
         """Per sharded parameter: got a gradient on this rank since ``zero_grad``."""

@@ -53,6 +53,8 @@ __all__ = [
     "check_wire_across_groups",
     "clear_owned_before_reduce",
     "hybrid_layout",
+    "gatherable",
+    "mesh_compute_device",
     "mesh_device",
     "mesh_device_type",
     "shard_mesh",
@@ -312,22 +314,49 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
 
 
 def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:
-    """``fully_shard``'s offload argument for ``offload_param: cpu``: FSDP2's CPUOffloadPolicy
-    keeps the fp32 shards (the master weights) and their gradients in host memory (pinned on
-    CUDA), copies each unit's shards to the device for its all-gather and the reduced
-    gradients back, so the optimizer steps on the host too (its states are created like the
-    shards). It moves parameters, gradients and states together: offload_param and
-    offload_optimizer at once."""
+    """``fully_shard``'s offload argument for ``offload_param: cpu`` (with ``offload_optimizer:
+    cpu``, which the table requires): FSDP2's CPUOffloadPolicy keeps the shards (the master
+    weights), their gradients and so the optimizer's states and step in host memory, copies
+    each unit's shards to the device for its all-gather and each reduced gradient shard
+    back. The host memory is pinned where the mesh is on CUDA (pinned memory exists only
+    there; DeepSpeed's ``pin_memory`` key is read as that, see explain()'s differences)."""
     if plan.offload_param == "none":
         return {}
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    if plan.offload_param != "cpu":
+    if plan.offload_param != "cpu" or plan.offload_optimizer != "cpu":
         raise NotSupportedError(
-            f"offload_param {plan.offload_param}: FSDP2 offloads to host memory only "
-            "(CPUOffloadPolicy); use offload_param device cpu"
+            f"offload_param {plan.offload_param} with offload_optimizer "
+            f"{plan.offload_optimizer}: FSDP2 offloads to host memory only (CPUOffloadPolicy), "
+            "the shards and the optimizer together; use device cpu for both"
         )
-    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=pin)}
+
+
+def mesh_compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device ``mesh`` communicates on (an accelerator's current device, or the CPU)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def gatherable(value: DTensor) -> DTensor:
+    """``value`` with its local tensor on its mesh's device, so that a collective can read it.
+
+    Under CPUOffloadPolicy the shards (and the states made like them) live in host memory while
+    the mesh is on the accelerator, whose collectives (NCCL) take device tensors only; the
+    copy is one shard at a time. Where the local tensor already is there, ``value`` itself.
+    """
+    device = mesh_compute_device(value.device_mesh)
+    local = value.to_local()
+    if local.device == device:
+        return value
+    return DTensor.from_local(
+        local.to(device), value.device_mesh, value.placements, shape=value.shape,
+        stride=value.stride(),
+    )  # fmt: skip
 
 
 def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:

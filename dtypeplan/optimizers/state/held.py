@@ -10,8 +10,9 @@ import torch
 __all__ = ["HOST_COMPONENTS", "HeldTensors"]
 
 
-HOST_COMPONENTS = ("master", "optimizer_states")
-"""The components an optimizer offload keeps in host memory."""
+HOST_COMPONENTS = ("params", "accumulator", "master", "optimizer_states")
+"""The components an offload may keep in host memory: ``master`` and ``optimizer_states``
+(optimizer offload), and at ZeRO-3 with ``offload_param`` the shards and accumulator too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +36,8 @@ class HeldTensors:
     """Every tensor of the inner ``torch.optim`` state (moments, step counters)."""
     on_host: frozenset[str] = frozenset()
     """The components held in host memory rather than on the device (optimizer offload:
-    ``master`` and ``optimizer_states``); counted under ``host_<component>`` by :meth:`nbytes`."""
+    ``master`` and ``optimizer_states``; ZeRO-3's CPUOffloadPolicy: ``params`` and
+    ``accumulator`` too); counted under ``host_<component>`` by :meth:`nbytes`."""
 
     def items(self) -> Iterator[tuple[str, tuple[torch.Tensor, ...]]]:
         """``(component, tensors)`` in the order of ``plan.memory()``'s keys."""
@@ -49,8 +51,8 @@ class HeldTensors:
         Whole storages include the flat buffers' bucket padding; a storage shared between
         components counts in the first one that holds it, in the order of :meth:`items`. As
         ``plan.memory()``, the device components are ``total``, and those in :attr:`on_host`
-        count under ``host_master``, ``host_optimizer_states`` and ``host_total`` (the device
-        figure of such a component is 0).
+        count under ``host_<component>`` and ``host_total`` (the device figure of such a
+        component is 0).
         """
         seen: set[int] = set()
         figures: dict[str, int] = {}
