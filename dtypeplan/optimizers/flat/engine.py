@@ -307,6 +307,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         """
         self.clear_lp_grads()
         self._prepared = None
+        self._clip_coef = 1.0
         self.reductions.abandon()
         self._zero_grads = []
         if not set_to_none:

@@ -408,6 +408,7 @@ class FSDP2Optimizer(FSDP2State):
                 reduce_scatter.release()
         self._fresh = [True] * len(self._fresh)
         self._pending = None
+        self._clip_coef = 1.0
 
     def clear_lp_grads(self) -> None:
         """Clear the compute (low-precision) gradients: FSDP2 already frees them.
