@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 
 from dtypeplan.launch import spawn
-from tests.workers.grad_lifecycle import CLIPS, case_id, run_cases, run_named
-
-LIFECYCLE: list[str] = []
+from tests.workers.grad_lifecycle import CLIPS, LIFECYCLE, case_id, run_cases, run_named
 
 ELEMENTWISE = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop"]
 
@@ -25,6 +23,12 @@ def test_one_process(name: str, stage: int, dtype: str) -> None:
     assert outcome == "ok", outcome
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_maximize_after_build_refused_at_step(stage: int) -> None:
+    outcome = run_named(0, 1, "maximize_after_build", stage, "bf16", "AdamW")
+    assert outcome == "ok", outcome
+
+
 def _two_rank_cases(optimizers: list[str], lifecycle: list[str], clips: list[str]) -> list:
     cases: list[tuple[str, int, str, str]] = []
     for stage in (0, 1, 2, 3):
@@ -33,12 +37,15 @@ def _two_rank_cases(optimizers: list[str], lifecycle: list[str], clips: list[str
         # ZeRO-3 with 16-bit accumulation holds the gradients in its own accumulator.
         cases += [(name, stage, "bf16", "AdamW") for name in lifecycle if stage == 3]
         cases += [(name, stage, "fp32", "SGD") for name in clips]
+    cases.append(("maximize_after_build", 3, "bf16", "AdamW"))
     return cases
 
 
 # The default run: every stage, the cases that cover each mechanism once (a case costs ~5 s of
 # two ranks on a shared CPU); the slow run: every elementwise optimizer and case.
-DEFAULT_CASES = _two_rank_cases(["SGD"], LIFECYCLE[:3], CLIPS[:1])
+DEFAULT_CASES = _two_rank_cases(
+    ["SGD"], ["discard_by_model_zero_grad", "kept_across_steps"], CLIPS[:1]
+)
 SLOW_CASES = [c for c in _two_rank_cases(ELEMENTWISE, LIFECYCLE, CLIPS) if c not in DEFAULT_CASES]
 
 

@@ -98,6 +98,44 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         noise of each master is its own."""
         self._kernel = update_kernel.OnePassUpdate()
 
+    @staticmethod
+    def refusal(plan: PrecisionPlan, inner: torch.optim.Optimizer) -> str | None:
+        """Why this update cannot serve ``plan``'s 16-bit masters or low-precision moments with
+        ``inner``'s param groups as they are now (None: it can). ``build`` raises it; so does
+        a step after a param group changed (``maximize`` or ``amsgrad`` set after build)."""
+        states = plan.optimizer_states
+        torch_class = plan.optimizer.torch_class
+        if FlatAdamUpdate.supports(inner, torch_class):
+            return None
+        if states != "fp32":
+            return (
+                f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
+                f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
+                "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
+                f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
+                "without fused kernels) keeps other states, which it would update in their "
+                "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
+                "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
+            )
+        return (
+            f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
+            f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
+            "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
+            "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
+            "master weights (remove master_weights / bf16_master_weights_and_grads)"
+        )
+
+    def check_still_serves(self, plan: PrecisionPlan) -> None:
+        """At a step: refuse, with ``build``'s reason, param groups changed since build into
+        what this update cannot serve (``maximize=True`` set on a group), before any number
+        moves; torch's generic path would fail inside torch on the 16-bit tensors."""
+        why = self.refusal(plan, self.inner)
+        if why is not None:
+            raise NotSupportedError(
+                "a param group was changed after build into what the plan cannot serve "
+                f"(maximize, amsgrad or differentiable set on it): {why}"
+            )
+
     @classmethod
     def for_plan(
         cls,
@@ -115,28 +153,12 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         states = plan.optimizer_states
         if plan.master_dtype == torch.float32 and states == "fp32":
             return None
-        torch_class = plan.optimizer.torch_class
-        if not FlatAdamUpdate.supports(inner, torch_class):
-            if states != "fp32":
-                raise NotSupportedError(
-                    f"optimizer_states {states} (exp_avg {plan.exp_avg_dtype}, exp_avg_sq "
-                    f"{plan.exp_avg_sq_dtype}) name Adam's two moments, which dtypeplan stores "
-                    "in those dtypes around torch's fused Adam/AdamW computed in fp32; "
-                    f"{torch_class.__name__} (or amsgrad, maximize, differentiable, or a device "
-                    "without fused kernels) keeps other states, which it would update in their "
-                    "storage dtype. Use Adam or AdamW, or remove optimizer_states / "
-                    "exp_avg_dtype / exp_avg_sq_dtype / bf16_optimizer_states (fp32 states)"
-                )
-            raise NotSupportedError(
-                f"{DTYPE_NAMES[plan.master_dtype]} master weights are updated by torch's "
-                f"fused Adam/AdamW computed in fp32 and rounded back; {torch_class.__name__} "
-                "(or amsgrad, maximize, differentiable, or a device without fused kernels) "
-                "would run its own update in the master dtype. Use Adam or AdamW, or fp32 "
-                "master weights (remove master_weights / bf16_master_weights_and_grads)"
-            )
+        why = cls.refusal(plan, inner)
+        if why is not None:
+            raise NotSupportedError(why)
         update = cls(
             inner,
-            torch_class,
+            plan.optimizer.torch_class,
             rounding=plan.master_rounding,
             exp_avg_dtype=plan.exp_avg_dtype,
             exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
