@@ -183,7 +183,8 @@ class MixedPrecisionOptimizer(OptimizerState):
         self.norm_probe = NormProbe(lambda: self._warn_nonfinite_once(self.step_count() + 1))
         self._warned_nonfinite = False
         self.clip = plan.gradient_clipping
-        self._clip_request: float | None = None
+        self._clip_coef = 1.0
+        """The product of the coefficients of this step's ``clip_grad_norm_`` calls (1: none)."""
         self.check_nonfinite = plan.check_nonfinite
         distributed = dist.is_available() and dist.is_initialized()
         ranks = dist.get_world_size(process_group) if distributed else 1
@@ -294,14 +295,17 @@ class MixedPrecisionOptimizer(OptimizerState):
         """Clear the parameters' own low-precision ``.grad`` (pipeline engines call this)."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip this step's gradients to ``max_norm``; returns their global norm before clipping.
+        """Clip this step's gradients to ``max_norm``; returns their global norm before this clip.
 
         As ``FullyShardedDataParallel.clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_``
         cannot see gradients the optimizer has already taken from ``.grad`` into its
         accumulator, so call this one between the last backward and ``step()``. It reduces the
         gradients now (collective: call it on every rank), returns the norm of the mean
-        gradient over ranks (unscaled), and the clipping applies in the coming ``step()``
-        (together with ``gradient_clipping``: the smaller limit wins). Only the 2-norm.
+        gradient over ranks (unscaled), and the clipping applies in the coming ``step()``.
+        Successive calls combine as torch's successive clips do: each sees the gradients as
+        the calls before it clipped them (it returns that norm) and multiplies them by
+        ``min(1, max_norm / (norm + 1e-6))``; ``gradient_clipping`` then clips the result in the
+        step, as DeepSpeed's clipping inside its step. Only the 2-norm.
         """
         self._check_open("clip_grad_norm_()")
         if float(norm_type) != 2.0:
@@ -311,8 +315,10 @@ class MixedPrecisionOptimizer(OptimizerState):
             )
         if max_norm <= 0:
             raise OptimizerUsageError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
-        norm = self._prepare_grad_norm()
-        self._clip_request = float(max_norm)
+        # The norm of the gradients as the earlier calls of this step left them.
+        norm = self._prepare_grad_norm() * self._clip_coef
+        if math.isfinite(norm):
+            self._clip_coef *= min(1.0, float(max_norm) / (norm + 1e-6))
         return torch.tensor(norm, dtype=torch.float32)
 
     @abc.abstractmethod
@@ -385,7 +391,7 @@ class MixedPrecisionOptimizer(OptimizerState):
                 return None
             factor = torch.full((), host, dtype=torch.float32, device=sq_norm.device)
             return factor, factor.reciprocal()
-        device = device_gradient_factor(sq_norm, divisor, self._effective_clip())
+        device = device_gradient_factor(sq_norm, divisor, self.clip, self._take_clip_coef())
         self.last_step_skipped = False
         self._pending_norm = device.norm
         self.norm_probe.post(device.norm)
@@ -398,12 +404,13 @@ class MixedPrecisionOptimizer(OptimizerState):
         they must still be divided by (loss scale, and world size where the reduction was a
         plain SUM). A non-finite norm means some rank overflowed: with the non-finite check on
         (always under fp16) the step is skipped, counted and the scale lowered, and None is
-        returned. Otherwise the factor folds in clipping to ``gradient_clipping``.
+        returned. Otherwise the factor folds in the clipping of ``clip_grad_norm_`` and of
+        ``gradient_clipping``.
         """
         finite = math.isfinite(sq_norm)
         norm = math.sqrt(sq_norm) / divisor if finite else math.inf
         self.grad_norm = norm if finite else float("nan")
-        clip = self._effective_clip() or math.inf
+        requested = self._take_clip_coef()
         if not finite and self.check_nonfinite:
             self.skipped_steps += 1
             self.last_step_skipped = True
@@ -412,17 +419,17 @@ class MixedPrecisionOptimizer(OptimizerState):
         if not finite:
             self._warn_nonfinite_once(self.step_count() + 1)
         self.last_step_skipped = False
-        factor = 1.0 / divisor
-        if norm > clip:
-            factor *= clip / (norm + 1e-6)
+        # clip_grad_norm_'s calls first, then gradient_clipping on what they left.
+        factor = requested / divisor
+        clipped = norm * requested
+        if self.clip > 0 and clipped > self.clip:
+            factor *= self.clip / (clipped + 1e-6)
         return factor
 
-    def _effective_clip(self) -> float:
-        """This step's clipping norm (0: none): ``gradient_clipping``, or a smaller one asked
-        for by :meth:`clip_grad_norm_` since the last step (the request is used up)."""
-        clip = min((c for c in (self.clip, self._clip_request or 0.0) if c > 0), default=0.0)
-        self._clip_request = None
-        return clip
+    def _take_clip_coef(self) -> float:
+        """The coefficient of this step's ``clip_grad_norm_`` calls (1: none); used up."""
+        coef, self._clip_coef = self._clip_coef, 1.0
+        return coef
 
     def _warn_nonfinite_once(self, step: int) -> None:
         """With the non-finite check off, say once that inf/NaN gradients are being applied.

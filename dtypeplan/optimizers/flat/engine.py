@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -104,6 +104,7 @@ from dtypeplan.optimizers.flat.model_sync import ModelSync
 from dtypeplan.optimizers.flat.own_histories import OwnHistories
 from dtypeplan.optimizers.grads.ddp import wrappers_of
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
+from dtypeplan.optimizers.grads.lifecycle import look_at_grads
 from dtypeplan.optimizers.grads.missing import keep_untouched
 from dtypeplan.optimizers.grads.owned import is_owned_gradient
 from dtypeplan.optimizers.grads.reduction import ReductionScheduler
@@ -235,6 +236,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
             bare_backward_refusal=bare_backward_refusal(plan),
         )
         self.reductions.after_wrapped_backward = _call_weakly(self._drop_ddp_grads)
+        self.reductions.check_grads = _call_weakly(self._check_grads)
         self.model_sync = ModelSync(self.groups, self.param_groups, self._inner.state)
         self._prepared: PreparedStep | None = None
         self._take_ownership()
@@ -305,15 +307,29 @@ class FlatMixedPrecisionOptimizer(FlatState):
         on a parameter that gets no gradient in the window, counts as a gradient (of zero), so
         that parameter is updated, as ``torch.optim`` would.
         """
-        self.clear_lp_grads()
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        self._restart_window([] if set_to_none else list(self.trainable_parameters()))
+
+    def _restart_window(self, zeroed: Sequence[torch.Tensor]) -> None:
+        """Drop the step's accumulation; ``zeroed`` get a zero ``.grad`` (a gradient of zero)."""
         self._prepared = None
-        self.reductions.abandon()
+        self._clip_coef = 1.0
+        self.reductions.restart()
         self._zero_grads = []
-        if not set_to_none:
-            with torch.no_grad():
-                for param in self.trainable_parameters():
-                    param.grad = torch.zeros_like(param)
-                    self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
+        with torch.no_grad():
+            for param in zeroed:
+                param.grad = torch.zeros_like(param)
+                self._zero_grads.append((weakref.ref(param.grad), param.grad._version))
+
+    def _check_grads(self, call: str = "a backward") -> None:
+        """What the loop did to ``.grad`` since the last backward (``grads/lifecycle.py``)."""
+        zeros = [grad for ref, _ in self._zero_grads if (grad := ref()) is not None]
+        outcome = look_at_grads(self.reductions, self.groups, zeros, call)
+        if outcome.restart is not None:
+            self._restart_window(outcome.restart)
+        self._prepared = None if outcome.changed else self._prepared
 
     def _drop_ddp_grads(self) -> None:
         """Drop the ``.grad`` a DDP wrapper wrote at the end of backward (``grads/ddp.py``): the
@@ -330,9 +346,11 @@ class FlatMixedPrecisionOptimizer(FlatState):
         self.reductions.leave_placeholders()
 
     def clear_lp_grads(self) -> None:
+        """The parameters' own ``.grad``; the placeholders of what the accumulator holds stay."""
         for group in self.param_groups:
             for param in group["params"]:
-                param.grad = None
+                if not is_owned_gradient(param.grad):
+                    param.grad = None
 
     # --- step: pick up changes -> reduce -> check/clip -> update -> write back -----------------
     @torch.no_grad()
@@ -342,6 +360,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_grads("step()")
         prepared, self._prepared = self._prepared or self._prepare(), None
         try:
             divisor = self.scaler.scale * self.levels.reduction_divisor
@@ -362,6 +381,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         return loss
 
     def _prepare_grad_norm(self) -> float:
+        self._check_grads("clip_grad_norm_()")
         if self._prepared is None:
             self._prepared = self._prepare()
         sq_norm = float(self._prepared.sq_norm)  # clip_grad_norm_ returns it: one sync
@@ -372,6 +392,7 @@ class FlatMixedPrecisionOptimizer(FlatState):
         """Everything before the update: model changes, hand-set grads, reduction, summary."""
         self.model_sync.pick_up()
         self.reductions.add_hand_set(self._take_hand_set_grads())
+        self.reductions.leave_placeholders()  # what it holds stays visible until zero_grad
         grads = self.reductions.reduced_grads()
         sq_norm, untouched, any_touched = self._step_summary(grads)
         return PreparedStep(grads, sq_norm, untouched, any_touched)
@@ -421,7 +442,8 @@ class FlatMixedPrecisionOptimizer(FlatState):
                     found[(gi, pi)] = grad * scale if scale != 1.0 else grad
         for state in self.groups:
             for param in state.flat.params:
-                param.grad = None
+                if not is_owned_gradient(param.grad):
+                    param.grad = None
         return found
 
     def _step_summary(
@@ -498,6 +520,8 @@ class FlatMixedPrecisionOptimizer(FlatState):
         update and only then written back.
         """
         self._sync_hyperparameters()
+        if self._low_precision is not None:
+            self._low_precision.check_still_serves(self.plan)
         if self.offload is not None:
             # The host-side update divides by the factor: bring it over once (one wait).
             on_host = self.offload.factor_to_host(torch.stack(factor))

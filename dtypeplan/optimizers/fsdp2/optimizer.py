@@ -84,6 +84,7 @@ from dtypeplan.optimizers.contract.base import (
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.sharding import (
+    BEFORE_REDUCE,
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
     as_reduced,
@@ -92,7 +93,11 @@ from dtypeplan.optimizers.fsdp2.sharding import (
     shard_model,
 )
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms, sum_sq_norms
-from dtypeplan.optimizers.grads.owned import is_owned_gradient, owned_sharded_gradient
+from dtypeplan.optimizers.grads.owned import (
+    OwnedGradient,
+    is_owned_gradient,
+    owned_sharded_gradient,
+)
 from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
 from dtypeplan.optimizers.state.low_precision import held_compensations, held_states
 from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
@@ -204,6 +209,9 @@ class FSDP2Optimizer(FSDP2State):
             self._fresh = [True] * len(self.accumulators)
             for index, param in enumerate(self._params()):
                 self.hooks.add(param, _make_fold_hook(weakref.ref(self), index))
+                BEFORE_REDUCE[param] = _make_discard_check(weakref.ref(self), index)
+        self._filled: list[torch.Tensor] = []
+        """Parameters whose missing ``.grad`` the step filled with zeros (set back to None)."""
         self._in_backward = False
         refusal = bare_backward_refusal(plan)
         if refusal is not None:
@@ -288,6 +296,14 @@ class FSDP2Optimizer(FSDP2State):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_grads()
+        scale = self.scaler.scale
+        try:
+            return self._step(loss)
+        finally:
+            self._keep_gradients(scale)
+
+    def _step(self, loss: Any) -> Any:
         if self._pending is not None:
             (sq_norm, touched), self._pending = self._pending, None
             local_grads = self._local_gradients()
@@ -298,13 +314,12 @@ class FSDP2Optimizer(FSDP2State):
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._check_and_clip(sq_norm, self.scaler.scale)
         if factor is None:
-            self.zero_grad()
             return loss
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self._low_precision is not None:
+            self._low_precision.check_still_serves(self.plan)
             self._low_precision_update(local_grads, factor[1], touched)
-            self.zero_grad()
             self.scaler.update(overflow=False)
             return loss
         # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
@@ -323,9 +338,58 @@ class FSDP2Optimizer(FSDP2State):
             locals_, grads = [local for local, _ in part], [grad for _, grad in part]
             with inner_step_grads(self.inner, locals_, grads, *factor):
                 self.inner.step()
-        self.zero_grad()
         self.scaler.update(overflow=False)
         return loss
+
+    def _keep_gradients(self, scale_before: float) -> None:
+        """After the step, the gradients stay until ``zero_grad``, as torch keeps ``.grad``:
+        the next backward adds to them (FSDP2 into the sharded ``.grad``, the fold into the
+        16-bit accumulator), a step without backward applies them again. Kept scaled, they
+        follow a loss scale the step changed (fp16)."""
+        for param in self._filled:
+            param.grad = None
+        self._filled = []
+        for param in self._params():
+            reduce_scatter = REDUCE_SCATTER_OF.get(param)
+            if reduce_scatter is not None:
+                reduce_scatter.release()
+        ratio = self.scaler.scale / scale_before
+        if ratio != 1.0:
+            kept = (
+                self.accumulators
+                if self.accumulators is not None
+                else [_local(p.grad) for p in self._params() if p.grad is not None]
+            )
+            if kept:
+                torch._foreach_mul_(kept, ratio)
+
+    def _check_grads(self) -> None:
+        """16-bit accumulation: what the loop did to the placeholders since the last backward
+        (``grads/owned.py``); with fp32 accumulation ``.grad`` is FSDP2's and needs no look."""
+        if self.accumulators is not None:
+            for index, param in enumerate(self._params()):
+                self._check_one(index, param)
+
+    def _check_one(self, index: int, param: torch.Tensor) -> None:
+        """A placeholder set to None discards the parameter's accumulated gradient (the next
+        shard starts it afresh), one zeroed makes it zero; right before the next reduce-scatter
+        of its unit and at the step. A rank's accumulator holds the reduced shards, so as
+        with DDP every rank must drop alike."""
+        assert self.accumulators is not None
+        if self._fresh[index] or param not in CLEARS_OWNED:
+            return
+        grad = param.grad
+        if grad is None:
+            self._fresh[index] = True
+            self._pending = None
+        elif is_owned_gradient(grad):
+            placeholder = _sharded(grad)._local_tensor
+            assert isinstance(placeholder, OwnedGradient)
+            if not placeholder.zeroed:
+                return
+            placeholder.zeroed = False
+            self.accumulators[index].zero_()
+            self._pending = None
 
     def _low_precision_update(
         self, local_grads: list[torch.Tensor], grad_scale: torch.Tensor, touched: list[bool]
@@ -390,6 +454,7 @@ class FSDP2Optimizer(FSDP2State):
         return summary[0], [count > 0 for count in summary[1:].tolist()]
 
     def _prepare_grad_norm(self) -> float:
+        self._check_grads()
         if self._pending is None:
             touched = self._touched()  # before _local_gradients fills missing ones with zeros
             self._pending = self._step_summary(self._local_gradients(), touched)
@@ -403,6 +468,7 @@ class FSDP2Optimizer(FSDP2State):
             for param in params:
                 if param.grad is None:  # no micro-batch since zero_grad reached it
                     param.grad = torch.zeros_like(param)
+                    self._filled.append(param)
             return [_local(p.grad) for p in params]
         for param in params:
             if param.grad is not None and not is_owned_gradient(param.grad):
@@ -424,6 +490,7 @@ class FSDP2Optimizer(FSDP2State):
                 reduce_scatter.release()
         self._fresh = [True] * len(self._fresh)
         self._pending = None
+        self._clip_coef = 1.0
 
     def clear_lp_grads(self) -> None:
         """Clear the compute (low-precision) gradients: FSDP2 already frees them.
@@ -446,6 +513,19 @@ def _make_bare_backward_check(
         owner = optimizer()
         if owner is not None and not owner._in_backward:
             raise OptimizerUsageError(refusal)
+
+    return check
+
+
+def _make_discard_check(
+    optimizer: weakref.ReferenceType[FSDP2Optimizer], index: int
+) -> Callable[[torch.Tensor], None]:
+    """The check before a unit's reduce-scatter (``sharding.BEFORE_REDUCE``), held weakly."""
+
+    def check(param: torch.Tensor) -> None:
+        owner = optimizer()
+        if owner is not None and not owner.closed:
+            owner._check_one(index, param)
 
     return check
 

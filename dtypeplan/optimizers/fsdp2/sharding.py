@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REDUCE_SCATTER_OF",
     "NamedReduceScatter",
+    "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
     "check_wire_across_groups",
@@ -222,6 +223,10 @@ def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups | None) -
     raise NotSupportedError(f"{where}: {why}; {fix}")
 
 
+BEFORE_REDUCE = ParamWeakMap()
+"""Sharded parameter -> a callback run with it right before its unit's reduce-scatter, while
+``.grad`` still shows what the loop did to the placeholder (the optimizer's discard check)."""
+
 CLEARS_OWNED = ParamWeakMap()
 """Sharded parameter -> True where :func:`clear_owned_before_reduce` covers its unit: only
 there may the optimizer leave an :class:`OwnedGradient` placeholder in ``.grad``."""
@@ -266,6 +271,9 @@ def _clearing(group: Any, post_backward: Any) -> Any:
         if getattr(group, "reduce_grads", True):
             for fsdp_param in group.fsdp_params:
                 param = fsdp_param.sharded_param
+                check = BEFORE_REDUCE.get(param)
+                if check is not None:
+                    check(param)
                 if is_owned_gradient(param.grad):
                     param.grad = None
         return post_backward(*args)

@@ -1,6 +1,7 @@
 """The step's gradient factor (unscale, average, clip) computed on the device.
 
-The factor every gradient is multiplied by is ``min(1, clip / (norm + 1e-6)) / divisor``, where
+The factor every gradient is multiplied by is ``c * min(1, clip / (c * norm + 1e-6)) / divisor``
+(``c``: the product of this step's ``clip_grad_norm_`` coefficients, 1 without any), where
 ``norm`` is the global norm of the gradients as reduced divided by ``divisor`` (the loss scale
 times what the reduction left undivided, see ``Communicator.reduction_divisor``). The host
 version, :meth:`MixedPrecisionOptimizer._gradient_factor`, needs the squared norm as a Python
@@ -87,19 +88,22 @@ class DeviceGradientFactor(NamedTuple):
 
 
 def device_gradient_factor(
-    sq_norm: torch.Tensor, divisor: float, clip: float
+    sq_norm: torch.Tensor, divisor: float, clip: float, requested: float = 1.0
 ) -> DeviceGradientFactor:
     """The factor of ``_gradient_factor`` for a step that is not skipped, without a host sync.
 
-    Same semantics in fp64: a non-finite norm clips with an infinite norm (factor 0, as the host
-    version), and ``norm`` is NaN then.
+    ``requested``: the coefficient of the step's ``clip_grad_norm_`` calls, applied first;
+    ``clip`` (``gradient_clipping``, 0: none) then clips the norm they left. Same semantics
+    in fp64: a non-finite norm clips with an infinite norm (factor 0, as the host version),
+    and ``norm`` is NaN then.
     """
     sq = sq_norm.reshape(()).double()
     finite = torch.isfinite(sq)
     norm = torch.where(finite, sq.sqrt() / divisor, torch.inf)
-    factor = torch.full_like(sq, 1.0 / divisor)
+    factor = torch.full_like(sq, requested / divisor)
     if clip > 0:
-        factor = torch.where(norm > clip, factor * (clip / (norm + 1e-6)), factor)
+        clipped = norm * requested
+        factor = torch.where(clipped > clip, factor * (clip / (clipped + 1e-6)), factor)
     factor32 = factor.float()
     return DeviceGradientFactor(
         factor32, factor32.reciprocal(), torch.where(finite, norm, torch.nan)

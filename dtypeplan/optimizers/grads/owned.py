@@ -11,8 +11,12 @@ So after each backward, every parameter whose gradient the optimizer holds gets 
 no storage, on which every operation raises an :class:`OptimizerUsageError` naming the way
 out (``optimizer.clip_grad_norm_``, which clips for real, or ``gradient_clipping`` in the
 config). Reading ``p.grad is not None`` still says that the parameter got a gradient, and
-``model.zero_grad()`` / ``optimizer.zero_grad()`` clear it as any gradient. The next backward
-clears it before autograd accumulates (a gradient pre-hook), and ``step()`` ignores it.
+``model.zero_grad()`` / ``optimizer.zero_grad()`` clear it as any gradient, and that means
+what it means in torch: a placeholder set to None, zeroed (``zero_()``, the one operation it
+allows) or replaced by a tensor set by hand between backward passes discards what the
+optimizer accumulated for that parameter. The optimizer looks for such changes before each
+backward and at ``step()`` (``ReductionScheduler.check_grads``, ZeRO-3's ``_check_grads``).
+The next backward clears it before autograd accumulates (a gradient pre-hook).
 
 ZeRO-3 (FSDP2) with 16-bit accumulation or 16-bit master weights takes each reduced shard
 into its accumulator too (``fsdp2/optimizer.py``); there the placeholder is a DTensor of the sharded
@@ -60,10 +64,27 @@ class OwnedGradient(torch.Tensor):
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
 
+    zeroed: bool = False
+    """Set by ``zero_()`` (``model.zero_grad(set_to_none=False)``): the gradient the optimizer
+    holds for this parameter is to be a zero one (the optimizer zeroes its part and clears
+    the mark)."""
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
+        # Zeroing is the one operation with a meaning here: what model.zero_grad(
+        # set_to_none=False) does between backward passes, discarding what was accumulated.
+        if func is torch.ops.aten.zero_.default:
+            args[0].zeroed = True
+            return args[0]
+        if func is torch.ops.aten._foreach_zero_.default:
+            for tensor in args[0]:
+                if type(tensor) is OwnedGradient:
+                    tensor.zeroed = True
+                else:
+                    tensor.zero_()
+            return None
         raise OptimizerUsageError(f"{func}: {OWNED_MESSAGE}")
 
     def __repr__(self) -> str:  # type: ignore[override]

@@ -216,10 +216,17 @@ class ReductionScheduler:
         """A DDP wrapper holds the parameters (found at the first backward, ``grads/ddp.py``)."""
         self.after_wrapped_backward: Callable[[], None] | None = None
         """Run after DDP's end of backward (which writes ``.grad``), when ``ddp_wrapped``."""
+        self.after_step = False
+        """The last ``step()`` used the gradients up; the placeholders in ``.grad`` are what it
+        used (issue 29: torch would use them again), until ``zero_grad`` clears them."""
+        self.check_grads: Callable[[], None] | None = None
+        """Called before the first gradient of each backward is accumulated (and by the step):
+        the optimizer looks at what the loop did to ``.grad`` since the last backward."""
+        self._grads_checked = False
         for gi, state in enumerate(groups):
             for pi, param in enumerate(state.flat.params):
                 hooks.add(param, _make_hook(weakref.ref(self), gi, pi))
-                hooks.add_pre(param, _make_clear_placeholder(weakref.ref(param)))
+                hooks.add_pre(param, _make_clear_placeholder(weakref.ref(self), weakref.ref(param)))
         self._reset_bookkeeping()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -391,6 +398,7 @@ class ReductionScheduler:
                             state.acc_param_views[pi].zero_()
         self.phase = Phase.REDUCING if self._pass.last_micro_batch else Phase.ACCUMULATED
         self._pass = None
+        self._grads_checked = False
         self._reset_bookkeeping()
         if not self.ddp_wrapped:  # else after DDP has written .grad (after_wrapped_backward)
             self.leave_placeholders()
@@ -636,10 +644,49 @@ class ReductionScheduler:
         return grads
 
     def end_step(self) -> None:
-        """The step is done: the next backward starts a new accumulation window."""
+        """The step is done: the next backward starts a new accumulation window.
+
+        The gradients the step used stay visible as placeholders in ``.grad`` (torch keeps
+        ``.grad`` after its step), and :attr:`after_step` says they are used up.
+        """
+        self.leave_placeholders()
+        self.after_step = any(any(touched) for touched in self.window_touched)
         self.phase = Phase.EMPTY
         self._passes = 0
+        self._grads_checked = False
         self._reset_window()
+
+    def restart(self) -> None:
+        """:meth:`abandon`, but a backward that has begun (``ARMED``: ``opt.backward`` is
+        running, no gradient taken yet) stays begun, now onto an empty accumulator."""
+        armed = self._pass if self.phase is Phase.ARMED else None
+        passes = self._passes
+        self.abandon()
+        if armed is not None:
+            self._pass, self._passes = armed._replace(onto_empty=True), passes
+            self.phase = Phase.ARMED
+            self._grads_checked = True
+
+    def drop_accumulated(self, gi: int, pi: int) -> None:
+        """Forget what this window accumulated for parameter ``pi`` of group ``gi`` (its
+        ``.grad`` was set to None, zeroed or replaced between backward passes): zero its part
+        of the accumulator (a sharded one: of this rank's chunk), between backward passes."""
+        assert self.phase in (Phase.ACCUMULATED, Phase.ARMED)
+        state = self.groups[gi]
+        flat = state.flat
+        bucket = flat.bucket_of[pi]
+        with torch.no_grad():
+            if not self.sharded_accumulator:
+                state.acc_param_views[pi].zero_()
+            else:
+                info = flat.buckets[bucket]
+                size = info.chunk_numel(flat.shards)
+                chunk_begin = info.start + state.shard_rank * size
+                begin = max(flat.offsets[pi], chunk_begin)
+                end = min(flat.offsets[pi] + flat.params[pi].numel(), chunk_begin + size)
+                if begin < end:
+                    state.acc_chunks[bucket][begin - chunk_begin : end - chunk_begin].zero_()
+        self.final_sq_norms.pop((gi, bucket), None)
 
     def _reset_window(self) -> None:
         self.final_sq_norms.clear()
@@ -669,6 +716,9 @@ class ReductionScheduler:
         self._pass = None
         self.phase = Phase.EMPTY
         self._passes = 0
+        self._grads_checked = False
+        if not after_error:
+            self.after_step = False
         self._reset_bookkeeping()
         self._reset_window()
 
@@ -685,11 +735,18 @@ def _zero_uncovered(state: GroupState, covered: list[int]) -> None:
 
 
 def _make_clear_placeholder(
+    scheduler: weakref.ReferenceType[ReductionScheduler],
     param_ref: weakref.ref[torch.Tensor],
 ) -> Callable[[torch.Tensor], None]:
-    """The gradient pre-hook: the next gradient replaces the placeholder, never adds to it."""
+    """The gradient pre-hook: the first of a backward lets the optimizer look at ``.grad``
+    (``check_grads``); then the next gradient replaces the placeholder, never adds to it."""
 
     def clear(_: torch.Tensor) -> None:
+        owner = scheduler()
+        if owner is not None and not owner._grads_checked:
+            owner._grads_checked = True
+            if owner.check_grads is not None:
+                owner.check_grads()
         param = param_ref()
         if param is not None and type(param.grad) is OwnedGradient:
             param.grad = None

@@ -96,6 +96,34 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         noise of each master is its own."""
         self._kernel = update_kernel.OnePassUpdate()
 
+    def refusal(self, plan: PrecisionPlan) -> str | None:
+        """Why this update can no longer serve ``plan``'s 16-bit masters or low-precision
+        moments with ``inner``'s param groups as they are now (None: it can). Built on torch's
+        fused Adam/AdamW, it cannot follow a group changed after build (``maximize``,
+        ``amsgrad`` or ``differentiable`` set on it): ``build`` would have chosen torch's own
+        step of the class (:class:`TorchClassUpdate`) for such groups."""
+        torch_class = plan.optimizer.torch_class
+        if FlatAdamUpdate.supports(self.inner, torch_class):
+            return None
+        return (
+            f"the {DTYPE_NAMES[plan.master_dtype]} masters and {plan.optimizer_states} states "
+            f"were built on torch's fused {torch_class.__name__} computed in fp32 and rounded "
+            "back, which does not take maximize, amsgrad or differentiable. Set them on the "
+            "param groups before build (build then runs torch's own step of the class on fp32 "
+            "copies of the masters and states)"
+        )
+
+    def check_still_serves(self, plan: PrecisionPlan) -> None:
+        """At a step: refuse, with the reason, param groups changed since build into what this
+        update cannot serve (``maximize=True`` set on a group), before any number moves;
+        torch's generic path would fail inside torch on the 16-bit tensors."""
+        why = self.refusal(plan)
+        if why is not None:
+            raise NotSupportedError(
+                "a param group was changed after build into what the plan cannot serve "
+                f"(maximize, amsgrad or differentiable set on it): {why}"
+            )
+
     @classmethod
     def for_plan(
         cls,
@@ -121,7 +149,7 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
             cls = TorchClassUpdate
         update = cls(
             inner,
-            torch_class,
+            plan.optimizer.torch_class,
             rounding=plan.master_rounding,
             exp_avg_dtype=plan.exp_avg_dtype,
             exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
@@ -346,6 +374,10 @@ class TorchClassUpdate(LowPrecisionAdamUpdate):
         )
         self.names = ELEMENT_STATES
         self._stepper: torch.optim.Optimizer | None = None
+
+    def refusal(self, plan: PrecisionPlan) -> str | None:
+        """None: torch's own step of the class serves whatever the param groups say now."""
+        return None
 
     def _step_fp32(
         self, group: dict[str, Any], weights: torch.Tensor, state: dict[str, Any]
