@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
