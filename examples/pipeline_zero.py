@@ -10,6 +10,10 @@ take each micro-batch's gradients from there, so no special call is needed. Two 
   would find nothing to scale (with ``scale_grads=True`` it divides whatever ``.grad`` holds,
   including what earlier steps left there).
 * fp16 only: multiply the loss by ``optimizer.loss_scale`` in ``loss_fn``.
+
+``pipeline_group`` tells the optimizer which ranks hold the other stages: the step's gradient
+norm (for ``gradient_clipping``) and fp16's overflow decision are then the whole model's, the
+same on every stage. Without it, a pipeline plan with clipping or fp16 refuses to build.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ def train(rank: int, world_size: int, stage_index: int, schedule_name: str) -> f
 
     torch.manual_seed(pp_rank)  # each pipeline stage owns different layers
     layers = [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH)]
-    module = plan.prepare_model(torch.nn.Sequential(*layers), process_group=dp_group)
+    module = plan.prepare_model(
+        torch.nn.Sequential(*layers), process_group=dp_group, pipeline_group=mesh["pp"]
+    )
     optimizer = plan.build(module.parameters(), process_group=dp_group)
     stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
 

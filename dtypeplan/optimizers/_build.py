@@ -26,6 +26,13 @@ from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers.contract import MixedPrecisionOptimizer, WrapPolicy, get_implementation
+from dtypeplan.optimizers.grads import (
+    PipelineLink,
+    pipeline_group_of,
+    remember,
+    remembered,
+    stage_local_refusal,
+)
 from dtypeplan.resolver import PrecisionPlan, Status
 
 __all__ = ["build_optimizer", "implementation_class", "prepare_model"]
@@ -81,6 +88,7 @@ def prepare_model(
     process_group: dist.ProcessGroup | None = None,
     *,
     wrap: WrapPolicy | None = None,
+    pipeline_group: Any = None,
 ) -> torch.nn.Module:
     """Ready ``model`` for :func:`build_optimizer`, in place; returns it (a plan not OK: as is).
 
@@ -92,6 +100,8 @@ def prepare_model(
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
     there and is ignored at the other stages (``fsdp2/units.py``). With ``torch_autocast`` the
     model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
+    ``pipeline_group`` (the group of the other pipeline stages, see :func:`build_optimizer`) is
+    noted for the prepared parameters, and ``build`` on them takes it.
     """
     if plan.status != Status.OK:
         return model
@@ -99,6 +109,8 @@ def prepare_model(
     cls = implementation_class(plan, process_group)
     prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
     forward_under_autocast(prepared, plan.autocast_dtype)
+    if pipeline_group is not None:
+        remember(prepared, pipeline_group_of(pipeline_group)[0])
     return prepared
 
 
@@ -106,14 +118,51 @@ def build_optimizer(
     plan: PrecisionPlan,
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     process_group: dist.ProcessGroup | None = None,
+    *,
+    pipeline_group: Any = None,
 ) -> MixedPrecisionOptimizer:
     """The optimizer of ``plan`` for ``params`` on ``process_group`` (default: the default
-    group when torch.distributed is initialized, else one process)."""
+    group when torch.distributed is initialized, else one process).
+
+    ``pipeline_group``: under pipeline parallelism, the group of one rank of every stage (a
+    ``ProcessGroup``, ``mesh["pp"]``, the ``PipelineStage`` or the schedule), over which the
+    step's norm and overflow decision are summed (``grads/pipeline.py``); by default the one
+    ``prepare_model`` was given for these parameters. Without it, a pipeline plan whose
+    data-parallel group is not the whole world refuses clipping and fp16 here.
+    """
     _refuse_missing_group(process_group, "plan.build(...)")
     cls = implementation_class(plan, process_group)
     optimizer = cls(params, plan=plan, process_group=process_group)
+    try:
+        _link_pipeline(optimizer, plan, process_group, pipeline_group)
+    except BaseException:
+        optimizer.close()
+        raise
     _warn_if_forward_not_under_autocast(plan, optimizer)
     return optimizer
+
+
+def _link_pipeline(
+    optimizer: MixedPrecisionOptimizer,
+    plan: PrecisionPlan,
+    process_group: dist.ProcessGroup | None,
+    pipeline_group: Any,
+) -> None:
+    """Give ``optimizer`` the other stages, or refuse what would decide per stage without."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stages: list[torch.nn.Module] = []
+    if pipeline_group is None:
+        group = remembered(params)
+    else:
+        group, stages = pipeline_group_of(pipeline_group)
+    if group is None:
+        reason = stage_local_refusal(plan, process_group, "build")
+        if reason is not None:
+            raise NotSupportedError(reason)
+        return
+    optimizer.pipeline = PipelineLink(
+        group, plan=plan, data_parallel=process_group, params=params, stage_modules=stages
+    )
 
 
 def _warn_if_forward_not_under_autocast(

@@ -317,6 +317,7 @@ def _run_notes(plan: ExplainedPlan) -> list[str]:
             "gradients and master weights stay fp32"
             + ("; the loss is scaled as for fp16" if plan.loss_scaling is not None else "")
         )
+    lines += _pipeline_note(plan)
     if plan.scheduler is not None:
         kind, params = plan.scheduler.get("type"), plan.scheduler.get("params", {})
         lines.append(
@@ -342,6 +343,34 @@ def _run_notes(plan: ExplainedPlan) -> list[str]:
             "auto={'gradient_accumulation_steps': N} to have the last backward known)"
         )
     return lines
+
+
+def _pipeline_note(plan: ExplainedPlan) -> list[str]:
+    """Under a pipeline, what the step decides from the norm needs the other stages' group."""
+    if not plan.pipeline_parallel:
+        return []
+    needs = [
+        name
+        for name, used in (
+            ("gradient clipping", plan.gradient_clipping > 0),
+            ("fp16 loss scaling", plan.loss_scaling is not None),
+            ("the non-finite check", plan.check_nonfinite and plan.loss_scaling is None),
+        )
+        if used
+    ]
+    if not needs:
+        return [
+            "  pipeline: each stage's optimizer steps its own parameters; nothing in the step "
+            "depends on the other stages"
+        ]
+    return [
+        f"  pipeline: {' and '.join(needs)} decide from the norm of the whole model, summed "
+        "over the pipeline group: pass it as plan.prepare_model(model, process_group=dp_group, "
+        "pipeline_group=pp_group) or plan.build(..., pipeline_group=...) (a ProcessGroup, "
+        "mesh['pp'], the PipelineStage or the schedule). Without it, build refuses them "
+        "where the data-parallel group is not the whole world, rather than clip or skip per "
+        "stage"
+    ]
 
 
 def _sections(plan: ExplainedPlan, num_params: int | None, world_size: int | None) -> list[str]:

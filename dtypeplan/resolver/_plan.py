@@ -56,6 +56,8 @@ class _BuildOptimizer(Protocol):
         plan: PrecisionPlan,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         process_group: dist.ProcessGroup | None = None,
+        *,
+        pipeline_group: Any = None,
     ) -> torch.optim.Optimizer: ...
 
 
@@ -67,6 +69,7 @@ class _PrepareModel(Protocol):
         process_group: dist.ProcessGroup | None = None,
         *,
         wrap: Any = None,
+        pipeline_group: Any = None,
     ) -> torch.nn.Module: ...
 
 
@@ -462,6 +465,7 @@ class PrecisionPlan:
         process_group: dist.ProcessGroup | None = None,
         *,
         wrap: Any = None,
+        pipeline_group: Any = None,
     ) -> torch.nn.Module:
         """Ready ``model`` for :meth:`build`, in place, and return it.
 
@@ -472,9 +476,13 @@ class PrecisionPlan:
         and is ignored at other stages. With ``torch_autocast`` the parameters stay fp32 and
         every call of ``model`` runs under :meth:`autocast` (forward hooks: names and class are
         kept), as DeepSpeed's engine runs forward. Call it before ``build`` and before the
-        model is handed to a pipeline stage.
+        model is handed to a pipeline stage. ``pipeline_group``: the group of the other pipeline
+        stages (as :meth:`build` takes it), noted for the model's parameters so that ``build``
+        on them takes it.
         """
-        return _installed().prepare_model(self, model, process_group, wrap=wrap)
+        return _installed().prepare_model(
+            self, model, process_group, wrap=wrap, pipeline_group=pipeline_group
+        )
 
     def with_optimizer(
         self,
@@ -500,6 +508,8 @@ class PrecisionPlan:
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         process_group: dist.ProcessGroup | None = None,
         optimizer: type[torch.optim.Optimizer] | None = None,
+        *,
+        pipeline_group: Any = None,
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer for ``params`` on ``process_group`` (default: the default group).
@@ -509,6 +519,12 @@ class PrecisionPlan:
         ``hyperparameters`` override the config's. Raises :class:`NotSupportedError` or
         :class:`PrecisionConfigError` for a plan that is not OK (for ``optimizer``: the plan
         :meth:`with_optimizer` gives).
+
+        ``pipeline_group``: under pipeline parallelism, the group that holds one rank of every
+        stage (a ``ProcessGroup``, ``mesh["pp"]``, the ``PipelineStage`` or the schedule); the
+        step's gradient norm and fp16 overflow decision then span the whole model. By default
+        the one :meth:`prepare_model` was given. A pipeline plan with clipping or fp16 refuses
+        to build without it where the data-parallel group is not the whole world.
         """
         plan = self
         # capturable may not apply where the parameters live: it goes with every param group,
@@ -520,15 +536,21 @@ class PrecisionPlan:
         elif hyperparameters:
             merged = {**self.optimizer.params, **hyperparameters}
             plan = self.with_optimizer(self.optimizer.torch_class, merged)
-        return _installed().build_optimizer(plan, params, process_group)
+        return _installed().build_optimizer(
+            plan, params, process_group, pipeline_group=pipeline_group
+        )
 
     def wrap(
-        self, torch_optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None
+        self,
+        torch_optimizer: torch.optim.Optimizer,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        pipeline_group: Any = None,
     ) -> torch.optim.Optimizer:
         """The optimizer of this plan with the class, param groups and hyperparameters of
         ``torch_optimizer``, one the program made and has not stepped (DeepSpeed's
         ``initialize(optimizer=...)``). Its own fast-path choices (``foreach``, ``fused``) give
-        way to dtypeplan's. Raises as :meth:`build` does.
+        way to dtypeplan's. Raises as :meth:`build` does; ``pipeline_group`` as there.
         """
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap() takes a torch.optim.Optimizer, not {type(torch_optimizer)}")
@@ -549,7 +571,9 @@ class PrecisionPlan:
         # records decoupled_weight_decay=True, which its constructor sets itself).
         accepted = inspect.signature(torch_class.__init__).parameters
         defaults = {k: v for k, v in torch_optimizer.defaults.items() if k in accepted}
-        return self.build(groups, process_group, torch_class, **defaults)
+        return self.build(
+            groups, process_group, torch_class, pipeline_group=pipeline_group, **defaults
+        )
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         """The config's DeepSpeed ``scheduler`` block on ``optimizer`` (see

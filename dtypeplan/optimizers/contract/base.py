@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtypeplan.comm import Communicator
-from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 from dtypeplan.optimizers.contract.hyperparameters import HyperparameterCheck
 from dtypeplan.optimizers.contract.model import (
     cast_forward_inputs,
@@ -35,6 +35,7 @@ from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, 
 from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
+from dtypeplan.optimizers.grads.pipeline import PipelineLink, stage_local_refusal
 from dtypeplan.optimizers.state.held import HeldTensors
 
 if TYPE_CHECKING:
@@ -196,6 +197,10 @@ class MixedPrecisionOptimizer(OptimizerState):
         if mismatch is not None:
             warnings.warn(mismatch, UserWarning, stacklevel=user_stacklevel())
         self.scaler = LossScaler(plan.loss_scaling)
+        self.pipeline: PipelineLink | None = None
+        """The other pipeline stages (``build(pipeline_group=...)``): the step's squared norm
+        is summed over them too (``grads/pipeline.py``). None: this optimizer's group holds the
+        whole model."""
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
         self.hooks.finalize_with(self)
@@ -308,6 +313,7 @@ class MixedPrecisionOptimizer(OptimizerState):
         step, as DeepSpeed's clipping inside its step. Only the 2-norm.
         """
         self._check_open("clip_grad_norm_()")
+        self._refuse_stage_local("clip_grad_norm_()")
         if float(norm_type) != 2.0:
             raise OptimizerUsageError(
                 f"clip_grad_norm_(norm_type={norm_type}): only the 2-norm is supported (the "
@@ -359,6 +365,20 @@ class MixedPrecisionOptimizer(OptimizerState):
         taken from them; so the replicas are equal by construction whatever each rank's init.
         """
         make_replicas_equal(comm, [p for g in self.param_groups for p in g["params"]])
+
+    def _refuse_stage_local(self, call: str) -> None:
+        """Refuse ``call`` where it would decide from this pipeline stage's gradients alone."""
+        if self.pipeline is None:
+            reason = stage_local_refusal(self.plan, self.process_group, call)
+            if reason is not None:
+                raise NotSupportedError(reason)
+
+    def _across_pipeline(self, sq_norm: torch.Tensor, divisor: float) -> torch.Tensor:
+        """The step's squared norm over the whole model: summed over the other pipeline
+        stages where there are any (``sq_norm`` and the result scaled by ``divisor``)."""
+        if self.pipeline is None:
+            return sq_norm
+        return self.pipeline.whole_model_sq_norm(sq_norm, divisor)
 
     @property
     def grad_norm(self) -> float | None:

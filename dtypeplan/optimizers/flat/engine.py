@@ -482,15 +482,19 @@ class FlatMixedPrecisionOptimizer(FlatState):
             # differ (before the update on the CPU, a step later on an accelerator).
             check.post(summary[len(summary) - check.numel :])
             summary = summary[: len(summary) - check.numel]
+        # Under a pipeline, the other stages' norms too: one clip factor, one skip decision.
+        sq_norm = self._across_pipeline(
+            summary[0], self.scaler.scale * self.levels.reduction_divisor
+        )
         if all(all(per_group) for per_group in local):
-            return summary[0], [[] for _ in local], True
+            return sq_norm, [[] for _ in local], True
         counts = summary[replicas:].tolist()  # some parameter got no gradient here: ask
         untouched: list[list[int]] = []
         for per_group in local:
             untouched.append([pi for pi, n in enumerate(counts[: len(per_group)]) if n == 0])
             counts = counts[len(per_group) :]
         total = sum(len(per_group) for per_group in local)
-        return summary[0], untouched, sum(len(u) for u in untouched) < total
+        return sq_norm, untouched, sum(len(u) for u in untouched) < total
 
     def _local_sq_norm(self, grads_by_group: list[list[torch.Tensor]]) -> torch.Tensor:
         """The squared norm of this rank's reduced chunks: those the boundary backward already

@@ -449,9 +449,11 @@ class FSDP2Optimizer(FSDP2State):
             # (contract/hyperparameters.py).
             check.post(summary[len(summary) - check.numel :])
             summary = summary[: len(summary) - check.numel]
+        # Under a pipeline, the other stages' norms too: one clip factor, one skip decision.
+        sq_norm = self._across_pipeline(summary[0], self.scaler.scale)
         if all(touched):
-            return summary[0], touched
-        return summary[0], [count > 0 for count in summary[1:].tolist()]
+            return sq_norm, touched
+        return sq_norm, [count > 0 for count in summary[1:].tolist()]
 
     def _prepare_grad_norm(self) -> float:
         self._check_grads()

@@ -1,11 +1,23 @@
 """A gradient from autograd to ``step()``: which optimizer owns a parameter, what ``.grad``
 holds after the optimizer took it in, the cooperation with DDP, the backward-time reduction
-scheduler, parameters without a gradient, the factor (unscale, average, clip) and fp16 loss
-scaling."""
+scheduler, parameters without a gradient, the factor (unscale, average, clip), fp16 loss
+scaling, and the link to the other pipeline stages."""
 
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler, MinimumLossScaleError
+from dtypeplan.optimizers.grads.pipeline import (
+    PipelineLink,
+    pipeline_group_of,
+    remember,
+    remembered,
+    stage_local_refusal,
+)
 
 __all__ = [
     "LossScaler",
     "MinimumLossScaleError",
+    "PipelineLink",
+    "pipeline_group_of",
+    "remember",
+    "remembered",
+    "stage_local_refusal",
 ]
