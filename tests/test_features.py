@@ -19,6 +19,7 @@ from dtypeplan.resolver._dimensions import (
     config_for,
     shard_groups_value,
 )
+from dtypeplan.resolver._effective import fp8_native
 
 PLAN_FIELDS = {
     "master": lambda plan: (
@@ -37,6 +38,9 @@ PLAN_FIELDS = {
     "gradient_prescaling": lambda plan: plan.gradient_prescaling,
     "fp8": lambda plan: plan.fp8,
     "optimizer": lambda plan: plan.optimizer_kind,
+    "fp8_recipe": lambda plan: plan.fp8_recipe,
+    "fp8_all_gather": lambda plan: plan.fp8_all_gather,
+    "fp8_execution": lambda plan: plan.fp8_execution,
 }
 
 CASES = [
@@ -47,21 +51,30 @@ CASES = [
 ]
 
 
-IMPLEMENTED = {("autocast", "bf16"), ("autocast", "fp16")} | {
-    ("shard_groups", value) for value in ("hybrid", "hybrid_fp32")
-}
+IMPLEMENTED = (
+    {("autocast", "bf16"), ("autocast", "fp16"), ("fp8", True)}
+    | {("shard_groups", value) for value in ("hybrid", "hybrid_fp32")}
+    | {("fp8_recipe", r) for r in ("rowwise", "rowwise_with_gw_hp", "mxfp8")}
+    | {("fp8_all_gather", "fp8"), ("fp8_execution", "emulated")}
+)
 """Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
 proves autocast, and refuses it with 16-bit parameters; shard groups run FSDP2's HSDP mesh
 (issue 22), whose reduction across the groups is in communication_data_type (fp32 here) only:
-another wire across is refused by build, and so by the table."""
+another wire across is refused by build, and so by the table. fp8 compute with each recipe,
+emulated, and its fp8 all-gather at ZeRO-3: tests/test_fp8.py."""
 
 
 def _config(name: str, value: Any) -> dict[str, Any]:
-    # ZeRO-3, where every feature applies; a feature's fragment may enable bf16 or fp16 itself.
-    return {
+    # ZeRO-3, where every feature applies; a feature's fragment may enable bf16 or fp16 itself;
+    # fp8's own dimensions with fp8 on, where they mean anything.
+    config = {
         **config_for({name: value}),
         "zero_optimization": {"stage": 3, **config_for({name: value}).get("zero_optimization", {})},
     }
+    if FEATURE_DIMENSIONS[name].requires:
+        config = {**config, **config_for({**FEATURE_DIMENSIONS[name].requires, name: value})}
+        config["fp8"] = {**config_for({name: value}).get("fp8", {}), "enabled": True}
+    return config
 
 
 def test_the_plan_reports_every_feature() -> None:
@@ -72,6 +85,10 @@ def test_the_plan_reports_every_feature() -> None:
 def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
     dim = FEATURE_DIMENSIONS[name]
     plan = dtypeplan.resolve(_config(name, value))
+    if (name, value) == ("fp8_execution", "native") and not fp8_native("tensorwise"):
+        # emulate auto on a device without fp8 kernels runs emulated (explain() says so)
+        assert plan.fp8_execution == "emulated" and "emulated" in plan.explain()
+        return
     assert PLAN_FIELDS[name](plan) == value, plan.explain()
     if value == dim.default_value or (name, value) in IMPLEMENTED:
         assert plan.status == "OK", plan.explain()

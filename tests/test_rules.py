@@ -155,7 +155,8 @@ def test_shipped_table_loads_and_covers_every_point_once() -> None:
     assert COMBINATIONS == math.prod(len(dim.values) for dim in DIMENSIONS.values())
     registered = set(dtypeplan.registered_names())
     for rule in table.rules:
-        assert (rule.status == "OK") == (rule.implementation is not None), rule.id
+        # A deferring rule names no implementation: the rule it defers to decides.
+        assert (rule.status == "OK" and not rule.decide_as) == (rule.implementation is not None)
         if rule.implementation is not None:
             assert rule.implementation in registered
         assert SHIPPED.splitlines()[rule.line - 1] == f"  - id: {rule.id}"
@@ -172,10 +173,70 @@ def _sample_points(count: int, seed: int = 0) -> list[dict[str, Any]]:
 
 def test_lookup_is_the_one_matching_rule() -> None:
     table = dtypeplan.load_rules()
-    for point in _sample_points(3000):
+    for point in _sample_points(3000) + _fp8_points(2000):
         matching = [rule for rule in table.rules if rule.matches(point)]
         assert len(matching) == 1, (point, [r.id for r in matching])
-        assert table.lookup(point) is matching[0]
+        rule = matching[0]
+        assert table.matching(point) is rule
+        if not rule.decide_as:
+            assert table.lookup(point) is rule
+            continue
+        # A deferral: the one rule of the point with the deferred values decides.
+        deferred = {**point, **rule.decide_as}
+        (base,) = [r for r in table.rules if r.matches(deferred)]
+        assert not base.decide_as
+        decided = table.lookup(point)
+        assert decided.decided_by == (rule.id, base.id)
+        assert (decided.status, decided.implementation) == (base.status, base.implementation)
+        assert decided.matches(point) and rule.reason in decided.reason
+
+
+def _fp8_points(count: int, seed: int = 1) -> list[dict[str, Any]]:
+    """Points drawn from the whole space with fp8 on (where its own dimensions mean anything)."""
+    rng = random.Random(seed)
+    return [
+        {name: rng.choice(dim.values) for name, dim in DIMENSIONS.items()} | {"fp8": True}
+        for _ in range(count)
+    ]
+
+
+def _fp8_ok(table: RuleTable, point: dict, name: str, value: object) -> bool:
+    """Where fp8 compute is implemented (tests/test_fp8.py): bf16 or fp32 parameters, no
+    pipeline, where the same point without fp8 is OK; emulated or native, never unavailable;
+    the fp8 all-gather at ZeRO-3 with tensorwise scaling only."""
+    if point["params"] not in ("fp32", "bf16") or point["pipeline"]:
+        return False
+    if table.lookup(point).status != "OK":
+        return False
+    if name == "fp8_execution":
+        return value != "unavailable"
+    if name == "fp8_all_gather" and value == "fp8":
+        return point["stage"] == 3 and point["fp8_recipe"] == "tensorwise"
+    return True
+
+
+def test_fp8_dimensions_at_every_core_point() -> None:
+    """fp8 on, and each value of its own dimensions with fp8 on: OK exactly where
+    implemented, then with the implementation of the point without fp8 (the optimizer's cell
+    is unchanged); refusals carry a reason. With fp8 off, fp8's own dimensions change nothing."""
+    table = dtypeplan.load_rules()
+    fp8_dims = [dim for dim in FEATURE_DIMENSIONS.values() if dim.requires]
+    assert {dim.name for dim in fp8_dims} == {"fp8_recipe", "fp8_all_gather", "fp8_execution"}
+    for point in points():
+        if point["params"] == "fp16+bf16":
+            continue
+        base = table.lookup(point)
+        cases = [("fp8", True)] + [(dim.name, v) for dim in fp8_dims for v in dim.values]
+        for name, value in cases:
+            on = {**point, "fp8": True, name: value}
+            rule = table.lookup(on)
+            assert (rule.status == "OK") == _fp8_ok(table, point, name, value), (on, rule.id)
+            assert rule.reason, rule.id
+            if rule.status == "OK":
+                assert rule.implementation == base.implementation, rule.id
+                assert rule.decided_by[1] == base.id
+            if name != "fp8":
+                assert table.lookup({**point, name: value}) is base  # fp8 off
 
 
 def _implemented_feature(point: dict, name: str, value: object) -> bool:
@@ -262,6 +323,8 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
             continue
         for name, dim in FEATURE_DIMENSIONS.items():
             for value in dim.values:
+                if dim.requires or name == "fp8":
+                    continue  # fp8 and its own dimensions: test_fp8_dimensions_at_every_core_point
                 rule = table.lookup({**point, name: value})
                 if value != dim.default_value:
                     implemented = _implemented_feature(point, name, value)

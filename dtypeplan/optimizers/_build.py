@@ -25,7 +25,12 @@ import torch.distributed as dist
 from dtypeplan._autocast import forward_under_autocast, params_without_autocast
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
-from dtypeplan.optimizers.contract import MixedPrecisionOptimizer, WrapPolicy, get_implementation
+from dtypeplan.optimizers.contract import (
+    MixedPrecisionOptimizer,
+    WrapPolicy,
+    convert_linears,
+    get_implementation,
+)
 from dtypeplan.optimizers.grads import (
     PipelineLink,
     pipeline_group_of,
@@ -99,14 +104,21 @@ def prepare_model(
     sharded parameters are the masters) and shards the model with FSDP2, one unit per block;
     ``wrap`` (a set of module classes or a callable ``module -> bool``) chooses the units
     there and is ignored at the other stages (``fsdp2/units.py``). With ``torch_autocast`` the
-    model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``).
-    ``pipeline_group`` (the group of the other pipeline stages, see :func:`build_optimizer`) is
-    noted for the prepared parameters, and ``build`` on them takes it.
+    model's forward then runs under ``plan.autocast()`` (``dtypeplan/_autocast.py``). With fp8
+    compute the eligible linear layers are converted first, before the cast and the sharding
+    (``contract/fp8_compute.py``). ``pipeline_group`` (the group of the other pipeline stages,
+    see :func:`build_optimizer`) is noted for the prepared parameters, and ``build`` on them
+    takes it.
     """
     if plan.status != Status.OK:
         return model
     _refuse_missing_group(process_group, "plan.prepare_model(model)")
     cls = implementation_class(plan, process_group)
+    convert_linears(
+        model,
+        plan,
+        sharded_by_fsdp2=plan.implementation_for(_distributed(process_group)) == "fsdp2",
+    )
     prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
     forward_under_autocast(prepared, plan.autocast_dtype)
     if pipeline_group is not None:

@@ -110,6 +110,12 @@ class OptimizerConfig:
         return state_bytes_per_param(self.torch_class, self.params)
 
 
+FP8_EXCLUDED_BY_DEFAULT = ("lm_head", "output", "score", "classifier")
+"""Linear layers fp8 compute leaves in the parameter dtype unless ``fp8.exclude_modules`` says
+otherwise: the output layers of GPT-2 / Llama (HF), torchtitan, and HF's sequence
+classification heads; fp8's 3-bit mantissa costs most on the logits."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     """The precision-relevant settings of a config, as given (``None`` = not set)."""
@@ -181,6 +187,14 @@ class PrecisionConfig:
     other than 1) or ``"none"``."""
     fp8: bool = False
     """The ``fp8`` block enabled."""
+    fp8_recipe: str = "tensorwise"
+    """``fp8.recipe``: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"mxfp8"``."""
+    fp8_all_gather: str = "param_dtype"
+    """``fp8.all_gather``: ``"param_dtype"`` or ``"fp8"`` (ZeRO-3, tensorwise)."""
+    fp8_exclude_modules: tuple[str, ...] = FP8_EXCLUDED_BY_DEFAULT
+    """``fp8.exclude_modules``: names or fnmatch patterns of linear layers left unconverted."""
+    fp8_emulate: str = "auto"
+    """``fp8.emulate``: ``"auto"``, ``"true"`` or ``"false"``."""
     scheduler: FrozenDict[str, Any] | None = None
     """DeepSpeed's ``scheduler`` block (``{"type", "params"}``), validated; None without one."""
     gradient_accumulation_steps: int | None = None

@@ -32,6 +32,10 @@ __all__ = [
     "FEATURES_UNUSED",
     "FEATURE_DIMENSIONS",
     "FP8",
+    "FP8_ALL_GATHER",
+    "FP8_EXECUTION",
+    "FP8_RECIPE",
+    "FP8_RECIPES",
     "GRADIENT_PRESCALING",
     "HIERARCHICAL_PARTITIONING",
     "MASTER",
@@ -102,12 +106,16 @@ class Dimension:
     advice: Mapping[Any, str] = field(default_factory=FrozenDict)
     """How the resolver advises a value, where the config fragment that selects it holds a
     placeholder (a shard group size stands for the user's own)."""
+    requires: Mapping[str, Any] = field(default_factory=FrozenDict)
+    """Where the dimension means anything (``fp8_recipe``: ``fp8`` true); elsewhere the rules
+    ignore it (they do not name it) and the config reader warns that it has no effect."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", self.choices or self.values)
         object.__setattr__(self, "value_configs", freeze(self.value_configs))
         object.__setattr__(self, "shown", freeze(self.shown))
         object.__setattr__(self, "advice", freeze(self.advice))
+        object.__setattr__(self, "requires", freeze(self.requires))
 
     def show(self, value: Any) -> str:
         return self.shown.get(value, value_text(value))
@@ -462,13 +470,66 @@ GRADIENT_PRESCALING = Dimension(
 FP8 = Dimension(
     name="fp8",
     values=(False, True),
-    doc="fp8 compute (DeepSpeed's fp8 block, Transformer Engine)",
+    doc="fp8 compute: the eligible nn.Linear layers run their three matmuls in fp8 "
+    "(torchao's float8 training, or MXFP8); the parameters, gradients and optimizer are as "
+    "without it, so every rule that does not name fp8's own dimensions decides the rest as "
+    "with fp8 off",
     config_key="fp8.enabled",
     default="false",
     default_value=False,
-    choices=(False,),
     title="fp8",
     config_path=("fp8", "enabled"),
+)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+"""torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``) and MXFP8
+(e4m3 values, one power-of-two scale per 32 values along the contraction)."""
+FP8_RECIPE = Dimension(
+    name="fp8_recipe",
+    values=FP8_RECIPES,
+    doc="how fp8 compute scales its operands: tensorwise (one fp32 scale per tensor, the "
+    "fastest, the only one with an fp8 weight all-gather), rowwise (a scale per row: more "
+    "accurate), rowwise_with_gw_hp (rowwise, the weight gradient in high precision), mxfp8 "
+    "(a power-of-two scale per 32 values; native on SM100+)",
+    config_key="fp8.recipe",
+    default="tensorwise (torchao's and Accelerate's default, the fastest)",
+    default_value="tensorwise",
+    title="fp8 recipe",
+    config_path=("fp8", "recipe"),
+    requires={"fp8": True},
+)
+FP8_ALL_GATHER = Dimension(
+    name="fp8_all_gather",
+    values=("param_dtype", "fp8"),
+    doc="the dtype ZeRO-3 all-gathers the converted layers' weights in: the parameter dtype, "
+    "or fp8 (e4m3 with the tensorwise scale computed after each step: half of bf16's bytes)",
+    config_key="fp8.all_gather",
+    default="param_dtype",
+    default_value="param_dtype",
+    title="fp8 weight all-gather",
+    config_path=("fp8", "all_gather"),
+    requires={"fp8": True},
+)
+FP8_EXECUTION = Dimension(
+    name="fp8_execution",
+    values=("native", "emulated", "unavailable"),
+    doc="how the fp8 matmuls run: native (the device's fp8 tensor cores: SM89+, MXFP8 SM100+), "
+    "emulated (fp8 rounding, the matmul in high precision: any device, slower), unavailable "
+    "(fp8.emulate false on a device without the recipe's kernels)",
+    config_key="fp8.emulate",
+    default="auto: native where the device has the recipe's kernels, else emulated",
+    default_value="native",
+    choices=("native", "emulated"),
+    title="fp8 execution",
+    value_configs={
+        "native": {"fp8": {"emulate": "auto"}},
+        "emulated": {"fp8": {"emulate": True}},
+        "unavailable": {"fp8": {"emulate": False}},
+    },
+    advice={
+        "native": "fp8.emulate=auto (native on a device with the recipe's kernels)",
+        "emulated": "fp8.emulate=true",
+    },
+    requires={"fp8": True},
 )
 OPTIMIZER_KIND = Dimension(
     name="optimizer",
@@ -528,6 +589,9 @@ FEATURE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
             FP8,
             OPTIMIZER_KIND,
             STATE_KIND,
+            FP8_RECIPE,
+            FP8_ALL_GATHER,
+            FP8_EXECUTION,
         )
     }
 )
@@ -542,7 +606,7 @@ FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
 """The feature dimensions at their "not used" values: what a config that sets none gets."""
 
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space (about 1.7 billion: too many to list; the rules loader
+"""The number of points of the space (about 41 billion: too many to list; the rules loader
 checks rule boxes, not points)."""
 
 CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())

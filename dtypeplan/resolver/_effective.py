@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from dtypeplan.resolver._auto import SHARD_GROUP_SIZE
 from dtypeplan.resolver._client_optimizer import ClientOptimizerConfig
 from dtypeplan.resolver._config import PrecisionConfig
@@ -25,7 +27,7 @@ from dtypeplan.resolver._dimensions import (
 )
 from dtypeplan.resolver._rules import RuleTable
 
-__all__ = ["Effective", "effective_values"]
+__all__ = ["Effective", "effective_values", "fp8_execution", "fp8_native"]
 
 T = TypeVar("T")
 
@@ -163,6 +165,9 @@ def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> di
         "fp8": config.fp8,
         "optimizer": config.optimizer.kind,
         "state_kind": config.optimizer.state_kind,
+        "fp8_recipe": config.fp8_recipe,
+        "fp8_all_gather": config.fp8_all_gather,
+        "fp8_execution": fp8_execution(config.fp8_recipe, config.fp8_emulate),
     }
     if config.wire_across_groups == comm:
         # The wire across named as the communication dtype is no other wire: the same
@@ -173,6 +178,7 @@ def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> di
         origins[_FEATURE_ORIGINS.get(feature, feature)] = (
             f"default: {dim.default}" if value == dim.default_value else f"config: {dim.config_key}"
         )
+    origins["fp8_execution"] = f"fp8.emulate {config.fp8_emulate}, the device: {fp8_device_text()}"
     if config.shard_group_size is not None:
         origins["shard_group_size"] = "$.zero_optimization.shard_group_size"
         origins["wire_across_groups"] = (
@@ -182,6 +188,40 @@ def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> di
         if auto.path == SHARD_GROUP_SIZE and auto.value is not None:
             origins["shard_group_size"] += f' "auto" <- {auto.source}'
     return features
+
+
+def fp8_execution(recipe: str, emulate: str) -> str:
+    """The ``fp8_execution`` value: ``emulate`` true is emulated; else native where this
+    process's accelerator has the recipe's kernels, else emulated (``auto``) or unavailable
+    (``false``)."""
+    if emulate == "true":
+        return "emulated"
+    if fp8_native(recipe):
+        return "native"
+    return "emulated" if emulate == "auto" else "unavailable"
+
+
+def _capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def fp8_native(recipe: str) -> bool:
+    """Whether this process's device runs ``recipe``'s matmuls natively: fp8 tensor cores from
+    compute capability 8.9 (Ada, Hopper), MXFP8's block-scaled ones from 10.0 (Blackwell)."""
+    capability = _capability()
+    if capability is None:
+        return False
+    return capability >= ((10, 0) if recipe == "mxfp8" else (8, 9))
+
+
+def fp8_device_text() -> str:
+    capability = _capability()
+    if capability is None:
+        return "no CUDA device (fp8 emulated on the CPU)"
+    return f"CUDA compute capability {capability[0]}.{capability[1]}"
 
 
 def _setting_origins(

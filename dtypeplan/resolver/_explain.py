@@ -90,6 +90,14 @@ class ExplainedPlan(Protocol):
     @property
     def fp8(self) -> bool: ...
     @property
+    def fp8_recipe(self) -> str: ...
+    @property
+    def fp8_all_gather(self) -> str: ...
+    @property
+    def fp8_exclude_modules(self) -> tuple[str, ...]: ...
+    @property
+    def fp8_execution(self) -> str: ...
+    @property
     def optimizer_kind(self) -> str: ...
     @property
     def zero_stage(self) -> int: ...
@@ -300,10 +308,27 @@ def _feature_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
                 "off",
             ),
             ("gradient prescaling", plan.gradient_prescaling, "gradient_prescaling", "none"),
-            ("fp8", "on" if plan.fp8 else "off", "fp8", "off"),
+            ("fp8", _fp8_text(plan) if plan.fp8 else "off", "fp8", "off"),
         )
         if value != unused  # features not in use would only lengthen the account
     ]
+
+
+def _fp8_text(plan: ExplainedPlan) -> str:
+    """fp8 compute in a line: the recipe, how it runs, the weights' all-gather."""
+    how = {
+        "native": "native fp8 matmuls",
+        "emulated": "emulated (fp8 rounding, the matmul in high precision: this device has no "
+        "fp8 kernels for the recipe, or fp8.emulate is true)",
+        "unavailable": "unavailable on this device (fp8.emulate false)",
+    }[plan.fp8_execution]
+    gather = (
+        f", weights all-gathered in {plan.fp8_all_gather.replace('param_dtype', 'the param dtype')}"
+        if plan.zero_stage == 3
+        else ""
+    )
+    excluded = ", ".join(plan.fp8_exclude_modules) or "none"
+    return f"{plan.fp8_recipe}, {how}{gather}; linear layers left out: {excluded}"
 
 
 def _run_notes(plan: ExplainedPlan) -> list[str]:

@@ -13,8 +13,13 @@ from typing import Any
 
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver._auto import SHARD_GROUP_SIZE, AutoValue
-from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
-from dtypeplan.resolver._dimensions import REDUCTION, STATE_DTYPES, states_value
+from dtypeplan.resolver._config import (
+    FP8_EXCLUDED_BY_DEFAULT,
+    LossScaleConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+)
+from dtypeplan.resolver._dimensions import REDUCTION, STATE_DTYPES, states_value, value_text
 from dtypeplan.resolver._optimizer_block import OptimizerReading, read_optimizer, read_scheduler
 
 __all__ = ["read_fields"]
@@ -39,6 +44,12 @@ def read_fields(
     model_dtype = "bf16" if precision["bf16"] else "fp16" if precision["fp16"] else "fp32"
     moments = _moments(document, model_dtype, zero["offload_optimizer"], reading)
     features = _other_features(document, fp16_on=precision["fp16"])
+    fp8_block = document.get("fp8", {})
+    if not features["fp8"] and set(fp8_block) - {"enabled"}:
+        warnings.append(
+            f"$.fp8 sets {', '.join(sorted(set(fp8_block) - {'enabled'}))} but not enabled: "
+            "true, so fp8 compute is off and they have no effect"
+        )
     scheduler, scheduler_warnings = read_scheduler(document, reading.config, auto_values)
     warnings += scheduler_warnings
     return PrecisionConfig(
@@ -276,7 +287,22 @@ def _other_features(document: dict[str, Any], *, fp16_on: bool) -> dict[str, Any
         "autocast": autocast,
         "autocast_dtype_given": bool(autocast_doc.get("dtype")),
         "gradient_prescaling": prescaling,
-        "fp8": bool(document.get("fp8", {}).get("enabled", False)),
+        **_fp8(document.get("fp8", {})),
+    }
+
+
+def _fp8(block: dict[str, Any]) -> dict[str, Any]:
+    """The fp8 block's fields; the defaults where a key is absent (``_config.py``)."""
+    emulate = block.get("emulate", "auto")
+    excluded = block.get("exclude_modules")
+    return {
+        "fp8": bool(block.get("enabled", False)),
+        "fp8_recipe": block.get("recipe", "tensorwise"),
+        "fp8_all_gather": block.get("all_gather", "param_dtype"),
+        "fp8_exclude_modules": (
+            FP8_EXCLUDED_BY_DEFAULT if excluded is None else tuple(str(e) for e in excluded)
+        ),
+        "fp8_emulate": value_text(emulate) if isinstance(emulate, bool) else str(emulate),
     }
 
 

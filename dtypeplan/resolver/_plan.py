@@ -180,7 +180,17 @@ class PrecisionPlan:
     gradient_prescaling: str = "none"
     """``"none"``, ``"prescale"`` or ``"predivide"``."""
     fp8: bool = False
-    """The fp8 block enabled."""
+    """The fp8 block enabled: ``prepare_model`` converts the eligible linear layers."""
+    fp8_recipe: str = "tensorwise"
+    """fp8 compute's scaling: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or
+    ``"mxfp8"`` (meaningful with :attr:`fp8` only)."""
+    fp8_all_gather: str = "param_dtype"
+    """The dtype ZeRO-3 gathers the converted weights in: ``"param_dtype"`` or ``"fp8"``."""
+    fp8_exclude_modules: tuple[str, ...] = ()
+    """Names or fnmatch patterns of linear layers fp8 compute leaves unconverted."""
+    fp8_execution: str = "native"
+    """``"native"`` (the device's fp8 kernels), ``"emulated"`` (fp8 rounding, the matmul in
+    high precision) or ``"unavailable"`` (refused)."""
     optimizer_kind: str = "elementwise"
     """``"elementwise"`` or ``"shaped"`` (see ``resolver/_optimizer_kind.py``)."""
     state_kind: str = "moments"
@@ -247,6 +257,15 @@ class PrecisionPlan:
             DTYPES.get(self.optimizer_states) if self.optimizer_states in ("fp32", "bf16") else None
         )
 
+    def _fp8_dict(self) -> dict[str, Any]:
+        return {
+            "fp8": self.fp8,
+            "fp8_recipe": self.fp8_recipe,
+            "fp8_all_gather": self.fp8_all_gather,
+            "fp8_exclude_modules": list(self.fp8_exclude_modules),
+            "fp8_execution": self.fp8_execution,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """Everything about the plan as JSON-serializable data."""
         return {
@@ -276,7 +295,7 @@ class PrecisionPlan:
             "shard_group_size": self.shard_group_size,
             "wire_across_groups": self.wire_across_groups,
             "gradient_prescaling": self.gradient_prescaling,
-            "fp8": self.fp8,
+            **self._fp8_dict(),
             "optimizer_kind": self.optimizer_kind,
             "state_kind": self.state_kind,
             "zero_stage": self.zero_stage,

@@ -114,7 +114,7 @@ def _plan(
         shard_group_size=config.shard_group_size,
         wire_across_groups=config.wire_across_groups,
         gradient_prescaling=config.gradient_prescaling,
-        fp8=config.fp8,
+        **_fp8_fields(config, features),
         optimizer_kind=features["optimizer"],
         state_kind=features["state_kind"],
         zero_stage=effective.stage,
@@ -143,6 +143,17 @@ def _plan(
             ),
         ),
     )
+
+
+def _fp8_fields(config: PrecisionConfig, features: dict[str, Any]) -> dict[str, Any]:
+    """The plan's fp8 compute settings (``features``: the table's point, for how it runs)."""
+    return {
+        "fp8": config.fp8,
+        "fp8_recipe": config.fp8_recipe,
+        "fp8_all_gather": config.fp8_all_gather,
+        "fp8_exclude_modules": config.fp8_exclude_modules,
+        "fp8_execution": features["fp8_execution"],
+    }
 
 
 def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:

@@ -6,13 +6,20 @@ A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS` 
 dimension. The table is valid only when every point of the space is matched by exactly one rule,
 so rule order never matters and no combination falls through to an accident.
 
-The space has about 1.7 billion points, too many to enumerate, so the check works on the boxes
+The space has about 41 billion points, too many to enumerate, so the check works on the boxes
 (:func:`_check_coverage`): it splits the space one dimension at a time, grouping that dimension's
 values into classes that the rules still in play treat alike, and recurses into each class with
 the rules that contain it. A class no rule contains is a gap; a box every remaining rule covers
 whole is decided, by one rule, or it is an overlap of two. The splits form a decision tree,
 which is also the lookup index: a point is looked up in one step per split dimension. The cost
 grows with the number of distinct boxes the rules cut the space into, not with the space.
+
+A rule may *defer* (``decide_as: {fp8: false}``): it matches its box like any rule, and the
+decision is the rule of the same point with those values (fp8 compute changes the matmuls, not
+what the optimizer holds, so the optimizer's cell is decided as without it). Its box must
+exclude the values it defers to, so a deferral never leads to another; :meth:`RuleTable.lookup`
+returns the pair as one rule (``fp8-compute+zero3``: the base's status and implementation, both
+reasons).
 
 Loading follows torchgen's habits: ``yaml.safe_load`` semantics with line numbers kept, every
 key checked against ``schemas/rules.schema.json``, cross-rule checks in a second pass, and every
@@ -92,6 +99,10 @@ class Rule:
     needs a group; one process runs the flat sharded optimizer instead)."""
     reason: str
     line: int
+    decide_as: FrozenDict[str, Any] = field(default_factory=FrozenDict)
+    """Deferring rules only: the values whose point decides (see the module docstring)."""
+    decided_by: tuple[str, ...] = ()
+    """A deferral as looked up: the ids of the deferring rule and of the rule deciding."""
 
     def matches(self, point: Point) -> bool:
         return all(point[dim] in allowed for dim, allowed in self.when.items())
@@ -138,7 +149,15 @@ class RuleTable:
     """The decision tree the coverage check built (see the module docstring)."""
 
     def lookup(self, point: Point) -> Rule:
-        """The single rule that decides ``point`` (one step per split dimension)."""
+        """The single rule that decides ``point`` (one step per split dimension); a deferring
+        rule's match gives the deferral as one rule (:func:`_deferred`)."""
+        rule = self.matching(point)
+        if not rule.decide_as:
+            return rule
+        return _deferred(rule, self.matching({**point, **rule.decide_as}))
+
+    def matching(self, point: Point) -> Rule:
+        """The one rule whose box holds ``point`` (a deferring rule as it is)."""
         node = self.index
         while isinstance(node, tuple):
             position, children = node
@@ -149,11 +168,27 @@ class RuleTable:
 
     def points(self) -> Iterator[dict[str, Any]]:
         """Every combination of the core dimensions, the features at their "not used" values
-        (the whole space, about 1.7 billion points, is too large to list)."""
+        (the whole space, about 41 billion points, is too large to list)."""
         return points()
 
     def location(self, rule: Rule) -> str:
         return f"{os.path.basename(self.path)}:{rule.line}"
+
+
+@cache
+def _deferred(rule: Rule, base: Rule) -> Rule:
+    """A deferring ``rule`` and the ``base`` rule of its point as one decision: the base's
+    status and implementations, the deferring rule's conditions over the base's, both reasons."""
+    return Rule(
+        id=f"{rule.id}+{base.id}",
+        when=FrozenDict({**base.when, **rule.when}),
+        status=base.status,
+        implementation=base.implementation,
+        single_process_implementation=base.single_process_implementation,
+        reason=f"{base.reason} {rule.reason}",
+        line=rule.line,
+        decided_by=(rule.id, base.id),
+    )
 
 
 def _member(value: Any, allowed: Collection[Any]) -> bool:
@@ -392,10 +427,13 @@ def _build_rules(
                 for dim, spec in raw["when"].items()
             }
         )
-        status = Status(raw["status"])
+        decide_as = _decide_as(raw, when, name)
+        status = Status(raw.get("status", Status.OK))
         implementation = _check_implementation(raw, "implementation", name, implementations)
         single = _check_implementation(raw, "single_process_implementation", name, implementations)
-        if status == Status.OK:
+        if decide_as:
+            pass  # the rule deferred to decides; _decide_as refused status and implementation
+        elif status == Status.OK:
             if implementation is None:
                 raise RulesError(
                     f"rule {raw['id']!r} is OK but names no implementation", name, line
@@ -418,9 +456,60 @@ def _build_rules(
                 single_process_implementation=single,
                 reason=" ".join(raw["reason"].split()),
                 line=line,
+                decide_as=decide_as,
             )
         )
+    _check_deferrals(rules, name)
     return tuple(rules)
+
+
+def _check_deferrals(rules: list[Rule], name: str) -> None:
+    """No deferral leads to a deferring rule: each point deferred to lies outside every
+    deferring rule's box."""
+    deferring = [rule for rule in rules if rule.decide_as]
+    for rule in deferring:
+        for other in deferring:
+            if not any(
+                dim in other.when and not _member(value, other.when[dim])
+                for dim, value in rule.decide_as.items()
+            ):
+                raise RulesError(
+                    f"rule {rule.id!r} defers to points that rule {other.id!r} (line "
+                    f"{other.line}) defers too: a deferral must reach a rule that decides",
+                    name,
+                    rule.line,
+                )
+
+
+def _decide_as(raw: _LineMap, when: FrozenDict[str, frozenset[Any]], name: str) -> FrozenDict:
+    """A deferring rule's ``decide_as``, checked: no status or implementation of its own, and
+    its box excludes each value it defers to, so the point deferred to is never deferred again
+    (every deferring rule defers on dimensions its own box pins away from those values)."""
+    spec = raw.get("decide_as")
+    if spec is None:
+        if "status" not in raw:
+            raise RulesError(f"rule {raw['id']!r} has neither status nor decide_as", name, raw.line)
+        return FrozenDict()
+    line = raw.key_lines["decide_as"]
+    for key in ("status", "implementation", "single_process_implementation"):
+        if key in raw:
+            raise RulesError(
+                f"rule {raw['id']!r} defers (decide_as) and names a {key}: the rule it defers "
+                "to decides that",
+                name,
+                raw.key_lines[key],
+            )
+    values = {}
+    for dim, value in spec.items():
+        (values[dim],) = _matcher(dim, value, name, line)
+        if dim not in when or _member(values[dim], when[dim]):
+            raise RulesError(
+                f"rule {raw['id']!r} defers to {dim}={value_text(values[dim])} but its own when "
+                f"does not exclude that value: name {dim} with the other values",
+                name,
+                line,
+            )
+    return FrozenDict(values)
 
 
 def _rule_masks(rule: Rule) -> tuple[int, ...]:

@@ -81,6 +81,7 @@ from dtypeplan.optimizers.contract.base import (
     bare_backward_refusal,
     inner_optimizer,
 )
+from dtypeplan.optimizers.contract.fp8_compute import fp8_all_gather_weights, precompute_scales
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.sharding import (
@@ -213,11 +214,25 @@ class FSDP2Optimizer(FSDP2State):
         self._filled: list[torch.Tensor] = []
         """Parameters whose missing ``.grad`` the step filled with zeros (set back to None)."""
         self._in_backward = False
+        # fp8 all-gather: the next gather casts each weight with the scale of its updated
+        # shards, computed once per step (torchao's precompute, one all-reduce).
+        self._fp8_layers = fp8_all_gather_weights(p for group in self.sharded for p in group)
+        if self._fp8_layers:
+            self.register_step_post_hook(lambda *_: precompute_scales(self._fp8_layers))
         refusal = bare_backward_refusal(plan)
         if refusal is not None:
             for param in self._params():
                 self.hooks.add(param, _make_bare_backward_check(weakref.ref(self), refusal))
         self._take_ownership()
+
+    def refresh_params(self) -> None:
+        """After a load wrote the master weights: the fp8 all-gather's scales follow them."""
+        super().refresh_params()
+        precompute_scales(self._fp8_layers)
+
+    def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        super().load_full_state(state)
+        precompute_scales(self._fp8_layers)
 
     def _check_mesh(self, trainable: list[torch.Tensor]) -> None:
         """The model was sharded for this plan's layout (``prepare_model`` with this plan)."""

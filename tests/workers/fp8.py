@@ -1,0 +1,202 @@
+"""fp8 compute cases, run inside spawned ranks (tests/test_fp8.py).
+
+Each training case trains the same seeded MLP twice on every rank: once through dtypeplan with
+the case's fp8 config, once through dtypeplan with the same config and fp8 off (bf16 compute:
+the bound the test states is fp8's distance from it), both on the ranks' shares of one global
+batch. A reference run converts its own copy with torchao (``convert_to_float8_training`` with
+the recipe's config) and trains it with ``torch.optim.AdamW`` on the whole batch, one process:
+the distance of dtypeplan's fp8 run from it is the data-parallel summation order only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dtypeplan
+
+WIDTH = 64
+"""Every layer's in and out features: a multiple of 32, so every recipe converts all four."""
+TOKENS = 32
+"""Tokens per rank per micro-batch: MXFP8 scales the weight gradient per 32 tokens."""
+
+
+class Head(torch.nn.Module):
+    """An MLP with an output layer named as GPT-2's (``lm_head``: left out by default)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.lm_head = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7000 + step)
+    x = torch.randn(size, WIDTH, generator=generator)
+    return x, torch.tanh(x.flip(-1)) + 0.1 * torch.randn(size, WIDTH, generator=generator)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(p for p in model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def _train(
+    config: dict[str, Any], steps: int, rank: int, world: int, seed: int
+) -> tuple[list[float], dtypeplan.PrecisionPlan, torch.nn.Module, Any]:
+    plan = dtypeplan.resolve(config)
+    assert plan.status == "OK", plan.explain()
+    model = plan.prepare_model(Head(seed))
+    optimizer = plan.build(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world * TOKENS)
+        part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        loss = loss_of(model, x[part], y[part])
+        optimizer.zero_grad()
+        optimizer.backward(loss)
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses, plan, model, optimizer
+
+
+def _reference(config: dict[str, Any], steps: int, world: int, seed: int) -> list[float]:
+    """torchao's conversion and torch.optim.AdamW, one process, the whole batch."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    plan = dtypeplan.resolve(config)
+    model = Head(seed)
+    fp8 = config.get("fp8", {})
+    recipe = fp8.get("recipe", "tensorwise")
+    if fp8.get("enabled") and recipe != "mxfp8":
+        torchao_config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(recipe), emulate=True
+        )
+        convert_to_float8_training(
+            model, config=torchao_config, module_filter_fn=lambda _m, n: n != "lm_head"
+        )
+    elif fp8.get("enabled"):
+        from dtypeplan.optimizers.contract import MXFP8Linear
+
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear and name != "lm_head":
+                MXFP8Linear.convert(module, emulate=True)
+    masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
+    model.to(plan.param_dtype)
+    optimizer = torch.optim.AdamW(masters, **plan.optimizer.params)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world * TOKENS)
+        grads = [torch.zeros_like(m) for m in masters]
+        total = 0.0
+        for rank in range(world):
+            part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            model.zero_grad()
+            loss = loss_of(model, x[part], y[part])
+            loss.backward()
+            total += float(loss)
+            for grad, param in zip(grads, model.parameters(), strict=True):
+                grad += param.grad.float() / world
+        for master, grad in zip(masters, grads, strict=True):
+            master.grad = grad
+        optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(model.parameters(), masters, strict=True):
+                param.copy_(master)
+        losses.append(total / world)
+    return losses
+
+
+def training_cases(
+    rank: int, world: int, cases: list[dict[str, Any]], steps: int
+) -> list[dict[str, Any]]:
+    """Per case: dtypeplan's fp8 losses, the same config's bf16-compute losses, torchao's
+    reference losses (rank 0), the converted layers' classes and what the all-gather holds."""
+    results = []
+    for case in cases:
+        config = case["config"]
+        losses, plan, model, optimizer = _train(config, steps, rank, world, seed=case["seed"])
+        off = {**config, "fp8": {"enabled": False}}
+        bf16_losses, *_ = _train(off, steps, rank, world, seed=case["seed"])
+        classes = sorted(
+            {type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}
+        )
+        local_types = sorted(
+            {
+                type(p.to_local() if hasattr(p, "to_local") else p).__name__
+                for p in model.parameters()
+            }
+        )
+        result = {
+            "name": case["name"],
+            "losses": losses,
+            "bf16_losses": bf16_losses,
+            "classes": classes,
+            "local_types": local_types,
+            "explain": plan.explain(),
+        }
+        if rank == 0 and case.get("reference", True):
+            result["reference"] = _reference(config, steps, world, seed=case["seed"])
+        results.append(result)
+        del optimizer
+    return results
+
+
+def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Train ``steps``, save at the half, resume into a fresh model and optimizer: the losses
+    after the resume must be the uninterrupted run's, bit for bit."""
+    from dtypeplan import checkpoint
+
+    half = steps // 2
+    plan = dtypeplan.resolve(config)
+    directory = tempfile.mkdtemp(prefix="fp8-resume-") if rank == 0 else None
+    shared = [directory]
+    dist.broadcast_object_list(shared)
+    directory = shared[0]
+
+    def run(model: torch.nn.Module, optimizer: Any, first: int, last: int) -> list[float]:
+        losses = []
+        for step in range(first, last):
+            x, y = batch(step, world * TOKENS)
+            part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            loss = loss_of(model, x[part], y[part])
+            optimizer.zero_grad()
+            optimizer.backward(loss)
+            optimizer.step()
+            if step == half - 1 and first == 0:
+                checkpoint.save(optimizer, os.path.join(directory, "ckpt"))
+            losses.append(float(loss))
+        return losses
+
+    model = plan.prepare_model(Head(3))
+    optimizer = plan.build(model.parameters())
+    straight = run(model, optimizer, 0, steps)
+    resumed_model = plan.prepare_model(Head(99))
+    resumed_optimizer = plan.build(resumed_model.parameters())
+    checkpoint.load(resumed_optimizer, os.path.join(directory, "ckpt"))
+    exported = checkpoint.export_model_state(resumed_optimizer, resumed_model)
+    resumed = run(resumed_model, resumed_optimizer, half, steps)
+    return {
+        "straight": straight[half:],
+        "resumed": resumed,
+        "exported": {name: (tuple(t.shape), str(t.dtype)) for name, t in exported.items()},
+        "names": [name for name, _ in Head(0).named_parameters()],
+    }
