@@ -38,6 +38,7 @@ PLAN_FIELDS = {
     "gradient_prescaling": lambda plan: plan.gradient_prescaling,
     "fp8": lambda plan: plan.fp8,
     "optimizer": lambda plan: plan.optimizer_kind,
+    "state_kind": lambda plan: plan.state_kind,
     "fp8_recipe": lambda plan: plan.fp8_recipe,
     "fp8_all_gather": lambda plan: plan.fp8_all_gather,
     "fp8_execution": lambda plan: plan.fp8_execution,
@@ -56,12 +57,14 @@ IMPLEMENTED = (
     | {("shard_groups", value) for value in ("hybrid", "hybrid_fp32")}
     | {("fp8_recipe", r) for r in ("rowwise", "rowwise_with_gw_hp", "mxfp8")}
     | {("fp8_all_gather", "fp8"), ("fp8_execution", "emulated")}
+    | {("state_kind", kind) for kind in ("step_sizes", "averaged_weights")}
 )
 """Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
 proves autocast, and refuses it with 16-bit parameters; shard groups run FSDP2's HSDP mesh
 (issue 22), whose reduction across the groups is in communication_data_type (fp32 here) only:
 another wire across is refused by build, and so by the table. fp8 compute with each recipe,
-emulated, and its fp8 all-gather at ZeRO-3: tests/test_fp8.py."""
+emulated, and its fp8 all-gather at ZeRO-3: tests/test_fp8.py. Rprop's step sizes and ASGD's
+averaged weights in fp32, as torch keeps them: tests/test_every_optimizer.py."""
 
 
 def _config(name: str, value: Any) -> dict[str, Any]:

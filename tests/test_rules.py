@@ -737,7 +737,9 @@ def test_one_rule_per_combination_lints_fast(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - start
     assert len(table.rules) == CORE_COMBINATIONS + len(FEATURE_DIMENSIONS)
     assert all(table.lookup(p).id == f"r{i}" for i, p in enumerate(core))
-    assert elapsed < 5.0, f"{len(table.rules)} rules took {elapsed:.1f} s"
+    # A guard against checking points one by one (minutes), not a timing: the bound leaves
+    # room for a loaded 2-core machine.
+    assert elapsed < 20.0, f"{len(table.rules)} rules took {elapsed:.1f} s"
 
 
 def _rule(number: int, when: dict[str, Any]) -> Rule:
