@@ -177,3 +177,12 @@ def test_an_empty_local_shard_with_a_16bit_accumulator(two_ranks: list[dict[str,
     for g in got:
         # bf16 gradients reduced and summed in bf16: within a few bf16 ulps of one rank's norm
         assert abs(g["grad_norm"] - reference) <= 4 * 2**-8 * reference, (g, reference)
+
+
+def test_a_scalar_parameter_is_refused_before_sharding(two_ranks: list[dict[str, Any]]) -> None:
+    # issue 29 item 5: FSDP2's fully_shard died on CLIP's logit_scale, after sharding units
+    for got in _ok(two_ranks, "scalar_parameter_refused"):
+        for layout in ("flat", "hybrid"):
+            assert got[layout].startswith("NotSupportedError: "), got
+            assert "logit_scale" in got[layout] and "stage 2" in got[layout], got
+            assert not got[f"{layout}_sharded"], got

@@ -427,7 +427,12 @@ class PrecisionPlan:
         )
 
     def traffic(
-        self, num_params: int, world_size: int, *, micro_batches: int | None = None
+        self,
+        num_params: int,
+        world_size: int,
+        *,
+        micro_batches: int | None = None,
+        buckets: Sequence[int] | None = None,
     ) -> Traffic:
         """Predicted bytes each rank sends per optimizer step, within its shard group and
         across the groups, by collective (see ``resolver/_traffic.py``), counted as
@@ -438,7 +443,10 @@ class PrecisionPlan:
         reduce-scatters within the group every micro-batch and all-reduces across the groups
         once per step; ZeRO-3 (FSDP2) gathers and reduces every micro-batch. Raises
         :class:`PrecisionConfigError` when the shard group size does not divide
-        ``world_size``.
+        ``world_size``. ``buckets``: the sizes of the buckets an optimizer laid out (each
+        chunk crosses the groups on its own, padded to whole blocks on an int8/fp8 wire), for
+        exact figures with ``num_params`` their sum; by default ``num_params`` cut into
+        buckets of ``reduce_bucket_size``.
         """
         shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         if micro_batches is None:
@@ -456,6 +464,8 @@ class PrecisionPlan:
             comm_dtype=comm,
             comm_reduction=self.comm_reduction,
             wire_across=self.wire_across_groups or comm,
+            buckets=tuple(buckets) if buckets is not None else None,
+            bucket_numel=self.reduce_bucket_size,
         )
 
     def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:

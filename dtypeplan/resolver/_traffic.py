@@ -22,14 +22,19 @@ and 2      all-gather ``P * N`` once
            reduce-scatter ``C * N``                      HSDP reduces every backward)
 =========  ============================================  ==================================
 
-int8 / fp8 across the groups (``_quantized_wire.py``): the shard is padded to whole blocks of
-256 per rank's slice and sent as one code byte a value plus one fp32 scale a block, once in an
-all-to-all and once in an all-gather (each ``(R - 1) / R`` of it): ``2 * (1 + 4/256)`` bytes a
-value against ``2 * A`` for a dtype wire.
+int8 / fp8 across the groups (``_quantized_wire.py``): the engine all-reduces each bucket's
+chunk (``bucket / S`` values) on its own, each padded to whole blocks of 256 per rank's slice
+(a multiple of ``R * 256`` values) and sent as one code byte a value plus one fp32 scale a
+block, once in an all-to-all and once in an all-gather (each ``(R - 1) / R`` of it):
+``2 * (1 + 4/256)`` bytes a value against ``2 * A`` for a dtype wire, plus each chunk's
+padding. The buckets are the engine's (``buckets``: their sizes, as an optimizer lays them
+out) or, not given, ``N`` cut into buckets of ``reduce_bucket_size`` (default
+:data:`DEFAULT_BUCKET_NUMEL`) elements.
 
 Not counted, as ``CommStats`` does not count them: the step's small summary all-reduce (a few
 scalars) and one-off broadcasts at build. Bucket padding (the flat buffer is padded to whole
-buckets of a multiple of ``W`` elements) is left out: pass the padded size for exact figures.
+buckets of a multiple of ``W`` elements) is left out: pass the padded size for exact figures,
+and on an int8/fp8 wire across the groups the bucket sizes too.
 ZeRO-3's figures are FSDP2's collectives as its defaults run them (every unit resharded after
 forward; the root unit's, kept for backward, make the backward figure slightly high).
 """
@@ -46,12 +51,18 @@ from dtypeplan.comm._quantized_wire import BLOCK, WIRE_FORMATS, quantized_wire_b
 from dtypeplan.resolver._frozen import FrozenDict
 
 __all__ = [
+    "DEFAULT_BUCKET_NUMEL",
     "QUANTIZED_WIRES",
     "QUANTIZED_WIRE_BLOCK",
     "Traffic",
     "quantized_bytes",
     "traffic_model",
 ]
+
+DEFAULT_BUCKET_NUMEL = 1 << 22
+"""Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
+of fp32): small enough that the first buckets' reductions overlap the rest of backward. The
+flat engine's; here for the traffic model."""
 
 QUANTIZED_WIRES = tuple(WIRE_FORMATS)
 QUANTIZED_WIRE_BLOCK = BLOCK
@@ -159,11 +170,20 @@ def _reduce(ops: dict[str, int], nbytes: int, group: int, fp32_sum: bool, times:
 
 
 def _all_reduce(
-    ops: dict[str, int], numel: int, wire: str, group: int, fp32_sum: bool, times: int
+    ops: dict[str, int],
+    numel: int,
+    wire: str,
+    group: int,
+    fp32_sum: bool,
+    times: int,
+    chunks: tuple[int, ...] | None = None,
 ) -> None:
+    """An all-reduce of ``numel`` values ``times`` times; ``chunks``: the sizes it is sent in,
+    one collective each (a quantized wire pads each to whole blocks on its own)."""
     if wire in QUANTIZED_WIRES:
-        _add(ops, "all_to_all", times * quantized_bytes(numel, group))
-        _add(ops, "all_gather", times * quantized_bytes(numel, group))
+        sent = sum(quantized_bytes(chunk, group) for chunk in chunks or (numel,))
+        _add(ops, "all_to_all", times * sent)
+        _add(ops, "all_gather", times * sent)
         return
     nbytes = numel * DTYPES[wire].itemsize
     if fp32_sum and wire != "fp32":
@@ -186,10 +206,21 @@ def traffic_model(
     comm_dtype: str,
     comm_reduction: str,
     wire_across: str,
+    buckets: tuple[int, ...] | None = None,
+    bucket_numel: int | None = None,
 ) -> Traffic:
-    """See the module docstring; ``shard_group_size`` already checked to divide the world."""
+    """See the module docstring; ``shard_group_size`` already checked to divide the world.
+    ``buckets``: the engine's bucket sizes (summing to ``num_params``); None: ``num_params``
+    cut into buckets of ``bucket_numel`` (default :data:`DEFAULT_BUCKET_NUMEL`)."""
     if num_params < 0 or world_size < 1 or micro_batches < 1:
         raise ValueError("traffic() needs num_params >= 0, world_size >= 1, micro_batches >= 1")
+    if buckets is None:
+        size = bucket_numel or DEFAULT_BUCKET_NUMEL
+        buckets = (size,) * (num_params // size) + (
+            (num_params % size,) if num_params % size else ()
+        )
+    elif sum(buckets) != num_params:
+        raise ValueError(f"traffic(): buckets sum to {sum(buckets)}, not num_params {num_params}")
     n, w, k = num_params, world_size, micro_batches
     s = shard_group_size if zero_stage >= 1 else w
     replicas = w // s
@@ -207,7 +238,10 @@ def traffic_model(
             if replicas > 1:
                 # The across level takes the same method; it is its own wire that decides
                 # whether fp32_sum changes the collective (_all_reduce checks it).
-                _all_reduce(across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1)
+                chunks = tuple(b // s for b in buckets)
+                _all_reduce(
+                    across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1, chunks
+                )
         else:
             _add(within, "all_gather", 2 * k * _ring(p * n, s))
             _reduce(within, c * n, s, False, k)

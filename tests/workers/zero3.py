@@ -141,7 +141,40 @@ def empty_shards_with_16bit_accumulation(rank: int, world: int) -> dict[str, Any
     }
 
 
+class _WithLogitScale(torch.nn.Module):
+    """CLIP's shape of the problem: a 0-dim trainable temperature beside the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.6592))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * self.logit_scale.exp()
+
+
+def scalar_parameter_refused(rank: int, world: int) -> dict[str, Any]:
+    """Issue 29 item 5: a 0-dim parameter at ZeRO-3, flat and hybrid (groups of 1), is refused
+    by prepare_model with its name, before any unit is sharded (FSDP2 died inside)."""
+    out: dict[str, Any] = {}
+    for layout, shard_group_size in (("flat", None), ("hybrid", 1)):
+        config = {**CONFIG, "zero_optimization": {"stage": 3}}
+        if shard_group_size is not None:
+            config["zero_optimization"]["shard_group_size"] = shard_group_size
+        model = _WithLogitScale()
+        try:
+            dtypeplan.resolve(config).prepare_model(model)
+            out[layout] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            out[layout] = f"{type(exc).__name__}: {exc}"
+        out[f"{layout}_sharded"] = any(isinstance(m, FSDPModule) for m in model.modules())
+    return out
+
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "scalar_parameter_refused": scalar_parameter_refused,
     "empty_shards_with_16bit_accumulation": empty_shards_with_16bit_accumulation,
     "bf16_masters_sum_uncast": bf16_masters_sum_uncast,
     "fp32_unsharded_never_whole": fp32_unsharded_never_whole,

@@ -113,15 +113,12 @@ from dtypeplan.optimizers.state.low_precision import held_compensations, held_st
 from dtypeplan.optimizers.update import UpdateKernel, choice_key, choose, write_params
 from dtypeplan.optimizers.update.host_offload import host_offload_for
 from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
+from dtypeplan.resolver._traffic import DEFAULT_BUCKET_NUMEL
 
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "FlatMixedPrecisionOptimizer"]
-
-DEFAULT_BUCKET_NUMEL = 1 << 22
-"""Elements per bucket unless ``zero_optimization.reduce_bucket_size`` says otherwise (16 MiB
-of fp32): small enough that the first buckets' reductions overlap the rest of backward."""
 
 
 class PreparedStep(NamedTuple):

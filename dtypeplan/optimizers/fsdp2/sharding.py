@@ -51,6 +51,7 @@ __all__ = [
     "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
+    "check_no_scalar_parameters",
     "check_wire_across_groups",
     "clear_owned_before_reduce",
     "hybrid_layout",
@@ -85,6 +86,7 @@ def shard_model(
             "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
             "call it once, on the unsharded model"
         )
+    check_no_scalar_parameters(model)
     group = process_group or dist.group.WORLD
     assert group is not None  # torch.distributed is initialized here
     device = mesh_device(dist.get_backend(group), model)
@@ -142,6 +144,25 @@ def shard_model(
     # refuses the wrap with what to use instead (FSDP2 reduces the gradients already).
     model._ddp_params_and_buffers_to_ignore = _NotForDDP()  # type: ignore[assignment]
     return model
+
+
+def check_no_scalar_parameters(model: torch.nn.Module) -> None:
+    """Refuse 0-dim parameters (CLIP's ``logit_scale``) before any unit is sharded.
+
+    FSDP2 shards every parameter of a unit along dim 0 and its ``fully_shard`` raises on a
+    scalar, from deep inside, after earlier units were sharded already. Keeping scalars
+    replicated beside the sharded ones (reduced over the world, updated by the optimizer, in
+    the checkpoints) is not built, so the model is refused here with the names and the fix.
+    """
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise NotSupportedError(
+            f"ZeRO-3 (FSDP2) shards every parameter along dim 0, and these are 0-dim "
+            f"(scalars): {', '.join(scalars)}. FSDP2's fully_shard does not take scalar "
+            "parameters, and dtypeplan does not yet keep them replicated at ZeRO-3. Use ZeRO "
+            "stage 2 (the optimizer states and gradients sharded, the weights whole), or hold "
+            "each scalar as a 1-element parameter (shape [1]) in the model"
+        )
 
 
 class _NotForDDP(list[str]):

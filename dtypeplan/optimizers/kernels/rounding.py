@@ -33,6 +33,8 @@ __all__ = [
     "round_nearest",
     "round_stochastic",
     "round_stochastic_hashed",
+    "round_stochastic_keyed",
+    "step_noise_key",
 ]
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -95,6 +97,22 @@ def _mix32_int(x: int) -> int:
 def noise_key(seed: int, master_number: int, step: int) -> int:
     """The 32-bit key of the stochastic-rounding noise of one master at one step."""
     return _mix32_int(_mix32_int(_mix32_int(seed) ^ master_number) + step)
+
+
+def step_noise_key(seed: int, master_number: int, step: torch.Tensor) -> torch.Tensor:
+    """:func:`noise_key` with the step a tensor (int64, on ``step``'s device: no sync), the
+    step count a checkpoint saves with the master's state."""
+    base = _mix32_int(_mix32_int(seed) ^ master_number)
+    return _mix32(torch.bitwise_and(step.to(torch.int64) + base, _MASK32))
+
+
+def round_stochastic_keyed(
+    source: torch.Tensor, out: torch.Tensor, key: torch.Tensor, offset: int
+) -> None:
+    """Write fp32 ``source`` into bf16 ``out``, rounded stochastically with the hashed noise of
+    counters ``offset + i`` under ``key`` (:func:`round_stochastic_hashed`): the bits a
+    resumed run draws are the uninterrupted run's."""
+    out.copy_(round_stochastic_hashed(source, key.to(source.device), torch.tensor(offset)))
 
 
 def round_stochastic_hashed(

@@ -46,6 +46,8 @@ from dtypeplan.optimizers.kernels.rounding import (
     kahan_store,
     noise_key,
     round_stochastic,
+    round_stochastic_keyed,
+    step_noise_key,
 )
 from dtypeplan.optimizers.kernels.torch_adam import (
     CPU_CHUNK,
@@ -205,6 +207,7 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         device = master.device
         fp32_master = master.dtype == torch.float32
         layout = self.layout(master)
+        key = self.noise_key(master, step)
         # Flat views (no copies: chunks are 1-D, local shards contiguous); the state slot stays
         # keyed by the master itself. Quantized states are flat already.
         master, grad = master.view(-1), grad.reshape(-1)
@@ -242,8 +245,7 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
             elif self.rounding == "kahan":
                 kahan_store(weights, master[begin:end], slot[KAHAN_COMPENSATION][begin:end])
             elif self.rounding == "stochastic":
-                noise = self._scratch_for(device, "noise", n, torch.int32)
-                round_stochastic(weights, master[begin:end], self._generator(device), noise)
+                round_stochastic_keyed(weights, master[begin:end], key, begin)
             else:
                 master[begin:end].copy_(weights)
             for name, values in zip(MOMENTS, moments, strict=True):
@@ -318,7 +320,16 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
             )
         )
 
+    def noise_key(self, master: torch.Tensor, step: Any) -> torch.Tensor:
+        """The stochastic-rounding key of ``master`` at its step count ``step`` (the count
+        after this update, a checkpointed state): the one-pass update's key, so every path
+        draws the same hashed noise for the same master, step and element."""
+        number = self._numbers.get(id(master), 0)
+        count = step if torch.is_tensor(step) else torch.tensor(step)
+        return step_noise_key(self.seed, number, count)
+
     def _generator(self, device: torch.device) -> torch.Generator:
+        """A class that keeps no step count (SGD): the seeded generator, not checkpointed."""
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device).manual_seed(self.seed)
@@ -461,7 +472,11 @@ class TorchClassUpdate(LowPrecisionAdamUpdate):
         elif self.rounding == "kahan":
             kahan_store(weights, flat, slot[KAHAN_COMPENSATION].view(-1))
         elif self.rounding == "stochastic":
-            noise = self._scratch_for(device, "noise", numel, torch.int32)
-            round_stochastic(weights, flat, self._generator(device), noise)
+            step = slot.get("step")
+            if step is not None:
+                round_stochastic_keyed(weights, flat, self.noise_key(master, step), 0)
+            else:
+                noise = self._scratch_for(device, "noise", numel, torch.int32)
+                round_stochastic(weights, flat, self._generator(device), noise)
         else:
             flat.copy_(weights)
