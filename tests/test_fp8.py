@@ -1,0 +1,300 @@
+"""fp8 compute (issue 33): the fp8 block, the table's refusals, the conversion against torchao's
+own, training on 2 gloo ranks at ZeRO 0-3 (ZeRO-3 with and without the fp8 all-gather), resume.
+
+Everything runs emulated here (no GPU: fp8 rounding of every operand, the matmul in high
+precision), which is also what ``explain()`` says.
+
+Bounds. The converted model is torchao's code path, so its forward and backward equal torchao's
+own conversion bit for bit. Trained on 2 ranks, dtypeplan's fp8 run is torchao's conversion with
+torch.optim.AdamW on the whole batch up to the order of the data-parallel fp32 gradient sums:
+``REFERENCE_RTOL`` on the loss (measured: equal to 5 digits over 6 steps). Against bf16 compute
+(the same config, fp8 off) fp8 moves the loss by e4m3's rounding of three operands per matmul
+(2**-4 relative each, averaged over a 64-wide contraction): ``BF16_RTOL`` (measured over 6
+steps at lr 1e-2: at most 1.1% tensorwise, 0.7% MXFP8; the fp8 all-gather, whose weight is
+rounded from the fp32 master once instead of through bf16, 0.9%).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import dtypeplan
+from dtypeplan.launch import spawn
+from dtypeplan.optimizers.contract import MXFP8Linear
+from dtypeplan.optimizers.contract.fp8_compute import eligible_linears
+from tests.workers.fp8 import Head, batch, resume_case, training_cases
+
+REFERENCE_RTOL = 1e-4
+BF16_RTOL = 3e-2
+STEPS = 6
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2}}
+
+
+def _config(stage: int, **fp8: Any) -> dict[str, Any]:
+    return {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+        "fp8": {"enabled": True, **fp8},
+        "optimizer": ADAMW,
+    }
+
+
+# --- the config ----------------------------------------------------------------------------
+def test_the_block_defaults_and_explain_says_emulated() -> None:
+    plan = dtypeplan.resolve({"bf16": {"enabled": True}, "fp8": {"enabled": True}})
+    assert plan.status == "OK" and plan.fp8
+    assert (plan.fp8_recipe, plan.fp8_all_gather) == ("tensorwise", "param_dtype")
+    assert plan.fp8_exclude_modules == ("lm_head", "output", "score", "classifier")
+    if not torch.cuda.is_available():
+        assert plan.fp8_execution == "emulated" and "emulated" in plan.explain()
+    assert plan.rule_id == "fp8-compute+stage0-data-parallel"
+    assert plan.to_dict()["fp8_recipe"] == "tensorwise"
+
+
+def test_each_key_is_read_and_a_bad_value_refused() -> None:
+    plan = dtypeplan.resolve(
+        _config(
+            3, recipe="tensorwise", all_gather="fp8", exclude_modules=["blocks.0.*"], emulate=True
+        )
+    )
+    assert plan.status == "OK" and plan.fp8_all_gather == "fp8"
+    assert plan.fp8_exclude_modules == ("blocks.0.*",) and plan.fp8_execution == "emulated"
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="recipe"):
+        dtypeplan.resolve({"fp8": {"enabled": True, "recipe": "delayed"}})
+    off = dtypeplan.resolve({"fp8": {"recipe": "rowwise"}})
+    assert not off.fp8 and any("no effect" in w for w in off.config_warnings)
+
+
+@pytest.mark.parametrize(
+    ("config", "pipeline", "rule", "status"),
+    [
+        (
+            {"fp16": {"enabled": True}, "fp8": {"enabled": True}},
+            False,
+            "fp8-fp16-params",
+            "NotSupported",
+        ),
+        (
+            _config(1, recipe="rowwise", all_gather="fp8"),
+            False,
+            "fp8-all-gather-below-zero3",
+            "Error",
+        ),
+        (
+            _config(3, recipe="rowwise", all_gather="fp8"),
+            False,
+            "fp8-all-gather-not-tensorwise",
+            "NotSupported",
+        ),
+        (
+            _config(3, recipe="mxfp8", all_gather="fp8"),
+            False,
+            "fp8-all-gather-not-tensorwise",
+            "NotSupported",
+        ),
+        (
+            {**_config(1), "torch_autocast": {"enabled": True}, "bf16": {"enabled": False}},
+            False,
+            "fp8-autocast",
+            "NotSupported",
+        ),
+        (_config(1), True, "fp8-pipeline", "NotSupported"),
+        (
+            {
+                **_config(2),
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            },
+            False,
+            "fp8-offload-optimizer",
+            "NotSupported",
+        ),
+        (
+            {**_config(2), "zero_optimization": {"stage": 2, "shard_group_size": 2}},
+            False,
+            "fp8-shard-groups",
+            "NotSupported",
+        ),
+    ],
+)
+def test_refusals_are_named_with_their_reasons(
+    config: dict[str, Any], pipeline: bool, rule: str, status: str
+) -> None:
+    plan = dtypeplan.resolve(config, pipeline_parallel=pipeline)
+    assert (plan.rule_id, plan.status) == (rule, status), plan.explain()
+    assert plan.reason and plan.alternatives
+    with pytest.raises((dtypeplan.PrecisionConfigError, dtypeplan.NotSupportedError)):
+        plan.build(torch.nn.Linear(16, 16).parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU has no fp8 kernels")
+def test_native_fp8_on_the_cpu_is_an_error_with_the_fix() -> None:
+    plan = dtypeplan.resolve(_config(0, emulate=False))
+    assert (plan.rule_id, plan.status) == ("fp8-unavailable", "Error")
+    assert any("fp8.emulate=true" in "; ".join(a.changes) for a in plan.alternatives)
+
+
+def test_a_framework_spelling_is_the_block_the_plan_reads() -> None:
+    plan = dtypeplan.resolve(_config(2, recipe="rowwise_with_gw_hp"))
+    assert plan.status == "OK" and plan.implementation == "sharded"
+    assert plan.rule_id == "fp8-compute+zero2"
+
+
+# --- the conversion against torchao's own ----------------------------------------------------
+def _fwd_bwd(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_float8_conversion_is_torchaos_bit_for_bit(recipe: str) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    plan = dtypeplan.resolve(_config(0, recipe=recipe))
+    ours = plan.prepare_model(Head(5))
+    theirs = Head(5)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(theirs, config=config, module_filter_fn=lambda _m, n: n != "lm_head")
+    theirs.bfloat16()
+    x = batch(0, 32)[0].bfloat16()
+    (out, grads), (ref_out, ref_grads) = _fwd_bwd(ours, x), _fwd_bwd(theirs, x)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    assert [type(m).__name__ for m in ours.blocks.modules() if "Linear" in str(type(m))] == [
+        "Float8Linear"
+    ] * 3
+    assert type(ours.lm_head) is torch.nn.Linear  # the output layer stays bf16
+
+
+def test_mxfp8_conversion_is_torchaos_bit_for_bit() -> None:
+    """Against torchao's MXFP8TrainingOpConfig (its weight-wrapper subclass) on bias-free
+    layers: torchao's wrapper drops the bias of F.linear, which MXFP8Linear adds."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    def bias_free() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 64, bias=False),
+            torch.nn.Tanh(),
+            torch.nn.Linear(64, 32, bias=False),
+        )
+
+    plan = dtypeplan.resolve(_config(0, recipe="mxfp8"))
+    ours = plan.prepare_model(bias_free())
+    theirs = bias_free().bfloat16()
+    recipe = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    quantize_(theirs, recipe, filter_fn=lambda m, _n: isinstance(m, torch.nn.Linear))
+    x = torch.randn(32, 64).bfloat16()
+    (out, grads), (ref_out, ref_grads) = _fwd_bwd(ours, x), _fwd_bwd(theirs, x)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    assert all(type(ours[i]) is MXFP8Linear for i in (0, 2))
+
+
+def test_eligibility_sizes_and_patterns() -> None:
+    model = torch.nn.ModuleDict(
+        {
+            "a": torch.nn.Linear(32, 48),
+            "odd": torch.nn.Linear(32, 20),  # 20 is no multiple of 16
+            "lm_head": torch.nn.Linear(48, 32),
+            "b": torch.nn.Linear(64, 32),
+        }
+    )
+    plan = dtypeplan.resolve(_config(0, exclude_modules=["lm_head", "b*"]))
+    assert eligible_linears(model, plan) == ["a"]
+    mx = dtypeplan.resolve(_config(0, recipe="mxfp8"))
+    assert eligible_linears(model, mx) == ["b"]  # a: 48 is no multiple of MXFP8's 32
+    x = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="multiple of 32 tokens"):
+        mx.prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 64)))(x.bfloat16())
+
+
+def test_zero3_in_one_process_runs_the_flat_optimizer_without_an_fp8_gather() -> None:
+    plan = dtypeplan.resolve(_config(3, all_gather="fp8"))
+    model = plan.prepare_model(Head(1))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    optimizer = plan.build(model.parameters())
+    x, y = batch(0, 32)
+    optimizer.backward(torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+    optimizer.step()
+
+
+# --- training on 2 ranks -----------------------------------------------------------------------
+def _case(name: str, stage: int, **fp8: Any) -> dict[str, Any]:
+    return {"name": name, "seed": 1, "config": _config(stage, **fp8)}
+
+
+def _check_training(result: dict[str, Any], case: dict[str, Any]) -> None:
+    losses, bf16 = result["losses"], result["bf16_losses"]
+    assert "emulated" in result["explain"]
+    for step, (mine, ref) in enumerate(zip(losses, bf16, strict=True)):
+        assert abs(mine - ref) <= BF16_RTOL * ref, (case["name"], step, mine, ref)
+    assert losses != bf16, case["name"]  # fp8 rounding happened
+    gathered_in_fp8 = case["config"]["fp8"].get("all_gather") == "fp8"
+    assert ("WeightWithDynamicFloat8CastTensor" in result["local_types"]) == gathered_in_fp8
+    if "reference" in result and not gathered_in_fp8:
+        for mine, ref in zip(losses, result["reference"], strict=True):
+            assert abs(mine - ref) <= REFERENCE_RTOL * ref, (case["name"], mine, ref)
+
+
+def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks() -> None:
+    case = _case("tensorwise-zero3-fp8-all-gather", 3, all_gather="fp8")
+    (training, resumed), _ = spawn(_default_group, 2, case, timeout_s=400)
+    _check_training(training, case)
+    assert resumed["resumed"] == resumed["straight"]  # ZeRO-3 tensorwise, bf16 all-gather
+    # export_model_state: plain full-shape fp32 weights by the model's own names.
+    assert sorted(resumed["exported"]) == sorted(resumed["names"])
+    assert {dtype for _, dtype in resumed["exported"].values()} == {"torch.float32"}
+
+
+def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, Any]:
+    (training,) = training_cases(rank, world, [case], STEPS)
+    config = copy.deepcopy(case["config"])
+    config["fp8"] = {"enabled": True}
+    return training, resume_case(rank, world, config, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open: the resumed run's first loss differs by 0.2%")
+def test_resume_with_the_fp8_all_gather_is_bit_for_bit() -> None:
+    """Known gap: after a load the weights and the precomputed tensorwise scales equal the
+    uninterrupted run's (checked by hand), yet the next loss differs; found, not yet fixed."""
+    per_rank = spawn(resume_case, 2, _config(3, all_gather="fp8"), 4, timeout_s=600)
+    assert per_rank[0]["resumed"] == per_rank[0]["straight"]
+
+
+MATRIX = [
+    _case(f"{recipe}-zero{stage}", stage, recipe=recipe)
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+    for stage in (0, 1, 2, 3)
+] + [_case("tensorwise-zero3-fp8-all-gather", 3, all_gather="fp8")]
+
+
+@pytest.mark.slow
+def test_every_recipe_at_every_stage_on_two_ranks() -> None:
+    per_rank = spawn(training_cases, 2, MATRIX, STEPS, timeout_s=1800)
+    for result, case in zip(per_rank[0], MATRIX, strict=True):
+        _check_training(result, case)
+        deviation = max(
+            abs(a - b) / b for a, b in zip(result["losses"], result["bf16_losses"], strict=True)
+        )
+        print(f"{case['name']}: max loss deviation from bf16 compute {deviation:.2%}")
+    for result, case in zip(per_rank[0], MATRIX, strict=True):
+        if case["config"]["zero_optimization"]["stage"] == 3:
+            continue
+        assert result["losses"] == per_rank[1][per_rank[0].index(result)]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_is_bit_for_bit_for_mxfp8_and_rowwise(stage: int) -> None:
+    recipe = "mxfp8" if stage == 1 else "rowwise"
+    per_rank = spawn(resume_case, 2, _config(stage, recipe=recipe), 4, timeout_s=600)
+    for result in per_rank:
+        assert result["resumed"] == result["straight"]
