@@ -456,12 +456,24 @@ def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> No
     _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
 
 
+def run_cases_ieee_sqrt(rank: int, world_size: int, cases: list[dict[str, Any]]) -> Any:
+    """``tests/workers/parity.run_cases`` with the host's one-pass update taking a correctly
+    rounded fp32 square root, as the kernel's ``sqrt_rn`` does. A spawned rank starts without
+    the parent's ``mock.patch``: without this, torch's CPU ``sqrt`` (not correctly rounded in
+    its vectorized form) puts ulps in the host's fp32 update that rounding to nearest and the
+    noise hide and Kahan's compensation keeps."""
+    from tests.workers.parity import run_cases
+
+    with mock.patch.object(update_kernel, "torch", _IeeeSqrtTorch()):
+        return run_cases(rank, world_size, cases)
+
+
 _SHARDED_SCRIPT = _PREAMBLE + """
 # Two ranks, ZeRO-2, several buckets: each rank's chunks in one launch, the noise of its own
 # seed (SEED + shard rank), strided parameter chunks written and all-gathered. The host path
 # (DTYPEPLAN_FUSED_KERNEL=0, eager) ends at the same parameters, bit for bit.
 from dtypeplan.launch import spawn
-from tests.workers.parity import run_cases
+from tests.test_low_precision_triton import run_cases_ieee_sqrt
 sharded = [
     {{"name": rounding, "steps": 3, "config": {{
         **bf16_master(rounding, "bf16"),
@@ -471,7 +483,7 @@ sharded = [
 digests = {{}}
 for fused in ("1", "0"):
     os.environ["DTYPEPLAN_FUSED_KERNEL"] = fused
-    results = spawn(run_cases, 2, sharded)
+    results = spawn(run_cases_ieee_sqrt, 2, sharded)
     for result in results:
         for case in result:
             assert case["master_rel_error"] <= 2e-2, case
