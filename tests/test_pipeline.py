@@ -445,3 +445,13 @@ def test_pipeline_whole_model_step_matrix(pp: int) -> None:
     cases = _whole_model_matrix(pp)
     per_rank = spawn(run_pipeline_cases, 4, cases, pp, timeout_s=1500)
     print("\n".join(check_whole_model_cases(per_rank, cases)))
+
+
+def test_explain_says_a_pipeline_needs_its_group_to_clip_or_scale() -> None:
+    clipped = dtypeplan.resolve({"gradient_clipping": 1.0}, pipeline_parallel=True)
+    assert "pipeline_group=pp_group" in clipped.explain()
+    fp16 = dtypeplan.resolve({"fp16": {"enabled": True}}, pipeline_parallel=True)
+    assert "fp16 loss scaling decide" in fp16.explain()
+    plain = dtypeplan.resolve({}, pipeline_parallel=True)
+    assert "nothing in the step depends on the other stages" in plain.explain()
+    assert "pipeline_group" not in dtypeplan.resolve({"gradient_clipping": 1.0}).explain()
