@@ -19,7 +19,7 @@ import torch.distributed as dist
 import dtypeplan
 from dtypeplan import checkpoint
 from dtypeplan.optimizers.state import storage
-from tests._helpers import make_model
+from tests._helpers import make_batch, make_model
 from tests.workers.checkpoint import capture, train
 
 MASTERS: dict[str, dict[str, Any]] = {
@@ -233,3 +233,62 @@ def spawned_group(rank: int, world_size: int) -> dict[str, Any]:
         result = group_cases(rank, world_size, names[0])
         dist.barrier()
     return result
+
+
+class _SometimesHead(torch.nn.Module):
+    """``make_model``'s MLP plus a head used only on even steps: on odd steps no rank gives
+    the head a gradient, so torch (and the engine) skips it and it keeps its own step count."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = make_model(seed)
+        generator = torch.Generator().manual_seed(seed + 1)
+        self.head = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            for param in self.head.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        self.use_head = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return y + self.head(y) if self.use_head else y
+
+
+def _train_skipping(model: _SometimesHead, opt: Any, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        model.use_head = step % 2 == 0
+        x, y = make_batch(100 + step, 8)
+        opt.zero_grad()
+        loss = (model(x.to(torch.bfloat16)).float() - y).square().mean()
+        opt.backward(loss)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def skipped_step_resume(cfg: dict[str, Any], how: str, directory: str) -> dict[str, Any]:
+    """Issue 29 item 4: train with a head that skips every other step, save, resume into a
+    fresh optimizer (another init): whether it trains on bitwise as the uninterrupted run."""
+    plan = dtypeplan.resolve(cfg)
+    model = plan.prepare_model(_SometimesHead(0))
+    opt = plan.build(model.parameters())
+    _train_skipping(model, opt, range(STEPS_BEFORE))
+    saved = opt.state_dict() if how == "state_dict" else None
+    if how == "checkpoint":
+        checkpoint.save(opt, directory)
+    model_saved = model_state(model)
+    losses = _train_skipping(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    model2 = plan.prepare_model(_SometimesHead(9))
+    opt2 = plan.build(model2.parameters())
+    model2.load_state_dict(model_saved)
+    if saved is not None:
+        opt2.load_state_dict(saved)
+    else:
+        checkpoint.load(opt2, directory)
+    losses2 = _train_skipping(model2, opt2, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    diff = [
+        float((a.detach().float() - b.detach().float()).abs().max())
+        for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+    ]
+    return {"same_run": losses2 == losses and max(diff) == 0.0, "max_diff": max(diff)}

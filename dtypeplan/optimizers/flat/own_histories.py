@@ -119,12 +119,14 @@ class OwnHistories:
         inner: torch.optim.Optimizer,
         pending: PendingPieces,
         read: Callable[[torch.Tensor, slice], torch.Tensor],
-        write: Callable[[torch.Tensor, slice, torch.Tensor], None],
+        write: Callable[[torch.Tensor, slice, torch.Tensor, Any], None],
     ) -> None:
         """Step each pending piece on its own history (after the chunk update).
 
         ``read(master, where)``: the piece's weights in fp32 to update (a view of an fp32
-        master, a copy of a 16-bit one); ``write(master, where, values)`` stores them back.
+        master, a copy of a 16-bit one); ``write(master, where, values, step)`` stores them back
+        (``step``: the piece's own step count after this step, None for a class without one;
+        stochastic rounding keys its noise on it).
         """
         for (gi, _), pieces in self._calls(pending).items():
             hyper = {k: v for k, v in inner.param_groups[gi].items() if k != "params"}
@@ -144,7 +146,7 @@ class OwnHistories:
             optimizer.step()
             for view, (index, master, where, _) in zip(views, pieces, strict=True):
                 view.grad = None
-                write(master, where, view)
+                write(master, where, view, optimizer.state[view].get("step"))
                 slot = inner.state[master]
                 scalars: dict[str, Any] = {}
                 for name, value in optimizer.state[view].items():

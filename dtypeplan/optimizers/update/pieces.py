@@ -22,13 +22,13 @@ element once, with its own fp32 math (not bit-identical to torch's fused kernel;
 in that module) and hashed stochastic-rounding noise. bf16 masters rounded to nearest with bf16
 moments and a bf16 accumulator still hand off to torch's fused kernel (its bits).
 
-Stochastic rounding in the pieces (quantized moments, or off the host) draws from one
-``torch.Generator`` per device, seeded with ``SEED + shard rank``: at ZeRO-0 every rank updates
-every chunk and draws the same bits, so the replicas stay equal; a run is reproducible from the
-same seed, and a resumed run draws other bits than an uninterrupted one (the generator is not
-checkpointed), which changes nothing in expectation. The one-pass update hashes ``(SEED + shard
-rank, master number, step, element)`` instead: reproducible, and a resumed run draws the bits
-of the uninterrupted one.
+Stochastic rounding hashes ``(SEED + shard rank, master number, step, element)``
+(``rounding.step_noise_key``) on every path: the pieces, the one-pass update, torch's own step
+of a class that counts steps, and a piece with its own history (a parameter that skipped a
+step, keyed by its own count). The step counts are checkpointed, so a resumed run draws the
+bits of the uninterrupted one; at ZeRO-0 every rank draws the same bits and the replicas stay
+equal. Only a class that keeps no step count (SGD) still draws from a ``torch.Generator``
+seeded at build (not checkpointed), which changes nothing in expectation.
 """
 
 from __future__ import annotations
