@@ -304,9 +304,8 @@ class FlatMixedPrecisionOptimizer(FlatState):
         on a parameter that gets no gradient in the window, counts as a gradient (of zero), so
         that parameter is updated, as ``torch.optim`` would.
         """
-        for group in self.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        for param in (param for group in self.param_groups for param in group["params"]):
+            param.grad = None
         self._restart_window([] if set_to_none else list(self.trainable_parameters()))
 
     def _restart_window(self, zeroed: Sequence[torch.Tensor]) -> None:
