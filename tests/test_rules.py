@@ -806,7 +806,8 @@ def test_ten_thousand_copies_of_a_rule_fail_fast_with_an_overlap() -> None:
     elapsed = time.perf_counter() - start
     assert "'r0' (line 1) and 'r1' overlap" in str(info.value)
     assert info.value.line == 2
-    assert elapsed < 5.0, f"10000 rules took {elapsed:.1f} s to refuse"
+    # A guard against checking every pair before refusing (minutes), not a timing.
+    assert elapsed < 20.0, f"10000 rules took {elapsed:.1f} s to refuse"
 
 
 def test_more_rules_than_points_fail_before_parsing(
