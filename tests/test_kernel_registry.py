@@ -62,6 +62,21 @@ CELLS: list[tuple[str, dict[str, Any]]] = [
             "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
         },
     ),
+    (
+        "torch-class-low-precision",
+        {
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+            "optimizer_states": "bf16",
+        },
+    ),
+    (
+        "torch-class-low-precision",
+        {
+            **BF16,
+            "master_weights": {"dtype": "bf16", "rounding": "kahan"},
+            "optimizer": {"type": "Adagrad", "params": {"lr": 0.05}},
+        },
+    ),
 ]
 
 

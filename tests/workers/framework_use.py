@@ -229,8 +229,9 @@ def _zero3_clip_run(rank: int, world_size: int, extra: dict[str, Any], placehold
             out["torch_clip"].append(f"{type(exc).__name__}: {exc}")
         out["norms"].append(float(optimizer.clip_grad_norm_(0.5)))
         optimizer.step()
-        out.setdefault("cleared_by_step", []).append(
-            all(p.grad is None for p in model.parameters())
+        # step() keeps the gradients until zero_grad, as torch.optim does (issue 29).
+        out.setdefault("kept_by_step", []).append(
+            all(p.grad is not None for p in model.parameters())
         )
         optimizer.zero_grad()
     mse(model, *make_batch(rank, 4)).backward()
