@@ -431,14 +431,14 @@ def _build_rules(
         status = Status(raw.get("status", Status.OK))
         implementation = _check_implementation(raw, "implementation", name, implementations)
         single = _check_implementation(raw, "single_process_implementation", name, implementations)
-        if decide_as:
-            pass  # the rule deferred to decides; _decide_as refused status and implementation
-        elif status == Status.OK:
+        # A deferring rule's verdict is the rule it defers to (_decide_as refused a status or
+        # implementation of its own); the others state theirs.
+        if not decide_as and status == Status.OK:
             if implementation is None:
                 raise RulesError(
                     f"rule {raw['id']!r} is OK but names no implementation", name, line
                 )
-        else:
+        elif not decide_as:
             for key in ("implementation", "single_process_implementation"):
                 if key in raw:
                     raise RulesError(
