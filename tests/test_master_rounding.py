@@ -11,17 +11,22 @@ import dtypeplan
 from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
     kahan_store,
+    noise_key,
     round_nearest,
-    round_stochastic,
+    round_stochastic_keyed,
 )
 from tests._helpers import make_batch, make_model, mse
 
 ULP_AT_ONE = 2.0**-7  # bf16 keeps 7 explicit mantissa bits
 
 
+def _key(seed: int, step: int = 1) -> torch.Tensor:
+    return torch.tensor(noise_key(seed, 0, step), dtype=torch.int64)
+
+
 def _sr(values: torch.Tensor, seed: int = 0) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=torch.bfloat16)
-    round_stochastic(values.clone(), out, torch.Generator().manual_seed(seed))
+    round_stochastic_keyed(values.clone(), out, _key(seed), 0)
     return out
 
 
@@ -47,7 +52,7 @@ def test_stochastic_rounding_keeps_representable_and_special_values() -> None:
     assert torch.isnan(_sr(torch.tensor([float("nan")]))).all()
 
 
-def test_stochastic_rounding_is_reproducible_from_the_seed() -> None:
+def test_stochastic_rounding_is_reproducible_from_the_key() -> None:
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
     assert torch.equal(_sr(values, seed=7), _sr(values, seed=7))
     assert not torch.equal(_sr(values, seed=7), _sr(values, seed=8))
@@ -76,9 +81,8 @@ def test_nearest_loses_small_updates_that_kahan_keeps() -> None:
 def test_stochastic_rounding_tracks_small_updates_on_average() -> None:
     steps, delta, n = 1000, 1e-4, 4096
     weights = torch.ones(n, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        round_stochastic(weights.float() + delta, weights, generator)
+    for step in range(1, steps + 1):
+        round_stochastic_keyed(weights.float() + delta, weights, _key(3, step), 0)
     # Each weight is a random walk with mean 1 + steps * delta; the mean over n weights is tight.
     assert abs(float(weights.double().mean()) - (1.0 + steps * delta)) <= 0.02 * steps * delta
 

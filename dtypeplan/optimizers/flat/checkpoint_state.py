@@ -23,11 +23,7 @@ from dtypeplan.comm import Communicator
 from dtypeplan.optimizers.buffers.group_state import GroupState
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat.own_histories import OwnHistories
-from dtypeplan.optimizers.kernels.rounding import (
-    kahan_store,
-    round_stochastic,
-    round_stochastic_keyed,
-)
+from dtypeplan.optimizers.kernels.rounding import kahan_store, round_stochastic_keyed
 from dtypeplan.optimizers.state import keys
 from dtypeplan.optimizers.state.keys import KAHAN_COMPENSATION
 from dtypeplan.optimizers.state.values import (
@@ -106,12 +102,13 @@ class FlatState(MixedPrecisionOptimizer):
         return self.master_values(master)[where]
 
     def _write_master_piece(
-        self, master: torch.Tensor, where: slice, values: torch.Tensor, step: Any = None
+        self, master: torch.Tensor, where: slice, values: torch.Tensor, state: dict[str, Any]
     ) -> None:
         """Store fp32 ``values`` into a piece of a 16-bit master chunk, rounded as the plan
         says (Kahan-compensated, stochastic or to nearest), as the chunk's update does.
-        Stochastic: the hashed noise of the chunk's elements under the piece's own ``step``
-        count (checkpointed with its scalar states), as the chunk's update draws it."""
+        Stochastic: the hashed noise of the chunk's elements under the piece's own count
+        (``state``: the piece's own state after its step; its ``step``, or for a class without
+        one its ``rounding_step``, advanced here), checkpointed with its scalar states."""
         if master.dtype == torch.float32:
             return  # updated in place
         compensation = self.inner.state.get(master, {}).get(KAHAN_COMPENSATION)
@@ -119,12 +116,9 @@ class FlatState(MixedPrecisionOptimizer):
             kahan_store(values, master[where], compensation[where])
         elif self.plan.master_rounding == "stochastic":
             assert self._low_precision is not None, "16-bit masters have a low-precision update"
-            if step is not None:
-                key = self._low_precision.noise_key(master, step)
-                round_stochastic_keyed(values.clone(), master[where], key, where.start or 0)
-            else:  # a class without a step count (SGD)
-                generator = self._low_precision._generator(master.device)
-                round_stochastic(values.clone(), master[where], generator)
+            step = self._low_precision.noise_step(state, master)
+            key = self._low_precision.noise_key(master, step)
+            round_stochastic_keyed(values.clone(), master[where], key, where.start or 0)
         else:
             master[where].copy_(values)
 

@@ -119,14 +119,15 @@ class OwnHistories:
         inner: torch.optim.Optimizer,
         pending: PendingPieces,
         read: Callable[[torch.Tensor, slice], torch.Tensor],
-        write: Callable[[torch.Tensor, slice, torch.Tensor, Any], None],
+        write: Callable[[torch.Tensor, slice, torch.Tensor, dict[str, Any]], None],
     ) -> None:
         """Step each pending piece on its own history (after the chunk update).
 
         ``read(master, where)``: the piece's weights in fp32 to update (a view of an fp32
-        master, a copy of a 16-bit one); ``write(master, where, values, step)`` stores them back
-        (``step``: the piece's own step count after this step, None for a class without one;
-        stochastic rounding keys its noise on it).
+        master, a copy of a 16-bit one); ``write(master, where, values, state)`` stores them
+        back (``state``: the piece's own state after this step; stochastic rounding keys its
+        noise on its ``step``, or adds and advances a ``rounding_step`` where the class keeps
+        no step count, which then stays among the piece's scalar states).
         """
         for (gi, _), pieces in self._calls(pending).items():
             hyper = {k: v for k, v in inner.param_groups[gi].items() if k != "params"}
@@ -146,7 +147,7 @@ class OwnHistories:
             optimizer.step()
             for view, (index, master, where, _) in zip(views, pieces, strict=True):
                 view.grad = None
-                write(master, where, view, optimizer.state[view].get("step"))
+                write(master, where, view, optimizer.state[view])
                 slot = inner.state[master]
                 scalars: dict[str, Any] = {}
                 for name, value in optimizer.state[view].items():

@@ -32,8 +32,8 @@ relative at most). ``tests/test_update_kernel.py`` holds that bound; the parity 
 torch keep their tolerances. This path serves bf16 masters only (``LowPrecisionAdamUpdate``):
 for fp32 masters with bf16 moments Inductor's bf16 conversions made it slower than the pieces.
 
-Stochastic rounding adds 16 bits of noise to the bits bf16 drops and truncates (unbiased, as
-``kernels/rounding.py``'s ``round_stochastic``), but the bits come from a counter-based hash, not a
+Stochastic rounding adds 16 bits of noise to the bits bf16 drops and truncates (unbiased,
+``kernels/rounding.py``'s ``round_stochastic_hashed``), from a counter-based hash, not a
 ``torch.Generator``: the noise of element ``i`` of master number ``k`` at step ``t`` is a hash
 of ``(seed + shard rank, k, t, i)``. The same run gives the same bits, the compiled and eager
 paths give the same bits, and since the step count is checkpointed, a resumed run draws the

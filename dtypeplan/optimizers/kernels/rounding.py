@@ -9,16 +9,17 @@ survives of an update smaller than half a bf16 ulp (2**-9 relative):
   learning rates stalls.
 * ``stochastic``: round up with probability equal to the distance from the lower bf16 value
   (in ulps), so the expected stored value is the fp32 value. A small update moves the weight
-  by one ulp now and then, at the right average rate. The bits come from a seeded
-  ``torch.Generator``: the same seed and the same sequence of calls give the same bits (torchao's
-  ``_fp32_to_bf16_sr`` is the same arithmetic).
+  by one ulp now and then, at the right average rate. The bits are a hash of a counter under a
+  key (torchao's ``_fp32_to_bf16_sr`` is the same arithmetic, with a generator's bits).
 * ``kahan``: round to nearest and keep the error in a bf16 compensation buffer that is added
   back before the next update; master + compensation hold about 16 mantissa bits.
 
-Stochastic rounding has two sources of noise: :func:`round_stochastic` draws from a
-``torch.Generator`` (the fp32 pieces), :func:`round_stochastic_hashed` hashes a counter under a
-key (:func:`noise_key`; the one-pass update of ``kernels/one_pass.py`` and its Triton kernel),
-so that a resumed run draws the bits of the uninterrupted one. The arithmetic is the same.
+Stochastic rounding's noise is :func:`round_stochastic_hashed`'s: a hash of the element's
+counter under a key (:func:`noise_key`, :func:`step_noise_key`) made of the seed, the master's
+number and a step count the checkpoint saves (torch's ``step``, or ``keys.ROUNDING_STEP`` for a
+class without one), on every path (the fp32 pieces, the one-pass update of
+``kernels/one_pass.py`` and its Triton kernel). No ``torch.Generator`` is involved: its state is
+no part of a checkpoint, so a resumed run would draw other bits than the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ __all__ = [
     "kahan_store",
     "noise_key",
     "round_nearest",
-    "round_stochastic",
     "round_stochastic_hashed",
     "round_stochastic_keyed",
     "step_noise_key",
@@ -49,35 +49,6 @@ _EXPONENT = 0x7F800000
 def round_nearest(source: torch.Tensor, out: torch.Tensor) -> None:
     """Write fp32 ``source`` into bf16 ``out``, rounded to nearest even."""
     out.copy_(source)
-
-
-def round_stochastic(
-    source: torch.Tensor,
-    out: torch.Tensor,
-    generator: torch.Generator,
-    noise: torch.Tensor | None = None,
-) -> None:
-    """Write fp32 ``source`` into bf16 ``out``, rounded stochastically (unbiased).
-
-    Adds 16 uniform random bits to the bits that bf16 drops and truncates: the value rounds
-    away from zero with probability (dropped bits) / 2**16, so ``E[out] == source``.
-    ``source`` is overwritten (it is the caller's scratch). ``noise``, an int32 scratch of at
-    least ``source``'s size, avoids an allocation. Infinities and NaNs stay what they are; a
-    finite value within one bf16 ulp of the largest finite bf16 may round up to infinity, as
-    it may in torchao.
-    """
-    bits = source.view(torch.int32)
-    if noise is None:
-        noise = torch.empty_like(bits)
-    noise = noise[: bits.numel()].view_as(bits)
-    noise.random_(0, 1 << 16, generator=generator)
-    finite = torch.isfinite(source)
-    # The carry out of the low 16 bits bumps the bf16 mantissa (and exponent) by one ulp.
-    noise.add_(bits)
-    noise.bitwise_and_(_HIGH_BITS)
-    # Non-finite values keep their bits: the conversion below keeps a NaN a NaN.
-    bits.copy_(torch.where(finite, noise, bits))
-    out.copy_(source)  # exact for finite values: their low 16 bits are zero
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +92,11 @@ def round_stochastic_hashed(
     """fp32 ``values`` rounded stochastically to bf16 precision (still fp32, low 16 bits zero;
     unbiased: ``E[result] == values``), with the noise of counter ``offset + i`` under ``key``.
 
-    Adds 16 bits of noise to the bits bf16 drops and truncates, as :func:`round_stochastic`
-    does with a generator's bits (the noise of :func:`adam_one_pass
-    <dtypeplan.optimizers.kernels.one_pass.adam_one_pass>`). Infinities and NaNs
-    keep their bits."""
+    Adds 16 bits of noise to the bits bf16 drops and truncates: the value rounds away from
+    zero with probability (dropped bits) / 2**16, so ``E[result] == values`` (the noise of
+    :func:`adam_one_pass <dtypeplan.optimizers.kernels.one_pass.adam_one_pass>` too).
+    Infinities and NaNs keep their bits; a finite value within one bf16 ulp of the largest
+    finite bf16 may round up to infinity, as it may in torchao."""
     bits = values.view(torch.int32)
     index = torch.arange(values.numel(), dtype=torch.int64, device=values.device) + offset
     noise = torch.bitwise_and(_mix32(torch.bitwise_xor(index, key)), 0xFFFF).to(torch.int32)

@@ -26,6 +26,7 @@ __all__ = [
     "SIGNED_STATES",
     "LOSS_SCALE",
     "NO_STATE",
+    "ROUNDING_STEP",
     "SKIPPED_STEPS",
     "STEP",
     "group_scalar_key",
@@ -83,6 +84,12 @@ Adadelta's ``acc_delta``, Adamax's ``exp_inf``, Rprop's ``step_size``), stored a
 STEP = "step"
 LOSS_SCALE = "loss_scale"
 SKIPPED_STEPS = "skipped_steps"
+ROUNDING_STEP = "rounding_step"
+"""The scalar state that counts the stochastic roundings of a 16-bit master (or of a parameter's
+piece with its own history) whose optimizer class keeps no step count (SGD): its noise is keyed
+on it as other classes' is on ``step`` (``rounding.step_noise_key``), and it is saved and loaded
+as any scalar state, so a resumed run draws the uninterrupted run's bits. An int64 0-dim tensor
+on the master's device; no ``torch.optim`` class keeps a state of that name."""
 NO_STATE = "no_state"
 """The per-parameter scalar name that marks a parameter without any state (no gradient yet);
 no ``torch.optim`` class keeps a state of that name."""

@@ -25,10 +25,11 @@ moments and a bf16 accumulator still hand off to torch's fused kernel (its bits)
 Stochastic rounding hashes ``(SEED + shard rank, master number, step, element)``
 (``rounding.step_noise_key``) on every path: the pieces, the one-pass update, torch's own step
 of a class that counts steps, and a piece with its own history (a parameter that skipped a
-step, keyed by its own count). The step counts are checkpointed, so a resumed run draws the
+step, keyed by its own count). A class that keeps no step count (SGD) gets one of its own: the
+master's (or piece's) ``rounding_step`` scalar state (``keys.ROUNDING_STEP``) counts its
+roundings. The counts are checkpointed with the other scalar states, so a resumed run draws the
 bits of the uninterrupted one; at ZeRO-0 every rank draws the same bits and the replicas stay
-equal. Only a class that keeps no step count (SGD) still draws from a ``torch.Generator``
-seeded at build (not checkpointed), which changes nothing in expectation.
+equal.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from dtypeplan.optimizers.kernels.rounding import (
     kahan_load,
     kahan_store,
     noise_key,
-    round_stochastic,
     round_stochastic_keyed,
     step_noise_key,
 )
@@ -56,7 +56,13 @@ from dtypeplan.optimizers.kernels.torch_adam import (
     fused_adam_kernel,
 )
 from dtypeplan.optimizers.state import storage
-from dtypeplan.optimizers.state.keys import ELEMENT_STATES, KAHAN_COMPENSATION, MOMENTS
+from dtypeplan.optimizers.state.keys import (
+    ELEMENT_STATES,
+    KAHAN_COMPENSATION,
+    MOMENTS,
+    ROUNDING_STEP,
+    STEP,
+)
 from dtypeplan.optimizers.state.low_precision import LowPrecisionState
 
 if TYPE_CHECKING:
@@ -94,7 +100,6 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         self.torch_class = torch_class
         self.seed = SEED + shard_rank
         self._scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._numbers: dict[int, int] = {}
         """Each master's number (its place in the plan's masters): the stochastic-rounding
         noise of each master is its own."""
@@ -328,13 +333,22 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         count = step if torch.is_tensor(step) else torch.tensor(step)
         return step_noise_key(self.seed, number, count)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """A class that keeps no step count (SGD): the seeded generator, not checkpointed."""
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._generators[device] = generator
-        return generator
+    @staticmethod
+    def noise_step(state: dict[str, Any], master: torch.Tensor) -> Any:
+        """The count that keys this update's stochastic-rounding noise of ``master`` (or of a
+        piece of it), whose state after the update is ``state``: torch's ``step``; for a class
+        that keeps none (SGD), ``state``'s ``rounding_step`` (``keys.ROUNDING_STEP``), made at
+        its first rounding and advanced here, once per rounding (a checkpointed scalar state,
+        not a generator's hidden one)."""
+        step = state.get(STEP)
+        if step is not None:
+            return step
+        count = state.get(ROUNDING_STEP)
+        if count is None:
+            count = torch.zeros((), dtype=torch.int64, device=master.device)
+            state[ROUNDING_STEP] = count
+        count += 1
+        return count
 
     def release_scratch(self) -> None:
         """Drop the fp32 working copies at the end of a step: between steps (where
@@ -472,11 +486,7 @@ class TorchClassUpdate(LowPrecisionAdamUpdate):
         elif self.rounding == "kahan":
             kahan_store(weights, flat, slot[KAHAN_COMPENSATION].view(-1))
         elif self.rounding == "stochastic":
-            step = slot.get("step")
-            if step is not None:
-                round_stochastic_keyed(weights, flat, self.noise_key(master, step), 0)
-            else:
-                noise = self._scratch_for(device, "noise", numel, torch.int32)
-                round_stochastic(weights, flat, self._generator(device), noise)
+            step = self.noise_step(slot, master)
+            round_stochastic_keyed(weights, flat, self.noise_key(master, step), 0)
         else:
             flat.copy_(weights)
