@@ -286,6 +286,15 @@ def test_optimizer_types(spelling: str, canonical: str) -> None:
         assert any("adam_w_mode" in w for w in plan.config_warnings)
 
 
+def test_adam_type_runs_adamw_with_adams_default_weight_decay() -> None:
+    """DeepSpeed's FusedAdam and torch.optim.Adam decay nothing by default; torch.optim.AdamW,
+    which type "Adam" runs, would fill in 0.01 for an absent key."""
+    plan = dtypeplan.resolve({"optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
+    assert dict(plan.optimizer.params) == {"lr": 0.01, "weight_decay": 0.0}
+    given = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}}}
+    assert dtypeplan.resolve(given).optimizer.params["weight_decay"] == 0.1
+
+
 def test_adam_with_adam_w_mode_false_is_torch_adam() -> None:
     config = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}}}
     plan = dtypeplan.resolve(config)

@@ -19,6 +19,7 @@ from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.resolver._auto import AutoValue, auto_filled
 from dtypeplan.resolver._config import OptimizerConfig
 from dtypeplan.resolver._deepspeed import closest_hint
+from dtypeplan.resolver._deepspeed_keys import ADAM_PARAMS
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 from dtypeplan.resolver._optimizer_kind import canonical_name, optimizer_class
 
@@ -117,10 +118,14 @@ def read_optimizer(document: dict[str, Any]) -> OptimizerReading:
                 ignored.append(f"$.optimizer.params.{key}")
         if name == "Adam" and adam_w_mode:
             name = "AdamW"
+            # Adam's default weight decay (DeepSpeed's and torch.optim.Adam's: 0), not the
+            # 0.01 that torch.optim.AdamW would fill in for an absent key.
+            params.setdefault("weight_decay", ADAM_PARAMS["weight_decay"])
             notes.append(
                 'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
                 "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
-                "torch.optim.Adam (L2 weight decay)"
+                "torch.optim.Adam (L2 weight decay). Without a weight_decay key it is Adam's "
+                "default 0 (torch.optim.AdamW's own default would be 0.01)"
             )
         elif name == "AdamW" and not adam_w_mode:
             notes.append(
