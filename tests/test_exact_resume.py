@@ -178,6 +178,22 @@ def test_two_ranks_kahan_survives_the_torch_load_order(group: list[dict[str, Any
                 assert result == {"losses": True, "params": []}, (rank, key, result)
 
 
+@pytest.mark.parametrize(
+    "key", [cases.skipped_step_key(*case) for case in cases.SKIPPED_STEP_CASES]
+)
+def test_two_ranks_resume_after_skipped_steps_is_bitwise(
+    group: list[dict[str, Any]], key: str
+) -> None:
+    """Issue 29 item 4 on two ranks: a head that skips every other step and two NaN steps
+    every parameter skips (check_nonfinite), saved and resumed through dtypeplan.checkpoint
+    into another init, trains on bitwise as the uninterrupted run, for every master rounding
+    (AdamW; SGD at ZeRO-3: its own rounding count per local shard)."""
+    for rank, results in enumerate(group):
+        result = results[key]
+        assert result["same_run"], (rank, key, result)
+        assert result["skipped"] == (1, 1, 2), (rank, key, result)
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
     group: list[dict[str, Any]], stage: int

@@ -337,6 +337,26 @@ def four_rank_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         )
     if rank >= 2:
         out["refusals"] = capture(lambda: refusals(root, pair))
+    out["skipped"] = hybrid_skipped_step_resumes(root)
+    return out
+
+
+def hybrid_skipped_step_resumes(root: str) -> dict[str, Any]:
+    """Issue 29 item 4 on the hybrid layout (2 shard groups of 2 ranks, ZeRO-2): resume after
+    skipped steps through ``dtypeplan.checkpoint``, every master rounding (the cases and the
+    comparison are ``tests/workers/exact_resume.py``'s)."""
+    from tests.workers import exact_resume  # it imports this module
+
+    out: dict[str, Any] = {}
+    for stage, master, momentum in exact_resume.HYBRID_SKIPPED_STEP_CASES:
+        key = exact_resume.skipped_step_key(stage, master, momentum)
+        cfg = exact_resume.skipping_config(master, stage, momentum, shard_group_size=2)
+        directory = os.path.join(root, "hybrid-" + key.replace("/", "-"))
+        out[key] = capture(
+            lambda cfg=cfg, directory=directory: exact_resume.skipped_step_resume(
+                cfg, "checkpoint", directory
+            )
+        )
     return out
 
 

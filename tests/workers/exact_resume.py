@@ -230,10 +230,52 @@ def group_cases(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 out[f"order/{stage}/{how}/{order}"] = torch_order_resume(
                     config("bf16-kahan", "fp32", stage), how, order, directory
                 )
+    for stage, master, momentum in SKIPPED_STEP_CASES:
+        key = skipped_step_key(stage, master, momentum)
+        directory = os.path.join(root, key.replace("/", "-"))
+        out[key] = skipped_step_resume(
+            skipping_config(master, stage, momentum), "checkpoint", directory
+        )
     for stage in (0, 2, 3):
         out[f"lr/{stage}"] = lr_changed_on_one_rank(config("fp32", "fp32", stage), 1)
         out[f"all_reduces/{stage}"] = all_reduces_per_step(config("fp32", "fp32", stage))
     return out
+
+
+SKIPPED_STEP_CASES: list[tuple[int, str, float | None]] = [
+    (1, "bf16-stochastic", None),
+    (2, "bf16-kahan", None),
+    (3, "bf16-nearest", None),
+    (3, "bf16-stochastic", None),
+    (3, "bf16-kahan", None),
+    (3, "bf16-stochastic", 0.9),
+]
+"""The 2-rank resumes after skipped steps through ``dtypeplan.checkpoint``: ``(stage, masters,
+SGD momentum or None for AdamW)``; the hybrid 2 x 2 ZeRO-2 ones run in the 4-rank group of
+``tests/workers/checkpoint.py`` (:data:`HYBRID_SKIPPED_STEP_CASES`)."""
+HYBRID_SKIPPED_STEP_CASES: list[tuple[int, str, float | None]] = [
+    (2, "bf16-nearest", None),
+    (2, "bf16-stochastic", None),
+    (2, "bf16-kahan", None),
+    (2, "bf16-stochastic", 0.0),
+]
+
+
+def skipped_step_key(stage: int, master: str, momentum: float | None) -> str:
+    optimizer = "AdamW" if momentum is None else f"SGD-{momentum}"
+    return f"skipped/{stage}/{master}/{optimizer}"
+
+
+def skipping_config(
+    master: str, stage: int, momentum: float | None, shard_group_size: int | None = None
+) -> dict[str, Any]:
+    """:func:`config` with the non-finite check on (the NaN steps of :func:`_train_skipping`
+    are skipped whole), on a hybrid layout where ``shard_group_size`` is given."""
+    cfg = config(master, "fp32", stage, sgd_momentum=momentum)
+    cfg["check_nonfinite"] = True
+    if shard_group_size is not None:
+        cfg["zero_optimization"]["shard_group_size"] = shard_group_size
+    return cfg
 
 
 def spawned_group(rank: int, world_size: int) -> dict[str, Any]:
