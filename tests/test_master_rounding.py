@@ -13,6 +13,7 @@ from dtypeplan.optimizers.kernels.rounding import (
     kahan_store,
     noise_key,
     round_nearest,
+    round_stochastic_hashed,
     round_stochastic_keyed,
 )
 from tests._helpers import make_batch, make_model, mse
@@ -56,6 +57,20 @@ def test_stochastic_rounding_is_reproducible_from_the_key() -> None:
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
     assert torch.equal(_sr(values, seed=7), _sr(values, seed=7))
     assert not torch.equal(_sr(values, seed=7), _sr(values, seed=8))
+
+
+def test_in_place_keyed_rounding_gives_the_hashed_bits() -> None:
+    """The eager in-place form (the pieces, torch's step of a class, a piece with its own
+    history) draws the functional form's noise (the one-pass update, compiled): one run's
+    paths agree bit for bit, specials and every offset included."""
+    values = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e3
+    values[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.0e38])
+    for seed, step, offset in [(0x5EED, 1, 0), (0x5EEE, 7, 12_345), (3, 2**24 + 1, 2**31)]:
+        key = torch.tensor(noise_key(seed, 4, step), dtype=torch.int64)
+        out = torch.empty(values.shape, dtype=torch.bfloat16)
+        round_stochastic_keyed(values.clone(), out, key, offset)
+        want = round_stochastic_hashed(values.clone(), key, torch.tensor(offset))
+        assert torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
 
 
 def test_nearest_loses_small_updates_that_kahan_keeps() -> None:

@@ -77,13 +77,35 @@ def step_noise_key(seed: int, master_number: int, step: torch.Tensor) -> torch.T
     return _mix32(torch.bitwise_and(step.to(torch.int64) + base, _MASK32))
 
 
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix32` in place on int64 ``x`` (``scratch``: an int64 tensor like it)."""
+    for _ in range(2):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+        x.mul_(_MIX).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
 def round_stochastic_keyed(
     source: torch.Tensor, out: torch.Tensor, key: torch.Tensor, offset: int
 ) -> None:
-    """Write fp32 ``source`` into bf16 ``out``, rounded stochastically with the hashed noise of
-    counters ``offset + i`` under ``key`` (:func:`round_stochastic_hashed`): the bits a
-    resumed run draws are the uninterrupted run's."""
-    out.copy_(round_stochastic_hashed(source, key.to(source.device), torch.tensor(offset)))
+    """Write fp32 ``source`` (contiguous) into bf16 ``out``, rounded stochastically with the
+    hashed noise of counters ``offset + i`` under ``key``: :func:`round_stochastic_hashed`'s
+    bits, so a resumed run draws the uninterrupted run's. ``source`` is overwritten (the
+    caller's scratch). Eager, in place: two int64 temporaries where the functional form (which
+    Inductor compiles) makes a dozen, 3x faster on the host (200k values: 3.6 ms against
+    12 ms, one thread)."""
+    bits = source.view(torch.int32)
+    counters = torch.arange(
+        offset, offset + source.numel(), dtype=torch.int64, device=source.device
+    ).view(bits.shape)
+    counters.bitwise_xor_(key.to(source.device))
+    noise = _mix32_(counters, torch.empty_like(counters)).bitwise_and_(0xFFFF).to(torch.int32)
+    finite = torch.bitwise_and(bits, _EXPONENT) != _EXPONENT
+    # The carry out of the low 16 bits bumps the bf16 mantissa (and exponent) by one ulp;
+    # non-finite values keep their bits (a NaN stays a NaN).
+    noise.add_(bits).bitwise_and_(_HIGH_BITS)
+    bits.copy_(torch.where(finite, noise, bits))
+    out.copy_(source)  # exact for finite values: their low 16 bits are zero
 
 
 def round_stochastic_hashed(
