@@ -85,6 +85,51 @@ _DEEPSPEED_ADAM_ONLY = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_op
 _DEEPSPEED_ADAM_IGNORED = ("torch_adam", "set_grad_none")
 
 
+def _read_adam_params(
+    name: str, params: dict[str, Any], notes: list[str], ignored: list[str]
+) -> tuple[str, bool]:
+    """DeepSpeed's Adam/AdamW params read into torch's (``params`` changed in place): the
+    class that runs (``"Adam"`` is AdamW unless ``adam_w_mode`` is false) and whether
+    ``fp32_optimizer_states`` is false."""
+    for key in _DEEPSPEED_ADAM_ONLY:
+        if key in params and not isinstance(params[key], bool):
+            path = f"$.optimizer.params.{key}"
+            raise PrecisionConfigError(
+                f"invalid value {params[key]!r} at {path}: must be true or false", path
+            )
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if params.pop("bias_correction", True) is False:
+        path = "$.optimizer.params.bias_correction"
+        raise PrecisionConfigError(
+            f"{path} false: DeepSpeed's FusedAdam skips Adam's bias correction, which "
+            "torch.optim's Adam/AdamW (dtypeplan's update) always applies; the first steps "
+            "would take different sizes. Remove the key (bias correction on) to run here",
+            path,
+        )
+    low_precision_states = params.pop("fp32_optimizer_states", None) is False
+    for key in _DEEPSPEED_ADAM_IGNORED:
+        if key in params:
+            params.pop(key)
+            ignored.append(f"$.optimizer.params.{key}")
+    if name == "Adam" and adam_w_mode:
+        # Adam's default weight decay (DeepSpeed's and torch.optim.Adam's: 0), not the 0.01
+        # that torch.optim.AdamW would fill in for an absent key.
+        params.setdefault("weight_decay", ADAM_PARAMS["weight_decay"])
+        notes.append(
+            'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
+            "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
+            "torch.optim.Adam (L2 weight decay). Without a weight_decay key it is Adam's "
+            "default 0 (torch.optim.AdamW's own default would be 0.01)"
+        )
+        return "AdamW", low_precision_states
+    if name == "AdamW" and not adam_w_mode:
+        notes.append(
+            'optimizer.params.adam_w_mode false does not apply to type "AdamW", which '
+            'DeepSpeed always runs as AdamW; use type "Adam" for L2 weight decay'
+        )
+    return name, low_precision_states
+
+
 def read_optimizer(document: dict[str, Any]) -> OptimizerReading:
     """The optimizer block with DeepSpeed's meaning (see ``_deepspeed_keys.ADAM_PARAMS``)."""
     params = dict(document.get("params", {}))
@@ -95,43 +140,7 @@ def read_optimizer(document: dict[str, Any]) -> OptimizerReading:
     ignored: list[str] = []
     low_precision_states = False
     if name in ("Adam", "AdamW"):
-        for key in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states"):
-            if key in params and not isinstance(params[key], bool):
-                path = f"$.optimizer.params.{key}"
-                raise PrecisionConfigError(
-                    f"invalid value {params[key]!r} at {path}: must be true or false", path
-                )
-        adam_w_mode = params.pop("adam_w_mode", True)
-        if params.pop("bias_correction", True) is False:
-            path = "$.optimizer.params.bias_correction"
-            raise PrecisionConfigError(
-                f"{path} false: DeepSpeed's FusedAdam skips Adam's bias correction, which "
-                "torch.optim's Adam/AdamW (dtypeplan's update) always applies; the first steps "
-                "would take different sizes. Remove the key (bias correction on) to run here",
-                path,
-            )
-        if params.pop("fp32_optimizer_states", None) is False:
-            low_precision_states = True
-        for key in _DEEPSPEED_ADAM_IGNORED:
-            if key in params:
-                params.pop(key)
-                ignored.append(f"$.optimizer.params.{key}")
-        if name == "Adam" and adam_w_mode:
-            name = "AdamW"
-            # Adam's default weight decay (DeepSpeed's and torch.optim.Adam's: 0), not the
-            # 0.01 that torch.optim.AdamW would fill in for an absent key.
-            params.setdefault("weight_decay", ADAM_PARAMS["weight_decay"])
-            notes.append(
-                'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
-                "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
-                "torch.optim.Adam (L2 weight decay). Without a weight_decay key it is Adam's "
-                "default 0 (torch.optim.AdamW's own default would be 0.01)"
-            )
-        elif name == "AdamW" and not adam_w_mode:
-            notes.append(
-                'optimizer.params.adam_w_mode false does not apply to type "AdamW", which '
-                'DeepSpeed always runs as AdamW; use type "Adam" for L2 weight decay'
-            )
+        name, low_precision_states = _read_adam_params(name, params, notes, ignored)
     for key in _FAST_PATH_CHOICES:
         # As build(optimizer=...) and wrap() do: the same update, run as dtypeplan chooses.
         if key in params:
