@@ -75,7 +75,7 @@ PIECE = CPU_CHUNK
 (five buffers of 4 MiB, a quantized moment's up to 8 MiB for a piece of several segments)."""
 
 SEED = 0x5EED
-"""The stochastic-rounding generator's seed (plus the shard rank)."""
+"""The seed of the stochastic-rounding noise keys (plus the shard rank: ``rounding.noise_key``)."""
 
 
 class LowPrecisionAdamUpdate(LowPrecisionState):
