@@ -31,8 +31,8 @@
 # 8. offload  python3 -m benchmarks.bench_offload --device cuda (the step of a 100M-parameter
 #             stack with masters and states in pinned host memory).
 #
-# Each step runs under `timeout` (limits add up to 590 s: install 200, smoke 60, zero3 45,
-# tests 60, kernel 70, lowprec 50, engine 70, offload 35), and never past the whole run's
+# Each step runs under `timeout` (limits add up to 590 s: install 180, smoke 90, zero3 45,
+# tests 60, kernel 65, lowprec 50, engine 65, offload 35), and never past the whole run's
 # budget (RUN_ALL_BUDGET_S, default 590 s: a step that would start with under 15 s left is
 # skipped, one that would outlast it gets what is left). A failing step is recorded and the
 # next one runs. DIR/gpu_run_all-<date>.json is rewritten as each step ends (a run cut short
@@ -284,22 +284,22 @@ else
         skip_step install "--skip-install"
     elif ((dry_run)); then
         echo
-        echo "=== install (limit 200 s): the commands this Python needs"
+        echo "=== install (limit 180 s): the commands this Python needs"
         install || failures=$((failures + 1))
-        record install "printed" 0 200
+        record install "printed" 0 180
     else
         from_wheels=()
         if [[ -n "$wheelhouse" ]]; then from_wheels=(--wheelhouse "$wheelhouse"); fi
-        run_step install 200 bash "${BASH_SOURCE[0]}" --install-only "${from_wheels[@]}"
+        run_step install 180 bash "${BASH_SOURCE[0]}" --install-only "${from_wheels[@]}"
     fi
-    run_step smoke 60 "$python" -m benchmarks.gpu.smoke_engine --out "$out"
+    run_step smoke 90 "$python" -m benchmarks.gpu.smoke_engine --out "$out"
     run_step zero3 45 "$python" -m benchmarks.gpu.zero3_one_rank --out "$out"
     # shellcheck disable=SC2016  # expanded by the inner bash, which gets them as arguments
     run_step tests 60 bash -o pipefail -c 'DTYPEPLAN_CUDA_TESTS_ONLY=1 "$0" -m pytest -q -rs -p no:cacheprovider "${@:2}" 2>&1 | tee "$1"' \
         "$python" "$tests_log" "${cuda_tests[@]}"
-    run_step kernel 70 "$python" -m benchmarks.gpu.bench_fused_step --numel "$numel" --out "$out"
+    run_step kernel 65 "$python" -m benchmarks.gpu.bench_fused_step --numel "$numel" --out "$out"
     run_step lowprec 50 "$python" -m benchmarks.gpu.bench_low_precision_step --numel "$numel" --out "$out"
-    run_step engine 70 "$python" -m benchmarks.gpu.bench_engine_step --blocks 8 --out "$out"
+    run_step engine 65 "$python" -m benchmarks.gpu.bench_engine_step --blocks 8 --out "$out"
     run_step offload 35 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
     if ((dry_run)); then
         echo
