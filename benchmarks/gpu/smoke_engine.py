@@ -15,7 +15,9 @@ preempt run too):
    exact (``loss = sum(p * g)``, so ``p.grad`` is ``g`` in the parameters' dtype on both), so
    where a kernel claims the host's bits (the one-pass Triton update of 16-bit masters against
    the host's one-pass update, run eagerly with a correctly rounded square root, as
-   ``bench_low_precision_step`` does) every parameter must be equal bit for bit; elsewhere
+   ``bench_low_precision_step`` does) every parameter must be equal bit for bit (and bf16
+   masters rounded to nearest with bf16 moments and accumulator must give the bits of
+   ``torch.optim.AdamW(fused=True)`` on bf16 tensors on the same device); elsewhere
    the difference must stay within ``steps x (4 eps_state lr (1 + 3 max|g|) + 2 eps_param
    max|p|)`` (the update's rounding, and the parameter's own);
 3. the device memory right before each ``step()`` (above what was allocated before the model)
@@ -217,6 +219,22 @@ def train(
     return out
 
 
+def torch_fused_bf16(
+    shapes: list[tuple[int, ...]], device: torch.device, hyper: dict[str, Any]
+) -> list[torch.Tensor]:
+    """``torch.optim.AdamW(fused=True)`` on bf16 copies of the same weights, same gradients."""
+    params = [
+        p.detach().to(device=device, dtype=torch.bfloat16).requires_grad_()
+        for p in Weights(shapes).parameters()
+    ]
+    opt = torch.optim.AdamW(params, fused=True, **hyper)
+    for step in range(1, STEPS + 1):
+        for p, g in zip(params, gradients(shapes, step), strict=True):
+            p.grad = g.to(device)
+        opt.step()
+    return [p.detach().cpu() for p in params]
+
+
 def compare(
     device_run: dict[str, Any], host_run: dict[str, Any], config: dict[str, Any], bits: bool,
     shapes: list[tuple[int, ...]],
@@ -275,6 +293,15 @@ def run_cell(
     record["host_kernel"] = host_run["kernel"]
     record["kernel_ok"] = args.dry_run or device_run["kernel"] == expected
     record.update(compare(device_run, host_run, config, bits, shapes))
+    if expected == "torch-fused-16bit":
+        # the cell torch's fused AdamW on bf16 tensors computes exactly: its bits, same device
+        peer = torch_fused_bf16(shapes, device, config["optimizer"]["params"])
+        differing = sum(
+            int((a.view(torch.int16) != b.view(torch.int16)).sum())
+            for a, b in zip(device_run["params"], peer, strict=True)
+        )
+        record["vs_torch_fused_bf16"] = {"values_differing": differing}
+        record["ok"] = record["ok"] and differing == 0
     if "boundary_bytes" in device_run:
         predicted = device_run["predicted_bytes"]
         record["predicted_MiB"] = round(predicted / 2**20, 2)
