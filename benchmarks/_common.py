@@ -36,8 +36,23 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+class _Parser(argparse.ArgumentParser):
+    """With ``--check-args``: parse the arguments, print them as one JSON line, exit 0 (what
+    ``run_all.sh``'s dry run checks of each entry point: it imports, and its arguments parse)."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "check_args", False):
+            print(json.dumps({**vars(parsed), "check_args": self.prog}, default=str), flush=True)
+            sys.exit(0)
+        return parsed
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = _Parser(description=description)
+    parser.add_argument(
+        "--check-args", action="store_true", help="parse the arguments, print them, exit 0"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--out",

@@ -46,7 +46,28 @@ def declared_test_imports() -> list[str]:
     return names
 
 
+CUDA_ONLY_ENV = "DTYPEPLAN_CUDA_TESTS_ONLY"
+"""Set to 1 (``benchmarks/gpu/run_all.sh``): collect only the tests that need CUDA, those with
+a skip condition whose reason names CUDA, and do not ask for the test extra's other packages
+(the GPU script installs what those tests import, not the docs and frameworks)."""
+
+
+def is_cuda_test(item: pytest.Item) -> bool:
+    return any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(CUDA_ONLY_ENV) != "1":
+        return
+    deselected = [item for item in items if not is_cuda_test(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if is_cuda_test(item)]
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(CUDA_ONLY_ENV) == "1":
+        return
     missing = [name for name in declared_test_imports() if importlib.util.find_spec(name) is None]
     if missing:
         raise pytest.UsageError(

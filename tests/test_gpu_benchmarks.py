@@ -1,8 +1,11 @@
-"""The GPU benchmark script runs end to end on a CPU: ``run_all.sh --dry-run``.
+"""The GPU benchmark script checked on a CPU: ``run_all.sh`` parsed, dry-run and CPU-run.
 
-No CI machine has a GPU, so this is what keeps ``benchmarks/gpu/run_all.sh`` and the two
-benchmarks it runs from rotting: every step must pass at tiny sizes on CPU, write its dated
-results, and report a correctness check that passed.
+No CI machine has a GPU, so this is what keeps ``benchmarks/gpu/run_all.sh`` and the
+benchmarks it runs from rotting: ``bash -n``; ``DRY_RUN=1`` prints every step within the time
+budget and checks that each entry point imports and parses its arguments; its install step,
+from a bare virtual environment (no pip, no torch), prints the pinned CUDA torch and torchao;
+``--cpu-run`` runs every step at tiny sizes on CPU, writes its dated results, and reports
+correctness checks that passed.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,11 +28,86 @@ from benchmarks._optimizer_step import REFERENCE_BYTES_PER_PARAM, step_bytes_per
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None:
+SCRIPT = REPO / "benchmarks/gpu/run_all.sh"
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+@needs_bash
+def test_run_all_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+
+
+@needs_bash
+def test_dry_run_prints_the_steps_and_checks_every_entry_point(tmp_path: Path) -> None:
+    output = _run(["--out", str(tmp_path)], dict(os.environ, PYTHON=sys.executable, DRY_RUN="1"))
+    limits = {
+        name: int(limit)
+        for name, limit in re.findall(r"^=== (\w+) \(limit (\d+) s\)", output, re.MULTILINE)
+    }
+    steps = ["install", "smoke", "zero3", "tests", "kernel", "lowprec", "engine", "offload"]
+    assert list(limits) == steps, output[-3000:]
+    assert sum(limits.values()) <= 590, limits  # under 10 minutes, the install included
+    assert "--numel 268435456" in output  # the kernels at 2^28
+    modules = re.findall(r"^    modules: ok     (\S+)", output, re.MULTILINE)
+    assert modules == [
+        "benchmarks.gpu.smoke_engine",
+        "benchmarks.gpu.zero3_one_rank",
+        "benchmarks.gpu.bench_fused_step",
+        "benchmarks.gpu.bench_low_precision_step",
+        "benchmarks.gpu.bench_engine_step",
+        "benchmarks.bench_offload",
+    ], output[-3000:]
+    # only the CUDA tests are collected, and some are
+    collected = re.search(r"tests: (\d+)/(\d+) tests collected \((\d+) deselected\)", output)
+    assert collected is not None, output[-3000:]
+    assert 0 < int(collected[1]) < int(collected[2]), collected[0]
+    (record,) = tmp_path.glob("gpu_run_all-*.json")
+    written = json.loads(record.read_text())
+    assert [s["step"] for s in written["steps"]] == steps
+    assert {s["status"] for s in written["steps"]} == {"printed"}
+    (summary,) = tmp_path.glob("gpu_run_all-*.md")
+    assert "## What one GPU cannot reach" in summary.read_text()
+
+
+@needs_bash
+def test_the_install_step_from_a_bare_environment_names_the_pins(tmp_path: Path) -> None:
+    """A virtual environment without pip or torch (a bare machine's Python): the install step
+    would bootstrap pip, install the pinned CUDA torch with its dependencies, torchao without
+    (it builds against the torch there), and dtypeplan; nothing is downloaded here."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    python = str(bare / "bin" / "python")
+    env = dict(os.environ, PYTHON=python, DRY_RUN="1")
+    env.pop("PIP_INDEX_URL", None)
+    output = _run(["--install-only"], env, timeout=60)
+    assert f"would run: {python} -m ensurepip --upgrade" in output, output
+    assert f"would run: {python} -m pip install torch==2.13.0\n" in output, output
+    assert f"would run: {python} -m pip install --no-deps torchao==0.18.0\n" in output, output
+    assert "index: https://pypi.org/simple, the default" in output, output
+    assert "pytest" in output and "hypothesis" in output and "-e ." in output, output
+    url = "https://download.pytorch.org/whl/cu128"
+    output = _run(["--install-only"], dict(env, TORCH_INDEX_URL=url), timeout=60)
+    assert f"pip install --index-url {url} torch==2.13.0" in output, output
+    # The pins are the project's: torch as README installs it, torchao inside pyproject's range
+    assert "torch==2.13.0" in (REPO / "README.md").read_text()
+    assert '"torchao>=0.18,<0.19"' in (REPO / "pyproject.toml").read_text()
+
+
+@needs_bash
+def test_run_all_cpu_run_passes_and_writes_dated_results(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks/gpu/run_all.sh"), "--dry-run", "--out", str(tmp_path)],
+        ["bash", str(SCRIPT), "--cpu-run", "--out", str(tmp_path)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -43,13 +122,22 @@ def test_run_all_dry_run_passes_and_writes_dated_results(tmp_path: Path) -> None
     # rows[0] is the header, rows[1] the separator
     statuses = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in rows[2:]}
     assert statuses == {
-        "install": "skipped: dry run",
+        "install": "skipped: cpu run",
+        "smoke": "ok",
+        "zero3": "ok",
         "tests": "ok",
         "kernel": "ok",
         "lowprec": "ok",
         "engine": "ok",
         "offload": "ok",
     }, summary.read_text()
+    (smoke_json,) = tmp_path.glob("gpu_smoke_engine_dryrun-*.json")
+    smoke = json.loads(smoke_json.read_text())
+    assert smoke["summary"]["ok"] and smoke["errors"] == [], smoke["summary"]
+    assert {row["claim"] for row in smoke["rows"]} >= {"bits"}
+    (zero3_json,) = tmp_path.glob("gpu_zero3_one_rank_dryrun-*.json")
+    zero3 = json.loads(zero3_json.read_text())
+    assert zero3["summary"]["ok"] and zero3["record"]["sharded_on_device"], zero3["record"]
     (offload_json,) = tmp_path.glob("offload_dryrun-*.json")
     offload = json.loads(offload_json.read_text())
     assert offload["ok"] and offload["max_rel_param_diff"] == 0.0, offload

@@ -18,7 +18,11 @@ from torch import nn
 import dtypeplan
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.launch import spawn
-from dtypeplan.optimizers.fsdp2.sharding import mesh_device, mesh_device_type
+from dtypeplan.optimizers.fsdp2.sharding import (
+    broadcast_unit_from_first,
+    mesh_device,
+    mesh_device_type,
+)
 from dtypeplan.optimizers.fsdp2.units import choose_units
 from tests._models import Block, norm_and_frozen, tied_lm
 from tests.workers.zero3 import run_cases
@@ -135,6 +139,34 @@ def test_fp32_is_made_one_unit_at_a_time(two_ranks: list[dict[str, Any]]) -> Non
         assert len(got["seen"]) == 4, got  # final_norm, two blocks, the root
         assert max(got["seen"]) <= max(got["largest_unit"], got["total"] - 2 * got["largest_unit"])
         assert max(got["seen"]) < got["total"], got
+
+
+def test_replicas_equal_broadcast_unit_by_unit_on_the_mesh_device(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    # issue 32: each unit is broadcast right before it is sharded (not the whole model on the
+    # model's device first, which NCCL refuses for a CPU-built model); ranks built other weights
+    for got in _ok(two_ranks, "replicas_equal_unit_by_unit"):
+        assert all(got["equal"].values()), got["equal"]
+        assert {tuple(devices) for _, devices in got["broadcasts"]} == {("cpu",)}  # gloo
+        assert got["units"] == 4, got  # final_norm, two blocks, the root
+        # a broadcast before every fully_shard of a unit with parameters of its own, none after
+        assert sorted({k for k, _ in got["broadcasts"]}) == list(range(got["units"])), got
+
+
+def test_a_deferred_init_parameter_is_not_broadcast() -> None:
+    # issue 32: meta parameters (FSDP2's deferred initialisation) stay there, unbroadcast; the
+    # others are broadcast on the mesh device
+    seen: list[list[str]] = []
+
+    class RecordingComm:
+        def broadcast_from_first_(self, tensors: list[torch.Tensor]) -> None:
+            seen.append([str(t.device) for t in tensors])
+
+    unit = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1, device="meta"))
+    broadcast_unit_from_first(RecordingComm(), unit, torch.device("cpu"))  # type: ignore[arg-type]
+    assert seen == [["cpu"], ["cpu"]]  # one call per parameter, the meta ones left out
+    assert [p.device.type for p in unit.parameters()] == ["cpu", "cpu", "meta", "meta"]
 
 
 def test_wrap_classes_at_zero3(two_ranks: list[dict[str, Any]]) -> None:

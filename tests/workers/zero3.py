@@ -45,6 +45,38 @@ def fp32_unsharded_never_whole(rank: int, world: int) -> dict[str, Any]:
     return {"seen": seen, "total": total, "largest_unit": largest_unit}
 
 
+def replicas_equal_unit_by_unit(rank: int, world: int) -> dict[str, Any]:
+    """Issue 32: every rank shards the first rank's weights, each unit broadcast right before
+    it is sharded, on the mesh device (NCCL serves no CPU tensor: a CPU-built model's
+    parameters move to the mesh device unit by unit, not the whole model up front)."""
+    from dtypeplan.comm import Communicator
+
+    model = tied_lm(rank)  # other weights on every rank
+    sharded = [0]
+    broadcasts: list[tuple[int, list[str]]] = []
+    real_shard, real_broadcast = fsdp.fully_shard, Communicator.broadcast_from_first_
+
+    def counting(module: Any, **kw: Any) -> Any:
+        sharded[0] += 1
+        return real_shard(module, **kw)
+
+    def recording(self: Any, tensors: list[torch.Tensor]) -> None:
+        broadcasts.append((sharded[0], sorted({str(t.device) for t in tensors})))
+        real_broadcast(self, tensors)
+
+    with (
+        mock.patch.object(fsdp, "fully_shard", counting),
+        mock.patch.object(Communicator, "broadcast_from_first_", recording),
+    ):
+        dtypeplan.resolve(CONFIG).prepare_model(model)
+    first = dict(tied_lm(0).named_parameters())
+    equal = {
+        name: torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, first[name])
+        for name, p in model.named_parameters()
+    }
+    return {"units": sharded[0], "broadcasts": broadcasts, "equal": equal}
+
+
 def wrap_classes_choose_units(rank: int, world: int) -> dict[str, Any]:
     """wrap={Block}: only the blocks (and the root) are units; the model still trains."""
     model = dtypeplan.resolve(CONFIG).prepare_model(tied_lm(0), wrap={Block})
@@ -179,6 +211,7 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "bf16_masters_sum_uncast": bf16_masters_sum_uncast,
     "fp32_unsharded_never_whole": fp32_unsharded_never_whole,
     "wrap_classes_choose_units": wrap_classes_choose_units,
+    "replicas_equal_unit_by_unit": replicas_equal_unit_by_unit,
     "export_rank0_only": export_rank0_only,
 }
 

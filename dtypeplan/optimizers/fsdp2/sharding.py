@@ -51,6 +51,7 @@ __all__ = [
     "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
+    "broadcast_unit_from_first",
     "check_no_scalar_parameters",
     "check_wire_across_groups",
     "clear_owned_before_reduce",
@@ -95,8 +96,6 @@ def shard_model(
     mesh = shard_mesh(group, layout, device.type)
     policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.comm_dtype)
     low_precision_masters = plan.master_dtype != torch.float32
-    # Replicas equal by construction (as DDP): every rank shards the first rank's weights.
-    make_replicas_equal(Communicator(group), model.parameters())
     own = [name for name, p in model.named_parameters(recurse=False) if p.requires_grad]
     if plan.pipeline_parallel and own:
         raise PrecisionConfigError(
@@ -120,7 +119,9 @@ def shard_model(
             )
     _cast_frozen_and_buffers(model, plan.param_dtype)
     offload = _offload_policy(plan, device)
+    broadcast = Communicator(group)
     for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+        broadcast_unit_from_first(broadcast, unit, device)
         _masters_to(unit, plan.master_dtype)
         fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
     # FSDP2's all-gathers and reduce-scatters run within the shard group.
@@ -144,6 +145,29 @@ def shard_model(
     # refuses the wrap with what to use instead (FSDP2 reduces the gradients already).
     model._ddp_params_and_buffers_to_ignore = _NotForDDP()  # type: ignore[assignment]
     return model
+
+
+def broadcast_unit_from_first(
+    comm: Communicator, unit: torch.nn.Module, device: torch.device
+) -> None:
+    """Replicas equal by construction (as DDP): ``unit``'s parameters not sharded yet take the
+    group's first rank's values, on ``device`` (the mesh's), right before ``unit`` is sharded.
+
+    A model built on the CPU with an NCCL group has its parameters on a device the group has no
+    backend for ("No backend type associated with device type cpu"), so each parameter moves to
+    the mesh device first (where ``fully_shard`` would move it anyway), one unit at a time: no
+    more than one unit is whole on the device. Parameters of units sharded already (DTensors)
+    are skipped, and so are parameters on the meta device (deferred initialisation: FSDP2 keeps
+    them there, and the loop initialises them after sharding).
+    """
+    params = [
+        p for p in unit.parameters() if not isinstance(p, DTensor) and p.device.type != "meta"
+    ]
+    with torch.no_grad():
+        for param in params:
+            if param.device != device:
+                param.data = param.data.to(device)  # as FSDP2's _move_states_to_device
+    make_replicas_equal(comm, params)
 
 
 def check_no_scalar_parameters(model: torch.nn.Module) -> None:
