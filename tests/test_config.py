@@ -295,6 +295,21 @@ def test_adam_type_runs_adamw_with_adams_default_weight_decay() -> None:
     assert dtypeplan.resolve(given).optimizer.params["weight_decay"] == 0.1
 
 
+
+@pytest.mark.parametrize("spelling", ["AdamW", "Adam"])
+def test_adamw_without_weight_decay_takes_deepspeeds_default(spelling: str) -> None:
+    """DeepSpeed runs type "AdamW" (and "Adam" in AdamW mode) on its FusedAdam, whose weight
+    decay defaults to 0; only with torch_adam does it run torch.optim.AdamW and its 0.01."""
+    plan = dtypeplan.resolve({"optimizer": {"type": spelling, "params": {"lr": 0.01}}})
+    assert plan.optimizer.type == "AdamW"
+    assert plan.optimizer.params["weight_decay"] == 0.0
+    assert any("FusedAdam" in w for w in plan.config_warnings)
+    torch_adam = {"optimizer": {"type": spelling, "params": {"lr": 0.01, "torch_adam": True}}}
+    plan = dtypeplan.resolve(torch_adam)
+    assert "weight_decay" not in plan.optimizer.params
+    built = plan.build(torch.nn.Linear(2, 2).parameters())
+    assert built.param_groups[0]["weight_decay"] == 0.01
+
 def test_adam_with_adam_w_mode_false_is_torch_adam() -> None:
     config = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}}}
     plan = dtypeplan.resolve(config)

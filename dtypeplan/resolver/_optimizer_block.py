@@ -85,6 +85,25 @@ _DEEPSPEED_ADAM_ONLY = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_op
 _DEEPSPEED_ADAM_IGNORED = ("torch_adam", "set_grad_none")
 
 
+def _fill_adamw_weight_decay(params: dict[str, Any], notes: list[str]) -> None:
+    """An absent weight decay as DeepSpeed fills it for the AdamW it runs: 0, its FusedAdam's
+    (and DeepSpeedCPUAdam's) default, unless ``torch_adam`` asks for torch.optim.AdamW, whose
+    own default is 0.01."""
+    if "weight_decay" in params:
+        return
+    if params.get("torch_adam") is True:
+        notes.append(
+            "optimizer.params.weight_decay absent: torch.optim.AdamW's default 0.01 "
+            "(DeepSpeed with torch_adam true runs torch's class)"
+        )
+        return
+    params["weight_decay"] = ADAM_PARAMS["weight_decay"]
+    notes.append(
+        "optimizer.params.weight_decay absent: 0, the default of DeepSpeed's FusedAdam "
+        "(torch.optim.AdamW's own default would be 0.01)"
+    )
+
+
 def _read_adam_params(
     name: str, params: dict[str, Any], notes: list[str], ignored: list[str]
 ) -> tuple[str, bool]:
@@ -107,19 +126,17 @@ def _read_adam_params(
             path,
         )
     low_precision_states = params.pop("fp32_optimizer_states", None) is False
+    if adam_w_mode or name == "AdamW":
+        _fill_adamw_weight_decay(params, notes)
     for key in _DEEPSPEED_ADAM_IGNORED:
         if key in params:
             params.pop(key)
             ignored.append(f"$.optimizer.params.{key}")
     if name == "Adam" and adam_w_mode:
-        # Adam's default weight decay (DeepSpeed's and torch.optim.Adam's: 0), not the 0.01
-        # that torch.optim.AdamW would fill in for an absent key.
-        params.setdefault("weight_decay", ADAM_PARAMS["weight_decay"])
         notes.append(
             'optimizer type "Adam" runs AdamW (decoupled weight decay), as in DeepSpeed, '
             "whose adam_w_mode defaults to true; set optimizer.params.adam_w_mode false for "
-            "torch.optim.Adam (L2 weight decay). Without a weight_decay key it is Adam's "
-            "default 0 (torch.optim.AdamW's own default would be 0.01)"
+            "torch.optim.Adam (L2 weight decay)"
         )
         return "AdamW", low_precision_states
     if name == "AdamW" and not adam_w_mode:
