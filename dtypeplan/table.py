@@ -239,8 +239,10 @@ def render_feature_grids(table: RuleTable) -> str:
 
 def feature_rows(table: RuleTable) -> list[tuple[Dimension, list[Any], Rule]]:
     """For each feature dimension, its values other than "not used" grouped by the rule that
-    decides the grid's cells (any core point, a parameter dtype a user can choose) when that
-    value is the only feature in use: ``(dimension, values, rule)`` in file order of rules."""
+    decides the grid's cells (any core point whose settings agree, a parameter dtype a user
+    can choose) when that value is the only feature in use: ``(dimension, values, rule)`` in
+    file order of rules. A core point that is an Error is that Error whatever the features
+    (``RuleTable.lookup``), so it names no feature's rule."""
     rows = []
     for dim in FEATURE_DIMENSIONS.values():
         by_rule: dict[str, tuple[list[Any], Rule]] = {}
@@ -248,7 +250,7 @@ def feature_rows(table: RuleTable) -> list[tuple[Dimension, list[Any], Rule]]:
             if value == dim.default_value:
                 continue
             for point in table.points():
-                if point[PARAMS.name] in PARAMS.choices:
+                if point[PARAMS.name] in PARAMS.choices and table.core_error(point) is None:
                     rule = table.lookup({**point, dim.name: value})
                     values, _ = by_rule.setdefault(rule.id, ([], rule))
                     if value not in values:
@@ -295,7 +297,10 @@ def render_markdown(table: RuleTable) -> str:
         + 'The grid above is every feature\'s "not used" value. Each other value, as the only '
         + "feature of a config, is decided by the rule shown; when a config uses several, the "
         + "last of them in this order decides (the master-weight rules also cover the "
-        + "optimizer states).\n\n"
+        + "optimizer states). A contradiction of the core settings (`gradient_accumulation_"
+        + "dtype.sharded` against the ZeRO stage, both 16-bit modes) is an Error whatever "
+        + "features are set: `resolve` answers the core rule's Error before any feature's "
+        + "verdict.\n\n"
         + render_features(table)
         + "\n"
     )

@@ -940,13 +940,17 @@ def test_qgz_with_shard_groups_is_the_int8_wire_across() -> None:
     assert any("qgZ" in w for w in plan.config_warnings)
     config = _layout(2, shard_group_size=4, zero_quantized_gradients=True)
     config["communication_data_type_across_groups"] = "fp8"
-    with pytest.raises(PrecisionConfigError, match="two wires across"):
-        dtypeplan.resolve(config)
+    # Two wires across the groups: an Error plan (resolve is total), refused at build.
+    both = dtypeplan.resolve(config)
+    assert (both.status, both.rule_id) == ("Error", "quantized-gradients-and-wire-across")
+    assert "two wires" in both.reason and both.wire_across_groups == "fp8"
+    with pytest.raises(PrecisionConfigError, match="two wires"):
+        both.build(torch.nn.Linear(2, 2).parameters())
     # Without shard groups there is no link across: qgZ stays NotSupported, pointing there.
     flat = dtypeplan.resolve(_layout(2, zero_quantized_gradients=True))
     assert flat.status == "NotSupported" and "shard_group_size" in flat.reason
     qwz = dtypeplan.resolve(_layout(2, shard_group_size=4, zero_quantized_weights=True))
-    assert qwz.status == "NotSupported" and qwz.rule_id == "quantized-communication"
+    assert qwz.status == "NotSupported" and qwz.rule_id == "quantized-weights-shard-groups"
 
 
 def test_deepspeed_hierarchical_keys_point_to_shard_group_size() -> None:

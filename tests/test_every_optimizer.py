@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.resolver._dimensions import CORE_DIMENSIONS, DIMENSIONS, config_for
+from dtypeplan.resolver._effective import fp8_execution
 from dtypeplan.resolver._optimizer_kind import state_kind
 from dtypeplan.resolver._rules import Rule
 from tests._helpers import (
@@ -92,13 +93,50 @@ def _rule_point(rule: Rule, name: str, rng: random.Random) -> dict[str, Any] | N
     return point
 
 
+_EMULATE = {"native": "auto", "emulated": "true", "unavailable": "false"}
+"""The ``fp8.emulate`` each ``fp8_execution`` value's config fragment sets."""
+_TRIES = 8
+
+
+def _as_resolved(point: dict[str, Any]) -> dict[str, Any]:
+    """``point`` as ``resolve`` reads the config written for it (``config_for``) on this
+    machine: ``fp8_execution`` is what ``fp8.emulate`` gives on this device (auto: native
+    only where it has the kernels); qgZ with shard groups and no other wire across named is
+    the int8 wire (and no longer quantized communication); a wire across named as the
+    communication dtype is plain ``hybrid``."""
+    emulate = _EMULATE[point["fp8_execution"]]
+    resolved = {**point, "fp8_execution": fp8_execution(point["fp8_recipe"], emulate)}
+    layout, quantized = point["shard_groups"], point["quantized_communication"]
+    if quantized in ("gradients", "both") and layout in ("hybrid", "hybrid_int8"):
+        resolved["shard_groups"] = "hybrid_int8"
+        resolved["quantized_communication"] = "weights" if quantized == "both" else "none"
+    if resolved["shard_groups"] == f"hybrid_{point['comm']}":
+        resolved["shard_groups"] = "hybrid"
+    return resolved
+
+
+def _decides_itself(rule: Rule, decided: Rule) -> bool:
+    """Whether ``decided`` (a lookup) is ``rule``'s own decision: the rule, or its deferral,
+    not a core contradiction's Error that overrules it."""
+    return decided.id == rule.id or decided.decided_by[:1] == (rule.id,)
+
+
 def case_for(rule: Rule, label: str, way: str, seed: int) -> dict[str, Any] | None:
     """The case of ``rule`` x optimizer ``label`` x ``way`` (None where the rule has no point
-    for that optimizer's kind); ``seed`` picks the point within the rule."""
+    for that optimizer's kind); ``seed`` picks the point within the rule, preferring one that
+    the rule decides itself (not overruled by the Error of a core contradiction). What the
+    case expects is the table's lookup of the point as ``resolve`` reads it: the rule, its
+    deferral (``fp8-compute+zero1``: the rule of the point without fp8 decides), or the core
+    Error."""
     name, hyper = OPTIMIZERS[label]
-    point = _rule_point(rule, name, random.Random(seed))
-    if point is None:
-        return None
+    rng = random.Random(seed)
+    for _ in range(_TRIES):
+        point = _rule_point(rule, name, rng)
+        if point is None:
+            return None
+        decided = TABLE.lookup(_as_resolved(point))
+        if _decides_itself(rule, decided):
+            break
     chosen = {
         dim_name: value
         for dim_name, value in point.items()
@@ -112,25 +150,31 @@ def case_for(rule: Rule, label: str, way: str, seed: int) -> dict[str, Any] | No
     # Small buckets, so that the model spans several; a low initial fp16 scale, so that no
     # step overflows and is skipped (correct, but another trajectory than the reference).
     config.setdefault("zero_optimization", {})["reduce_bucket_size"] = 700
-    if point["params"] == "fp16":
+    if point["params"] == "fp16" or point["autocast"] == "fp16":
+        # fp16 autocast scales the loss with the fp16 block's scaler too.
         config["fp16"] = {**config.get("fp16", {}), "initial_scale_power": 4}
     if way == "config":
         config["optimizer"] = {"type": name, "params": hyper}
     return {
-        "rule": rule.id,
-        "point": point,
+        "rule": decided.id,
+        "drawn_from": rule.id,
+        "point": _as_resolved(point),
         "label": label,
         "name": name,
         "hyper": hyper,
         "way": way,
         "config": config,
         "pipeline": point["pipeline"],
-        "expect": str(rule.status),
+        "expect": str(decided.status),
         "steps": STEPS,
         "seed": seed % 100,
         # Shard groups divide a group of several ranks (one process has none to divide);
-        # offloaded ZeRO-3 runs on FSDP2, which needs a process group.
-        "ranks": 1 if point["shard_groups"] == "flat" and point["offload_param"] == "none" else 2,
+        # offloaded ZeRO-3 runs on FSDP2, which needs a process group. A refusal is resolve's
+        # and build's answer before any collective: one process asks it.
+        "ranks": 1
+        if (point["shard_groups"] == "flat" and point["offload_param"] == "none")
+        or decided.status != "OK"
+        else 2,
     }
 
 
@@ -183,13 +227,11 @@ def check(case: dict[str, Any], result: dict[str, Any]) -> str:
 def _all_cases(ways: tuple[str, ...] = WAYS, ok_only: bool = False) -> list[dict[str, Any]]:
     cases = []
     for rule in TABLE.rules:
-        if ok_only and str(rule.status) != "OK":
-            continue
         for label in OPTIMIZERS:
             for way in ways:
                 seed = zlib.crc32(f"{rule.id}/{label}/{way}".encode())
                 case = case_for(rule, label, way, seed)
-                if case is not None:
+                if case is not None and (not ok_only or case["expect"] == "OK"):
                     cases.append(case)
     return cases
 
@@ -278,28 +320,57 @@ def test_low_precision_cells_of_other_optimizers_on_two_ranks() -> None:
         assert result["master_rel_error"] <= LOW_PRECISION_MASTER_RTOL, where
 
 
-def _counts(cases: list[dict[str, Any]], results: list[dict[str, Any]], ranks: int) -> Counter:
+KNOWN_FAILURES = {
+    (2, "offload-zero3", "Adam"): "Adam at ZeRO-3 on two ranks (FSDP2, offloaded or not, "
+    "amsgrad or not) on this case's data (seed 70) is 1e-4 relative off fp32 torch.optim per "
+    "step, 3e-4 after 3 steps (the Adam fp32 lifecycle's 3e-4 on two ranks): its first step "
+    "moves most masters by torch's +-lr and about the same -8.5e-5 beside it, where torch's "
+    "first Adam step is exactly +-lr; an open defect of the ZeRO-3 update, not of the table",
+}
+"""Failing cases known and named, by ``(ranks, rule drawn from, optimizer label)``."""
+
+
+def _counts(
+    cases: list[dict[str, Any]], results: list[dict[str, Any]], ranks: int, failures: list[str]
+) -> Counter:
+    """``(ranks, parity | refused | failed | known failure)`` counts; each unknown failure's
+    message into ``failures`` (every case is checked, so that one failure hides no other)."""
     counts: Counter = Counter()
     for case, result in zip(cases, results, strict=True):
-        counts[(ranks, check(case, result))] += 1
+        try:
+            counts[(ranks, check(case, result))] += 1
+        except AssertionError as error:
+            if (ranks, case["drawn_from"], case["label"]) in KNOWN_FAILURES:
+                counts[(ranks, "known failure")] += 1
+                continue
+            counts[(ranks, "failed")] += 1
+            failures.append(f"{ranks} ranks: {str(error).splitlines()[0][:400]}")
     return counts
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="issue 30, open: the full product was first run after merging fp8 compute, whose "
-    "deferring rules (fp8-compute+<rule>) this test does not yet expect (e.g. fp8 x hpZ)",
-    strict=False,
-)
 def test_every_rule_every_optimizer_every_way() -> None:
     every = _all_cases()
     cases = [c for c in every if c["ranks"] == 1]
     results = worker.run(0, 1, cases)
-    counts = _counts(cases, results, 1)
+    failures: list[str] = []
+    counts = _counts(cases, results, 1, failures)
     group = [c for c in every if c["ranks"] == 2]
     group += [c for c in _all_cases(ways=("config",), ok_only=True) if c["ranks"] == 1]
     per_rank = spawn(worker.run, 2, group, timeout_s=3000)
-    counts += _counts(group, per_rank[0], 2)
-    rules = {c["rule"] for c in every}
-    print(f"\n{len(rules)} rules x {len(OPTIMIZERS)} optimizers x {len(WAYS)} ways: {dict(counts)}")
-    assert rules == {rule.id for rule in TABLE.rules}
+    counts += _counts(group, per_rank[0], 2, failures)
+    rules = {c["drawn_from"] for c in every}
+    overruled = sum(c["rule"] != c["drawn_from"] and "+" not in c["rule"] for c in every)
+    print(
+        f"\n{len(rules)} rules x {len(OPTIMIZERS)} optimizers x {len(WAYS)} ways "
+        f"({len(every)} cases, {overruled} decided by a core contradiction's Error): "
+        f"{dict(counts)}"
+    )
+    print("\n".join(failures))
+    # Every rule with a point for an elementwise optimizer (the shaped-optimizer rule is for
+    # the others: tests/test_optimizer_names.py).
+    assert rules == {r.id for r in TABLE.rules if "elementwise" in r.matched_values("optimizer")}
+    assert not failures, f"{len(failures)} cases: " + "\n".join(failures[:20])
+    known = sum(n for (_, outcome), n in counts.items() if outcome == "known failure")
+    if known:
+        pytest.xfail(f"{known} known failing cases: " + "; ".join(KNOWN_FAILURES.values()))

@@ -156,6 +156,13 @@ def configs(draw: st.DrawFn, point: dict[str, Any] | None = None) -> dict[str, A
         wire = draw(st.sampled_from([None, "unset", *WIRES_ACROSS]))
         if wire != "unset":
             config["communication_data_type_across_groups"] = wire
+    if point is None and draw(st.booleans()):
+        # ZeRO++ qwZ / qgZ, with or without the layout: qgZ with shard groups is the int8 wire
+        # across them, and beside another wire across a contradiction (an Error plan).
+        zero = config.setdefault("zero_optimization", {})
+        for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if draw(st.booleans()):
+                zero[key] = draw(st.booleans())
     return config
 
 
@@ -192,7 +199,7 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         sharded = defaults.accumulator_sharded[stage]
     assert defaults.communication_data_type == "accum"
     comm = config.get("communication_data_type") or accum
-    across = config.get("communication_data_type_across_groups")
+    across, quantized = wire_across_and_quantized(config)
     point = {
         "params": model,
         "accum": accum,
@@ -201,14 +208,29 @@ def point_of(config: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "pipeline": pipeline,
         "comm": comm,
         "reduction": config.get("communication_reduction", "collective"),
-        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature but the layout
+        **FEATURES_UNUSED,  # configs() draws no DeepSpeed feature but the layout and ZeRO++
         # A wire across named as the communication dtype is no other wire: plain hybrid.
         "shard_groups": shard_groups_value(
             config.get("zero_optimization", {}).get("shard_group_size"),
             None if across == comm else across,
         ),
+        "quantized_communication": quantized,
     }
     return {dim: point[dim] for dim in DIMENSIONS}
+
+
+def wire_across_and_quantized(config: dict[str, Any]) -> tuple[str | None, str]:
+    """The wire across the shard groups and the ``quantized_communication`` value: qgZ with
+    shard groups and no other wire across is the int8 wire (and no longer quantized
+    communication); beside another wire both stay."""
+    zero = config.get("zero_optimization", {})
+    across = config.get("communication_data_type_across_groups")
+    weights = bool(zero.get("zero_quantized_weights"))
+    gradients = bool(zero.get("zero_quantized_gradients"))
+    if gradients and zero.get("shard_group_size") is not None and across in (None, "int8"):
+        across, gradients = "int8", False
+    kinds = [kind for kind, on in (("weights", weights), ("gradients", gradients)) if on]
+    return across, "both" if len(kinds) == 2 else kinds[0] if kinds else "none"
 
 
 def tiny_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -235,7 +257,9 @@ def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline:
     point = point_of(config, pipeline)
     matching = [rule for rule in TABLE.rules if rule.matches(point)]
     assert len(matching) == 1, (point, [r.id for r in matching])
-    rule = matching[0]
+    # The one matching rule decides, or the Error of the core settings it contradicts.
+    rule = TABLE.lookup(point)
+    assert rule.id == matching[0].id or rule.overrules == matching[0].id
     assert plan.rule_id == rule.id
     assert plan.status == rule.status
     assert plan.implementation == (rule.implementation if rule.status == "OK" else None)
@@ -246,9 +270,14 @@ def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline:
     assert plan.master_dtype == torch.float32
     layout = config.get("zero_optimization", {}).get("shard_group_size")
     assert plan.shard_group_size == layout
-    assert plan.wire_across_groups == config.get("communication_data_type_across_groups")
+    assert plan.wire_across_groups == wire_across_and_quantized(config)[0]
+    assert plan.quantized_communication == point["quantized_communication"]
     if layout is not None and point["stage"] == 0:
-        assert plan.status == "Error"  # nothing to shard (or a worse error first)
+        # Nothing to shard (or a worse error first); qwZ / qgZ decide their own refusal.
+        assert plan.status == "Error" or point["quantized_communication"] != "none"
+    if point["quantized_communication"] in ("gradients", "both") and layout is not None:
+        # qgZ beside another wire across the groups: the contradiction, as a plan.
+        assert plan.status == "Error", plan.rule_id
     if point["shard_groups"].startswith("hybrid_") and plan.rule_id.startswith("zero3"):
         # FSDP2's HSDP reduces across the groups in communication_data_type only.
         assert plan.status == "NotSupported"

@@ -171,6 +171,12 @@ def _sample_points(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return list(points()) + drawn
 
 
+def _core_error(table: RuleTable, point: dict[str, Any]) -> Rule | None:
+    """The Error rule of the point's core (features unused), found by matching, not lookup."""
+    (core,) = [r for r in table.rules if r.matches({**point, **FEATURES_UNUSED})]
+    return core if core.status == "Error" else None
+
+
 def test_lookup_is_the_one_matching_rule() -> None:
     table = dtypeplan.load_rules()
     for point in _sample_points(3000) + _fp8_points(2000):
@@ -178,17 +184,70 @@ def test_lookup_is_the_one_matching_rule() -> None:
         assert len(matching) == 1, (point, [r.id for r in matching])
         rule = matching[0]
         assert table.matching(point) is rule
-        if not rule.decide_as:
-            assert table.lookup(point) is rule
-            continue
-        # A deferral: the one rule of the point with the deferred values decides.
-        deferred = {**point, **rule.decide_as}
-        (base,) = [r for r in table.rules if r.matches(deferred)]
-        assert not base.decide_as
         decided = table.lookup(point)
-        assert decided.decided_by == (rule.id, base.id)
-        assert (decided.status, decided.implementation) == (base.status, base.implementation)
-        assert decided.matches(point) and rule.reason in decided.reason
+        own = rule
+        if rule.decide_as:
+            # A deferral: the one rule of the point with the deferred values decides.
+            deferred = {**point, **rule.decide_as}
+            (base,) = [r for r in table.rules if r.matches(deferred)]
+            assert not base.decide_as
+            own = base
+        core = _core_error(table, point)
+        if core is not None and own.status != "Error":
+            # The precedence: the core settings' contradiction decides whatever the features.
+            overruled = f"{rule.id}+{own.id}" if rule.decide_as else rule.id
+            assert (decided.id, decided.status, decided.overrules) == (core.id, "Error", overruled)
+            assert core.reason in decided.reason and decided.implementation is None
+            assert decided.matches(point)
+        elif rule.decide_as:
+            assert decided.decided_by == (rule.id, own.id)
+            assert (decided.status, decided.implementation) == (own.status, own.implementation)
+            assert decided.matches(point) and rule.reason in decided.reason
+        else:
+            assert decided is rule
+
+
+CORE_CONTRADICTIONS = [
+    p
+    for p in points()
+    if p["params"] != "fp16+bf16"
+    and (p["stage"], p["sharded"]) in ((0, True), (2, False), (3, False))
+]
+
+
+def _every_feature_value() -> list[tuple[str, Any]]:
+    """Each feature's values but "not used"; fp8's own dimensions with fp8 on."""
+    cases: list[tuple[str, Any]] = []
+    for name, dim in FEATURE_DIMENSIONS.items():
+        cases += [(name, v) for v in dim.values if v != dim.default_value or dim.requires]
+    return cases
+
+
+def test_core_contradictions_are_errors_whatever_features_are_set() -> None:
+    """Stage 0 with a sharded accumulator, stage 2 or 3 with ``sharded: false``: an Error
+    with the contradiction's reason at every core point, crossed with every value of every
+    feature (alone, and with fp8 on beside it), never a feature's NotSupported or OK."""
+    table = dtypeplan.load_rules()
+    checked = 0
+    for point in CORE_CONTRADICTIONS:
+        core = table.lookup(point)
+        assert core.status == "Error" and "sharded" in core.reason, core.id
+        for name, value in _every_feature_value():
+            for fp8 in (False, True):
+                fp8_on = fp8 or bool(FEATURE_DIMENSIONS[name].requires)
+                at = {**point, name: value} | ({"fp8": True} if fp8_on else {})
+                rule = table.lookup(at)
+                assert rule.status == "Error", (at, rule.id)
+                if rule.overrules is None:
+                    # An Error of its own (bf16 masters of fp32 parameters, fp8 without its
+                    # kernels, or the contradiction restated for the feature): it names a
+                    # contradiction too.
+                    assert rule.id == table.matching(at).id or rule.decided_by, rule.id
+                else:
+                    assert rule.id == core.id and core.reason in rule.reason
+                    assert rule.overrules.split("+")[0] == table.matching(at).id
+                checked += 1
+    assert checked > 10_000
 
 
 def _fp8_points(count: int, seed: int = 1) -> list[dict[str, Any]]:
@@ -319,8 +378,8 @@ def test_every_feature_value_but_the_unused_one_is_refused() -> None:
     Error whatever else)."""
     table = dtypeplan.load_rules()
     for point in points():
-        if point["params"] == "fp16+bf16":
-            continue
+        if point["params"] == "fp16+bf16" or table.core_error(point) is not None:
+            continue  # an Error whatever else: test_core_contradictions_are_errors_...
         for name, dim in FEATURE_DIMENSIONS.items():
             for value in dim.values:
                 if dim.requires or name == "fp8":
@@ -795,6 +854,23 @@ def test_a_rule_per_point_of_the_core_and_three_features_checks_fast() -> None:
     # A guard against a pairwise check (20 thousand rules squared takes many minutes), not a
     # timing: it takes about 3 s on an idle core, and other work on the machine must not fail it.
     assert elapsed < 30.0, f"{len(rules)} rules took {elapsed:.1f} s"
+
+
+def test_a_rule_the_precedence_overrules_everywhere_is_refused(tmp_path: Path) -> None:
+    """A feature's rule inside a core contradiction would decide nothing: refused on load."""
+    unused = [v for v in FEATURE_DIMENSIONS["master"].values if v != "fp32"]
+    rules = [
+        _rule_text(0, {"stage": 0, "sharded": True, "master": "fp32"}, status="Error"),
+        _rule_text(1, {"stage": 0, "sharded": True, "master": unused}),
+        _rule_text(2, {"stage": [1, 2, 3]}),
+        _rule_text(3, {"stage": 0, "sharded": False}),
+    ]
+    with pytest.raises(RulesError, match="rule 'r1' decides nothing"):
+        dtypeplan.load_rules(write(tmp_path, _generated(rules)))
+    rules[1] = _rule_text(1, {"stage": 0, "sharded": True, "master": unused}, status="Error")
+    table = dtypeplan.load_rules(write(tmp_path, _generated(rules)))
+    point = {**next(points()), "stage": 0, "sharded": True, "master": "bf16"}
+    assert table.lookup(point).id == "r1"
 
 
 def test_ten_thousand_copies_of_a_rule_fail_fast_with_an_overlap() -> None:

@@ -468,11 +468,10 @@ def _layout(
     if "gradients" in quantized and size is not None:
         # qgZ quantizes the gradients' reduction; across the groups that is the int8 wire.
         if wire not in (None, "int8"):
-            raise PrecisionConfigError(
-                f"{_QGZ} (ZeRO++ qgZ: int8 gradients across the nodes) and {_ACROSS} "
-                f"{wire!r} ask for two wires across the shard groups; keep one of them",
-                _ACROSS,
-            )
+            # Two wires across the groups: both stay in the point, where the table's
+            # quantized-gradients-and-wire-across rule answers the contradiction (an Error
+            # plan, not a raise: resolve is total).
+            return size, wire, wire_key, quantized
         wire, wire_key = "int8", _QGZ
         quantized = [kind for kind in quantized if kind != "gradients"]
         warnings.append(

@@ -21,6 +21,14 @@ exclude the values it defers to, so a deferral never leads to another; :meth:`Ru
 returns the pair as one rule (``fp8-compute+zero3``: the base's status and implementation, both
 reasons).
 
+One precedence holds over every box: a contradiction of the core settings is an Error whatever
+features are set. Where the point's *core* (its core dimensions, every feature at its "not used"
+value) is an Error, :meth:`RuleTable.lookup` answers that Error, unless the point's own rule is
+an Error too (whose reason is about the point itself): a feature's NotSupported (or a deferral)
+never hides that the config contradicts itself (stage 0 with a sharded accumulator, stage 2 or 3
+with ``"sharded": false``). The boxes still cover every point exactly once; the loader refuses a
+rule that the precedence overrules at every point of its box (it would decide nothing).
+
 Loading follows torchgen's habits: ``yaml.safe_load`` semantics with line numbers kept, every
 key checked against ``schemas/rules.schema.json``, cross-rule checks in a second pass, and every
 error a :class:`RulesError` naming ``file:line``. Nothing in a rules file is executed: explicit
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import json
 import os
 from collections.abc import Collection, Iterator
@@ -45,7 +54,15 @@ import jsonschema
 import yaml
 
 from dtypeplan.errors import RulesError
-from dtypeplan.resolver._dimensions import COMBINATIONS, DIMENSIONS, Point, points, value_text
+from dtypeplan.resolver._dimensions import (
+    COMBINATIONS,
+    CORE_DIMENSIONS,
+    DIMENSIONS,
+    FEATURES_UNUSED,
+    Point,
+    points,
+    value_text,
+)
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._input import InputError, InputLimits, check_yaml_events, read_text
 
@@ -57,6 +74,7 @@ __all__ = [
     "Rule",
     "RuleTable",
     "Status",
+    "core_of",
     "default_rules_path",
     "load_rules",
 ]
@@ -103,6 +121,9 @@ class Rule:
     """Deferring rules only: the values whose point decides (see the module docstring)."""
     decided_by: tuple[str, ...] = ()
     """A deferral as looked up: the ids of the deferring rule and of the rule deciding."""
+    overrules: str | None = None
+    """A core Error as looked up at a point with features: the id of the point's own rule,
+    which the contradiction of the core settings overrules (see the module docstring)."""
 
     def matches(self, point: Point) -> bool:
         return all(point[dim] in allowed for dim, allowed in self.when.items())
@@ -149,8 +170,23 @@ class RuleTable:
     """The decision tree the coverage check built (see the module docstring)."""
 
     def lookup(self, point: Point) -> Rule:
-        """The single rule that decides ``point`` (one step per split dimension); a deferring
-        rule's match gives the deferral as one rule (:func:`_deferred`)."""
+        """The rule that decides ``point``: its one rule (a deferring rule's match as the
+        deferral, :func:`_deferred`), or the Error of the point's core where that rule is not
+        an Error itself (:func:`_overruling`; see the module docstring)."""
+        rule = self._own(point)
+        if rule.status == Status.ERROR:
+            return rule
+        core = self.core_error(point)
+        return rule if core is None else _overruling(core, rule)
+
+    def core_error(self, point: Point) -> Rule | None:
+        """The Error rule of ``point``'s core settings (every feature unused), or None where
+        they agree."""
+        core = self._own(core_of(point))
+        return core if core.status == Status.ERROR else None
+
+    def _own(self, point: Point) -> Rule:
+        """The decision of the one rule whose box holds ``point``, without the precedence."""
         rule = self.matching(point)
         if not rule.decide_as:
             return rule
@@ -189,6 +225,28 @@ def _deferred(rule: Rule, base: Rule) -> Rule:
         line=rule.line,
         decided_by=(rule.id, base.id),
     )
+
+
+@cache
+def _overruling(core: Rule, rule: Rule) -> Rule:
+    """The Error ``core`` of a point's core settings, as it decides the point whose own rule is
+    ``rule``: its conditions on the core dimensions only (whatever features are set)."""
+    return Rule(
+        id=core.id,
+        when=FrozenDict({name: v for name, v in core.when.items() if name in CORE_DIMENSIONS}),
+        status=core.status,
+        implementation=None,
+        single_process_implementation=None,
+        reason=f"{core.reason} The core settings contradict each other, which is an Error "
+        f"whatever features are set (here it overrules rule {rule.id}).",
+        line=core.line,
+        overrules=rule.id,
+    )
+
+
+def core_of(point: Point) -> dict[str, Any]:
+    """``point`` with every feature at its "not used" value: the point of its core settings."""
+    return {**point, **FEATURES_UNUSED}
 
 
 def _member(value: Any, allowed: Collection[Any]) -> bool:
@@ -642,6 +700,29 @@ def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> _Ind
     return index
 
 
+def _check_precedence(table: RuleTable, name: str) -> None:
+    """No rule is overruled at every point of its box: a rule other than an Error holds at
+    least one core combination whose core point is not an Error (the precedence of the module
+    docstring would otherwise leave it nothing to decide)."""
+    core_errors = {
+        tuple(point[n] for n in CORE_DIMENSIONS)
+        for point in points()
+        if table.core_error(point) is not None
+    }
+    for rule in table.rules:
+        if rule.status == Status.ERROR:
+            continue
+        combinations = itertools.product(*(rule.matched_values(n) for n in CORE_DIMENSIONS))
+        if all(core in core_errors for core in combinations):
+            raise RulesError(
+                f"rule {rule.id!r} decides nothing: at every point of its box the core "
+                "settings are an Error, which decides whatever features are set; narrow its "
+                "core conditions or remove it",
+                name,
+                rule.line,
+            )
+
+
 def _point_text(point: Point) -> str:
     return ", ".join(f"{dim}={value_text(point[dim])}" for dim in DIMENSIONS)
 
@@ -694,4 +775,6 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
         communication_data_type=raw["communication_data_type"],
         lines=FrozenDict({key: raw.key_lines[key] for key in raw}),
     )
-    return RuleTable(path=path, defaults=defaults, rules=rules, index=index)
+    table = RuleTable(path=path, defaults=defaults, rules=rules, index=index)
+    _check_precedence(table, name)
+    return table

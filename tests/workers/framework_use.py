@@ -254,15 +254,18 @@ def zero3_clipping(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def ddp_wrappers_found(rank: int, world: int) -> tuple[int, list[str]]:
-    """A DDP wrapper is found with a dead weakref.proxy alive, warning about nothing."""
+def ddp_wrappers_found(rank: int, world: int) -> dict[str, Any]:
+    """The first backward on a process group, with a dead weakref.proxy alive (a walk over the
+    live objects met it) and the garbage collector's object list made to fail: the DDP wrapper
+    whose forward ran is found and cooperates; one whose forward never ran is not (DDP leaves
+    no mark on its parameters); nothing warns. Then the watching hook is gone."""
     import gc
     import warnings
     import weakref
 
     import torch.distributed  # noqa: F401 - its deprecated reduce_op is among the objects
 
-    from dtypeplan.optimizers.grads.ddp import wrappers_of
+    from dtypeplan.optimizers.grads import ddp as ddp_module
 
     class Gone:
         pass
@@ -271,10 +274,34 @@ def ddp_wrappers_found(rank: int, world: int) -> tuple[int, list[str]]:
     proxy = weakref.proxy(target)
     del target
     gc.collect()
-    model = torch.nn.Linear(2, 2)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found = wrappers_of(model.parameters())
+
+    def walked() -> list[Any]:
+        raise AssertionError("the live objects were walked")
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 1}})
+    model = make_model(0)
+    optimizer = plan.build(model.parameters())
+    out["hook_while_watching"] = bool(ddp_module._HOOK)
+    net = DistributedDataParallel(model)
+    idle = DistributedDataParallel(make_model(1))  # never runs a forward
+    walk, gc.get_objects = gc.get_objects, walked  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x, y = make_batch(rank, 4)
+            optimizer.backward(mse(net, x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+            found = ddp_module.wrappers_of(model.parameters())
+            out["idle_found"] = len(ddp_module.wrappers_of(idle.module.parameters()))
+    finally:
+        gc.get_objects = walk  # type: ignore[assignment]
     assert proxy is not None
-    return (sum(w is ddp for w in found), [str(w.message) for w in caught])
+    out["found"] = sum(w is net for w in found)
+    out["cooperating"] = bool(getattr(net, "_dtypeplan_reduces", False))
+    out["hook_after_first_backward"] = bool(ddp_module._HOOK)
+    out["warnings"] = [str(w.message) for w in caught]
+    optimizer.close()
+    return out

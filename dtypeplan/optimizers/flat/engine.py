@@ -422,17 +422,17 @@ class FlatMixedPrecisionOptimizer(FlatState):
                     if wrappers_of([param]):
                         raise OptimizerUsageError(
                             "a .grad written by a DistributedDataParallel wrapper made after "
-                            "the optimizer's first backward: dtypeplan reduces the gradients "
-                            "itself and makes DDP's reduction a no-op when it finds the wrapper "
-                            "at its first backward; wrap the model before training (or do not "
-                            "wrap it: dtypeplan needs no DDP)"
+                            "the optimizer's first backward (dtypeplan reduces the gradients, "
+                            "DDP's reduction a no-op): wrap the model before training"
                         )
                     raise OptimizerUsageError(
                         "a .grad set by hand before step() with a sharded accumulator (ZeRO-2, "
                         "or gradient_accumulation_dtype.sharded: true): every rank would have "
                         "to learn of it and reduce-scatter it, which costs every step a host "
                         "sync; produce the gradients with backward(), or use a whole "
-                        "accumulator (ZeRO-0/1)"
+                        "accumulator (ZeRO-0/1). A DistributedDataParallel wrapper writes "
+                        ".grad too when the optimizer did not see its forward between its "
+                        "build and its first backward: build the optimizer before that forward"
                     )
                 else:
                     found[(gi, pi)] = grad * scale if scale != 1.0 else grad

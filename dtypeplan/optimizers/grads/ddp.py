@@ -14,10 +14,15 @@ wrap before training; DDP's own contract is that a communication hook is registe
 its buckets are reduced, and the first one is reduced after the optimizer's first hook):
 
 * it finds the DDP wrappers around its parameters (:func:`wrappers_of`, once per optimizer)
-  and registers :func:`_reduced_by_dtypeplan` as their communication hook: a bucket whose
-  parameters a live dtypeplan optimizer all owns goes nowhere (the completed future DDP's
-  documentation calls a no-op hook); any other bucket is all-reduced as DDP would (mean), so
-  parameters outside dtypeplan keep DDP's meaning;
+  among the wrappers whose forward ran since it was built (DDP leaves no mark on the
+  parameters it wraps, so :func:`watch_for_wrappers` records each wrapper's forward through
+  a global forward pre-hook, held only while some optimizer has yet to run its first
+  backward: no walk over the live objects, which is slow in a large program and runs code
+  on some of them) and registers :func:`_reduced_by_dtypeplan` as their communication
+  hook: a bucket whose parameters a live dtypeplan optimizer all owns goes nowhere (the
+  completed future DDP's documentation calls a no-op hook); any other bucket is all-reduced
+  as DDP would (mean), so parameters outside dtypeplan keep DDP's meaning. A wrapper whose
+  forward ran only before the optimizer was built and not since is not found;
 * right after DDP has written its zeros into ``.grad`` (an autograd callback queued behind
   DDP's own), it drops them (:meth:`ReductionScheduler` calls the engine back), so that after
   backward ``.grad`` is None as without DDP, and a ``.grad`` found at ``step()`` is one the
@@ -34,48 +39,69 @@ be right.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import itertools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers.grads import ownership
 
-if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
-__all__ = ["cooperate_with_ddp", "wrappers_of"]
+__all__ = ["cooperate_with_ddp", "watch_for_wrappers", "wrappers_of"]
 
 _COOPERATING = "_dtypeplan_reduces"
 """Attribute set on a DDP wrapper whose communication hook is dtypeplan's."""
 
+_SEEN: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+"""The DDP wrappers whose forward ran while some optimizer watched (held weakly)."""
+_WATCHERS: set[int] = set()
+"""The tokens of the optimizers watching (:func:`watch_for_wrappers`)."""
+_TOKENS = itertools.count()
+_HOOK: list[RemovableHandle] = []
+"""The global forward pre-hook, while any optimizer watches."""
+
+
+def _record(module: torch.nn.Module, args: Any) -> None:
+    # The type, not isinstance: the hook runs for every module's forward.
+    if issubclass(type(module), DistributedDataParallel):
+        _SEEN.add(module)  # type: ignore[arg-type]
+
+
+def watch_for_wrappers() -> Callable[[], None]:
+    """Record every DDP wrapper whose forward runs from now on, until the function returned
+    is called (an optimizer calls it at its first backward, or when it is collected).
+
+    A global module forward pre-hook does the recording while any optimizer watches; it is
+    removed with the last watcher, so that training after the first backward pays nothing.
+    """
+    token = next(_TOKENS)
+    _WATCHERS.add(token)
+    if not _HOOK:
+        _HOOK.append(torch.nn.modules.module.register_module_forward_pre_hook(_record))
+
+    def stop() -> None:
+        _WATCHERS.discard(token)
+        if not _WATCHERS and _HOOK:
+            _HOOK.pop().remove()
+
+    return stop
+
 
 def wrappers_of(params: Iterable[torch.Tensor]) -> list[DistributedDataParallel]:
-    """The live DDP wrappers whose module holds any of ``params``.
-
-    DDP leaves no mark on the parameters it wraps, so the wrappers are looked for among the
-    live objects: once per optimizer (its first backward), and only where a process group
-    exists (DDP needs one).
-    """
+    """The DDP wrappers whose module holds any of ``params``, among those whose forward ran
+    while an optimizer watched (:func:`watch_for_wrappers`); none without a process group
+    (DDP needs one)."""
     if not dist.is_available() or not dist.is_initialized():
         return []
-    from torch.nn.parallel import DistributedDataParallel
-
     ids = {id(p) for p in params}
     if not ids:
         return []
-    # The type, not isinstance: isinstance reads an object's __class__, which runs code on
-    # some live objects (torch.distributed.reduce_op warns that it is deprecated; a dead
-    # weakref.proxy raises ReferenceError).
-    return [
-        obj
-        for obj in gc.get_objects()
-        if issubclass(type(obj), DistributedDataParallel)
-        and any(id(p) in ids for p in obj.module.parameters())
-    ]
+    return [ddp for ddp in list(_SEEN) if any(id(p) in ids for p in ddp.module.parameters())]
 
 
 def cooperate_with_ddp(params: Iterable[torch.Tensor]) -> bool:

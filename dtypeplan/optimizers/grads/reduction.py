@@ -61,7 +61,7 @@ from dtypeplan.comm import Communicator
 from dtypeplan.comm._levels import AcrossGroups
 from dtypeplan.errors import OptimizerUsageError
 from dtypeplan.optimizers.buffers.group_state import GroupState
-from dtypeplan.optimizers.grads.ddp import cooperate_with_ddp
+from dtypeplan.optimizers.grads.ddp import cooperate_with_ddp, watch_for_wrappers
 from dtypeplan.optimizers.grads.factor import chunk_sq_norms
 from dtypeplan.optimizers.grads.owned import OwnedGradient
 from dtypeplan.optimizers.grads.ownership import HookSet
@@ -212,6 +212,10 @@ class ReductionScheduler:
         inside the boundary backward as soon as the chunk was final (while it is still in
         cache, and off the step's critical path). The step takes the norms of the others."""
         self._look_for_wrappers = True
+        # DDP wrappers whose forward runs before the first backward are recorded; the
+        # watching ends there (or with this object).
+        self._stop_watching = watch_for_wrappers()
+        weakref.finalize(self, self._stop_watching)
         self.ddp_wrapped = False
         """A DDP wrapper holds the parameters (found at the first backward, ``grads/ddp.py``)."""
         self.after_wrapped_backward: Callable[[], None] | None = None
@@ -348,6 +352,7 @@ class ReductionScheduler:
             # reduced: its communication hook is in place for the first one.
             self._look_for_wrappers = False
             self.ddp_wrapped = cooperate_with_ddp(p for s in self.groups for p in s.flat.params)
+            self._stop_watching()
         if self.phase is not Phase.ARMED:
             # A bare loss.backward() (a pipeline schedule): no backward() call began it.
             if self.bare_backward_refusal is not None:
