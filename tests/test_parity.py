@@ -183,7 +183,8 @@ def _train(config: dict[str, Any] | None, lr: float) -> float:
         model = make_model(0)
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=lr)
     else:
-        plan = dtypeplan.resolve({**config, "optimizer": {"type": "AdamW", "params": {"lr": lr}}})
+        adamw = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}}  # torch's default
+        plan = dtypeplan.resolve({**config, "optimizer": adamw})
         assert plan.status == "OK", plan.explain()
         model = plan.prepare_model(make_model(0))
         optimizer = plan.build(model.parameters())
