@@ -137,7 +137,7 @@ def test_a_group_turning_maximize_on_leaves_the_fused_path_as_before() -> None:
     model = torch.nn.Linear(8, 4)
     reference = torch.nn.Linear(8, 4)
     reference.load_state_dict(model.state_dict())
-    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(reference.parameters(), **plan.optimizer.params)
     opt = plan.build(model.parameters())
     _train(opt, model, 2, torch.float32)
     _train(torch_opt, reference, 2, torch.float32)

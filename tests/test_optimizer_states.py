@@ -467,7 +467,7 @@ def _train_lm(states: str | None) -> list[float]:
         plan = dtypeplan.resolve(
             {
                 "optimizer_states": _states_block(states),
-                "optimizer": {"type": "AdamW", "params": {"lr": DRIFT_LR}},
+                "optimizer": {"type": "AdamW", "params": {"lr": DRIFT_LR, "weight_decay": 0.01}},
             }
         )
         assert plan.status == "OK", plan.explain()
