@@ -146,6 +146,7 @@ def training_cases(
             }
         )
         result = {
+            "scales_off": _scales_off(model),
             "name": case["name"],
             "losses": losses,
             "bf16_losses": bf16_losses,
@@ -158,6 +159,24 @@ def training_cases(
         results.append(result)
         del optimizer
     return results
+
+
+def _scales_off(model: torch.nn.Module) -> list[str]:
+    """The fp8-gathered weights whose precomputed scale (the one the next all-gather casts
+    with, on this rank) is not torchao's tensorwise scale of the whole weight."""
+    from torchao.float8.float8_utils import EPS
+
+    off = []
+    for name, module in model.named_modules():
+        local = getattr(getattr(module, "weight", None), "_local_tensor", None)
+        scale = getattr(local, "_precomputed_scale", None)
+        if scale is None:
+            continue
+        amax = module.weight.full_tensor().abs().max().clamp(EPS).double()
+        expected = (torch.finfo(torch.float8_e4m3fn).max / amax).float()
+        if not torch.equal(scale, expected):
+            off.append(f"{name}: {float(scale)} != {float(expected)}")
+    return off
 
 
 def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> dict[str, Any]:

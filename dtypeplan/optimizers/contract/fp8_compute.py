@@ -109,9 +109,14 @@ def convert_linears(
 
 
 def fp8_all_gather_weights(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
-    """The converted layers whose weights FSDP2 gathers in fp8 and are among ``params``."""
-    ids = {id(p) for p in params}
-    return [layer for layer in list(_GATHERED_IN_FP8) if id(layer.weight) in ids]
+    """The converted layers whose weights FSDP2 gathers in fp8 and are among ``params``, in
+    the order of ``params``. The order is the all-reduce's: :func:`precompute_scales` stacks
+    the layers' maxima into one tensor and reduces it, so every rank must list the same
+    layers in the same order (a set's order follows object ids, which differ between ranks
+    and between runs: each rank's maximum would meet another layer's, and the shards of one
+    weight would be cast with different scales yet gathered under one)."""
+    layer_of = {id(layer.weight): layer for layer in list(_GATHERED_IN_FP8)}
+    return [layer_of[id(p)] for p in params if id(p) in layer_of]
 
 
 def precompute_scales(layers: list[torch.nn.Module]) -> None:
