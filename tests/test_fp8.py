@@ -27,7 +27,8 @@ import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers.contract import MXFP8Linear
 from dtypeplan.optimizers.contract.fp8_compute import eligible_linears
-from tests.workers.fp8 import Head, batch, resume_case, training_cases
+from tests._helpers import assert_memory_close
+from tests.workers.fp8 import Head, batch, cost_case, resume_case, training_cases
 
 REFERENCE_RTOL = 1e-4
 BF16_RTOL = 3e-2
@@ -270,6 +271,59 @@ def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, An
         resume_case(rank, world, config, 4),
         resume_case(rank, world, case["config"], 4),
     )
+
+
+def _cost_cases(rank: int, world: int) -> list[dict[str, Any]]:
+    """cost_case for the fp8 all-gather and the bf16 one."""
+    return [cost_case(rank, world, c) for c in (_config(3, all_gather="fp8"), _config(3))]
+
+
+def test_traffic_and_memory_of_the_fp8_all_gather_are_the_bytes_sent_and_held() -> None:
+    """ZeRO-3 on 2 ranks, the step after the first: each collective's bytes equal
+    plan.traffic()'s, the bytes held plan.memory()'s, for the fp8 all-gather and the bf16 one.
+    The Head's units shard without padding (64 rows on 2 ranks) and its root holds no
+    parameter of its own, so FSDP2 gathers every unit twice a step, as the model counts."""
+    from dtypeplan.optimizers.contract import fp8_weight_numels
+
+    per_rank = spawn(_cost_cases, 2, timeout_s=300)
+    weights = (64 * 64,) * 3  # the blocks' weights; lm_head is left out, biases are not linears
+    for fp8_gather, bf16_gather in per_rank:
+        for result in (fp8_gather, bf16_gather):
+            assert result["fp8_weights"] == result["fp8_weights_before_prepare"] == list(weights)
+            sent = dict(result["sent"])
+            assert sent.pop("summary") > 0  # the step's scalar summary, not counted by the plan
+            assert sent == result["traffic"], (sent, result["traffic"])
+            # params (the shards, and the fp8 scales) to the byte; the states hold besides
+            # the AdamW step counters (4 bytes a parameter), which the model leaves out.
+            held, memory = result["held"], result["memory"]
+            assert held["params"] == memory["params"]
+            assert 0 <= held["optimizer_states"] - memory["optimizer_states"] <= 4 * 7
+            assert_memory_close(held, memory, result["fp8_weights"])
+        # The fp8 gather: the three weights as one byte a value (biases and lm_head in bf16),
+        # and the scales: 3 fp32 maxima all-reduced per step, 3 fp32 scales held.
+        n = sum(p.numel() for p in Head(0).parameters())
+        f = sum(weights)
+        assert fp8_gather["sent"]["all_gather"] == 2 * (2 * (n - f) + f) // 2
+        assert bf16_gather["sent"]["all_gather"] == 2 * 2 * n // 2
+        ratio = fp8_gather["sent"]["all_gather"] / bf16_gather["sent"]["all_gather"]
+        assert 0.5 < ratio < 0.7, ratio
+        assert fp8_gather["sent"]["all_reduce"] == 2 * 4 * 3 // 2
+        assert "all_reduce" not in bf16_gather["sent"]
+        assert fp8_gather["held"]["params"] - bf16_gather["held"]["params"] == 4 * 3
+    # Without the weights' sizes an fp8-gathering plan has no figure to give; elsewhere the
+    # sizes change nothing (the bf16 all-gather, other stages, one process).
+    plan = dtypeplan.resolve(_config(3, all_gather="fp8"))
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="fp8_weight_numels"):
+        plan.traffic(10**6, 8)
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="fp8_weight_numels"):
+        plan.memory(10**6, 8)
+    assert "traffic: not estimated" in plan.explain(10**6, 8)
+    assert plan.traffic(10**6, 1) == plan.traffic(10**6, 1, fp8_weights=[1000])
+    for other in (_config(3), _config(2)):
+        other_plan = dtypeplan.resolve(other)
+        assert other_plan.traffic(10**6, 8) == other_plan.traffic(10**6, 8, fp8_weights=[1000])
+        assert other_plan.memory(10**6, 8) == other_plan.memory(10**6, 8, fp8_weights=[1000])
+    assert fp8_weight_numels(Head(0), dtypeplan.resolve({"bf16": {"enabled": True}})) == ()
 
 
 MATRIX = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -218,4 +219,92 @@ def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> di
         "resumed": resumed,
         "exported": {name: (tuple(t.shape), str(t.dtype)) for name, t in exported.items()},
         "names": [name for name, _ in Head(0).named_parameters()],
+    }
+
+
+def _counted_collectives() -> tuple[dict[str, int], Any]:
+    """Bytes each collective sends from this rank, counted as ``CommStats`` counts them (a
+    ring all-gather or reduce-scatter of ``n`` bytes over ``g`` ranks: ``n * (g - 1) / g``,
+    an all-reduce twice that), and a context that counts while it is open. FSDP2's
+    collectives run as c10d ops (seen by a dispatch mode); DTensor's reductions (the fp8
+    scales' maxima) as functional all-reduces, which a dispatch mode cannot see from inside
+    DTensor's own dispatch: those are counted at ``funcol.all_reduce``. The c10d all-reduce
+    is the step's scalar summary, which ``plan.traffic()`` leaves out (``summary``)."""
+    import contextlib
+
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sent: dict[str, int] = defaultdict(int)
+    g = dist.get_world_size()
+
+    def ring(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size() * (g - 1) // g
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            name = str(func)
+            if name.startswith("c10d._allgather_base_"):
+                sent["all_gather"] += ring(args[0])
+            elif name.startswith("c10d._reduce_scatter_base_"):
+                sent["reduce_scatter"] += ring(args[1])
+            elif name.startswith("c10d.allreduce_"):
+                sent["summary"] += 2 * sum(ring(t) for t in args[0])
+            elif func.namespace in ("c10d", "_c10d_functional"):
+                sent[f"uncounted {name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        all_reduce = funcol.all_reduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            sent["all_reduce"] += 2 * ring(tensor)
+            return all_reduce(tensor, *args, **kwargs)
+
+        funcol.all_reduce = counted
+        try:
+            with Mode():
+                yield
+        finally:
+            funcol.all_reduce = all_reduce
+
+    return sent, counting
+
+
+def cost_case(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One step after a first (the first casts without precomputed scales, and builds the
+    state): the bytes each collective sent and the bytes held at the accumulation boundary,
+    with what ``plan.traffic()`` and ``plan.memory()`` predict from the model's fp8 weights."""
+    from dtypeplan.optimizers.contract import fp8_weight_numels
+
+    plan = dtypeplan.resolve(config)
+    model = Head(5)
+    num_params = sum(p.numel() for p in model.parameters())
+    before = fp8_weight_numels(model, plan)
+    model = plan.prepare_model(model)
+    optimizer = plan.build(model.parameters())
+    sent, counting = _counted_collectives()
+
+    def step(index: int) -> dict[str, int]:
+        x, y = batch(index, world * TOKENS)
+        part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        optimizer.backward(loss_of(model, x[part], y[part]))
+        held = optimizer.held_tensors().nbytes()
+        optimizer.step()
+        optimizer.zero_grad()
+        return held
+
+    step(0)
+    with counting():
+        step(1)
+    held = step(2)
+    fp8_weights = fp8_weight_numels(model, plan)
+    return {
+        "sent": dict(sent),
+        "held": held,
+        "fp8_weights": list(fp8_weights),
+        "fp8_weights_before_prepare": list(before),
+        "traffic": dict(plan.traffic(num_params, world, fp8_weights=fp8_weights).within),
+        "memory": plan.memory(num_params, world, fp8_weights=fp8_weights),
     }

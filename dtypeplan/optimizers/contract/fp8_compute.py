@@ -42,6 +42,8 @@ __all__ = [
     "convert_linears",
     "eligible_linears",
     "fp8_all_gather_weights",
+    "fp8_held",
+    "fp8_weight_numels",
     "precompute_scales",
 ]
 
@@ -117,6 +119,43 @@ def fp8_all_gather_weights(params: Iterable[torch.Tensor]) -> list[torch.nn.Modu
     weight would be cast with different scales yet gathered under one)."""
     layer_of = {id(layer.weight): layer for layer in list(_GATHERED_IN_FP8)}
     return [layer_of[id(p)] for p in params if id(p) in layer_of]
+
+
+def fp8_weight_numels(model: torch.nn.Module, plan: PrecisionPlan) -> tuple[int, ...]:
+    """The sizes (whole, unsharded) of the weights ``plan`` computes in fp8 in ``model``, in
+    ``named_modules`` order: before :meth:`~PrecisionPlan.prepare_model`, of the layers it
+    would convert; after it, of the layers it converted. What ``plan.traffic()`` and
+    ``plan.memory()`` take as ``fp8_weights``: at ZeRO-3 with ``fp8.all_gather: fp8``, FSDP2
+    gathers these weights as one byte a value and each rank holds one fp32 scale for each."""
+    if not plan.fp8:
+        return ()
+    with torchao_import_quiet():
+        from torchao.float8.float8_linear import Float8Linear
+    chosen = set(eligible_linears(model, plan))
+    sizes = []
+    for name, module in model.named_modules():
+        # isinstance: FSDP2 gives a layer it shards as a unit a class of its own.
+        if isinstance(module, (Float8Linear, MXFP8Linear)) or name in chosen:
+            sizes.append(module.weight.numel())
+    return tuple(sizes)
+
+
+def fp8_held(
+    sharded: Iterable[torch.Tensor], local_shards: Iterable[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors that hold ``local_shards`` (the local shards of the DTensors ``sharded``)
+    and the fp32 scales precomputed for the next fp8 all-gather, for ``held_tensors``. A
+    weight FSDP2 gathers in fp8 is torchao's ``WeightWithDynamicFloat8CastTensor``, a wrapper
+    without a storage of its own (its values are its ``_tensor``); torchao sets the scale on
+    the DTensor's own local tensor, which ``to_local`` does not return."""
+    plain, scales = [], []
+    for param, shard in zip(sharded, local_shards, strict=True):
+        inner = getattr(shard, "_tensor", None) if hasattr(shard, "fsdp_pre_all_gather") else None
+        plain.append(shard if inner is None else inner)
+        scale = getattr(getattr(param, "_local_tensor", None), "_precomputed_scale", None)
+        if scale is not None:
+            scales.append(scale)
+    return plain, scales
 
 
 def precompute_scales(layers: list[torch.nn.Module]) -> None:
