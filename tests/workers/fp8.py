@@ -308,3 +308,142 @@ def cost_case(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
         "traffic": dict(plan.traffic(num_params, world, fp8_weights=fp8_weights).within),
         "memory": plan.memory(num_params, world, fp8_weights=fp8_weights),
     }
+
+
+# --- the frameworks' fp8 spellings (tests/test_fp8_frameworks.py) -------------------------------
+def _train_through(
+    plan: dtypeplan.PrecisionPlan,
+    rank: int,
+    world: int,
+    steps: int,
+    accelerator: Any = None,
+    **build: Any,
+) -> list[float]:
+    """Head(2) prepared and built by ``plan``, trained ``steps`` (through ``accelerator``'s
+    ``prepare`` and ``backward`` where given)."""
+    model = plan.prepare_model(Head(2))
+    optimizer = plan.build(model.parameters(), **build)
+    backward = optimizer.backward
+    if accelerator is not None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world * TOKENS)
+        part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        loss = loss_of(model, x[part], y[part])
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def accelerate_fp8_cases(
+    rank: int, world: int, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per case: ``DtypeplanAccelerator(mixed_precision="fp8", kwargs_handlers=...)`` with the
+    case's torchao recipe (none: Accelerate's default) resolves the config and trains through
+    ``accelerator.prepare`` / ``backward``; the same config with the fp8 block written out
+    trains without Accelerate. The plans' fp8 fields and both runs' losses."""
+    from accelerate.utils import AORecipeKwargs
+    from torchao.float8 import Float8LinearConfig
+
+    from dtypeplan.integrations import DtypeplanAccelerator
+
+    results = []
+    for case in cases:
+        recipe = case["recipe"]
+        handlers = (
+            []
+            if recipe is None
+            else [AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(recipe))]
+        )
+        accelerator = DtypeplanAccelerator(mixed_precision="fp8", kwargs_handlers=handlers)
+        plan = accelerator.resolve(case["config"])
+        losses = _train_through(plan, rank, world, 3, accelerator)
+        direct = dtypeplan.resolve(
+            {**case["config"], "bf16": {"enabled": True}, "fp8": case["block"]}
+        )
+
+        results.append(
+            {
+                "fp8": plan.to_dict(),
+                "direct_fp8": direct.to_dict(),
+                "accelerate_precision": str(accelerator.mixed_precision),
+                "losses": losses,
+                "direct_losses": _train_through(direct, rank, world, 3),
+            }
+        )
+    return results
+
+
+def lightning_fp8_case(rank: int, world: int, recipe: str, stage: int) -> dict[str, Any]:
+    """A LightningModule that converts its own layers with torchao in ``configure_model``
+    (Lightning's fp8 recipe), trained by ``DtypeplanStrategy`` at ``stage``: the plan reads
+    the layers' recipe into its fp8 block and trains the layers as converted; the losses
+    against the same config with that block, the model converted by ``prepare_model``."""
+    import lightning
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from dtypeplan.integrations import DtypeplanStrategy
+
+    config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage}}
+    torchao_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Head(2)
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            convert_to_float8_training(
+                self.model,
+                config=torchao_config,
+                module_filter_fn=lambda _m, name: name != "lm_head",
+            )
+
+        def training_step(self, data: Any, index: int) -> torch.Tensor:
+            x, y = batch(index, world * TOKENS)
+            part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            loss = loss_of(self.model, x[part], y[part])
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(list(range(3 * world)), batch_size=1)
+
+    module = Module()
+    strategy = DtypeplanStrategy(config)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="bf16-true",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    assert strategy.plan is not None
+    block = {"enabled": True, "recipe": recipe, "emulate": True}
+    direct = dtypeplan.resolve(
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}, "fp8": block}
+    )
+
+    return {
+        "plan": strategy.plan.to_dict(),
+        "classes": sorted({type(m).__name__ for m in module.model.modules()}),
+        "losses": module.losses,
+        "direct_losses": _train_through(
+            direct, rank, world, 3, optimizer=torch.optim.AdamW, lr=1e-2
+        ),
+    }

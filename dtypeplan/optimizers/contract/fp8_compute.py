@@ -85,7 +85,15 @@ def convert_linears(
     """Convert ``model``'s eligible linear layers for ``plan``'s fp8 compute, in place; returns
     their names (none without fp8). ``sharded_by_fsdp2``: FSDP2 shards the model next, so an
     fp8 all-gather has a gather to act on (ZeRO-3 in one process runs the flat optimizer)."""
+    converted_before = _converted_float8(model)
     if not plan.fp8:
+        if converted_before:
+            raise PrecisionConfigError(
+                "plan.prepare_model: the model holds torchao Float8Linear layers "
+                f"({', '.join(converted_before)}) but the plan computes without fp8, so "
+                "explain() and the plan's figures would not be what runs: enable the config's "
+                "fp8 block with their recipe, or pass the model unconverted"
+            )
         return []
     if plan.fp8_execution == "unavailable":
         raise PrecisionConfigError(plan.reason)
@@ -93,6 +101,11 @@ def convert_linears(
     chosen = set(names)
     emulate = plan.fp8_execution == "emulated"
     if plan.fp8_recipe == "mxfp8":
+        if converted_before:
+            raise PrecisionConfigError(
+                f"plan.prepare_model: fp8.recipe mxfp8, but the model holds torchao "
+                f"Float8Linear layers ({', '.join(converted_before)}) of another recipe"
+            )
         for name in names:
             MXFP8Linear.convert(model.get_submodule(name), emulate=emulate)
         return names
@@ -104,10 +117,33 @@ def convert_linears(
         emulate=emulate,
         enable_fsdp_float8_all_gather=gather_fp8,
     )
+    # Layers converted before (a user's own convert_to_float8_training, as Lightning's
+    # configure_model does) are taken as they are where their config is the plan's.
+    for name in converted_before:
+        theirs: Float8LinearConfig = model.get_submodule(name).config
+        if dataclasses.replace(theirs, pad_inner_dim=config.pad_inner_dim) != config:
+            raise PrecisionConfigError(
+                f"plan.prepare_model: the model's layer {name} was converted with torchao's "
+                f"{theirs}, but the plan computes {plan.fp8_recipe} (emulated: {emulate}, fp8 "
+                f"all-gather: {gather_fp8}) as {config}: state the layers' recipe in the fp8 "
+                "block, or pass the model unconverted and let prepare_model convert it"
+            )
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, n: n in chosen)
+    names = sorted({*names, *converted_before}, key=[n for n, _ in model.named_modules()].index)
     if gather_fp8:
         _GATHERED_IN_FP8.update(model.get_submodule(name) for name in names)
     return names
+
+
+def _converted_float8(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s torchao ``Float8Linear`` layers (none without torchao loaded:
+    then nothing can have converted them)."""
+    import sys
+
+    module = sys.modules.get("torchao.float8.float8_linear")
+    if module is None:
+        return []
+    return [n for n, m in model.named_modules() if isinstance(m, module.Float8Linear)]
 
 
 def fp8_all_gather_weights(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
