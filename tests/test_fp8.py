@@ -355,3 +355,23 @@ def test_resume_is_bit_for_bit_for_mxfp8_and_rowwise(stage: int) -> None:
     per_rank = spawn(resume_case, 2, _config(stage, recipe=recipe), 4, timeout_s=600)
     for result in per_rank:
         assert result["resumed"] == result["straight"]
+
+
+# --- the benchmarks (their numbers: benchmarks/results/fp8_fidelity-*.md) ---------------------
+@pytest.mark.slow
+def test_fidelity_benchmark_runs_and_converts_every_projection() -> None:
+    from benchmarks import bench_fp8_fidelity
+
+    summary = bench_fp8_fidelity.main(["--steps", "2", "--no-write"])
+    assert set(summary["max_curve_deviation"]) == set(bench_fp8_fidelity.VARIANTS)
+    assert 0.5 < summary["fp8_over_bf16_all_gather"] < 0.8
+
+
+@pytest.mark.slow
+def test_gpu_fp8_step_dry_run_checks_pass(tmp_path: Any) -> None:
+    from benchmarks.gpu import bench_fp8_step
+
+    summary = bench_fp8_step.main(["--dry-run", "--out", str(tmp_path)])
+    assert summary["errors"] == [] and all(summary["check_ok"].values()), summary
+    assert summary["all_gather_ok"] == {"param_dtype": True, "fp8": True}, summary
+    assert list(tmp_path.glob("gpu_fp8_step_dryrun-*.json"))
