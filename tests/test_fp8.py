@@ -216,6 +216,17 @@ def test_eligibility_sizes_and_patterns() -> None:
         mx.prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 64)))(x.bfloat16())
 
 
+def test_a_model_with_nothing_to_convert_is_warned_about() -> None:
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear: fp8 would run nowhere."""
+    from tests.workers.real_models import build_model
+
+    plan = dtypeplan.resolve(_config(0))
+    with pytest.warns(UserWarning, match="Conv1D"):
+        plan.prepare_model(build_model("gpt2"))
+    with pytest.warns(UserWarning, match="multiples of 16"):
+        plan.prepare_model(torch.nn.Sequential(torch.nn.Linear(20, 20)))
+
+
 def test_zero3_in_one_process_runs_the_flat_optimizer_without_an_fp8_gather() -> None:
     plan = dtypeplan.resolve(_config(3, all_gather="fp8"))
     model = plan.prepare_model(Head(1))

@@ -98,6 +98,8 @@ def convert_linears(
     if plan.fp8_execution == "unavailable":
         raise PrecisionConfigError(plan.reason)
     names = eligible_linears(model, plan)
+    if not names and not converted_before:
+        _warn_nothing_converted(model, plan)
     chosen = set(names)
     emulate = plan.fp8_execution == "emulated"
     if plan.fp8_recipe == "mxfp8":
@@ -133,6 +135,34 @@ def convert_linears(
     if gather_fp8:
         _GATHERED_IN_FP8.update(model.get_submodule(name) for name in names)
     return names
+
+
+def _warn_nothing_converted(model: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """fp8 on, and no layer to compute in it: the run would be bf16 compute under a plan
+    that says fp8. Warn, naming the linear-like layers that are not ``nn.Linear``."""
+    import warnings
+
+    others = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if type(m) is not torch.nn.Linear
+            and hasattr(m, "weight")
+            and "Conv1D" in type(m).__name__
+        }
+    )
+    why = (
+        f"its projections are {', '.join(others)} (transformers' GPT-2 layers), not nn.Linear"
+        if others
+        else f"no nn.Linear has in and out features that are multiples of "
+        f"{_multiple(plan.fp8_recipe)} outside fp8.exclude_modules "
+        f"{list(plan.fp8_exclude_modules)}"
+    )
+    warnings.warn(
+        f"fp8 compute is enabled but prepare_model converts no layer of this model: {why}; "
+        "it computes in the parameter dtype",
+        stacklevel=3,
+    )
 
 
 def _converted_float8(model: torch.nn.Module) -> list[str]:
