@@ -447,3 +447,22 @@ def lightning_fp8_case(rank: int, world: int, recipe: str, stage: int) -> dict[s
             direct, rank, world, 3, optimizer=torch.optim.AdamW, lr=1e-2
         ),
     }
+
+
+def bias_free_gather_case(rank: int, world: int) -> float:
+    """A forward and backward at ZeRO-3 with the fp8 all-gather where a unit holds one fp8
+    weight alone (a bias-free linear layer held by a ModuleList)."""
+    config = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "fp8": {"enabled": True, "all_gather": "fp8"},
+    }
+    plan = dtypeplan.resolve(config)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Linear(WIDTH, WIDTH, bias=False)
+    )
+    model = plan.prepare_model(model)
+    loss = model(torch.randn(TOKENS, WIDTH).bfloat16()).float().square().mean()
+    loss.backward()
+    return float(loss.detach())
