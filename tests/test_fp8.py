@@ -256,15 +256,29 @@ def _check_training(result: dict[str, Any], case: dict[str, Any]) -> None:
             assert abs(mine - ref) <= REFERENCE_RTOL * ref, (case["name"], mine, ref)
 
 
-def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks() -> None:
+_DEFAULT_CASE = {
+    "name": "tensorwise-zero3-fp8-all-gather",
+    "seed": 1,
+    "config": _config(3, all_gather="fp8"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[Any, ...]]:
+    """The default run's 2-rank cases, one process group for the tests that read them."""
+    return spawn(_default_group, 2, _DEFAULT_CASE, timeout_s=600)
+
+
+def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks(
+    two_ranks: list[tuple[Any, ...]],
+) -> None:
     """Resume bitwise with the bf16 all-gather and with the fp8 one. The fp8 all-gather's
     scales are one all-reduce over the layers' stacked maxima: every rank must stack the
     layers in the same order (they once came from a set, ordered by object ids: each rank's
     maximum met another layer's, one weight's shards were cast with different scales and
     gathered under one, and a resumed run, with other ids, took another pairing: 0.2% off)."""
-    case = _case("tensorwise-zero3-fp8-all-gather", 3, all_gather="fp8")
-    (training, resumed, resumed_fp8_gather), _ = spawn(_default_group, 2, case, timeout_s=400)
-    _check_training(training, case)
+    training, resumed, resumed_fp8_gather, _ = two_ranks[0]
+    _check_training(training, _DEFAULT_CASE)
     assert training["scales_off"] == []  # each weight's scale is its own, on both ranks
     assert resumed["resumed"] == resumed["straight"]  # ZeRO-3 tensorwise, bf16 all-gather
     assert resumed_fp8_gather["resumed"] == resumed_fp8_gather["straight"]
@@ -273,7 +287,7 @@ def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ra
     assert {dtype for _, dtype in resumed["exported"].values()} == {"torch.float32"}
 
 
-def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, ...]:
     (training,) = training_cases(rank, world, [case], STEPS)
     config = copy.deepcopy(case["config"])
     config["fp8"] = {"enabled": True}
@@ -281,22 +295,21 @@ def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, An
         training,
         resume_case(rank, world, config, 4),
         resume_case(rank, world, case["config"], 4),
+        # The fp8 all-gather's costs, and the bf16 all-gather's.
+        [cost_case(rank, world, c) for c in (case["config"], _config(3))],
     )
 
 
-def _cost_cases(rank: int, world: int) -> list[dict[str, Any]]:
-    """cost_case for the fp8 all-gather and the bf16 one."""
-    return [cost_case(rank, world, c) for c in (_config(3, all_gather="fp8"), _config(3))]
-
-
-def test_traffic_and_memory_of_the_fp8_all_gather_are_the_bytes_sent_and_held() -> None:
+def test_traffic_and_memory_of_the_fp8_all_gather_are_the_bytes_sent_and_held(
+    two_ranks: list[tuple[Any, ...]],
+) -> None:
     """ZeRO-3 on 2 ranks, the step after the first: each collective's bytes equal
     plan.traffic()'s, the bytes held plan.memory()'s, for the fp8 all-gather and the bf16 one.
     The Head's units shard without padding (64 rows on 2 ranks) and its root holds no
     parameter of its own, so FSDP2 gathers every unit twice a step, as the model counts."""
     from dtypeplan.optimizers.contract import fp8_weight_numels
 
-    per_rank = spawn(_cost_cases, 2, timeout_s=300)
+    per_rank = [results[3] for results in two_ranks]
     weights = (64 * 64,) * 3  # the blocks' weights; lm_head is left out, biases are not linears
     for fp8_gather, bf16_gather in per_rank:
         for result in (fp8_gather, bf16_gather):
