@@ -133,10 +133,12 @@ def _print_plan(plan: PrecisionPlan, args: argparse.Namespace) -> dict[str, Any]
     memory, no_memory = None, "the combination is an Error"
     traffic = None
     if plan.status != Status.ERROR:
-        traffic = plan.traffic(args.params, args.world_size)
         try:
+            traffic = plan.traffic(args.params, args.world_size)
             memory = plan.memory(args.params, args.world_size)
         except NotSupportedError as exc:  # offload: no device figure would be true
+            no_memory = str(exc)
+        except PrecisionConfigError as exc:  # the fp8 all-gather: the figures need the model
             no_memory = str(exc)
     data = plan.to_dict()
     data["memory"] = (

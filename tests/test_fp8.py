@@ -24,10 +24,11 @@ import pytest
 import torch
 
 import dtypeplan
-from dtypeplan.launch import spawn
+from dtypeplan.launch import RankFailure, spawn
 from dtypeplan.optimizers.contract import MXFP8Linear
 from dtypeplan.optimizers.contract.fp8_compute import eligible_linears
-from tests.workers.fp8 import Head, batch, resume_case, training_cases
+from tests._helpers import assert_memory_close
+from tests.workers.fp8 import Head, batch, cost_case, resume_case, training_cases
 
 REFERENCE_RTOL = 1e-4
 BF16_RTOL = 3e-2
@@ -215,6 +216,17 @@ def test_eligibility_sizes_and_patterns() -> None:
         mx.prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 64)))(x.bfloat16())
 
 
+def test_a_model_with_nothing_to_convert_is_warned_about() -> None:
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear: fp8 would run nowhere."""
+    from tests.workers.real_models import build_model
+
+    plan = dtypeplan.resolve(_config(0))
+    with pytest.warns(UserWarning, match="Conv1D"):
+        plan.prepare_model(build_model("gpt2"))
+    with pytest.warns(UserWarning, match="multiples of 16"):
+        plan.prepare_model(torch.nn.Sequential(torch.nn.Linear(20, 20)))
+
+
 def test_zero3_in_one_process_runs_the_flat_optimizer_without_an_fp8_gather() -> None:
     plan = dtypeplan.resolve(_config(3, all_gather="fp8"))
     model = plan.prepare_model(Head(1))
@@ -238,35 +250,104 @@ def _check_training(result: dict[str, Any], case: dict[str, Any]) -> None:
     assert losses != bf16, case["name"]  # fp8 rounding happened
     gathered_in_fp8 = case["config"]["fp8"].get("all_gather") == "fp8"
     assert ("WeightWithDynamicFloat8CastTensor" in result["local_types"]) == gathered_in_fp8
+    assert result["scales_off"] == [], case["name"]
     if "reference" in result and not gathered_in_fp8:
         for mine, ref in zip(losses, result["reference"], strict=True):
             assert abs(mine - ref) <= REFERENCE_RTOL * ref, (case["name"], mine, ref)
 
 
-def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks() -> None:
-    case = _case("tensorwise-zero3-fp8-all-gather", 3, all_gather="fp8")
-    (training, resumed), _ = spawn(_default_group, 2, case, timeout_s=400)
-    _check_training(training, case)
+_DEFAULT_CASE = {
+    "name": "tensorwise-zero3-fp8-all-gather",
+    "seed": 1,
+    "config": _config(3, all_gather="fp8"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[Any, ...]]:
+    """The default run's 2-rank cases, one process group for the tests that read them."""
+    return spawn(_default_group, 2, _DEFAULT_CASE, timeout_s=600)
+
+
+def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks(
+    two_ranks: list[tuple[Any, ...]],
+) -> None:
+    """Resume bitwise with the bf16 all-gather and with the fp8 one. The fp8 all-gather's
+    scales are one all-reduce over the layers' stacked maxima: every rank must stack the
+    layers in the same order (they once came from a set, ordered by object ids: each rank's
+    maximum met another layer's, one weight's shards were cast with different scales and
+    gathered under one, and a resumed run, with other ids, took another pairing: 0.2% off)."""
+    training, resumed, resumed_fp8_gather, _ = two_ranks[0]
+    _check_training(training, _DEFAULT_CASE)
+    assert training["scales_off"] == []  # each weight's scale is its own, on both ranks
     assert resumed["resumed"] == resumed["straight"]  # ZeRO-3 tensorwise, bf16 all-gather
+    assert resumed_fp8_gather["resumed"] == resumed_fp8_gather["straight"]
     # export_model_state: plain full-shape fp32 weights by the model's own names.
     assert sorted(resumed["exported"]) == sorted(resumed["names"])
     assert {dtype for _, dtype in resumed["exported"].values()} == {"torch.float32"}
 
 
-def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, Any]:
+def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, ...]:
     (training,) = training_cases(rank, world, [case], STEPS)
     config = copy.deepcopy(case["config"])
     config["fp8"] = {"enabled": True}
-    return training, resume_case(rank, world, config, 4)
+    return (
+        training,
+        resume_case(rank, world, config, 4),
+        resume_case(rank, world, case["config"], 4),
+        # The fp8 all-gather's costs, and the bf16 all-gather's.
+        [cost_case(rank, world, c) for c in (case["config"], _config(3))],
+    )
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: the resumed run's first loss differs by 0.2%")
-def test_resume_with_the_fp8_all_gather_is_bit_for_bit() -> None:
-    """Known gap: after a load the weights and the precomputed tensorwise scales equal the
-    uninterrupted run's (checked by hand), yet the next loss differs; found, not yet fixed."""
-    per_rank = spawn(resume_case, 2, _config(3, all_gather="fp8"), 4, timeout_s=600)
-    assert per_rank[0]["resumed"] == per_rank[0]["straight"]
+def test_traffic_and_memory_of_the_fp8_all_gather_are_the_bytes_sent_and_held(
+    two_ranks: list[tuple[Any, ...]],
+) -> None:
+    """ZeRO-3 on 2 ranks, the step after the first: each collective's bytes equal
+    plan.traffic()'s, the bytes held plan.memory()'s, for the fp8 all-gather and the bf16 one.
+    The Head's units shard without padding (64 rows on 2 ranks) and its root holds no
+    parameter of its own, so FSDP2 gathers every unit twice a step, as the model counts."""
+    from dtypeplan.optimizers.contract import fp8_weight_numels
+
+    per_rank = [results[3] for results in two_ranks]
+    weights = (64 * 64,) * 3  # the blocks' weights; lm_head is left out, biases are not linears
+    for fp8_gather, bf16_gather in per_rank:
+        for result in (fp8_gather, bf16_gather):
+            assert result["fp8_weights"] == result["fp8_weights_before_prepare"] == list(weights)
+            sent = dict(result["sent"])
+            assert sent.pop("summary") > 0  # the step's scalar summary, not counted by the plan
+            assert sent == result["traffic"], (sent, result["traffic"])
+            # params (the shards, and the fp8 scales) to the byte; the states hold besides
+            # the AdamW step counters (4 bytes a parameter), which the model leaves out.
+            held, memory = result["held"], result["memory"]
+            assert held["params"] == memory["params"]
+            assert 0 <= held["optimizer_states"] - memory["optimizer_states"] <= 4 * 7
+            assert_memory_close(held, memory, result["fp8_weights"])
+        # The fp8 gather: the three weights as one byte a value (biases and lm_head in bf16),
+        # and the scales: 3 fp32 maxima all-reduced per step, 3 fp32 scales held.
+        n = sum(p.numel() for p in Head(0).parameters())
+        f = sum(weights)
+        assert fp8_gather["sent"]["all_gather"] == 2 * (2 * (n - f) + f) // 2
+        assert bf16_gather["sent"]["all_gather"] == 2 * 2 * n // 2
+        ratio = fp8_gather["sent"]["all_gather"] / bf16_gather["sent"]["all_gather"]
+        assert 0.5 < ratio < 0.7, ratio
+        assert fp8_gather["sent"]["all_reduce"] == 2 * 4 * 3 // 2
+        assert "all_reduce" not in bf16_gather["sent"]
+        assert fp8_gather["held"]["params"] - bf16_gather["held"]["params"] == 4 * 3
+    # Without the weights' sizes an fp8-gathering plan has no figure to give; elsewhere the
+    # sizes change nothing (the bf16 all-gather, other stages, one process).
+    plan = dtypeplan.resolve(_config(3, all_gather="fp8"))
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="fp8_weight_numels"):
+        plan.traffic(10**6, 8)
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="fp8_weight_numels"):
+        plan.memory(10**6, 8)
+    assert "traffic: not estimated" in plan.explain(10**6, 8)
+    assert plan.traffic(10**6, 1) == plan.traffic(10**6, 1, fp8_weights=[1000])
+    for other in (_config(3), _config(2)):
+        other_plan = dtypeplan.resolve(other)
+        assert other_plan.traffic(10**6, 8) == other_plan.traffic(10**6, 8, fp8_weights=[1000])
+        assert other_plan.memory(10**6, 8) == other_plan.memory(10**6, 8, fp8_weights=[1000])
+    assert fp8_weight_numels(Head(0), dtypeplan.resolve({"bf16": {"enabled": True}})) == ()
 
 
 MATRIX = [
@@ -298,3 +379,38 @@ def test_resume_is_bit_for_bit_for_mxfp8_and_rowwise(stage: int) -> None:
     per_rank = spawn(resume_case, 2, _config(stage, recipe=recipe), 4, timeout_s=600)
     for result in per_rank:
         assert result["resumed"] == result["straight"]
+
+
+# --- the benchmarks (their numbers: benchmarks/results/fp8_fidelity-*.md) ---------------------
+@pytest.mark.slow
+def test_fidelity_benchmark_runs_and_converts_every_projection() -> None:
+    from benchmarks import bench_fp8_fidelity
+
+    summary = bench_fp8_fidelity.main(["--steps", "2", "--no-write"])
+    assert set(summary["max_curve_deviation"]) == set(bench_fp8_fidelity.VARIANTS)
+    assert 0.5 < summary["fp8_over_bf16_all_gather"] < 0.8
+
+
+@pytest.mark.slow
+def test_gpu_fp8_step_dry_run_checks_pass(tmp_path: Any) -> None:
+    from benchmarks.gpu import bench_fp8_step
+
+    summary = bench_fp8_step.main(["--dry-run", "--out", str(tmp_path)])
+    assert summary["errors"] == [] and all(summary["check_ok"].values()), summary
+    assert summary["all_gather_ok"] == {"param_dtype": True, "fp8": True}, summary
+    assert list(tmp_path.glob("gpu_fp8_step_dryrun-*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=RankFailure,
+    reason="open: a unit of fp8 weights alone is gathered as float8_e4m3fn, which gloo refuses "
+    "('Invalid scalar type'); with a bf16 parameter beside it FSDP2 gathers bytes. Fix: "
+    "fsdp2/sharding.NamedAllGather views float8 tensors as uint8 on gloo",
+)
+def test_zero3_fp8_all_gather_of_a_unit_of_fp8_weights_alone_on_gloo() -> None:
+    from tests.workers.fp8 import bias_free_gather_case
+
+    losses = spawn(bias_free_gather_case, 2, timeout_s=300)
+    assert losses[0] == losses[1]

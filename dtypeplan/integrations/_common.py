@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -10,7 +11,8 @@ from typing import Any
 import torch
 import yaml
 
-from dtypeplan.errors import OptimizerUsageError
+from dtypeplan._quiet_imports import torchao_import_quiet
+from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 
 OPTIMIZER_DIR = "dtypeplan_optimizer"
@@ -134,3 +136,80 @@ def fills_for_auto(
         if node == "auto":
             out[path] = value
     return out
+
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""The fp8.recipe names that are torchao's ``Float8LinearConfig.from_recipe_name`` recipes."""
+
+
+def fp8_block_from_torchao(config: Any, *, all_gather_fp8: bool, source: str) -> dict[str, Any]:
+    """torchao's ``Float8LinearConfig`` (what Accelerate's ``AORecipeKwargs`` carries, or
+    what a user's own ``convert_to_float8_training`` took) as the config's ``fp8`` block.
+
+    The config must be one of torchao's named recipes, up to the settings the block states
+    its own way: ``emulate`` (true stays true; false is ``"auto"``: native where the device
+    has fp8 kernels, which ``explain()`` says), ``enable_fsdp_float8_all_gather`` (the fp8
+    all-gather where ``all_gather_fp8``: ZeRO-3, whose FSDP2 is the only gather that
+    flag acts on) and ``pad_inner_dim`` (dtypeplan leaves the layers whose sizes are not
+    multiples of 16 unconverted instead of padding them). Another config is refused: no
+    block would say what it computes."""
+    with torchao_import_quiet():
+        from torchao.float8 import Float8LinearConfig
+
+    for recipe in FLOAT8_RECIPES:
+        reference = Float8LinearConfig.from_recipe_name(recipe)
+        comparable = dataclasses.replace(
+            config,
+            emulate=reference.emulate,
+            enable_fsdp_float8_all_gather=reference.enable_fsdp_float8_all_gather,
+            pad_inner_dim=reference.pad_inner_dim,
+        )
+        if comparable == reference:
+            break
+    else:
+        raise NotSupportedError(
+            f"{source}: torchao's Float8LinearConfig {config} is none of the recipes dtypeplan "
+            f"computes ({', '.join(FLOAT8_RECIPES)}: Float8LinearConfig.from_recipe_name), so "
+            "no plan would say what it computes; use one of them, or the config's fp8 block"
+        )
+    block: dict[str, Any] = {"enabled": True, "recipe": recipe}
+    if config.emulate:
+        block["emulate"] = True
+    if all_gather_fp8 and config.enable_fsdp_float8_all_gather and recipe == "tensorwise":
+        block["all_gather"] = "fp8"
+    return block
+
+
+def with_fp8_block(
+    config: Mapping[str, Any] | str | os.PathLike[str], block: Mapping[str, Any], source: str
+) -> dict[str, Any]:
+    """The config (read) with ``block`` as its ``fp8`` block: the keys the config's own block
+    leaves out are filled from ``block``; a key it sets otherwise, or fp8 turned off, is
+    refused (the framework and the config would disagree about what computes in fp8)."""
+    document = dict(config_document(config))
+    given = document.get("fp8")
+    if given is None:
+        return {**document, "fp8": dict(block)}
+    if not isinstance(given, Mapping) or given.get("enabled") is False:
+        raise PrecisionConfigError(
+            f"{source} asks for fp8 compute, but the config's fp8 block is {given!r}: set "
+            '"fp8": {"enabled": true} (or remove the block), or ask the framework for bf16'
+        )
+    differ = {
+        key: (given[key], value) for key, value in block.items() if given.get(key, value) != value
+    }
+    if differ:
+        detail = ", ".join(
+            f"fp8.{k}: config {a!r}, framework {b!r}" for k, (a, b) in differ.items()
+        )
+        raise PrecisionConfigError(
+            f"{source} and the config's fp8 block disagree ({detail}); say it in one place"
+        )
+    return {**document, "fp8": {**block, **given}}
+
+
+def stage_of(config: Mapping[str, Any] | str | os.PathLike[str]) -> int | None:
+    """``zero_optimization.stage`` as the config sets it (None: unset or not a number)."""
+    zero = config_document(config).get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    return stage if isinstance(stage, int) else None

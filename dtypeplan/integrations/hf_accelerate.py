@@ -23,6 +23,9 @@ What it changes in Accelerate, for the models and optimizers handed to ``prepare
   runs with ``mixed_precision="no"`` (no autocast, no GradScaler; ``accelerator.mixed_precision``
   reads ``"no"``, ``accelerator.dtypeplan_precision`` what it was told), and ``prepare`` refuses
   a plan whose parameters are in another dtype than the one it was told.
+* ``mixed_precision="fp8"``: bf16 parameters, and the config's ``fp8`` block read from
+  torchao's recipe (``AORecipeKwargs``' ``Float8LinearConfig``, or Accelerate's default), see
+  :meth:`DtypeplanAccelerator.resolve`; dtypeplan converts the layers, not Accelerate.
 * Launched as several processes on a machine without an accelerator (``torchrun``, or
   ``accelerate launch --multi_gpu --num_processes N``, which starts them through torchrun), it
   takes ``cpu=True`` unless told otherwise, so the run is distributed on gloo (Accelerate
@@ -62,6 +65,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import AORecipeKwargs
 
 import dtypeplan
 from dtypeplan._dtypes import dtype_name
@@ -69,9 +73,12 @@ from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionCo
 from dtypeplan.integrations._common import (
     fills_for_auto,
     find_optimizer,
+    fp8_block_from_torchao,
     optimizer_dir,
     record_state_dtype_on_save,
     refuse_loss_scaling,
+    stage_of,
+    with_fp8_block,
 )
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
@@ -107,6 +114,15 @@ class DtypeplanAccelerator(Accelerator):
                 f"DtypeplanAccelerator(mixed_precision={self.dtypeplan_precision!r}): dtypeplan "
                 f"plans take {sorted(_PRECISION_FILLS)} here"
             )
+        self.dtypeplan_fp8_config: Any = None
+        """torchao's ``Float8LinearConfig`` that ``mixed_precision="fp8"`` came with
+        (``AORecipeKwargs``, or Accelerate's default one): :meth:`resolve` reads it into the
+        config's ``fp8`` block; None without fp8."""
+        if self.dtypeplan_precision == "fp8":
+            handlers = list(settings.get("kwargs_handlers") or [])
+            self.dtypeplan_fp8_config = _fp8_recipe_config(handlers)
+            # dtypeplan converts the layers (plan.prepare_model); Accelerate would again.
+            settings["kwargs_handlers"] = [h for h in handlers if not isinstance(h, AORecipeKwargs)]
         # The plan decides every dtype: Accelerate runs no autocast and no GradScaler.
         settings["mixed_precision"] = "no"
         if "cpu" not in settings and _launched_on_cpu():
@@ -134,9 +150,18 @@ class DtypeplanAccelerator(Accelerator):
         """:func:`dtypeplan.resolve` with the config's ``"auto"`` values filled as Accelerate
         means them: the precision keys from ``mixed_precision`` (``"bf16"`` fills
         ``bf16.enabled`` true and ``fp16.enabled`` false), ``gradient_accumulation_steps`` from
-        the accelerator's, then whatever ``auto=`` gives. Keyword arguments are
-        :func:`dtypeplan.resolve`'s."""
+        the accelerator's, then whatever ``auto=`` gives. ``mixed_precision="fp8"`` fills them
+        as ``"bf16"`` does and gives the config its ``fp8`` block from torchao's recipe
+        (``AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(...))``, or Accelerate's
+        default: tensorwise, the fp8 all-gather at ZeRO-3), keys the config's own block sets
+        kept where they agree. Keyword arguments are :func:`dtypeplan.resolve`'s."""
         document = dict(config) if isinstance(config, Mapping) else config
+        if self.dtypeplan_fp8_config is not None:
+            source = "DtypeplanAccelerator(mixed_precision='fp8')"
+            block = fp8_block_from_torchao(
+                self.dtypeplan_fp8_config, all_gather_fp8=stage_of(document) == 3, source=source
+            )
+            document = with_fp8_block(document, block, source)
         told = {
             **_PRECISION_FILLS[self.dtypeplan_precision],
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
@@ -162,6 +187,14 @@ class DtypeplanAccelerator(Accelerator):
         told = self.dtypeplan_precision
         if told == "no":
             return
+        if told == "fp8":
+            if not optimizer.plan.fp8:
+                raise PrecisionConfigError(
+                    "DtypeplanAccelerator(mixed_precision='fp8') but the plan computes without "
+                    "fp8: resolve the config with accelerator.resolve(config), which gives it "
+                    "the fp8 block of the recipe, or set the block yourself"
+                )
+            told = "bf16"  # Accelerate's fp8 runs the rest of the model in bf16
         shown = dtype_name(optimizer.plan.param_dtype)
         if shown != told:
             raise PrecisionConfigError(
@@ -327,8 +360,41 @@ _PRECISION_FILLS: dict[str, dict[str, bool]] = {
     "no": {"bf16.enabled": False, "fp16.enabled": False},
     "bf16": {"bf16.enabled": True, "fp16.enabled": False},
     "fp16": {"bf16.enabled": False, "fp16.enabled": True},
+    "fp8": {"bf16.enabled": True, "fp16.enabled": False},
 }
-"""Accelerate's ``mixed_precision`` as the config's precision keys (fp8 is not a plan yet)."""
+"""Accelerate's ``mixed_precision`` as the config's precision keys (fp8: bf16 parameters, the
+eligible linear layers computing in fp8: the ``fp8`` block, :func:`_fp8_recipe_config`)."""
+
+
+def _fp8_recipe_config(handlers: list[Any]) -> Any:
+    """torchao's ``Float8LinearConfig`` of Accelerate's fp8 with these ``kwargs_handlers``:
+    ``AORecipeKwargs``' config, or the one Accelerate makes without it (``AORecipeKwargs()``:
+    tensorwise, padded inner dimensions, the FSDP2 fp8 all-gather; its ``ACCELERATE_FP8_*``
+    environment read). Transformer Engine's and MS-AMP's recipes are refused: dtypeplan's fp8
+    compute is torchao's, and those libraries' modules and scaling have no block here."""
+    from accelerate.utils import AORecipeKwargs
+
+    others = [type(h).__name__ for h in handlers if type(h).__name__ in _OTHER_FP8_RECIPES]
+    backend = os.environ.get("ACCELERATE_FP8_BACKEND", "AO").upper()
+    if others or backend not in ("AO", "NO"):
+        raise NotSupportedError(
+            "DtypeplanAccelerator(mixed_precision='fp8'): dtypeplan computes fp8 with torchao "
+            f"(AORecipeKwargs), not {', '.join(others) or 'ACCELERATE_FP8_BACKEND=' + backend}, "
+            "whose modules and scaling no dtypeplan plan describes; pass "
+            "AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(...)) or none"
+        )
+    found = [h for h in handlers if isinstance(h, AORecipeKwargs)]
+    handler = found[0] if found else AORecipeKwargs()
+    if handler.module_filter_func is not None:
+        raise NotSupportedError(
+            "DtypeplanAccelerator(mixed_precision='fp8'): AORecipeKwargs(module_filter_func=...) "
+            "is a function dtypeplan cannot state in a plan; name the layers to leave in bf16 "
+            'in the config\'s "fp8": {"exclude_modules": [names or patterns]}'
+        )
+    return handler.config
+
+
+_OTHER_FP8_RECIPES = ("TERecipeKwargs", "MSAMPRecipeKwargs")
 
 
 def _launched_world_size() -> int:

@@ -20,6 +20,10 @@ changes, and works with automatic and manual optimization:
   is, after setup, the plan of the optimizer that runs: ``configure_optimizers``' class and
   hyperparameters (not the config's ``optimizer`` block), and no config scheduler (Lightning
   steps ``configure_optimizers``' schedulers; a plan warning says so).
+* fp8: a module that converts its own layers with torchao (``convert_to_float8_training`` in
+  ``configure_model``) gives the config the ``fp8`` block of their recipe, and
+  ``prepare_model`` takes the layers as they are; ``precision="transformer-engine"`` is
+  refused (Transformer Engine's modules and scaling are no dtypeplan plan).
 * the precision plugin is a plain 32-bit one (the plan decides every dtype: no autocast, no
   cast by Lightning); ``gradient_clip_val`` (and ``self.clip_gradients`` under manual
   optimization) clips through ``optimizer.clip_grad_norm_``; the norm is the optimizer's
@@ -48,8 +52,11 @@ from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionCo
 from dtypeplan.integrations._common import (
     fills_for_auto,
     find_optimizer,
+    fp8_block_from_torchao,
     optimizer_dir,
     refuse_loss_scaling,
+    stage_of,
+    with_fp8_block,
 )
 from dtypeplan.optimizers import MixedPrecisionOptimizer
 from dtypeplan.resolver import PrecisionPlan
@@ -129,7 +136,8 @@ class DtypeplanStrategy(DDPStrategy):
         told = self._told_precision()
         told_fills = fills_for_auto(self.dtypeplan_config, _PRECISION_FILLS[told])
         auto = {**told_fills, **self.dtypeplan_auto}
-        self.plan = dtypeplan.resolve(self.dtypeplan_config, auto=auto)
+        assert self.model is not None
+        self.plan = dtypeplan.resolve(self._config_with_fp8_of(self.model), auto=auto)
         shown = dtype_name(self.plan.param_dtype)
         if told != "fp32" and shown != told:
             raise PrecisionConfigError(
@@ -139,6 +147,37 @@ class DtypeplanStrategy(DDPStrategy):
             )
         assert self.model is not None
         self.model = self.plan.prepare_model(self.model)
+
+    def _config_with_fp8_of(self, model: torch.nn.Module) -> Any:
+        """The config, with the ``fp8`` block of the torchao ``Float8Linear`` layers the
+        module converted itself (Lightning's fp8 recipe: ``convert_to_float8_training`` in
+        ``configure_model``), which ``prepare_model`` then takes as they are."""
+        import sys
+
+        float8 = sys.modules.get("torchao.float8.float8_linear")
+        configs = (
+            {
+                repr(m.config): m.config
+                for m in model.modules()
+                if isinstance(m, float8.Float8Linear)
+            }
+            if float8 is not None
+            else {}
+        )
+        if not configs:
+            return self.dtypeplan_config
+        source = "DtypeplanStrategy: the module's Float8Linear layers"
+        if len(configs) > 1:
+            raise NotSupportedError(
+                f"{source} were converted with {len(configs)} different torchao configs; a "
+                "plan has one fp8 recipe: convert them with one"
+            )
+        (config,) = configs.values()
+        stage = stage_of(self.dtypeplan_config)
+        block = fp8_block_from_torchao(config, all_gather_fp8=stage == 3, source=source)
+        # A converted layer keeps its own emulate: the plan must compute as it does.
+        block["emulate"] = bool(config.emulate)
+        return with_fp8_block(self.dtypeplan_config, block, source)
 
     def _told_precision(self) -> str:
         """The dtype ``lightning.Trainer(precision=...)`` asked for: it fills the config's
@@ -150,6 +189,15 @@ class DtypeplanStrategy(DDPStrategy):
         connector = getattr(trainer, "_accelerator_connector", None)
         flag = str(getattr(connector, "_precision_flag", "32-true"))
         told = _LIGHTNING_PRECISION.get(flag)
+        if flag.startswith("transformer-engine"):
+            raise NotSupportedError(
+                f"DtypeplanStrategy: lightning.Trainer(precision={flag!r}) computes in fp8 with "
+                "Transformer Engine's own modules and its delayed-scaling recipe, which no "
+                "dtypeplan plan describes (dtypeplan's fp8 compute is torchao's float8 and MX "
+                "training): use precision='bf16-true' with the config's fp8 block (e.g. "
+                '"fp8": {"enabled": true, "recipe": "tensorwise"}), or convert the layers with '
+                "torchao's convert_to_float8_training in configure_model"
+            )
         if told is None:
             raise NotSupportedError(
                 f"DtypeplanStrategy: lightning.Trainer(precision={flag!r}) has no dtypeplan "

@@ -18,6 +18,7 @@ import torch
 
 from dtypeplan import _update_path as update_path
 from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
 from dtypeplan.resolver._frozen import FrozenDict
@@ -402,7 +403,10 @@ def _sections(plan: ExplainedPlan, num_params: int | None, world_size: int | Non
     """The traffic, the "auto" values, warnings, differences, ignored keys, alternatives."""
     lines: list[str] = []
     if num_params is not None and world_size is not None:
-        lines += ["", plan.traffic(num_params, world_size).report()]
+        try:
+            lines += ["", plan.traffic(num_params, world_size).report()]
+        except PrecisionConfigError as exc:  # the fp8 all-gather: the figure needs the model
+            lines += ["", f"traffic: not estimated, {exc}"]
     if plan.auto_values:
         lines += ["", '"auto" values (path = value used <- where it came from):']
         lines += [f"  {a.describe()}" for a in plan.auto_values]

@@ -25,6 +25,10 @@ states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
               counted when ``param_numels`` gives the parameter sizes
 ============  =====================================================================
 
+ZeRO-3 with the fp8 all-gather (``fp8.all_gather: fp8``): ``params`` adds 4 bytes for each
+weight gathered in fp8 (``L`` of them: the fp32 scale the next gather casts it with); the
+gathered e4m3 weights live only while their layer runs, like the gathered parameters.
+
 With ``offload_optimizer: cpu`` the master weights (``4 * N / D``, never aliased: fp32
 parameters get a host copy too) and the states live in host memory: they count under
 ``host_master`` and ``host_optimizer_states`` (and ``host_total``), and ``master`` and
@@ -139,6 +143,7 @@ def memory_model(
     offload_param: bool = False,
     param_numels: Sequence[int] | None = None,
     shard_group_size: int | None = None,
+    fp8_scales: int = 0,
 ) -> dict[str, int]:
     if num_params < 0 or world_size < 1:
         raise ValueError("memory() needs num_params >= 0 and world_size >= 1")
@@ -175,6 +180,9 @@ def memory_model(
     # One int8 code table per moment's sign (the first moment's is signed), shared by chunks.
     states += INT8_CODE_TABLE_BYTES * sum(dtype == "int8" for dtype in moments)
     states += max(state_bytes_per_param - 4 * len(moments), 0) * shard
+    # The fp8 all-gather: one fp32 scale per weight gathered in fp8, precomputed after each
+    # step for the next gather (torchao's precompute_float8_dynamic_scale_for_fsdp).
+    params += 4 * fp8_scales
     figures = {
         "params": params,
         "grads": 0,

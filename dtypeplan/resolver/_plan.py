@@ -29,7 +29,7 @@ from dtypeplan import schedulers
 from dtypeplan._autocast import DeviceLike, autocast_context
 from dtypeplan._dtypes import DTYPE_NAMES, DTYPES
 from dtypeplan.comm._groups import check_shard_group_size
-from dtypeplan.errors import NotSupportedError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._batch import (
     AccumulationSteps,
@@ -370,7 +370,12 @@ class PrecisionPlan:
         return hashlib.sha256(json.dumps(self.rank_facts(), sort_keys=True).encode()).hexdigest()
 
     def memory(
-        self, num_params: int, world_size: int, *, param_numels: Sequence[int] | None = None
+        self,
+        num_params: int,
+        world_size: int,
+        *,
+        param_numels: Sequence[int] | None = None,
+        fp8_weights: Sequence[int] | None = None,
     ) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
 
@@ -388,6 +393,12 @@ class PrecisionPlan:
         Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
         copies of weights and activations live only during forward and backward, like the
         activations themselves, and are not optimizer memory.
+
+        ``fp8_weights``: the sizes of the weights computed in fp8
+        (``dtypeplan.optimizers.contract.fp8_weight_numels(model, plan)``), needed where the
+        plan gathers them in fp8 (ZeRO-3 on several ranks, ``fp8.all_gather: fp8``): each
+        rank then holds one fp32 scale per such weight for its next gather (under
+        ``params``); the gathered fp8 weights themselves live only while a layer runs.
         """
         offload = (self.offload_optimizer, self.offload_param)
         served = offload == ("none", "none") or (
@@ -424,6 +435,7 @@ class PrecisionPlan:
             offload_optimizer=self.offload_optimizer == "cpu",
             offload_param=self.offload_param == "cpu",
             param_numels=param_numels,
+            fp8_scales=len(self._fp8_gathered(fp8_weights, num_params, world_size, "memory")),
         )
 
     def traffic(
@@ -433,6 +445,7 @@ class PrecisionPlan:
         *,
         micro_batches: int | None = None,
         buckets: Sequence[int] | None = None,
+        fp8_weights: Sequence[int] | None = None,
     ) -> Traffic:
         """Predicted bytes each rank sends per optimizer step, within its shard group and
         across the groups, by collective (see ``resolver/_traffic.py``), counted as
@@ -446,7 +459,12 @@ class PrecisionPlan:
         ``world_size``. ``buckets``: the sizes of the buckets an optimizer laid out (each
         chunk crosses the groups on its own, padded to whole blocks on an int8/fp8 wire), for
         exact figures with ``num_params`` their sum; by default ``num_params`` cut into
-        buckets of ``reduce_bucket_size``.
+        buckets of ``reduce_bucket_size``. ``fp8_weights``: the sizes of the weights computed
+        in fp8 (``dtypeplan.optimizers.contract.fp8_weight_numels(model, plan)``), needed
+        where the plan gathers them in fp8 (ZeRO-3 on several ranks, ``fp8.all_gather:
+        fp8``): FSDP2 gathers those as one byte a value, and each step all-reduces one fp32
+        maximum per weight for their scales. Without them such a plan raises
+        :class:`PrecisionConfigError` (the figure depends on the model).
         """
         shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         if micro_batches is None:
@@ -466,7 +484,32 @@ class PrecisionPlan:
             wire_across=self.wire_across_groups or comm,
             buckets=tuple(buckets) if buckets is not None else None,
             bucket_numel=self.reduce_bucket_size,
+            fp8_gathered=self._fp8_gathered(fp8_weights, num_params, world_size, "traffic"),
         )
+
+    def _fp8_gathered(
+        self, fp8_weights: Sequence[int] | None, num_params: int, world_size: int, what: str
+    ) -> tuple[int, ...]:
+        """The sizes of the weights FSDP2 gathers in fp8 on ``world_size`` ranks (none unless
+        ZeRO-3 runs FSDP2 with ``fp8.all_gather: fp8``: one process runs the flat optimizer)."""
+        if not (
+            self.fp8 and self.fp8_all_gather == "fp8" and self.zero_stage >= 3 and world_size > 1
+        ):
+            return ()
+        if fp8_weights is None:
+            raise PrecisionConfigError(
+                f"{what}(): this plan gathers the weights it computes in fp8 as one byte a "
+                "value (ZeRO-3, fp8.all_gather: fp8), so the figure depends on which weights "
+                f"those are; pass fp8_weights=fp8_weight_numels(model, plan) (from "
+                "dtypeplan.optimizers.contract: the sizes of the weights prepare_model "
+                "converts)"
+            )
+        sizes = tuple(fp8_weights)
+        if any(n < 0 for n in sizes) or sum(sizes) > num_params:
+            raise ValueError(
+                f"{what}(): fp8_weights sum to {sum(sizes)}, more than num_params {num_params}"
+            )
+        return sizes
 
     def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:
         """A human-readable account of the decision and of every effective setting; with

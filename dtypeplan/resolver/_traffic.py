@@ -22,6 +22,12 @@ and 2      all-gather ``P * N`` once
            reduce-scatter ``C * N``                      HSDP reduces every backward)
 =========  ============================================  ==================================
 
+fp8 compute at ZeRO-3 with ``fp8.all_gather: fp8`` (``F`` values in ``L`` weights gathered in
+fp8, ``fp8_gathered``): each all-gather sends those weights as one e4m3 byte a value,
+``P * (N - F) + F`` bytes instead of ``P * N`` (about half for bf16 parameters), and each step
+all-reduces the ``L`` weights' fp32 maxima once for the next gather's scales (torchao's
+``precompute_float8_dynamic_scale_for_fsdp``: ``4 * L`` bytes, counted as an all-reduce).
+
 int8 / fp8 across the groups (``_quantized_wire.py``): the engine all-reduces each bucket's
 chunk (``bucket / S`` values) on its own, each padded to whole blocks of 256 per rank's slice
 (a multiple of ``R * 256`` values) and sent as one code byte a value plus one fp32 scale a
@@ -208,10 +214,12 @@ def traffic_model(
     wire_across: str,
     buckets: tuple[int, ...] | None = None,
     bucket_numel: int | None = None,
+    fp8_gathered: tuple[int, ...] = (),
 ) -> Traffic:
     """See the module docstring; ``shard_group_size`` already checked to divide the world.
     ``buckets``: the engine's bucket sizes (summing to ``num_params``); None: ``num_params``
-    cut into buckets of ``bucket_numel`` (default :data:`DEFAULT_BUCKET_NUMEL`)."""
+    cut into buckets of ``bucket_numel`` (default :data:`DEFAULT_BUCKET_NUMEL`).
+    ``fp8_gathered``: the sizes of the weights ZeRO-3 gathers in fp8."""
     if num_params < 0 or world_size < 1 or micro_batches < 1:
         raise ValueError("traffic() needs num_params >= 0, world_size >= 1, micro_batches >= 1")
     if buckets is None:
@@ -243,8 +251,10 @@ def traffic_model(
                     across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1, chunks
                 )
         else:
-            _add(within, "all_gather", 2 * k * _ring(p * n, s))
+            f = sum(fp8_gathered)
+            _add(within, "all_gather", 2 * k * _ring(p * (n - f) + f, s))
             _reduce(within, c * n, s, False, k)
+            _add(within, "all_reduce", 2 * _ring(4 * len(fp8_gathered), s))
             if replicas > 1:
                 _all_reduce(across, n // s, wire_across, replicas, False, k)
     return Traffic(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -146,6 +147,7 @@ def training_cases(
             }
         )
         result = {
+            "scales_off": _scales_off(model),
             "name": case["name"],
             "losses": losses,
             "bf16_losses": bf16_losses,
@@ -158,6 +160,24 @@ def training_cases(
         results.append(result)
         del optimizer
     return results
+
+
+def _scales_off(model: torch.nn.Module) -> list[str]:
+    """The fp8-gathered weights whose precomputed scale (the one the next all-gather casts
+    with, on this rank) is not torchao's tensorwise scale of the whole weight."""
+    from torchao.float8.float8_utils import EPS
+
+    off = []
+    for name, module in model.named_modules():
+        local = getattr(getattr(module, "weight", None), "_local_tensor", None)
+        scale = getattr(local, "_precomputed_scale", None)
+        if scale is None:
+            continue
+        amax = module.weight.full_tensor().abs().max().clamp(EPS).double()
+        expected = (torch.finfo(torch.float8_e4m3fn).max / amax).float()
+        if not torch.equal(scale, expected):
+            off.append(f"{name}: {float(scale)} != {float(expected)}")
+    return off
 
 
 def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -200,3 +220,249 @@ def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> di
         "exported": {name: (tuple(t.shape), str(t.dtype)) for name, t in exported.items()},
         "names": [name for name, _ in Head(0).named_parameters()],
     }
+
+
+def _counted_collectives() -> tuple[dict[str, int], Any]:
+    """Bytes each collective sends from this rank, counted as ``CommStats`` counts them (a
+    ring all-gather or reduce-scatter of ``n`` bytes over ``g`` ranks: ``n * (g - 1) / g``,
+    an all-reduce twice that), and a context that counts while it is open. FSDP2's
+    collectives run as c10d ops (seen by a dispatch mode); DTensor's reductions (the fp8
+    scales' maxima) as functional all-reduces, which a dispatch mode cannot see from inside
+    DTensor's own dispatch: those are counted at ``funcol.all_reduce``. The c10d all-reduce
+    is the step's scalar summary, which ``plan.traffic()`` leaves out (``summary``)."""
+    import contextlib
+
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sent: dict[str, int] = defaultdict(int)
+    g = dist.get_world_size()
+
+    def ring(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size() * (g - 1) // g
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            name = str(func)
+            if name.startswith("c10d._allgather_base_"):
+                sent["all_gather"] += ring(args[0])
+            elif name.startswith("c10d._reduce_scatter_base_"):
+                sent["reduce_scatter"] += ring(args[1])
+            elif name.startswith("c10d.allreduce_"):
+                sent["summary"] += 2 * sum(ring(t) for t in args[0])
+            elif func.namespace in ("c10d", "_c10d_functional"):
+                sent[f"uncounted {name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        all_reduce = funcol.all_reduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            sent["all_reduce"] += 2 * ring(tensor)
+            return all_reduce(tensor, *args, **kwargs)
+
+        funcol.all_reduce = counted
+        try:
+            with Mode():
+                yield
+        finally:
+            funcol.all_reduce = all_reduce
+
+    return sent, counting
+
+
+def cost_case(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One step after a first (the first casts without precomputed scales, and builds the
+    state): the bytes each collective sent and the bytes held at the accumulation boundary,
+    with what ``plan.traffic()`` and ``plan.memory()`` predict from the model's fp8 weights."""
+    from dtypeplan.optimizers.contract import fp8_weight_numels
+
+    plan = dtypeplan.resolve(config)
+    model = Head(5)
+    num_params = sum(p.numel() for p in model.parameters())
+    before = fp8_weight_numels(model, plan)
+    model = plan.prepare_model(model)
+    optimizer = plan.build(model.parameters())
+    sent, counting = _counted_collectives()
+
+    def step(index: int) -> dict[str, int]:
+        x, y = batch(index, world * TOKENS)
+        part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        optimizer.backward(loss_of(model, x[part], y[part]))
+        held = optimizer.held_tensors().nbytes()
+        optimizer.step()
+        optimizer.zero_grad()
+        return held
+
+    step(0)
+    with counting():
+        step(1)
+    held = step(2)
+    fp8_weights = fp8_weight_numels(model, plan)
+    return {
+        "sent": dict(sent),
+        "held": held,
+        "fp8_weights": list(fp8_weights),
+        "fp8_weights_before_prepare": list(before),
+        "traffic": dict(plan.traffic(num_params, world, fp8_weights=fp8_weights).within),
+        "memory": plan.memory(num_params, world, fp8_weights=fp8_weights),
+    }
+
+
+# --- the frameworks' fp8 spellings (tests/test_fp8_frameworks.py) -------------------------------
+def _train_through(
+    plan: dtypeplan.PrecisionPlan,
+    rank: int,
+    world: int,
+    steps: int,
+    accelerator: Any = None,
+    **build: Any,
+) -> list[float]:
+    """Head(2) prepared and built by ``plan``, trained ``steps`` (through ``accelerator``'s
+    ``prepare`` and ``backward`` where given)."""
+    model = plan.prepare_model(Head(2))
+    optimizer = plan.build(model.parameters(), **build)
+    backward = optimizer.backward
+    if accelerator is not None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world * TOKENS)
+        part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        loss = loss_of(model, x[part], y[part])
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def accelerate_fp8_cases(
+    rank: int, world: int, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per case: ``DtypeplanAccelerator(mixed_precision="fp8", kwargs_handlers=...)`` with the
+    case's torchao recipe (none: Accelerate's default) resolves the config and trains through
+    ``accelerator.prepare`` / ``backward``; the same config with the fp8 block written out
+    trains without Accelerate. The plans' fp8 fields and both runs' losses."""
+    from accelerate.utils import AORecipeKwargs
+    from torchao.float8 import Float8LinearConfig
+
+    from dtypeplan.integrations import DtypeplanAccelerator
+
+    results = []
+    for case in cases:
+        recipe = case["recipe"]
+        handlers = (
+            []
+            if recipe is None
+            else [AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(recipe))]
+        )
+        accelerator = DtypeplanAccelerator(mixed_precision="fp8", kwargs_handlers=handlers)
+        plan = accelerator.resolve(case["config"])
+        losses = _train_through(plan, rank, world, 3, accelerator)
+        direct = dtypeplan.resolve(
+            {**case["config"], "bf16": {"enabled": True}, "fp8": case["block"]}
+        )
+
+        results.append(
+            {
+                "fp8": plan.to_dict(),
+                "direct_fp8": direct.to_dict(),
+                "accelerate_precision": str(accelerator.mixed_precision),
+                "losses": losses,
+                "direct_losses": _train_through(direct, rank, world, 3),
+            }
+        )
+    return results
+
+
+def lightning_fp8_case(rank: int, world: int, recipe: str, stage: int) -> dict[str, Any]:
+    """A LightningModule that converts its own layers with torchao in ``configure_model``
+    (Lightning's fp8 recipe), trained by ``DtypeplanStrategy`` at ``stage``: the plan reads
+    the layers' recipe into its fp8 block and trains the layers as converted; the losses
+    against the same config with that block, the model converted by ``prepare_model``."""
+    import lightning
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from dtypeplan.integrations import DtypeplanStrategy
+
+    config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage}}
+    torchao_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Head(2)
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            convert_to_float8_training(
+                self.model,
+                config=torchao_config,
+                module_filter_fn=lambda _m, name: name != "lm_head",
+            )
+
+        def training_step(self, data: Any, index: int) -> torch.Tensor:
+            x, y = batch(index, world * TOKENS)
+            part = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            loss = loss_of(self.model, x[part], y[part])
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(list(range(3 * world)), batch_size=1)
+
+    module = Module()
+    strategy = DtypeplanStrategy(config)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="bf16-true",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    assert strategy.plan is not None
+    block = {"enabled": True, "recipe": recipe, "emulate": True}
+    direct = dtypeplan.resolve(
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}, "fp8": block}
+    )
+
+    return {
+        "plan": strategy.plan.to_dict(),
+        "classes": sorted({type(m).__name__ for m in module.model.modules()}),
+        "losses": module.losses,
+        "direct_losses": _train_through(
+            direct, rank, world, 3, optimizer=torch.optim.AdamW, lr=1e-2
+        ),
+    }
+
+
+def bias_free_gather_case(rank: int, world: int) -> float:
+    """A forward and backward at ZeRO-3 with the fp8 all-gather where a unit holds one fp8
+    weight alone (a bias-free linear layer held by a ModuleList)."""
+    config = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "fp8": {"enabled": True, "all_gather": "fp8"},
+    }
+    plan = dtypeplan.resolve(config)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Linear(WIDTH, WIDTH, bias=False)
+    )
+    model = plan.prepare_model(model)
+    loss = model(torch.randn(TOKENS, WIDTH).bfloat16()).float().square().mean()
+    loss.backward()
+    return float(loss.detach())

@@ -8,6 +8,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
     MXFP8Linear,
     convert_linears,
     fp8_all_gather_weights,
+    fp8_weight_numels,
     precompute_scales,
 )
 from dtypeplan.optimizers.contract.registry import get_implementation, register, registered_names
@@ -17,6 +18,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "convert_linears",
     "fp8_all_gather_weights",
+    "fp8_weight_numels",
     "precompute_scales",
     "WrapPolicy",
     "get_implementation",

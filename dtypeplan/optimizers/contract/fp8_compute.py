@@ -42,6 +42,8 @@ __all__ = [
     "convert_linears",
     "eligible_linears",
     "fp8_all_gather_weights",
+    "fp8_held",
+    "fp8_weight_numels",
     "precompute_scales",
 ]
 
@@ -83,14 +85,29 @@ def convert_linears(
     """Convert ``model``'s eligible linear layers for ``plan``'s fp8 compute, in place; returns
     their names (none without fp8). ``sharded_by_fsdp2``: FSDP2 shards the model next, so an
     fp8 all-gather has a gather to act on (ZeRO-3 in one process runs the flat optimizer)."""
+    converted_before = _converted_float8(model)
     if not plan.fp8:
+        if converted_before:
+            raise PrecisionConfigError(
+                "plan.prepare_model: the model holds torchao Float8Linear layers "
+                f"({', '.join(converted_before)}) but the plan computes without fp8, so "
+                "explain() and the plan's figures would not be what runs: enable the config's "
+                "fp8 block with their recipe, or pass the model unconverted"
+            )
         return []
     if plan.fp8_execution == "unavailable":
         raise PrecisionConfigError(plan.reason)
     names = eligible_linears(model, plan)
+    if not names and not converted_before:
+        _warn_nothing_converted(model, plan)
     chosen = set(names)
     emulate = plan.fp8_execution == "emulated"
     if plan.fp8_recipe == "mxfp8":
+        if converted_before:
+            raise PrecisionConfigError(
+                f"plan.prepare_model: fp8.recipe mxfp8, but the model holds torchao "
+                f"Float8Linear layers ({', '.join(converted_before)}) of another recipe"
+            )
         for name in names:
             MXFP8Linear.convert(model.get_submodule(name), emulate=emulate)
         return names
@@ -102,16 +119,109 @@ def convert_linears(
         emulate=emulate,
         enable_fsdp_float8_all_gather=gather_fp8,
     )
+    # Layers converted before (a user's own convert_to_float8_training, as Lightning's
+    # configure_model does) are taken as they are where their config is the plan's.
+    for name in converted_before:
+        theirs: Float8LinearConfig = model.get_submodule(name).config
+        if dataclasses.replace(theirs, pad_inner_dim=config.pad_inner_dim) != config:
+            raise PrecisionConfigError(
+                f"plan.prepare_model: the model's layer {name} was converted with torchao's "
+                f"{theirs}, but the plan computes {plan.fp8_recipe} (emulated: {emulate}, fp8 "
+                f"all-gather: {gather_fp8}) as {config}: state the layers' recipe in the fp8 "
+                "block, or pass the model unconverted and let prepare_model convert it"
+            )
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, n: n in chosen)
+    names = sorted({*names, *converted_before}, key=[n for n, _ in model.named_modules()].index)
     if gather_fp8:
         _GATHERED_IN_FP8.update(model.get_submodule(name) for name in names)
     return names
 
 
+def _warn_nothing_converted(model: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """fp8 on, and no layer to compute in it: the run would be bf16 compute under a plan
+    that says fp8. Warn, naming the linear-like layers that are not ``nn.Linear``."""
+    import warnings
+
+    others = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if type(m) is not torch.nn.Linear
+            and hasattr(m, "weight")
+            and "Conv1D" in type(m).__name__
+        }
+    )
+    why = (
+        f"its projections are {', '.join(others)} (transformers' GPT-2 layers), not nn.Linear"
+        if others
+        else f"no nn.Linear has in and out features that are multiples of "
+        f"{_multiple(plan.fp8_recipe)} outside fp8.exclude_modules "
+        f"{list(plan.fp8_exclude_modules)}"
+    )
+    warnings.warn(
+        f"fp8 compute is enabled but prepare_model converts no layer of this model: {why}; "
+        "it computes in the parameter dtype",
+        stacklevel=3,
+    )
+
+
+def _converted_float8(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s torchao ``Float8Linear`` layers (none without torchao loaded:
+    then nothing can have converted them)."""
+    import sys
+
+    module = sys.modules.get("torchao.float8.float8_linear")
+    if module is None:
+        return []
+    return [n for n, m in model.named_modules() if isinstance(m, module.Float8Linear)]
+
+
 def fp8_all_gather_weights(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
-    """The converted layers whose weights FSDP2 gathers in fp8 and are among ``params``."""
-    ids = {id(p) for p in params}
-    return [layer for layer in list(_GATHERED_IN_FP8) if id(layer.weight) in ids]
+    """The converted layers whose weights FSDP2 gathers in fp8 and are among ``params``, in
+    the order of ``params``. The order is the all-reduce's: :func:`precompute_scales` stacks
+    the layers' maxima into one tensor and reduces it, so every rank must list the same
+    layers in the same order (a set's order follows object ids, which differ between ranks
+    and between runs: each rank's maximum would meet another layer's, and the shards of one
+    weight would be cast with different scales yet gathered under one)."""
+    layer_of = {id(layer.weight): layer for layer in list(_GATHERED_IN_FP8)}
+    return [layer_of[id(p)] for p in params if id(p) in layer_of]
+
+
+def fp8_weight_numels(model: torch.nn.Module, plan: PrecisionPlan) -> tuple[int, ...]:
+    """The sizes (whole, unsharded) of the weights ``plan`` computes in fp8 in ``model``, in
+    ``named_modules`` order: before :meth:`~PrecisionPlan.prepare_model`, of the layers it
+    would convert; after it, of the layers it converted. What ``plan.traffic()`` and
+    ``plan.memory()`` take as ``fp8_weights``: at ZeRO-3 with ``fp8.all_gather: fp8``, FSDP2
+    gathers these weights as one byte a value and each rank holds one fp32 scale for each."""
+    if not plan.fp8:
+        return ()
+    with torchao_import_quiet():
+        from torchao.float8.float8_linear import Float8Linear
+    chosen = set(eligible_linears(model, plan))
+    sizes = []
+    for name, module in model.named_modules():
+        # isinstance: FSDP2 gives a layer it shards as a unit a class of its own.
+        if isinstance(module, (Float8Linear, MXFP8Linear)) or name in chosen:
+            sizes.append(module.weight.numel())
+    return tuple(sizes)
+
+
+def fp8_held(
+    sharded: Iterable[torch.Tensor], local_shards: Iterable[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors that hold ``local_shards`` (the local shards of the DTensors ``sharded``)
+    and the fp32 scales precomputed for the next fp8 all-gather, for ``held_tensors``. A
+    weight FSDP2 gathers in fp8 is torchao's ``WeightWithDynamicFloat8CastTensor``, a wrapper
+    without a storage of its own (its values are its ``_tensor``); torchao sets the scale on
+    the DTensor's own local tensor, which ``to_local`` does not return."""
+    plain, scales = [], []
+    for param, shard in zip(sharded, local_shards, strict=True):
+        inner = getattr(shard, "_tensor", None) if hasattr(shard, "fsdp_pre_all_gather") else None
+        plain.append(shard if inner is None else inner)
+        scale = getattr(getattr(param, "_local_tensor", None), "_precomputed_scale", None)
+        if scale is not None:
+            scales.append(scale)
+    return plain, scales
 
 
 def precompute_scales(layers: list[torch.nn.Module]) -> None:

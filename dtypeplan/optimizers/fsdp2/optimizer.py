@@ -81,7 +81,11 @@ from dtypeplan.optimizers.contract.base import (
     bare_backward_refusal,
     inner_optimizer,
 )
-from dtypeplan.optimizers.contract.fp8_compute import fp8_all_gather_weights, precompute_scales
+from dtypeplan.optimizers.contract.fp8_compute import (
+    fp8_all_gather_weights,
+    fp8_held,
+    precompute_scales,
+)
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.sharding import (
@@ -266,8 +270,10 @@ class FSDP2Optimizer(FSDP2State):
         So ``master`` is empty (bf16 masters with Kahan rounding: the compensation buffers)
         and ``params`` holds the shards. The gathered compute parameters live only during
         forward and backward and are not listed. fp32 accumulation with fp32 masters: the
-        sharded ``.grad`` is the accumulator.
+        sharded ``.grad`` is the accumulator. Weights gathered in fp8: their values and the
+        fp32 scales precomputed for the next gather (``params``).
         """
+        shards, scales = fp8_held(self._params(), self._locals())
         sharded_grads = tuple(
             _local(p.grad)
             for p in self._params()
@@ -275,7 +281,7 @@ class FSDP2Optimizer(FSDP2State):
         )
         return HeldTensors(
             on_host=HOST_RESIDENT if self.plan.offload_param != "none" else frozenset(),
-            params=tuple(self._locals()),
+            params=(*shards, *scales),
             grads=tuple(
                 p.grad
                 for g in self.param_groups
