@@ -279,6 +279,7 @@ if ((cpu_run)); then
     run_step lowprec 60 "$python" -m benchmarks.gpu.bench_low_precision_step --dry-run --out "$out"
     run_step engine 60 "$python" -m benchmarks.gpu.bench_engine_step --dry-run --out "$out"
     run_step offload 60 "$python" -m benchmarks.bench_offload --device cpu --dry-run --out "$out"
+    run_step fp8 120 "$python" -m benchmarks.gpu.bench_fp8_step --dry-run --out "$out"
 else
     if ((skip_install)); then
         skip_step install "--skip-install"
@@ -301,6 +302,8 @@ else
     run_step lowprec 50 "$python" -m benchmarks.gpu.bench_low_precision_step --numel "$numel" --out "$out"
     run_step engine 65 "$python" -m benchmarks.gpu.bench_engine_step --blocks 8 --out "$out"
     run_step offload 35 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
+    # Last: its compiles are the least certain cost; the budget cuts it before the others.
+    run_step fp8 180 "$python" -m benchmarks.gpu.bench_fp8_step --out "$out"
     if ((dry_run)); then
         echo
         echo "=== entry points (import, parse the arguments above)"
@@ -310,7 +313,8 @@ else
             "benchmarks.gpu.bench_fused_step --numel $numel --out $out" \
             "benchmarks.gpu.bench_low_precision_step --numel $numel --out $out" \
             "benchmarks.gpu.bench_engine_step --blocks 8 --out $out" \
-            "benchmarks.bench_offload --device cuda --out $out"
+            "benchmarks.bench_offload --device cuda --out $out" \
+            "benchmarks.gpu.bench_fp8_step --out $out"
         check_entry tests env DTYPEPLAN_CUDA_TESTS_ONLY=1 "$python" -m pytest -q -p no:cacheprovider --collect-only "${cuda_tests[@]}"
     fi
 fi
