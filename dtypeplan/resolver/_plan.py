@@ -384,14 +384,14 @@ class PrecisionPlan:
         what ``offload_optimizer: cpu`` (and at ZeRO-3 ``offload_param: cpu`` with it) keeps in
         host memory (0 without it). Raises :class:`NotSupportedError` for an offload dtypeplan
         does not implement (NVMe; ``offload_param`` below ZeRO-3 or without
-        ``offload_optimizer``; ``offload_optimizer`` alone at ZeRO-3): no figure would be true.
+        ``offload_optimizer``): no figure would be true.
         Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
         copies of weights and activations live only during forward and backward, like the
         activations themselves, and are not optimizer memory.
         """
         offload = (self.offload_optimizer, self.offload_param)
-        served = offload == ("none", "none") or (
-            offload == ("cpu", "none") if self.zero_stage < 3 else offload == ("cpu", "cpu")
+        served = offload in (("none", "none"), ("cpu", "none")) or (
+            offload == ("cpu", "cpu") and self.zero_stage >= 3
         )
         if not served:
             offloaded = [
@@ -403,7 +403,7 @@ class PrecisionPlan:
                 f"memory(): the plan asks for {' and '.join(offloaded)} at ZeRO stage "
                 f"{self.zero_stage}, which dtypeplan does not implement, so no device figure "
                 "would be true: the device would not hold what is offloaded, and dtypeplan "
-                "cannot offload it. dtypeplan offloads offload_optimizer cpu at stages 1-2 and "
+                "cannot offload it. dtypeplan offloads offload_optimizer cpu at stages 1-3 and "
                 "offload_optimizer with offload_param cpu at stage 3; use one of them (or "
                 "remove the settings) to see what the device and host hold."
             )
