@@ -40,6 +40,13 @@ shards ``4 * N / W`` and the accumulator stay on the device and an fp32 host mas
 FSDP2 on a one-rank group (``W = 1``). The six device keys mean device bytes for every plan;
 the host keys are 0 when nothing is offloaded.
 
+ZeRO++ hpZ at ZeRO-3 (``zero_hpz_partition_size`` ``H``, FSDP2's ``reshard_after_forward=H``)
+adds nothing at the boundary: from each unit's forward to its backward the unit holds its
+parameters sharded over ``H`` ranks in the parameter dtype (``P * n / H`` for a unit of ``n``,
+``P * N / H`` at most, after the last forward), freed by its backward, like activations.
+(DeepSpeed holds its secondary partition, ``P * N / H``, as a tensor of each parameter,
+``ds_secondary_tensor``; these figures are FSDP2's.)
+
 In a hybrid layout (``zero_optimization.shard_group_size`` ``S``) everything sharded is sharded
 over the ``S`` ranks of a shard group and replicated across the ``W / S`` groups: ``W`` above
 reads ``S``.

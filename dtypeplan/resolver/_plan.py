@@ -168,6 +168,10 @@ class PrecisionPlan:
     """ZeRO++ quantization: ``"none"``, ``"weights"``, ``"gradients"`` or ``"both"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ hpZ (``zero_hpz_partition_size`` > 1)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ's ``zero_hpz_partition_size``: at ZeRO-3 each unit's parameters are kept
+    sharded over groups of this many consecutive ranks from its forward to its backward
+    (FSDP2's ``reshard_after_forward``), whose all-gathers then stay within the group. 1: off."""
     shard_group_size: int | None = None
     """Ranks each shard group spans (``zero_optimization.shard_group_size``): states (ZeRO-2:
     the accumulator, ZeRO-3: the parameters) are sharded within groups of this many
@@ -466,6 +470,7 @@ class PrecisionPlan:
             wire_across=self.wire_across_groups or comm,
             buckets=tuple(buckets) if buckets is not None else None,
             bucket_numel=self.reduce_bucket_size,
+            hpz_partition_size=self.hpz_partition_size,
         )
 
     def explain(self, num_params: int | None = None, world_size: int | None = None) -> str:

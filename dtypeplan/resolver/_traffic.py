@@ -20,6 +20,12 @@ and 2      all-gather ``P * N`` once
 3 (FSDP2)  per micro-batch: all-gathers ``P * N`` for    all-reduce of the ``N / S`` shard
            forward and again for backward, a             in ``A`` per micro-batch (FSDP2's
            reduce-scatter ``C * N``                      HSDP reduces every backward)
+3 with     per micro-batch: all-gather ``P * N`` over    none (hpZ is flat only)
+hpZ ``H``  the group for forward, ``P * N`` within the
+           ``H`` ranks of the secondary partition for
+           backward (``all_gather_secondary``: each
+           rank sends ``(H - 1) / H`` of it), a
+           reduce-scatter ``C * N``
 =========  ============================================  ==================================
 
 int8 / fp8 across the groups (``_quantized_wire.py``): the engine all-reduces each bucket's
@@ -208,6 +214,7 @@ def traffic_model(
     wire_across: str,
     buckets: tuple[int, ...] | None = None,
     bucket_numel: int | None = None,
+    hpz_partition_size: int = 1,
 ) -> Traffic:
     """See the module docstring; ``shard_group_size`` already checked to divide the world.
     ``buckets``: the engine's bucket sizes (summing to ``num_params``); None: ``num_params``
@@ -242,6 +249,11 @@ def traffic_model(
                 _all_reduce(
                     across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1, chunks
                 )
+        elif 1 < hpz_partition_size < s:
+            # hpZ: forward gathers over the group, backward within the secondary partition.
+            _add(within, "all_gather", k * _ring(p * n, s))
+            _add(within, "all_gather_secondary", k * _ring(p * n, hpz_partition_size))
+            _reduce(within, c * n, s, False, k)
         else:
             _add(within, "all_gather", 2 * k * _ring(p * n, s))
             _reduce(within, c * n, s, False, k)

@@ -55,6 +55,7 @@ __all__ = [
     "check_wire_across_groups",
     "clear_owned_before_reduce",
     "hybrid_layout",
+    "hpz_reshard",
     "gatherable",
     "mesh_compute_device",
     "mesh_device",
@@ -120,9 +121,15 @@ def shard_model(
             )
     _cast_frozen_and_buffers(model, plan.param_dtype)
     offload = _offload_policy(plan, device)
-    for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+    hpz = hpz_reshard(plan, dist.get_world_size(group) if layout is None else layout.shard_size)
+    for unit in units:
         _masters_to(unit, plan.master_dtype)
-        fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, **hpz, **offload)
+    if not plan.pipeline_parallel:
+        # The root keeps FSDP2's default: its parameters stay gathered from forward to
+        # backward (FSDP2 does not reshard the root after forward).
+        _masters_to(model, plan.master_dtype)
+        fully_shard(model, mesh=mesh, mp_policy=policy, **offload)
     # FSDP2's all-gathers and reduce-scatters run within the shard group.
     comm = Communicator(layout.shard if layout is not None else group)
     # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
@@ -340,6 +347,26 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def hpz_reshard(plan: PrecisionPlan, shard_size: int) -> dict[str, Any]:
+    """``fully_shard``'s ``reshard_after_forward`` for ZeRO++ hpZ (``zero_hpz_partition_size``
+    ``H``): after its forward each unit keeps its parameters (in the parameter dtype) sharded
+    over groups of ``H`` consecutive ranks, and its backward all-gathers within that group, as
+    DeepSpeed's secondary partition does. FSDP2 builds that mesh (and its process groups) for
+    each unit. ``H`` must divide the ranks the parameters are sharded over; ``H`` equal to
+    them is plain ZeRO-3 (FSDP2 reads it as True)."""
+    size = plan.hpz_partition_size
+    if size <= 1:
+        return {}
+    if shard_size % size:
+        raise PrecisionConfigError(
+            f"zero_optimization.zero_hpz_partition_size {size} does not divide the "
+            f"{shard_size} ranks ZeRO-3 shards over: hpZ keeps each unit's parameters sharded "
+            "within groups of that many consecutive ranks (one node). Set it to the ranks per "
+            "node, a divisor of the world size"
+        )
+    return {"reshard_after_forward": size}
 
 
 def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:
