@@ -51,7 +51,8 @@ __all__ = [
     "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
-    "check_no_scalar_parameters",
+    "scalars_as_vectors",
+    "show_scalars_in_forward",
     "check_wire_across_groups",
     "clear_owned_before_reduce",
     "hybrid_layout",
@@ -87,7 +88,6 @@ def shard_model(
             "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
             "call it once, on the unsharded model"
         )
-    check_no_scalar_parameters(model)
     group = process_group or dist.group.WORLD
     assert group is not None  # torch.distributed is initialized here
     device = mesh_device(dist.get_backend(group), model)
@@ -105,6 +105,7 @@ def shard_model(
             f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
             "torch.nn.Sequential(stage_module), before plan.prepare_model"
         )
+    scalars = scalars_as_vectors(model)
     units = choose_units(model, wrap)
     if plan.pipeline_parallel:
         # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
@@ -130,6 +131,7 @@ def shard_model(
         # backward (FSDP2 does not reshard the root after forward).
         _masters_to(model, plan.master_dtype)
         fully_shard(model, mesh=mesh, mp_policy=policy, **offload)
+    show_scalars_in_forward(model, scalars)
     # FSDP2's all-gathers and reduce-scatters run within the shard group.
     comm = Communicator(layout.shard if layout is not None else group)
     # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
@@ -153,23 +155,76 @@ def shard_model(
     return model
 
 
-def check_no_scalar_parameters(model: torch.nn.Module) -> None:
-    """Refuse 0-dim parameters (CLIP's ``logit_scale``) before any unit is sharded.
+def scalars_as_vectors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Hold each 0-dim parameter (CLIP's ``logit_scale``) as a 1-element one, in place.
 
-    FSDP2 shards every parameter of a unit along dim 0 and its ``fully_shard`` raises on a
-    scalar, from deep inside, after earlier units were sharded already. Keeping scalars
-    replicated beside the sharded ones (reduced over the world, updated by the optimizer, in
-    the checkpoints) is not built, so the model is refused here with the names and the fix.
+    FSDP2 shards every parameter along dim 0 and its ``fully_shard`` refuses a scalar. A
+    1-element parameter under the same name, in the same place (so ``named_parameters`` and
+    the checkpoints' numbering keep their order), is sharded, gathered, reduced and updated
+    like every other (one rank holds its value, the others an empty shard), so it trains
+    exactly as a scalar would; :func:`show_scalars_in_forward` makes the model's forward see a
+    0-dim view of it. Outside forward the parameter reads as its 1-element shard (its
+    ``state_dict`` entry has shape ``[1]``). Returns ``(module, name)`` of each such entry
+    (a scalar shared by several modules is one parameter).
     """
-    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
-    if scalars:
-        raise NotSupportedError(
-            f"ZeRO-3 (FSDP2) shards every parameter along dim 0, and these are 0-dim "
-            f"(scalars): {', '.join(scalars)}. FSDP2's fully_shard does not take scalar "
-            "parameters, and dtypeplan does not yet keep them replicated at ZeRO-3. Use ZeRO "
-            "stage 2 (the optimizer states and gradients sharded, the weights whole), or hold "
-            "each scalar as a 1-element parameter (shape [1]) in the model"
-        )
+    held: list[tuple[torch.nn.Module, str]] = []
+    vectors: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.dim() != 0:
+                continue
+            vector = vectors.get(id(param))
+            if vector is None:
+                vector = torch.nn.Parameter(
+                    param.detach().reshape(1), requires_grad=param.requires_grad
+                )
+                vectors[id(param)] = vector
+            module._parameters[name] = vector
+            held.append((module, name))
+    return held
+
+
+def show_scalars_in_forward(
+    model: torch.nn.Module, scalars: list[tuple[torch.nn.Module, str]]
+) -> None:
+    """While the FSDP2 unit holding each former scalar runs its forward, the module's
+    attribute is a 0-dim view of the gathered 1-element parameter (gradients flow through the
+    view into it, and FSDP2 reduces them with the unit's); after the forward, the parameter.
+
+    The view sits in the module's ``__dict__``, which Python reads before ``nn.Module``'s
+    parameter lookup; it is set after FSDP2's own pre-forward hook (which gathers the unit and
+    registers the gathered parameters) and removed after the unit's forward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    paths = {id(module): path for path, module in model.named_modules()}
+    units = [(path, m) for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for module, name in scalars:
+        path = paths[id(module)]
+        inside = [
+            (unit_path, unit)
+            for unit_path, unit in units
+            if unit_path == "" or path == unit_path or path.startswith(unit_path + ".")
+        ]
+        # The innermost unit holding the module: its forward gathers the parameter.
+        _, unit = max(inside, key=lambda pair: len(pair[0]) + bool(pair[0]))
+        assert isinstance(unit, torch.nn.Module)  # an FSDPModule is its module's class too
+        unit.register_forward_pre_hook(_showing(module, name))
+        unit.register_forward_hook(_hiding(module, name))
+
+
+def _showing(module: torch.nn.Module, name: str) -> Any:
+    def show(*_: Any) -> None:
+        module.__dict__[name] = module._parameters[name].view(())  # type: ignore[union-attr]
+
+    return show
+
+
+def _hiding(module: torch.nn.Module, name: str) -> Any:
+    def hide(*_: Any) -> None:
+        module.__dict__.pop(name, None)
+
+    return hide
 
 
 class _NotForDDP(list[str]):
