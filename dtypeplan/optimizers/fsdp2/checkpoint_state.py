@@ -228,7 +228,8 @@ class FSDP2State(MixedPrecisionOptimizer):
                 saved = state[keys.param_key(index, name)]
                 assert isinstance(saved, torch.Tensor), "full_state holds tensors per parameter"
                 mesh = param.device_mesh
-                full = saved.to(mesh_compute_device(mesh), torch.float32)
+                # reshape: a former scalar is held as a 1-element parameter (sharding.py).
+                full = saved.to(mesh_compute_device(mesh), torch.float32).reshape(param.shape)
                 shard = distribute_tensor(full, mesh, param.placements).to_local()
                 shard = shard.to(local.device)  # host memory under CPUOffloadPolicy
                 if name == keys.MASTER:
