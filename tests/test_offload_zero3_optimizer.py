@@ -202,3 +202,14 @@ def test_parity_optimizer_offloaded_zero3_one_rank_group() -> None:
 
     (results,) = spawn(run_cases, 1, drawn, timeout_s=300)
     check_cases(results, drawn)
+
+
+@pytest.mark.slow
+def test_parity_every_optimizer_offloaded_zero3_cell_two_ranks() -> None:
+    """Every OK cell (params x accumulation x communication dtypes), drawn extras, 2 ranks."""
+    every = _draw(optimizer_offload_cells())
+    from tests.workers.parity import run_cases
+
+    per_rank = spawn(run_cases, 2, every, timeout_s=900)
+    assert_replicas_equal(per_rank)
+    check_cases(per_rank[0], every)
