@@ -235,7 +235,7 @@ def test_offloaded_tensors_are_on_the_host_and_none_on_the_device() -> None:
     ("extra", "match"),
     [
         ({"zero_optimization": {"stage": 0}}, "stage 1"),
-        ({"zero_optimization": {"stage": 3, "shard_group_size": 2}}, "offload_param cpu"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "NVMe"),
         ({"master_weights": {"dtype": "bf16"}}, "fp32 master weights"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "fp32 optimizer states"),
     ],

@@ -50,12 +50,13 @@ def optimizer_offload_cells() -> list[dict[str, Any]]:
     """The OK ZeRO-3 cells (fp32 masters and states) with the optimizer alone offloaded."""
     table = load_rules()
     cells: dict[tuple, dict[str, Any]] = {}
-    for core in ok_cells(stages=(3,)):
-        if core["shard_groups"] != "flat" or core["master"] != "fp32":
-            continue
+    flat = [
+        c for c in ok_cells(stages=(3,)) if c["shard_groups"] == "flat" and c["master"] == "fp32"
+    ]
+    for core, layout in [(c, layout) for layout in ("flat", "hybrid") for c in flat]:
         for reduction in core["reductions"]:
             point = {k: v for k, v in core.items() if k != "reductions"}
-            point = {**point, **OPTIMIZER_ONLY, "reduction": reduction}
+            point = {**point, **OPTIMIZER_ONLY, "reduction": reduction, "shard_groups": layout}
             if table.lookup(point).status != "OK":
                 continue
             key = tuple(v for k, v in point.items() if k != "reduction")
@@ -86,12 +87,15 @@ def _draw(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_optimizer_offload_zero3_cells() -> None:
-    """params 3 x accum 3 x comm 3, flat; shard groups, pipeline, other states NotSupported."""
+    """params 3 x accum 3 x comm 3, flat and hybrid; another wire across, pipeline, other
+    states NotSupported."""
     cells = optimizer_offload_cells()
-    assert len(cells) == 27
+    assert len(cells) == 27 * 2
+    assert {c["shard_groups"] for c in cells} == {"flat", "hybrid"}
     table = load_rules()
     for change in (
-        {"shard_groups": "hybrid"},
+        {"shard_groups": "hybrid_int8"},
+        {"shard_groups": "hybrid_bf16"},
         {"pipeline": True},
         {"states": "bf16"},
         {"master": "bf16"},
@@ -115,7 +119,7 @@ def _memory_configs() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    cells = optimizer_offload_cells()
+    cells = [c for c in optimizer_offload_cells() if c["shard_groups"] == "flat"]
     # Each parameter dtype, each accumulation and each communication dtype at least once.
     chosen = [
         c
@@ -196,7 +200,8 @@ def test_optimizer_offloaded_zero3_resumes_bitwise(group: dict[str, Any]) -> Non
 
 def test_parity_optimizer_offloaded_zero3_one_rank_group() -> None:
     """One rank: FSDP2 on a 1-rank process group, the host masters beside its shards."""
-    points = [c for c in optimizer_offload_cells() if c["accum"] == c["comm"]][:2]
+    flat = [c for c in optimizer_offload_cells() if c["shard_groups"] == "flat"]
+    points = [c for c in flat if c["accum"] == c["comm"]][:2]
     drawn = _draw(points)
     from tests.workers.parity import run_cases
 
@@ -204,10 +209,35 @@ def test_parity_optimizer_offloaded_zero3_one_rank_group() -> None:
     check_cases(results, drawn)
 
 
+def test_parity_optimizer_offloaded_zero3_shard_groups_four_ranks() -> None:
+    """2 shard groups of 2 (FSDP2's HSDP mesh): the host update of each rank's shard, the
+    replicas equal bit for bit."""
+    hybrid = [c for c in optimizer_offload_cells() if c["shard_groups"] == "hybrid"]
+    points = [
+        c
+        for c in hybrid
+        if (c["params"], c["accum"], c["comm"])
+        in {("fp32", "fp32", "fp32"), ("bf16", "fp32", "bf16")}
+    ]
+    assert len(points) == 2
+    # Drawn as flat points (the config's layout is shard_group_size, set below).
+    drawn = _draw([{**point, "shard_groups": "flat"} for point in points])
+    for case in drawn:
+        case["config"]["zero_optimization"]["shard_group_size"] = 2
+    from tests.workers.parity import run_cases
+
+    plans = [dtypeplan.resolve(case["config"]) for case in drawn]
+    assert {(p.shard_group_size, p.rule_id) for p in plans} == {(2, "offload-optimizer-cpu-zero3")}
+    per_rank = spawn(run_cases, 4, drawn, timeout_s=300)
+    assert_replicas_equal(per_rank)
+    check_cases(per_rank[0], drawn)
+
+
 @pytest.mark.slow
 def test_parity_every_optimizer_offloaded_zero3_cell_two_ranks() -> None:
-    """Every OK cell (params x accumulation x communication dtypes), drawn extras, 2 ranks."""
-    every = _draw(optimizer_offload_cells())
+    """Every OK flat cell (params x accumulation x communication dtypes), drawn extras, 2
+    ranks."""
+    every = _draw([c for c in optimizer_offload_cells() if c["shard_groups"] == "flat"])
     from tests.workers.parity import run_cases
 
     per_rank = spawn(run_cases, 2, every, timeout_s=900)

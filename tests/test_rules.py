@@ -244,8 +244,8 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
     weights of bf16 parameters at ZeRO 0-3 (not with ZeRO-3's unsupported fp32_sum), with or
     without pipeline parallelism; autocast of fp32 parameters wherever fp32 parameters are OK;
     optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism, and at ZeRO-3 with
-    the flat layout and collective reduction (tests/test_offload_zero3_optimizer.py); ZeRO++
-    hpZ at flat ZeRO-3 with collective reduction (tests/test_hpz.py); every
+    the flat or hybrid layout and collective reduction (tests/test_offload_zero3_optimizer.py);
+    ZeRO++ hpZ at flat ZeRO-3 with collective reduction (tests/test_hpz.py); every
     optimizer-state dtype (fp32 masters) of any parameter dtype at ZeRO 0-3 (not with ZeRO-3's
     unsupported fp32_sum), with or without pipeline parallelism."""
     offload = (
@@ -256,7 +256,7 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
             (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
             or (
                 (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
-                and point.get("shard_groups", "flat") == "flat"
+                and point.get("shard_groups", "flat") in ("flat", "hybrid")
             )
         )
     )

@@ -15,6 +15,9 @@ other optimizers through their CPU ``step``), and the updated master is copied u
 device shard. The device shards are always equal to the masters (both fp32), so what reads the
 sharded parameters (FSDP2's gather, ``full_tensor``) reads the masters' values.
 
+With shard groups (HSDP) each rank's host masters are those of its shard in its group, and the
+replicas across the groups update the same reduced shards alike.
+
 What differs from DeepSpeed: its device partitions are 16-bit (2 bytes a parameter) and its
 fp32 gradient partitions live on the host; FSDP2 keeps its sharded parameters in one dtype,
 the masters' (fp32: 4 bytes), and its reduced gradients in them, so the device holds
