@@ -188,6 +188,8 @@ def test_a_scalar_parameter_trains_as_in_torch(two_ranks: list[dict[str, Any]]) 
             assert run["sharded"] and run["outside_forward"] == "DTensor", run
             # The same name, place and order; its state_dict shape is [1].
             assert run["names"][0] == ("logit_scale", (1,)), run["names"]
+            # The exported fp32 weights (save_pretrained's input) have the model's shapes.
+            assert run["exported_shapes"]["logit_scale"] == (), run["exported_shapes"]
             # fp32 throughout; the only difference is the order of the sums over two ranks.
             for mine, ref in zip(run["losses"], got["ref_losses"], strict=True):
                 assert abs(mine - ref) <= 1e-5 * abs(ref), (layout, mine, ref)

@@ -191,7 +191,9 @@ def scalar_parameter_trains(rank: int, world: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         full = opt.full_state()
+        exported = dtypeplan.checkpoint.export_model_state(opt, model)
         out[layout] = {
+            "exported_shapes": {name: tuple(t.shape) for name, t in exported.items()},
             "losses": losses,
             "masters": [full[f"param.{i}.master"] for i in range(len(list(model.parameters())))],
             "names": [(n, tuple(p.shape)) for n, p in model.named_parameters()],

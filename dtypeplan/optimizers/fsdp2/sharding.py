@@ -51,6 +51,7 @@ __all__ = [
     "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
+    "SCALAR_NAMES",
     "scalars_as_vectors",
     "show_scalars_in_forward",
     "check_wire_across_groups",
@@ -106,6 +107,11 @@ def shard_model(
             "torch.nn.Sequential(stage_module), before plan.prepare_model"
         )
     scalars = scalars_as_vectors(model)
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    # Read back by checkpoint.export_model_state, which gives these their 0-dim shape again.
+    model.__dict__[SCALAR_NAMES] = frozenset(
+        f"{paths[id(m)]}.{name}" if paths[id(m)] else name for m, name in scalars
+    )
     units = choose_units(model, wrap)
     if plan.pipeline_parallel:
         # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
@@ -155,6 +161,11 @@ def shard_model(
     return model
 
 
+SCALAR_NAMES = "_dtypeplan_scalar_names"
+"""The attribute of a ZeRO-3 model naming its parameters that were 0-dim (see
+:func:`scalars_as_vectors`)."""
+
+
 def scalars_as_vectors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """Hold each 0-dim parameter (CLIP's ``logit_scale``) as a 1-element one, in place.
 
@@ -164,7 +175,8 @@ def scalars_as_vectors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, st
     like every other (one rank holds its value, the others an empty shard), so it trains
     exactly as a scalar would; :func:`show_scalars_in_forward` makes the model's forward see a
     0-dim view of it. Outside forward the parameter reads as its 1-element shard (its
-    ``state_dict`` entry has shape ``[1]``). Returns ``(module, name)`` of each such entry
+    ``state_dict`` entry has shape ``[1]``; ``dtypeplan.checkpoint.export_model_state`` gives
+    it back 0-dim). Returns ``(module, name)`` of each such entry
     (a scalar shared by several modules is one parameter).
     """
     held: list[tuple[torch.nn.Module, str]] = []
