@@ -955,6 +955,10 @@ def test_qgz_with_shard_groups_is_the_int8_wire_across() -> None:
 
 def test_deepspeed_hierarchical_keys_point_to_shard_group_size() -> None:
     hpz = dtypeplan.resolve(_layout(3, zero_hpz_partition_size=8))
-    assert hpz.status == "NotSupported" and "shard_group_size" in hpz.reason
+    assert hpz.status == "OK" and hpz.hpz_partition_size == 8, hpz.reason
+    assert "reshard_after_forward" in hpz.reason
+    # hpZ and MiCS / HSDP shard groups: one or the other.
+    both = dtypeplan.resolve(_layout(3, zero_hpz_partition_size=8, shard_group_size=8))
+    assert both.status == "NotSupported" and "shard_group_size" in both.reason
     with pytest.raises(PrecisionConfigError, match="mics_shard_size.*shard_group_size"):
         dtypeplan.resolve(_layout(3, mics_shard_size=8))

@@ -60,10 +60,11 @@ REFUSED_HERE = {
     ),
 }
 
-# offload_optimizer cpu at ZeRO 1-2: run by the table's offload cells (the fp32 master shard and
-# the states in host memory, stepped on the CPU).
+# offload_optimizer cpu at ZeRO 1-3: run by the table's offload cells (the fp32 master shard and
+# the states in host memory, stepped on the CPU; at ZeRO-3 FSDP2's shards stay on the device).
 OK_WITH_OPTIMIZER_OFFLOAD = {
     "axolotl__zero2.json",
+    "llamafactory__ds_z3_fp8_config.json",
     "deepspeed__megatron_gpt2_ds_config_func_bs4_zero2_offload.json",
     "fastchat__deepspeed_config_s2.json",
     "hf_accelerate__ds_config_zero2_model_only.json",

@@ -58,13 +58,15 @@ IMPLEMENTED = (
     | {("fp8_recipe", r) for r in ("rowwise", "rowwise_with_gw_hp", "mxfp8")}
     | {("fp8_all_gather", "fp8"), ("fp8_execution", "emulated")}
     | {("state_kind", kind) for kind in ("step_sizes", "averaged_weights")}
+    | {("offload_optimizer", "cpu"), ("hierarchical_partitioning", True)}
 )
 """Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
 proves autocast, and refuses it with 16-bit parameters; shard groups run FSDP2's HSDP mesh
 (issue 22), whose reduction across the groups is in communication_data_type (fp32 here) only:
 another wire across is refused by build, and so by the table. fp8 compute with each recipe,
 emulated, and its fp8 all-gather at ZeRO-3: tests/test_fp8.py. Rprop's step sizes and ASGD's
-averaged weights in fp32, as torch keeps them: tests/test_every_optimizer.py."""
+averaged weights in fp32, as torch keeps them: tests/test_every_optimizer.py. The optimizer
+alone offloaded: tests/test_offload_zero3_optimizer.py; ZeRO++ hpZ: tests/test_hpz.py."""
 
 
 def _config(name: str, value: Any) -> dict[str, Any]:
@@ -116,9 +118,11 @@ def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_memory_refuses_an_offloaded_plan(device: str) -> None:
-    """No figure for what dtypeplan does not offload: NVMe, parameters, an optimizer at
-    ZeRO-3 (the CPU optimizer offload at stages 1-2 has its host keys: tests/test_offload.py)."""
-    for key in ("offload_optimizer", "offload_param"):
+    """No figure for what dtypeplan does not offload: NVMe, parameters without the optimizer
+    (the CPU optimizer offload at stages 1-3 has its host keys: tests/test_offload.py,
+    tests/test_offload_zero3_optimizer.py)."""
+    keys = ("offload_optimizer", "offload_param") if device == "nvme" else ("offload_param",)
+    for key in keys:
         plan = dtypeplan.resolve({"zero_optimization": {"stage": 3, key: {"device": device}}})
         assert plan.status == "NotSupported" and getattr(plan, key) == device
         with pytest.raises(dtypeplan.NotSupportedError, match=f"{key} to {device}"):
@@ -134,14 +138,17 @@ def test_check_prints_why_an_offloaded_plan_has_no_memory_figure(
     path = tmp_path / "offload.json"
     path.write_text(
         '{"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, '
-        '"offload_optimizer": {"device": "cpu"}}}'
+        '"offload_param": {"device": "cpu"}}}'
     )
     assert main(["check", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "memory: not estimated, memory(): the plan asks for offload_optimizer to cpu" in out
-    assert "offload optimizer      cpu" in out
-    # At stage 2 the offload is implemented: device rows, and the host rows hold the optimizer.
-    path.write_text(path.read_text().replace('"stage": 3', '"stage": 2'))
+    assert "memory: not estimated, memory(): the plan asks for offload_param to cpu" in out
+    assert "offload params         cpu" in out
+    # The optimizer offload is implemented: device rows, and the host rows hold the optimizer.
+    path.write_text(
+        '{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, '
+        '"offload_optimizer": {"device": "cpu"}}}'
+    )
     assert main(["check", str(path), "--params", "1000", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "host_master" in out and "host_optimizer_states" in out

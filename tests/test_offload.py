@@ -40,10 +40,11 @@ LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 
 
 def offload_cells() -> list[dict[str, Any]]:
-    """The OK cells with offload_optimizer cpu (the core points with the optimizer offloaded)."""
+    """The OK cells with offload_optimizer cpu at ZeRO 0-2 (the core points with the optimizer
+    offloaded; ZeRO-3's are tests/test_offload_zero3_optimizer.py's)."""
     table = load_rules()
     cells: dict[tuple, dict[str, Any]] = {}
-    for core in ok_cells(stages=(0, 1, 2, 3)):
+    for core in ok_cells(stages=(0, 1, 2)):
         for reduction in core["reductions"]:
             point = {k: v for k, v in core.items() if k != "reductions"}
             point = {**point, "reduction": reduction, "offload_optimizer": "cpu"}
@@ -234,7 +235,7 @@ def test_offloaded_tensors_are_on_the_host_and_none_on_the_device() -> None:
     ("extra", "match"),
     [
         ({"zero_optimization": {"stage": 0}}, "stage 1"),
-        ({"zero_optimization": {"stage": 3}}, "offload_param device cpu too"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "NVMe"),
         ({"master_weights": {"dtype": "bf16"}}, "fp32 master weights"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "fp32 optimizer states"),
     ],

@@ -284,7 +284,6 @@ def test_one_process_offloaded_zero3_says_to_start_a_group() -> None:
     ("zero", "match"),
     [
         ({"stage": 3, "offload_param": {"device": "cpu"}}, "without offload_optimizer cpu"),
-        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
         ({"stage": 2, **cases.ZERO3_OFFLOAD}, "ZeRO-3 setting"),
         ({"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "cpu"}},
          "NVMe"),

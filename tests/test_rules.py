@@ -302,20 +302,37 @@ def _implemented_feature(point: dict, name: str, value: object) -> bool:
     """The feature values dtypeplan implements (each with its parity test): bf16 master
     weights of bf16 parameters at ZeRO 0-3 (not with ZeRO-3's unsupported fp32_sum), with or
     without pipeline parallelism; autocast of fp32 parameters wherever fp32 parameters are OK;
-    optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism; every
+    optimizer offload to the CPU at ZeRO 1-2 without pipeline parallelism, and at ZeRO-3 with
+    the flat or hybrid layout and collective reduction (tests/test_offload_zero3_optimizer.py);
+    ZeRO++ hpZ at flat ZeRO-3 with collective reduction (tests/test_hpz.py); every
     optimizer-state dtype (fp32 masters) of any parameter dtype at ZeRO 0-3 (not with ZeRO-3's
     unsupported fp32_sum), with or without pipeline parallelism."""
     offload = (
         name == "offload_optimizer"
         and value == "cpu"
         and not point["pipeline"]
-        and (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
+        and (
+            (point["stage"], point["sharded"]) in ((1, False), (1, True), (2, True))
+            or (
+                (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+                and point.get("shard_groups", "flat") in ("flat", "hybrid")
+            )
+        )
     )
     states = name == "states" and _states_proven(point)
+    # ZeRO++ hpZ: FSDP2's reshard_after_forward=H at flat ZeRO-3 (tests/test_hpz.py).
+    hpz = (
+        name == "hierarchical_partitioning"
+        and value is True
+        and not point["pipeline"]
+        and (point["stage"], point["sharded"], point["reduction"]) == (3, True, "collective")
+        and point.get("shard_groups", "flat") == "flat"
+    )
     # Rprop and ASGD with fp32 states: torch's own step wherever the point is OK.
     kinds = name == "state_kind" and dtypeplan.load_rules().lookup(point).status == "OK"
     return (
         offload
+        or hpz
         or states
         or kinds
         or _implemented_layout(point, name, value)

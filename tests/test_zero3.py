@@ -211,10 +211,19 @@ def test_an_empty_local_shard_with_a_16bit_accumulator(two_ranks: list[dict[str,
         assert abs(g["grad_norm"] - reference) <= 4 * 2**-8 * reference, (g, reference)
 
 
-def test_a_scalar_parameter_is_refused_before_sharding(two_ranks: list[dict[str, Any]]) -> None:
-    # issue 29 item 5: FSDP2's fully_shard died on CLIP's logit_scale, after sharding units
-    for got in _ok(two_ranks, "scalar_parameter_refused"):
+def test_a_scalar_parameter_trains_as_in_torch(two_ranks: list[dict[str, Any]]) -> None:
+    # issue 29 item 5: FSDP2's fully_shard died on CLIP's logit_scale; it is held as a
+    # 1-element parameter, seen 0-dim by the forward, flat and hybrid.
+    for got in _ok(two_ranks, "scalar_parameter_trains"):
         for layout in ("flat", "hybrid"):
-            assert got[layout].startswith("NotSupportedError: "), got
-            assert "logit_scale" in got[layout] and "stage 2" in got[layout], got
-            assert not got[f"{layout}_sharded"], got
+            run = got[layout]
+            assert run["sharded"] and run["outside_forward"] == "DTensor", run
+            # The same name, place and order; its state_dict shape is [1].
+            assert run["names"][0] == ("logit_scale", (1,)), run["names"]
+            # The exported fp32 weights (save_pretrained's input) have the model's shapes.
+            assert run["exported_shapes"]["logit_scale"] == (), run["exported_shapes"]
+            # fp32 throughout; the only difference is the order of the sums over two ranks.
+            for mine, ref in zip(run["losses"], got["ref_losses"], strict=True):
+                assert abs(mine - ref) <= 1e-5 * abs(ref), (layout, mine, ref)
+            for mine, ref in zip(run["masters"], got["ref_masters"], strict=True):
+                assert torch.allclose(mine.reshape(ref.shape), ref, rtol=1e-5, atol=1e-6), layout

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat import FlatMixedPrecisionOptimizer
-from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer, gatherable
+from dtypeplan.optimizers.fsdp2 import SCALAR_NAMES, FSDP2Optimizer, gatherable
 from dtypeplan.optimizers.state import MASTER, ShardPiece, param_key
 
 __all__ = ["export_model_state"]
@@ -55,11 +55,15 @@ def export_model_state(
     distributed = dist.is_available() and dist.is_initialized()
     keep = not rank0_only or not distributed or dist.get_rank(optimizer.process_group) == 0
     value_of = _values(optimizer)
+    # ZeRO-3 holds 0-dim parameters as 1-element ones (fsdp2/sharding.py): 0-dim again here.
+    scalars: frozenset[str] = getattr(model, SCALAR_NAMES, frozenset())
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor | None] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) not in done:
             value = value_of(param)  # every rank: the gather is collective
+            if name in scalars:
+                value = value.reshape(())
             done[id(param)] = (value.cpu() if cpu else value) if keep else None
         tensor = done[id(param)]
         if tensor is not None:

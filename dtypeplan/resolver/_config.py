@@ -169,6 +169,8 @@ class PrecisionConfig:
     """``"weights"``, ``"gradients"`` or ``"both"`` (ZeRO++ ``zero_quantized_*``); ``"none"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ ``zero_hpz_partition_size`` above 1."""
+    hpz_partition_size: int = 1
+    """ZeRO++ ``zero_hpz_partition_size``: the ranks of hpZ's secondary partition (1: off)."""
     zero_settings: tuple[tuple[str, Any], ...] = ()
     """``(canonical name, value)`` of each ``_fields.ZERO_SETTINGS`` key the config gives
     (ZeRO-3 prefetch / persistence / live-parameter limits, ``sub_group_size``,

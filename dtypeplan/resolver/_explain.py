@@ -83,6 +83,8 @@ class ExplainedPlan(Protocol):
     @property
     def hierarchical_partitioning(self) -> bool: ...
     @property
+    def hpz_partition_size(self) -> int: ...
+    @property
     def shard_group_size(self) -> int | None: ...
     @property
     def wire_across_groups(self) -> str | None: ...
@@ -304,7 +306,11 @@ def _feature_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
             ),
             (
                 "hierarchical partitioning",
-                "on" if plan.hierarchical_partitioning else "off",
+                (
+                    f"on, secondary partition of {plan.hpz_partition_size} ranks"
+                    if plan.hierarchical_partitioning
+                    else "off"
+                ),
                 "hierarchical_partitioning",
                 "off",
             ),

@@ -182,6 +182,14 @@ def _zero(
     shard_group_size, wire_across, wire_key, quantized = _layout(
         document, zero, quantized, auto_values, warnings
     )
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+        path = "zero_optimization.zero_hpz_partition_size"
+        raise PrecisionConfigError(
+            f"invalid value {hpz!r} at {path}: must be a whole number of ranks, 1 or more "
+            "(1: hpZ off; the ranks per node for hpZ)",
+            path,
+        )
     return {
         "zero_stage": int(zero["stage"]) if "stage" in zero else None,
         "reduce_bucket_size": int(bucket) if bucket is not None else None,
@@ -190,7 +198,8 @@ def _zero(
         "quantized_communication": (
             "both" if len(quantized) == 2 else quantized[0] if quantized else "none"
         ),
-        "hierarchical_partitioning": int(zero.get("zero_hpz_partition_size", 1)) > 1,
+        "hierarchical_partitioning": hpz > 1,
+        "hpz_partition_size": hpz,
         "shard_group_size": shard_group_size,
         "wire_across_groups": wire_across,
         "wire_across_groups_key": wire_key,

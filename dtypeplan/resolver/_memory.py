@@ -38,8 +38,18 @@ sharded accumulator ``A * N / W`` live in host memory as well, under ``host_para
 ``host_accumulator``, with the states under ``host_optimizer_states`` (a Kahan compensation
 under ``host_master``): the device holds none of it between steps, only the gathered unit
 (``P`` bytes for each of its parameters) while it runs, which is not counted, like activations.
-One process with ``offload_param`` runs FSDP2 on a one-rank group (``W = 1``). The six device
-keys mean device bytes for every plan; the host keys are 0 when nothing is offloaded.
+At ZeRO-3 with ``offload_optimizer: cpu`` alone (``optimizers/fsdp2/host_update.py``) the
+shards ``4 * N / W`` and the accumulator stay on the device and an fp32 host master
+``4 * N / W`` sits beside the states on the host. One process with ``offload_param`` runs
+FSDP2 on a one-rank group (``W = 1``). The six device keys mean device bytes for every plan;
+the host keys are 0 when nothing is offloaded.
+
+ZeRO++ hpZ at ZeRO-3 (``zero_hpz_partition_size`` ``H``, FSDP2's ``reshard_after_forward=H``)
+adds nothing at the boundary: from each unit's forward to its backward the unit holds its
+parameters sharded over ``H`` ranks in the parameter dtype (``P * n / H`` for a unit of ``n``,
+``P * N / H`` at most, after the last forward), freed by its backward, like activations.
+(DeepSpeed holds its secondary partition, ``P * N / H``, as a tensor of each parameter,
+``ds_secondary_tensor``; these figures are FSDP2's.)
 
 In a hybrid layout (``zero_optimization.shard_group_size`` ``S``) everything sharded is sharded
 over the ``S`` ranks of a shard group and replicated across the ``W / S`` groups: ``W`` above
@@ -165,10 +175,14 @@ def memory_model(
     else:
         params = param_dtype.itemsize * n
     accumulator = accum_dtype.itemsize * n // (w if accumulator_sharded else 1)
-    aliased = (param_dtype == master_dtype and not offload_optimizer) or zero_stage >= 3
     # ZeRO-3 with offload_param (FSDP2's CPUOffloadPolicy): the shards, masters, gradient
     # shards and states all live on the host; the device holds only the unit being run.
     zero3_offload = zero_stage >= 3 and offload_param
+    # The optimizer alone offloaded keeps an fp32 host master even where the parameters are
+    # the masters on the device (fp32 parameters, FSDP2's shards at ZeRO-3).
+    aliased = (param_dtype == master_dtype or zero_stage >= 3) and not (
+        offload_optimizer and not zero3_offload
+    )
     master = 0 if aliased else 4 * n // state_divisor
     if master_dtype != torch.float32 and master_rounding == "kahan":
         master = master_dtype.itemsize * n // state_divisor

@@ -168,6 +168,10 @@ class PrecisionPlan:
     """ZeRO++ quantization: ``"none"``, ``"weights"``, ``"gradients"`` or ``"both"``."""
     hierarchical_partitioning: bool = False
     """ZeRO++ hpZ (``zero_hpz_partition_size`` > 1)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ's ``zero_hpz_partition_size``: at ZeRO-3 each unit's parameters are kept
+    sharded over groups of this many consecutive ranks from its forward to its backward
+    (FSDP2's ``reshard_after_forward``), whose all-gathers then stay within the group. 1: off."""
     shard_group_size: int | None = None
     """Ranks each shard group spans (``zero_optimization.shard_group_size``): states (ZeRO-2:
     the accumulator, ZeRO-3: the parameters) are sharded within groups of this many
@@ -389,7 +393,7 @@ class PrecisionPlan:
         what ``offload_optimizer: cpu`` (and at ZeRO-3 ``offload_param: cpu`` with it) keeps in
         host memory (0 without it). Raises :class:`NotSupportedError` for an offload dtypeplan
         does not implement (NVMe; ``offload_param`` below ZeRO-3 or without
-        ``offload_optimizer``; ``offload_optimizer`` alone at ZeRO-3): no figure would be true.
+        ``offload_optimizer``): no figure would be true.
         Under ``torch_autocast`` the figures are those of fp32 parameters: autocast's 16-bit
         copies of weights and activations live only during forward and backward, like the
         activations themselves, and are not optimizer memory.
@@ -401,8 +405,8 @@ class PrecisionPlan:
         ``params``); the gathered fp8 weights themselves live only while a layer runs.
         """
         offload = (self.offload_optimizer, self.offload_param)
-        served = offload == ("none", "none") or (
-            offload == ("cpu", "none") if self.zero_stage < 3 else offload == ("cpu", "cpu")
+        served = offload in (("none", "none"), ("cpu", "none")) or (
+            offload == ("cpu", "cpu") and self.zero_stage >= 3
         )
         if not served:
             offloaded = [
@@ -414,7 +418,7 @@ class PrecisionPlan:
                 f"memory(): the plan asks for {' and '.join(offloaded)} at ZeRO stage "
                 f"{self.zero_stage}, which dtypeplan does not implement, so no device figure "
                 "would be true: the device would not hold what is offloaded, and dtypeplan "
-                "cannot offload it. dtypeplan offloads offload_optimizer cpu at stages 1-2 and "
+                "cannot offload it. dtypeplan offloads offload_optimizer cpu at stages 1-3 and "
                 "offload_optimizer with offload_param cpu at stage 3; use one of them (or "
                 "remove the settings) to see what the device and host hold."
             )
@@ -485,6 +489,7 @@ class PrecisionPlan:
             buckets=tuple(buckets) if buckets is not None else None,
             bucket_numel=self.reduce_bucket_size,
             fp8_gathered=self._fp8_gathered(fp8_weights, num_params, world_size, "traffic"),
+            hpz_partition_size=self.hpz_partition_size,
         )
 
     def _fp8_gathered(

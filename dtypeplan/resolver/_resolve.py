@@ -111,6 +111,7 @@ def _plan(
         offload_param=config.offload_param,
         quantized_communication=config.quantized_communication,
         hierarchical_partitioning=config.hierarchical_partitioning,
+        hpz_partition_size=config.hpz_partition_size,
         shard_group_size=config.shard_group_size,
         wire_across_groups=config.wire_across_groups,
         gradient_prescaling=config.gradient_prescaling,

@@ -20,6 +20,12 @@ and 2      all-gather ``P * N`` once
 3 (FSDP2)  per micro-batch: all-gathers ``P * N`` for    all-reduce of the ``N / S`` shard
            forward and again for backward, a             in ``A`` per micro-batch (FSDP2's
            reduce-scatter ``C * N``                      HSDP reduces every backward)
+3 with     per micro-batch: all-gather ``P * N`` over    none (hpZ is flat only)
+hpZ ``H``  the group for forward, ``P * N`` within the
+           ``H`` ranks of the secondary partition for
+           backward (``all_gather_secondary``: each
+           rank sends ``(H - 1) / H`` of it), a
+           reduce-scatter ``C * N``
 =========  ============================================  ==================================
 
 fp8 compute at ZeRO-3 with ``fp8.all_gather: fp8`` (``F`` values in ``L`` weights gathered in
@@ -215,6 +221,7 @@ def traffic_model(
     buckets: tuple[int, ...] | None = None,
     bucket_numel: int | None = None,
     fp8_gathered: tuple[int, ...] = (),
+    hpz_partition_size: int = 1,
 ) -> Traffic:
     """See the module docstring; ``shard_group_size`` already checked to divide the world.
     ``buckets``: the engine's bucket sizes (summing to ``num_params``); None: ``num_params``
@@ -250,6 +257,12 @@ def traffic_model(
                 _all_reduce(
                     across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1, chunks
                 )
+        elif 1 < hpz_partition_size < s:
+            # hpZ: forward gathers over the group, backward within the secondary partition
+            # (in the parameter dtype: the table refuses hpZ with the fp8 all-gather).
+            _add(within, "all_gather", k * _ring(p * n, s))
+            _add(within, "all_gather_secondary", k * _ring(p * n, hpz_partition_size))
+            _reduce(within, c * n, s, False, k)
         else:
             f = sum(fp8_gathered)
             _add(within, "all_gather", 2 * k * _ring(p * (n - f) + f, s))

@@ -265,3 +265,67 @@ def zero3_offload_group(
         "memory": ckpt.capture(lambda: fsdp2_memory_cases(rank, world_size, memory_configs, width)),
         "resume": {p: ckpt.capture(lambda p=p: zero3_resume(root, p)) for p in resume_precisions},
     }
+
+
+# --- ZeRO-3 with offload_optimizer cpu alone (offload-optimizer-cpu-zero3) ----------------------
+def zero3_optimizer_offload_config(precision: str) -> dict[str, Any]:
+    """A checkpoint-test config at ZeRO-3 with the optimizer offloaded and the shards not."""
+    config = ckpt.config(precision, 3, ckpt.SMALL_BUCKETS)
+    config["zero_optimization"].update(OFFLOAD)
+    return config
+
+
+def zero3_optimizer_placement(config: dict[str, Any]) -> dict[str, Any]:
+    """Where the shards and the host masters are after one step, and whether they agree."""
+    model, opt = _build(config, seed=0)
+    ckpt.train(model, opt, range(1))
+    held = opt.held_tensors()
+    shards = [p.to_local() for p in model.parameters()]
+    masters = list(held.master)
+    return {
+        "policies": offload_policies(model),
+        "on_host": sorted(held.on_host),
+        "shards_are_params": {s.data_ptr() for s in shards} == {t.data_ptr() for t in held.params},
+        "masters_apart": not ({m.data_ptr() for m in masters} & {s.data_ptr() for s in shards}),
+        "masters_equal_shards": all(
+            torch.equal(m, s) for m, s in zip(masters, shards, strict=True)
+        ),
+        "staged_waits": opt.offload.device_waits,
+    }
+
+
+def zero3_optimizer_resume(root: str, precision: str) -> dict[str, Any]:
+    """Save an optimizer-offloaded ZeRO-3 run, load it into a fresh one (another seed), into
+    ZeRO-3 without offload and into ZeRO-3 with both offloads; each continues."""
+    path = os.path.join(root, f"zero3-optimizer-offload-{precision}")
+    out = {"saved": save_run_any(path, zero3_optimizer_offload_config(precision))}
+    for name, config in (
+        ("same", zero3_optimizer_offload_config(precision)),
+        ("zero3_plain", zero3_config(precision, False)),
+        ("zero3_both", zero3_config(precision, True)),
+    ):
+        out[name] = ckpt.capture(lambda c=config: load_run_any(path, c))
+    return out
+
+
+def zero3_optimizer_offload_group(
+    rank: int,
+    world_size: int,
+    root: str,
+    parity_cases: list[dict[str, Any]],
+    memory_configs: list[dict[str, Any]],
+    width: int,
+    resume_precisions: list[str],
+) -> dict[str, Any]:
+    """Everything multi-rank of the optimizer-alone tests in tests/test_offload_zero3.py."""
+    from tests.workers.optimizer import fsdp2_memory_cases
+
+    placement = zero3_optimizer_offload_config("bf16")
+    return {
+        "parity": run_cases(rank, world_size, parity_cases),
+        "placement": ckpt.capture(lambda: zero3_optimizer_placement(placement)),
+        "memory": ckpt.capture(lambda: fsdp2_memory_cases(rank, world_size, memory_configs, width)),
+        "resume": {
+            p: ckpt.capture(lambda p=p: zero3_optimizer_resume(root, p)) for p in resume_precisions
+        },
+    }

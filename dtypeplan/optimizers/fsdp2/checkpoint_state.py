@@ -53,7 +53,8 @@ class FSDP2State(MixedPrecisionOptimizer):
     sharded: list[list[DTensor]]
     """Per param group, its trainable sharded parameters (DTensors)."""
     locals: list[list[torch.Tensor]]
-    """Per param group, their local shards: the masters the inner optimizer updates."""
+    """Per param group, the masters the inner optimizer updates: the local shards, or with
+    the optimizer alone offloaded their fp32 host copies (same shapes)."""
     _low_precision: LowPrecisionAdamUpdate | None
 
     def _params(self) -> list[DTensor]:
@@ -103,6 +104,7 @@ class FSDP2State(MixedPrecisionOptimizer):
                 load_slot(self.inner.state.get(local, {}), entry)
                 if self._low_precision is not None:
                     self._low_precision.load_codes(entry, local, 0, local.numel())
+        self.refresh_params()
 
     # --- sharded state, for checkpoints that never gather ---------------------------------------
     def shard_pieces(self) -> list[ShardPiece]:
@@ -174,7 +176,9 @@ class FSDP2State(MixedPrecisionOptimizer):
                 index += 1
 
     def refresh_params(self) -> None:
-        """Nothing to write: the sharded parameters are the master weights (FSDP2 gathers them)."""
+        """Nothing to write here: the sharded parameters are the master weights (FSDP2 gathers
+        them), or, with the optimizer alone offloaded, the step half copies the host masters
+        into them."""
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
@@ -224,7 +228,8 @@ class FSDP2State(MixedPrecisionOptimizer):
                 saved = state[keys.param_key(index, name)]
                 assert isinstance(saved, torch.Tensor), "full_state holds tensors per parameter"
                 mesh = param.device_mesh
-                full = saved.to(mesh_compute_device(mesh), torch.float32)
+                # reshape: a former scalar is held as a 1-element parameter (sharding.py).
+                full = saved.to(mesh_compute_device(mesh), torch.float32).reshape(param.shape)
                 shard = distribute_tensor(full, mesh, param.placements).to_local()
                 shard = shard.to(local.device)  # host memory under CPUOffloadPolicy
                 if name == keys.MASTER:

@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor
 
 from dtypeplan.comm import Communicator
 from dtypeplan.errors import OptimizerUsageError
+from dtypeplan.optimizers.buffers.host_offload import HostOffload
 from dtypeplan.optimizers.contract.base import (
     HeldTensors,
     WrapPolicy,
@@ -88,6 +89,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
 )
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
+from dtypeplan.optimizers.fsdp2.host_update import HostUpdate, offloads_optimizer_alone
 from dtypeplan.optimizers.fsdp2.sharding import (
     BEFORE_REDUCE,
     CLEARS_OWNED,
@@ -188,7 +190,15 @@ class FSDP2Optimizer(FSDP2State):
         self.sharded = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # The update runs on the local shards as plain tensors: fused kernels have no DTensor
         # sharding rules (SGD's has none at all), and a local update needs no communication.
-        self.locals = [[p.to_local().detach() for p in group] for group in self.sharded]
+        self.shards = [[p.to_local().detach() for p in group] for group in self.sharded]
+        """Per param group, the local shards FSDP2 gathers (on the mesh's device, or on the host
+        under CPUOffloadPolicy)."""
+        self.host_update: HostUpdate | None = None
+        """offload_optimizer cpu alone (``fsdp2/host_update.py``): host masters beside the
+        device shards, and the update on the host."""
+        if offloads_optimizer_alone(plan):
+            self.host_update = HostUpdate(self.shards, mesh_compute_device(self._mesh()))
+        self.locals = self.host_update.masters if self.host_update is not None else self.shards
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": local}
             for g, local in zip(self.param_groups, self.locals, strict=True)
@@ -209,7 +219,9 @@ class FSDP2Optimizer(FSDP2State):
         self._fresh: list[bool] = []
         if plan.grad_accum_dtype != torch.float32 or self._low_precision_masters:
             self.accumulators = [
-                torch.zeros_like(t, dtype=plan.grad_accum_dtype) for t in self._locals()
+                torch.zeros_like(t, dtype=plan.grad_accum_dtype)
+                for group in self.shards
+                for t in group
             ]
             self._fresh = [True] * len(self.accumulators)
             for index, param in enumerate(self._params()):
@@ -229,14 +241,29 @@ class FSDP2Optimizer(FSDP2State):
                 self.hooks.add(param, _make_bare_backward_check(weakref.ref(self), refusal))
         self._take_ownership()
 
+    @property
+    def offload(self) -> HostOffload | None:
+        """The host side of offload_optimizer cpu alone (None otherwise; under
+        CPUOffloadPolicy FSDP2 itself keeps everything in host memory)."""
+        return self.host_update.offload if self.host_update is not None else None
+
     def refresh_params(self) -> None:
-        """After a load wrote the master weights: the fp8 all-gather's scales follow them."""
+        """After a load wrote the master weights: the device shards (offload_optimizer alone)
+        and the fp8 all-gather's scales follow them."""
         super().refresh_params()
+        if self.host_update is not None:
+            self.host_update.upload(self.shards)
         precompute_scales(self._fp8_layers)
+
+    def _mesh(self) -> Any:
+        trainable = self._params()
+        if not trainable:
+            return None
+        return _sharded(trainable[0]).device_mesh
 
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
         super().load_full_state(state)
-        precompute_scales(self._fp8_layers)
+        self.refresh_params()
 
     def _check_mesh(self, trainable: list[torch.Tensor]) -> None:
         """The model was sharded for this plan's layout (``prepare_model`` with this plan)."""
@@ -273,14 +300,20 @@ class FSDP2Optimizer(FSDP2State):
         sharded ``.grad`` is the accumulator. Weights gathered in fp8: their values and the
         fp32 scales precomputed for the next gather (``params``).
         """
-        shards, scales = fp8_held(self._params(), self._locals())
+        shards, scales = fp8_held(self._params(), [t for group in self.shards for t in group])
         sharded_grads = tuple(
             _local(p.grad)
             for p in self._params()
             if p.grad is not None and not is_owned_gradient(p.grad)
         )
+        on_host: frozenset[str] = frozenset()
+        if self.plan.offload_param != "none":
+            on_host = HOST_RESIDENT
+        elif self.host_update is not None:
+            on_host = frozenset({"master", "optimizer_states"})
+        masters = tuple(self._locals()) if self.host_update is not None else ()
         return HeldTensors(
-            on_host=HOST_RESIDENT if self.plan.offload_param != "none" else frozenset(),
+            on_host=on_host,
             params=(*shards, *scales),
             grads=tuple(
                 p.grad
@@ -289,7 +322,7 @@ class FSDP2Optimizer(FSDP2State):
                 if p.grad is not None and not isinstance(p, DTensor)
             ),
             accumulator=sharded_grads + tuple(self.accumulators or ()),
-            master=held_compensations(self.inner),
+            master=masters + held_compensations(self.inner),
             optimizer_states=held_states(self.inner),
         )
 
@@ -341,6 +374,10 @@ class FSDP2Optimizer(FSDP2State):
         if self._low_precision is not None:
             self._low_precision.check_still_serves(self.plan)
             self._low_precision_update(local_grads, factor[1], touched)
+            self.scaler.update(overflow=False)
+            return loss
+        if self.host_update is not None:
+            self.host_update.step(self.inner, self.shards, local_grads, touched, factor)
             self.scaler.update(overflow=False)
             return loss
         # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
@@ -434,10 +471,8 @@ class FSDP2Optimizer(FSDP2State):
     def _device(self) -> torch.device:
         """Where the step's summary is reduced: the mesh's device, which under CPUOffloadPolicy
         is not where the (host-resident) shards are; NCCL takes device tensors only."""
-        params = self._params()
-        if not params:
-            return torch.device("cpu")
-        return mesh_compute_device(_sharded(params[0]).device_mesh)
+        mesh = self._mesh()
+        return mesh_compute_device(mesh) if mesh is not None else torch.device("cpu")
 
     def _touched(self) -> list[bool]:
         """Per sharded parameter: got a gradient on this rank since ``zero_grad``."""

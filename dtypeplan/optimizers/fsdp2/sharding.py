@@ -51,11 +51,14 @@ __all__ = [
     "BEFORE_REDUCE",
     "CLEARS_OWNED",
     "as_reduced",
+    "SCALAR_NAMES",
     "broadcast_unit_from_first",
-    "check_no_scalar_parameters",
+    "scalars_as_vectors",
+    "show_scalars_in_forward",
     "check_wire_across_groups",
     "clear_owned_before_reduce",
     "hybrid_layout",
+    "hpz_reshard",
     "gatherable",
     "mesh_compute_device",
     "mesh_device",
@@ -87,7 +90,6 @@ def shard_model(
             "plan.prepare_model: this model is sharded already (prepare_model ran on it); "
             "call it once, on the unsharded model"
         )
-    check_no_scalar_parameters(model)
     group = process_group or dist.group.WORLD
     assert group is not None  # torch.distributed is initialized here
     device = mesh_device(dist.get_backend(group), model)
@@ -103,6 +105,12 @@ def shard_model(
             f"stage module holds parameters of its own ({', '.join(own)}); wrap it, e.g. "
             "torch.nn.Sequential(stage_module), before plan.prepare_model"
         )
+    scalars = scalars_as_vectors(model)
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    # Read back by checkpoint.export_model_state, which gives these their 0-dim shape again.
+    model.__dict__[SCALAR_NAMES] = frozenset(
+        f"{paths[id(m)]}.{name}" if paths[id(m)] else name for m, name in scalars
+    )
     units = choose_units(model, wrap)
     if plan.pipeline_parallel:
         # Under torch.distributed.pipelining the stage module itself stays unwrapped: the
@@ -120,10 +128,18 @@ def shard_model(
     _cast_frozen_and_buffers(model, plan.param_dtype)
     offload = _offload_policy(plan, device)
     broadcast = Communicator(group)
-    for unit in [*units, *([] if plan.pipeline_parallel else [model])]:
+    hpz = hpz_reshard(plan, dist.get_world_size(group) if layout is None else layout.shard_size)
+    for unit in units:
         broadcast_unit_from_first(broadcast, unit, device)
         _masters_to(unit, plan.master_dtype)
-        fully_shard(unit, mesh=mesh, mp_policy=policy, **offload)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, **hpz, **offload)
+    if not plan.pipeline_parallel:
+        # The root keeps FSDP2's default: its parameters stay gathered from forward to
+        # backward (FSDP2 does not reshard the root after forward).
+        broadcast_unit_from_first(broadcast, model, device)
+        _masters_to(model, plan.master_dtype)
+        fully_shard(model, mesh=mesh, mp_policy=policy, **offload)
+    show_scalars_in_forward(model, scalars)
     # FSDP2's all-gathers and reduce-scatters run within the shard group.
     comm = Communicator(layout.shard if layout is not None else group)
     # One reduce-scatter for the whole model: the 16-bit-master hook reads its last output.
@@ -170,23 +186,82 @@ def broadcast_unit_from_first(
     make_replicas_equal(comm, params)
 
 
-def check_no_scalar_parameters(model: torch.nn.Module) -> None:
-    """Refuse 0-dim parameters (CLIP's ``logit_scale``) before any unit is sharded.
+SCALAR_NAMES = "_dtypeplan_scalar_names"
+"""The attribute of a ZeRO-3 model naming its parameters that were 0-dim (see
+:func:`scalars_as_vectors`)."""
 
-    FSDP2 shards every parameter of a unit along dim 0 and its ``fully_shard`` raises on a
-    scalar, from deep inside, after earlier units were sharded already. Keeping scalars
-    replicated beside the sharded ones (reduced over the world, updated by the optimizer, in
-    the checkpoints) is not built, so the model is refused here with the names and the fix.
+
+def scalars_as_vectors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Hold each 0-dim parameter (CLIP's ``logit_scale``) as a 1-element one, in place.
+
+    FSDP2 shards every parameter along dim 0 and its ``fully_shard`` refuses a scalar. A
+    1-element parameter under the same name, in the same place (so ``named_parameters`` and
+    the checkpoints' numbering keep their order), is sharded, gathered, reduced and updated
+    like every other (one rank holds its value, the others an empty shard), so it trains
+    exactly as a scalar would; :func:`show_scalars_in_forward` makes the model's forward see a
+    0-dim view of it. Outside forward the parameter reads as its 1-element shard (its
+    ``state_dict`` entry has shape ``[1]``; ``dtypeplan.checkpoint.export_model_state`` gives
+    it back 0-dim). Returns ``(module, name)`` of each such entry
+    (a scalar shared by several modules is one parameter).
     """
-    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
-    if scalars:
-        raise NotSupportedError(
-            f"ZeRO-3 (FSDP2) shards every parameter along dim 0, and these are 0-dim "
-            f"(scalars): {', '.join(scalars)}. FSDP2's fully_shard does not take scalar "
-            "parameters, and dtypeplan does not yet keep them replicated at ZeRO-3. Use ZeRO "
-            "stage 2 (the optimizer states and gradients sharded, the weights whole), or hold "
-            "each scalar as a 1-element parameter (shape [1]) in the model"
-        )
+    held: list[tuple[torch.nn.Module, str]] = []
+    vectors: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.dim() != 0:
+                continue
+            vector = vectors.get(id(param))
+            if vector is None:
+                vector = torch.nn.Parameter(
+                    param.detach().reshape(1), requires_grad=param.requires_grad
+                )
+                vectors[id(param)] = vector
+            module._parameters[name] = vector
+            held.append((module, name))
+    return held
+
+
+def show_scalars_in_forward(
+    model: torch.nn.Module, scalars: list[tuple[torch.nn.Module, str]]
+) -> None:
+    """While the FSDP2 unit holding each former scalar runs its forward, the module's
+    attribute is a 0-dim view of the gathered 1-element parameter (gradients flow through the
+    view into it, and FSDP2 reduces them with the unit's); after the forward, the parameter.
+
+    The view sits in the module's ``__dict__``, which Python reads before ``nn.Module``'s
+    parameter lookup; it is set after FSDP2's own pre-forward hook (which gathers the unit and
+    registers the gathered parameters) and removed after the unit's forward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    paths = {id(module): path for path, module in model.named_modules()}
+    units = [(path, m) for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for module, name in scalars:
+        path = paths[id(module)]
+        inside = [
+            (unit_path, unit)
+            for unit_path, unit in units
+            if unit_path == "" or path == unit_path or path.startswith(unit_path + ".")
+        ]
+        # The innermost unit holding the module: its forward gathers the parameter.
+        _, unit = max(inside, key=lambda pair: len(pair[0]) + bool(pair[0]))
+        assert isinstance(unit, torch.nn.Module)  # an FSDPModule is its module's class too
+        unit.register_forward_pre_hook(_showing(module, name))
+        unit.register_forward_hook(_hiding(module, name))
+
+
+def _showing(module: torch.nn.Module, name: str) -> Any:
+    def show(*_: Any) -> None:
+        module.__dict__[name] = module._parameters[name].view(())  # type: ignore[union-attr]
+
+    return show
+
+
+def _hiding(module: torch.nn.Module, name: str) -> Any:
+    def hide(*_: Any) -> None:
+        module.__dict__.pop(name, None)
+
+    return hide
 
 
 class _NotForDDP(list[str]):
@@ -364,6 +439,26 @@ def mesh_device(backend: str, model: torch.nn.Module) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def hpz_reshard(plan: PrecisionPlan, shard_size: int) -> dict[str, Any]:
+    """``fully_shard``'s ``reshard_after_forward`` for ZeRO++ hpZ (``zero_hpz_partition_size``
+    ``H``): after its forward each unit keeps its parameters (in the parameter dtype) sharded
+    over groups of ``H`` consecutive ranks, and its backward all-gathers within that group, as
+    DeepSpeed's secondary partition does. FSDP2 builds that mesh (and its process groups) for
+    each unit. ``H`` must divide the ranks the parameters are sharded over; ``H`` equal to
+    them is plain ZeRO-3 (FSDP2 reads it as True)."""
+    size = plan.hpz_partition_size
+    if size <= 1:
+        return {}
+    if shard_size % size:
+        raise PrecisionConfigError(
+            f"zero_optimization.zero_hpz_partition_size {size} does not divide the "
+            f"{shard_size} ranks ZeRO-3 shards over: hpZ keeps each unit's parameters sharded "
+            "within groups of that many consecutive ranks (one node). Set it to the ranks per "
+            "node, a divisor of the world size"
+        )
+    return {"reshard_after_forward": size}
 
 
 def _offload_policy(plan: PrecisionPlan, device: torch.device) -> dict[str, Any]:

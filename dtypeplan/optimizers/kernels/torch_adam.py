@@ -127,6 +127,10 @@ class FlatAdamUpdate:
         step = slot["step"]
         step += 1
         fused, kwargs = fused_adam_kernel(self.torch_class, group, grad_scale)
+        # Flat views (a no-op for the flat engine's chunks; ZeRO-3's host masters are shaped
+        # like their shards and key the states so).
+        master, grad = master.view(-1), grad.view(-1)
+        exp_avg, exp_avg_sq = slot["exp_avg"].view(-1), slot["exp_avg_sq"].view(-1)
         on_cpu = master.device.type == "cpu"
         size = CPU_CHUNK if on_cpu else master.numel()
         needs_copy = grad.dtype != torch.float32
@@ -140,8 +144,8 @@ class FlatAdamUpdate:
                 fused(
                     [master[begin:end]],
                     [piece],
-                    [slot["exp_avg"][begin:end]],
-                    [slot["exp_avg_sq"][begin:end]],
+                    [exp_avg[begin:end]],
+                    [exp_avg_sq[begin:end]],
                     [],
                     [step],
                     **kwargs,
@@ -149,7 +153,7 @@ class FlatAdamUpdate:
                 if param_chunk is not None and on_cpu:
                     param_chunk[begin:end].copy_(master[begin:end])
         else:
-            fused([master], [grad], [slot["exp_avg"]], [slot["exp_avg_sq"]], [], [step], **kwargs)
+            fused([master], [grad], [exp_avg], [exp_avg_sq], [], [step], **kwargs)
         if param_chunk is not None and not on_cpu:
             param_chunk.copy_(master)
 
