@@ -231,7 +231,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _build(config: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    plan = dtypeplan.resolve({**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    # The committed checkpoint was written when an absent weight_decay read as torch's 0.01.
+    adamw = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    plan = dtypeplan.resolve({**config, "optimizer": adamw})
     assert plan.status == "OK", plan.explain()
     model = plan.prepare_model(make_model(seed))
     return model, plan.build(model.parameters())

@@ -295,7 +295,6 @@ def test_adam_type_runs_adamw_with_adams_default_weight_decay() -> None:
     assert dtypeplan.resolve(given).optimizer.params["weight_decay"] == 0.1
 
 
-
 @pytest.mark.parametrize("spelling", ["AdamW", "Adam"])
 def test_adamw_without_weight_decay_takes_deepspeeds_default(spelling: str) -> None:
     """DeepSpeed runs type "AdamW" (and "Adam" in AdamW mode) on its FusedAdam, whose weight
@@ -309,6 +308,7 @@ def test_adamw_without_weight_decay_takes_deepspeeds_default(spelling: str) -> N
     assert "weight_decay" not in plan.optimizer.params
     built = plan.build(torch.nn.Linear(2, 2).parameters())
     assert built.param_groups[0]["weight_decay"] == 0.01
+
 
 def test_adam_with_adam_w_mode_false_is_torch_adam() -> None:
     config = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}}}

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def test_checkpoint_example_resumes_identically() -> None:
     assert worst < 1e-5, out
 
 
+@pytest.mark.slow
 def test_pipeline_example_trains_at_zero3() -> None:
     out = _run("examples/pipeline_zero.py", "--stage", "3", "--schedule", "gpipe")
     assert "status: OK (implementation 'fsdp2')" in out, out

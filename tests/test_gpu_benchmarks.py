@@ -106,6 +106,7 @@ def test_the_install_step_from_a_bare_environment_names_the_pins(tmp_path: Path)
     assert '"torchao>=0.18,<0.19"' in (REPO / "pyproject.toml").read_text()
 
 
+@pytest.mark.slow
 @needs_bash
 def test_run_all_cpu_run_passes_and_writes_dated_results(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable)

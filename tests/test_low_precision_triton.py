@@ -383,7 +383,9 @@ def bf16_master(rounding, states, accum="fp32"):
 """
 """What the interpreter scripts below share (a format string: {root} is the repository)."""
 
-_ENGINE_SCRIPT = _PREAMBLE + """
+_ENGINE_SCRIPT = (
+    _PREAMBLE
+    + """
 def build(plan):
     torch.manual_seed(0)
     model = plan.prepare_model(torch.nn.Sequential(
@@ -456,6 +458,7 @@ assert train(bf16_master("nearest", "bf16", "bf16"), True)[0] == "torch-fused-16
 assert train({{**BUCKETS, "optimizer_states": "int8", "optimizer": ADAMW}}, True)[0] == "quantized"
 print("ENGINE-OK")
 """
+)
 
 
 # Slow: about 14 s here (the engine in the interpreter). The default run keeps the
@@ -470,7 +473,9 @@ def test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter() -> No
     _interpret(_ENGINE_SCRIPT, "ENGINE-OK")
 
 
-_SHARDED_SCRIPT = _PREAMBLE + """
+_SHARDED_SCRIPT = (
+    _PREAMBLE
+    + """
 # Two ranks, ZeRO-2, several buckets: each rank's chunks in one launch, the noise of its own
 # seed (SEED + shard rank), strided parameter chunks written and all-gathered. The host path
 # (DTYPEPLAN_FUSED_KERNEL=0, eager, with the correctly rounded root the interpreter's numpy
@@ -495,6 +500,7 @@ assert digests["1"] == digests["0"], digests
 
 print("SHARDED-OK")
 """
+)
 
 
 @pytest.mark.slow

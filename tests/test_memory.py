@@ -171,6 +171,7 @@ def test_zero3_memory_matches_model_two_ranks() -> None:
         assert_memory_close(measured, predicted, config)
 
 
+@pytest.mark.slow
 def test_hybrid_memory_matches_model_four_ranks() -> None:
     """2 shard groups of 2: states (ZeRO-2: the accumulator; ZeRO-3: the parameters) held by
     S = 2 ranks, not W = 4, as plan.memory() says (the flat figure is half of it)."""

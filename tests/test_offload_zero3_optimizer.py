@@ -209,6 +209,7 @@ def test_parity_optimizer_offloaded_zero3_one_rank_group() -> None:
     check_cases(results, drawn)
 
 
+@pytest.mark.slow
 def test_parity_optimizer_offloaded_zero3_shard_groups_four_ranks() -> None:
     """2 shard groups of 2 (FSDP2's HSDP mesh): the host update of each rank's shard, the
     replicas equal bit for bit."""

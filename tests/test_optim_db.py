@@ -175,19 +175,16 @@ def test_optim_db_one_process_stage_0() -> None:
     assert outcomes["match"] > 0 and outcomes["refused with reason"] > 0
 
 
-def _two_rank_cases(full: bool) -> list[dict[str, Any]]:
-    cases = []
-    for n, given in enumerate(INPUTS):
-        if full:
-            cases += [
-                {**given, "stage": stage, "how": how, "seed": n} for stage in STAGES for how in HOWS
-            ]
-        else:
-            # Each input at one (stage, how), in turn: every pair serves many inputs.
-            stage, how = STAGES[n % 4], HOWS[(n // 4) % 2]
-            cases.append({**given, "stage": stage, "how": how, "seed": n})
-    cases += _late_cases()
-    return cases
+def _two_rank_cases() -> list[dict[str, Any]]:
+    """Every input at every stage, through build and wrap (the slow run: the default run's
+    two-rank parity of every class is tests/test_every_optimizer.py's sample)."""
+    cases = [
+        {**given, "stage": stage, "how": how, "seed": n}
+        for n, given in enumerate(INPUTS)
+        for stage in STAGES
+        for how in HOWS
+    ]
+    return cases + _late_cases()
 
 
 def _late_cases() -> list[dict[str, Any]]:
@@ -274,14 +271,9 @@ def test_late_parameters_one_process() -> None:
     _check(cases, _merged([run_cases(0, 1, cases)]))
 
 
-def test_optim_db_two_ranks_every_stage() -> None:
-    cases = _two_rank_cases(full=False)
-    _check(cases, _merged(spawn(run_cases, 2, cases, timeout_s=500)))
-
-
 @pytest.mark.slow
 def test_optim_db_two_ranks_every_stage_both_ways() -> None:
-    cases = _two_rank_cases(full=True)
+    cases = _two_rank_cases()
     _check(cases, _merged(spawn(run_cases, 2, cases, timeout_s=1500)))
 
 

@@ -35,7 +35,8 @@ from tests._helpers import make_batch, make_model, mse
 TORCH_CLASSES = sorted(
     name
     for name, value in vars(torch.optim).items()
-    if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer)
+    if inspect.isclass(value)
+    and issubclass(value, torch.optim.Optimizer)
     and value is not torch.optim.Optimizer
 )
 ELEMENTWISE_NAMES = sorted(cls.__name__ for cls in ELEMENTWISE)

@@ -53,6 +53,7 @@ def test_every_master_cell_is_tested() -> None:
     assert len(master_cells()) == 3 * 3 * 4 * 3 * 2
 
 
+@pytest.mark.slow
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_parity_bf16_master_cells_two_ranks(data: st.DataObject) -> None:
@@ -134,6 +135,7 @@ def test_single_process_zero3_bf16_masters_runs_the_flat_sharded_optimizer() -> 
         check_parity_cases([result], [case])
 
 
+@pytest.mark.slow
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_parity_four_ranks(data: st.DataObject) -> None:

@@ -143,7 +143,7 @@ def _check(world: int, cases: list[dict[str, Any]], per_rank: list[list[dict[str
             assert float(error.max()) > 0, name
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_quantized_all_reduce(world: int) -> None:
     cases = _cases(world)
     per_rank = spawn(quantized_cases, world, cases, timeout_s=300)

@@ -573,9 +573,9 @@ def _gave_up_after(message: str) -> float:
     ("stage", "where"),
     [
         # Stage 1: rank 0 reaches step() and its reduce-scatter of the bf16 gradients.
-        (1, "before_step"),
+        pytest.param(1, "before_step", marks=pytest.mark.slow),
         # Stage 2: rank 0 is inside backward, in a bucket's reduce-scatter run by a hook.
-        (2, "before_backward"),
+        pytest.param(2, "before_backward", marks=pytest.mark.slow),
         # Stage 3: rank 0 is in forward, in FSDP2's own all-gather of the parameters.
         (3, "before_backward"),
     ],

@@ -114,6 +114,7 @@ def _hybrid_cases() -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 def test_hybrid_traffic_equals_the_bytes_each_level_sends() -> None:
     """Per level and per collective, the bytes of a real 2 x 2 gloo run are plan.traffic()'s:
     within the shard group (reduce-scatters, all-gathers), across the groups (the all-reduce
@@ -140,6 +141,7 @@ def test_hybrid_traffic_equals_the_bytes_each_level_sends() -> None:
             assert sum(result["world_bytes_sent"].values()) == 0, case
 
 
+@pytest.mark.slow
 def test_quantized_wire_across_counts_each_bucket_chunk_padding() -> None:
     """Issue 29 item 7: with several buckets the int8/fp8 wire across the groups pads each
     bucket's chunk to whole blocks per rank on its own; plan.traffic(buckets=...) counts it

@@ -177,6 +177,7 @@ def _assert_trained_fp32_out(output: Path, stage: int, steps: int) -> dict[str, 
     return {"losses": [e["loss"] for e in logged], "norms": [e["grad_norm"] for e in logged]}
 
 
+@pytest.mark.slow
 def test_dtypeplan_run_unedited_run_clm_hf_zero2(tmp_path: Path) -> None:
     """The default run's case: the HF docs' ds_config_zero2.json as it is (ZeRO-2, optimizer
     offloaded to the CPU, every value "auto" filled from the script's TrainingArguments)."""

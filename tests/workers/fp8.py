@@ -449,20 +449,26 @@ def lightning_fp8_case(rank: int, world: int, recipe: str, stage: int) -> dict[s
     }
 
 
-def bias_free_gather_case(rank: int, world: int) -> float:
-    """A forward and backward at ZeRO-3 with the fp8 all-gather where a unit holds one fp8
-    weight alone (a bias-free linear layer held by a ModuleList)."""
-    config = {
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3},
-        "fp8": {"enabled": True, "all_gather": "fp8"},
-    }
-    plan = dtypeplan.resolve(config)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Linear(WIDTH, WIDTH, bias=False)
-    )
-    model = plan.prepare_model(model)
-    loss = model(torch.randn(TOKENS, WIDTH).bfloat16()).float().square().mean()
-    loss.backward()
-    return float(loss.detach())
+def bias_free_gather_case(rank: int, world: int) -> dict[str, float]:
+    """A forward and backward at ZeRO-3 where each unit holds one fp8 weight alone (bias-free
+    linear layers), its weights gathered in fp8 and, for the oracle, in bf16: the loss and the
+    first weight's gradient norm of each."""
+    found = {}
+    for all_gather in ("fp8", "param_dtype"):
+        config = {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3},
+            "fp8": {"enabled": True, "all_gather": all_gather},
+        }
+        plan = dtypeplan.resolve(config)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        )
+        model = plan.prepare_model(model)
+        loss = model(torch.randn(TOKENS, WIDTH).bfloat16()).float().square().mean()
+        loss.backward()
+        grad = model[0].weight.grad.full_tensor().float()
+        found[f"loss_{all_gather}"] = float(loss.detach())
+        found[f"grad_norm_{all_gather}"] = float(grad.norm())
+    return found

@@ -531,6 +531,10 @@ class NamedAllGather(DefaultAllGather):
 
     FSDP2 all-gathers synchronously unless explicit prefetching asks otherwise; an asynchronous
     one fails later, in FSDP2's wait, with the backend's own error.
+
+    A unit whose gathered inputs are all fp8 (torchao's fp8 weight all-gather, no bf16
+    parameter beside them) reaches here as a float8 tensor, which gloo refuses ("Invalid
+    scalar type"); the same bytes travel as uint8 (NCCL takes float8 as it is).
     """
 
     def __init__(self, comm: Communicator) -> None:
@@ -543,7 +547,12 @@ class NamedAllGather(DefaultAllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), output_tensor.dtype):
+        dtype = output_tensor.dtype
+        if self.comm.backend != "nccl" and dtype.is_floating_point and dtype.itemsize == 1:
+            output_tensor, input_tensor = (
+                t.view(torch.uint8) for t in (output_tensor, input_tensor)
+            )
+        with self.comm._guard("FSDP2 all_gather", output_tensor.numel(), dtype):
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
