@@ -47,6 +47,7 @@ def test_run_all_parses() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
 
 
+@pytest.mark.slow
 @needs_bash
 def test_dry_run_prints_the_steps_and_checks_every_entry_point(tmp_path: Path) -> None:
     output = _run(["--out", str(tmp_path)], dict(os.environ, PYTHON=sys.executable, DRY_RUN="1"))

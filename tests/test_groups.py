@@ -41,6 +41,7 @@ def test_a_size_that_is_not_an_integer_is_refused(size: object) -> None:
         check_shard_group_size(size, 4)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_device_bound_default_group_every_rank_makes_every_subgroup() -> None:
     """Issue 32: with NCCL under a device-bound default group each new group is a split of the
     world's communicator that every rank must enter; made with local synchronization, two

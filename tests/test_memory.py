@@ -112,6 +112,7 @@ def test_offloaded_memory_matches_model_two_ranks() -> None:
         assert built["master"] == 0 and built["host_master"] == measured["host_master"], built
 
 
+@pytest.mark.slow
 def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over_n() -> None:
     base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     configs = [
