@@ -157,3 +157,48 @@ def test_lightning_module_converted_in_configure_model_trains_on_two_ranks() -> 
     assert result["plan"]["fp8"] and result["plan"]["fp8_recipe"] == "rowwise"
     assert "Float8Linear" in result["classes"]
     assert result["losses"] == result["direct_losses"]
+
+
+def test_hf_trainer_trains_the_fp8_block_of_its_config(tmp_path: Any) -> None:
+    """The HF Trainer reaches fp8 compute through the config alone (DtypeplanTrainer's
+    dtypeplan_config with an fp8 block): every eligible projection of a tiny Llama is
+    torchao's Float8Linear when training starts, and the run stays within fp8's bound of the
+    same Trainer without the block (one process, ZeRO-0, 4 steps)."""
+    import transformers
+    from torchao.float8.float8_linear import Float8Linear
+
+    from dtypeplan.integrations.hf_trainer import DtypeplanTrainer
+    from tests.workers.integrations import token_data
+    from tests.workers.real_models import build_model
+
+    def train(fp8: bool) -> tuple[list[float], int]:
+        config: dict[str, Any] = {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+        if fp8:
+            config["fp8"] = {"enabled": True}
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"fp8-{fp8}"), max_steps=4, per_device_train_batch_size=2,
+            report_to=[], use_cpu=True, save_strategy="no", bf16=True, disable_tqdm=True,
+            logging_steps=1, seed=0, dataloader_drop_last=True, learning_rate=1e-3,
+        )  # fmt: skip
+        trainer = DtypeplanTrainer(
+            model=build_model("llama"), args=args, train_dataset=token_data(8),
+            dtypeplan_config=config,
+        )  # fmt: skip
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        converted = sum(isinstance(m, Float8Linear) for m in trainer.model.modules())
+        return losses, converted
+
+    fp8_losses, converted = train(True)
+    bf16_losses, none = train(False)
+    # q, k, v, o, gate, up, down in each of 2 layers; the tied output layer stays in bf16.
+    assert (converted, none) == (14, 0)
+    assert len(fp8_losses) == len(bf16_losses) == 4
+    # fp8 (e4m3, 2**-3 relative per rounding) against bf16 compute: the fidelity benchmark
+    # measured at most 0.26% on a loss curve; 2% leaves room for 4 steps of a tiny model.
+    assert fp8_losses == pytest.approx(bf16_losses, rel=2e-2), (fp8_losses, bf16_losses)
+    assert fp8_losses != bf16_losses  # the fp8 run did compute in fp8
