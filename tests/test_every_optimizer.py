@@ -153,6 +153,10 @@ def case_for(rule: Rule, label: str, way: str, seed: int) -> dict[str, Any] | No
     if point["params"] == "fp16" or point["autocast"] == "fp16":
         # fp16 autocast scales the loss with the fp16 block's scaler too.
         config["fp16"] = {**config.get("fp16", {}), "initial_scale_power": 4}
+    if point["hierarchical_partitioning"]:
+        # hpZ's size divides the world (config_for writes a node's 8); 2 is the two-rank group
+        # here, and one process runs the flat sharded engine, which has no secondary gather.
+        config["zero_optimization"]["zero_hpz_partition_size"] = 2
     if way == "config":
         config["optimizer"] = {"type": name, "params": hyper}
     return {

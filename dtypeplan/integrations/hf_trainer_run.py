@@ -35,13 +35,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     use_for_unedited_scripts()
     target, rest = args[0], args[1:]
-    if module:
-        sys.argv = [target, *rest]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return
     sys.argv = [target, *rest]
-    sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` has it
-    runpy.run_path(target, run_name="__main__")
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` has it
+        runpy.run_path(target, run_name="__main__")
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """After a script that returned, the process group the Trainer opened is closed as
+    dtypeplan.launch closes its own (a barrier, then destroy_process_group): HF scripts leave
+    it open, and gloo's teardown at interpreter exit aborted a rank now and then ("terminate
+    called without an active exception") after the run had finished and saved. Not after a
+    failure: a barrier there would wait for ranks that may never come."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -69,7 +69,11 @@ def trained(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     optimizer = _optimizer(base, case, model)
     plan = optimizer.plan  # type: ignore[attr-defined]
     torch_class = getattr(torch.optim, case["name"])
-    ref_opt = torch_class(reference.parameters(), **case["hyper"])
+    hyper = dict(case["hyper"])
+    if case["way"] == "config" and "weight_decay" in plan.optimizer.params:
+        # The config's reading: DeepSpeed's Adam/AdamW decay by 0 where the key is absent.
+        hyper["weight_decay"] = plan.optimizer.params["weight_decay"]
+    ref_opt = torch_class(reference.parameters(), **hyper)
     losses, ref_losses = [], []
     for step in range(case["steps"]):
         x, y = make_batch(case["seed"] + step, 8 * world_size)
