@@ -324,13 +324,7 @@ def test_low_precision_cells_of_other_optimizers_on_two_ranks() -> None:
         assert result["master_rel_error"] <= LOW_PRECISION_MASTER_RTOL, where
 
 
-KNOWN_FAILURES = {
-    (2, "offload-zero3", "Adam"): "Adam at ZeRO-3 on two ranks (FSDP2, offloaded or not, "
-    "amsgrad or not) on this case's data (seed 70) is 1e-4 relative off fp32 torch.optim per "
-    "step, 3e-4 after 3 steps (the Adam fp32 lifecycle's 3e-4 on two ranks): its first step "
-    "moves most masters by torch's +-lr and about the same -8.5e-5 beside it, where torch's "
-    "first Adam step is exactly +-lr; an open defect of the ZeRO-3 update, not of the table",
-}
+KNOWN_FAILURES: dict[tuple[int, str, str], str] = {}
 """Failing cases known and named, by ``(ranks, rule drawn from, optimizer label)``."""
 
 
