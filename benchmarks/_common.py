@@ -287,3 +287,15 @@ def save_figure(fig: Any, out: Path, name: str, date: str) -> Path:
 def finish(summary: Mapping[str, Any]) -> None:
     """Print the summary as the last line of output, one JSON object."""
     print(json.dumps(dict(summary), default=str, sort_keys=True), flush=True)
+
+
+def pattern_tokens(generator: torch.Generator, size: int, vocab: int, seq_len: int) -> torch.Tensor:
+    """``size`` sequences of ``seq_len`` tokens, each a random pattern of 3-8 tokens out of
+    ``vocab`` repeated: a language a tiny model learns in a few hundred steps (the trade-off
+    benchmarks' data)."""
+    rows = []
+    for _ in range(size):
+        period = int(torch.randint(3, 9, (1,), generator=generator))
+        pattern = torch.randint(0, vocab, (period,), generator=generator)
+        rows.append(pattern.repeat(seq_len // period + 1)[:seq_len])
+    return torch.stack(rows)

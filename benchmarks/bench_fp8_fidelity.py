@@ -35,6 +35,7 @@ from benchmarks._common import (
     environment,
     finish,
     format_table,
+    pattern_tokens,
     save_figure,
     write_result,
 )
@@ -51,13 +52,7 @@ GATHER_WORLD = 8
 
 
 def _batch(generator: torch.Generator, size: int) -> torch.Tensor:
-    """``size`` sequences, each a random pattern of 3-8 tokens repeated to ``SEQ_LEN``."""
-    rows = []
-    for _ in range(size):
-        period = int(torch.randint(3, 9, (1,), generator=generator))
-        pattern = torch.randint(0, VOCAB, (period,), generator=generator)
-        rows.append(pattern.repeat(SEQ_LEN // period + 1)[:SEQ_LEN])
-    return torch.stack(rows)
+    return pattern_tokens(generator, size, VOCAB, SEQ_LEN)
 
 
 def _model() -> torch.nn.Module:
