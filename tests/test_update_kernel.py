@@ -29,15 +29,17 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-def _tensors(n: int, grad: torch.dtype, states: torch.dtype, seed: int) -> list[Any]:
+def _tensors(
+    n: int, grad: torch.dtype, states: torch.dtype, seed: int, master: torch.dtype = torch.bfloat16
+) -> list[Any]:
     generator = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=generator).to(torch.bfloat16)
+    weights = torch.randn(n, generator=generator).to(master)
     g = torch.randn(n, generator=generator) * 1e-2
     g[:3] = torch.tensor([float("nan"), float("inf"), 0.0])  # non-finite values keep to IEEE
     exp_avg = (torch.randn(n, generator=generator) * 1e-3).to(states)
     exp_avg_sq = (torch.rand(n, generator=generator) * 1e-5).to(states)
     compensation = (torch.randn(n, generator=generator) * 1e-4).to(torch.bfloat16)
-    return [master, g.to(grad), exp_avg, exp_avg_sq, compensation]
+    return [weights, g.to(grad), exp_avg, exp_avg_sq, compensation]
 
 
 def _run(fn: Any, tensors: list[Any], rounding: str, step: int, offset: int) -> list[Any]:
@@ -77,18 +79,37 @@ def test_compiled_and_eager_give_the_same_bits() -> None:
         ("kahan", torch.bfloat16, torch.float32, True, False),
     ]
     for rounding, grad, states, decoupled, decay in cases:
-        options = {"decoupled": decoupled, "weight_decay": decay, "rounding": rounding}
-        compiled = kernel._compiled(decoupled, decay, rounding)
+        _same_bits(rounding, grad, states, decoupled, decay, torch.bfloat16)
+    # An fp32 master with bf16 moments: tiled by bf16 (one_pass._tiled_by); nothing rounds
+    # the master, so an ulp of the root would show.
+    _same_bits("nearest", torch.float32, torch.bfloat16, True, True, torch.float32)
 
-        def eager(*args: Any, options: dict[str, Any] = options) -> None:
-            kernel.adam_one_pass(*args, **options)
 
-        for n, step, offset in ((1000, 1, 0), (4099, 5, 12345)):
-            tensors = _tensors(n, grad, states, seed=n)
-            want = _run(eager, tensors, rounding, step, offset)
-            got = _run(compiled, tensors, rounding, step, offset)
-            for a, b in zip(want, got, strict=True):
-                assert torch.equal(_bits(a), _bits(b)), (rounding, grad, states, n)
+def _same_bits(
+    rounding: str,
+    grad: torch.dtype,
+    states: torch.dtype,
+    decoupled: bool,
+    decay: bool,
+    master: torch.dtype,
+) -> None:
+    options = {"decoupled": decoupled, "weight_decay": decay, "rounding": rounding}
+    narrow = states if master == torch.float32 and states != torch.float32 else None
+    compiled = kernel._compiled(decoupled, decay, rounding, narrow is not None)
+
+    def eager(*args: Any) -> None:
+        kernel.adam_one_pass(*args, **options)
+
+    def hinted(*args: Any) -> None:
+        with kernel._tiled_by(narrow):
+            compiled(*args)
+
+    for n, step, offset in ((1000, 1, 0), (4099, 5, 12345)):
+        tensors = _tensors(n, grad, states, seed=n, master=master)
+        want = _run(eager, tensors, rounding, step, offset)
+        got = _run(hinted, tensors, rounding, step, offset)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(_bits(a), _bits(b)), (rounding, grad, states, master, n)
 
 
 def test_only_kahan_rounding_emulates_precision_casts() -> None:
@@ -102,15 +123,29 @@ def test_only_kahan_rounding_emulates_precision_casts() -> None:
         assert options["cpp.enable_unsafe_math_opt_flag"] is False
 
 
+_BF16_STOCHASTIC = {
+    "bf16": {"enabled": True, "bf16_optimizer_states": True},
+    "master_weights": {"dtype": "bf16", "rounding": "stochastic"},
+}
+_FP32_MASTERS_BF16_STATES = {"optimizer_states": "bf16"}
+"""fp32 parameters (their own masters) with bf16 moments: the kernel tiled by bf16
+(``one_pass._tiled_by``), where no rounding of the master hides an ulp."""
+
+
 @needs_compiler
-def test_compiled_optimizer_steps_like_the_eager_one(monkeypatch: Any) -> None:
-    """The optimizer on the compiled kernel (conftest forces eager elsewhere) against eager."""
+@pytest.mark.parametrize(
+    "cell", [_BF16_STOCHASTIC, _FP32_MASTERS_BF16_STATES], ids=["bf16-stochastic", "fp32-bf16"]
+)
+def test_compiled_optimizer_steps_like_the_eager_one(
+    monkeypatch: Any, cell: dict[str, Any]
+) -> None:
+    """The optimizer on the compiled kernel (conftest forces eager elsewhere) against eager,
+    bit for bit."""
 
     def train(eager: bool) -> list[torch.Tensor]:
         monkeypatch.setenv(update_path.EAGER_ENV, "1" if eager else "0")
         config = {
-            "bf16": {"enabled": True, "bf16_optimizer_states": True},
-            "master_weights": {"dtype": "bf16", "rounding": "stochastic"},
+            **cell,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         }
         model = make_model(0)
@@ -127,6 +162,18 @@ def test_compiled_optimizer_steps_like_the_eager_one(monkeypatch: Any) -> None:
     assert update_path.path() == "compiled"
     for a, b in zip(train(eager=True), compiled, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def test_the_tiling_hint_finds_inductors_hook() -> None:
+    """``one_pass._tiled_by`` replaces Inductor's ``get_loop_body_lowp_fp`` while compiling the
+    fp32-master kernel, and leaves the module as it was; a torch without that function (an
+    upgrade) fails here rather than running the kernel at half speed unnoticed."""
+    from torch._inductor.codegen import cpp as inductor_cpp
+
+    original = inductor_cpp.get_loop_body_lowp_fp
+    with kernel._tiled_by(torch.bfloat16):
+        assert inductor_cpp.get_loop_body_lowp_fp is not original
+    assert inductor_cpp.get_loop_body_lowp_fp is original
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch: Any) -> None:
@@ -267,6 +314,7 @@ def test_explain_names_the_host_update(monkeypatch: Any) -> None:
     monkeypatch.setenv(update_path.EAGER_ENV, "0")
     monkeypatch.setattr(update_path, "_failures", [])
     assert "one pass, compiled" in str(row(stochastic))
+    assert "one pass, compiled" in str(row({"optimizer_states": "bf16"}))  # fp32 masters
     handed_off = {
         "bf16": bf16,
         "master_weights": {"dtype": "bf16", "rounding": "nearest"},
@@ -275,3 +323,38 @@ def test_explain_names_the_host_update(monkeypatch: Any) -> None:
     assert "torch's fused Adam/AdamW on the bf16 tensors" in str(row(handed_off))
     assert "fp32 pieces" in str(row({"optimizer_states": "int8"}))
     assert row({}) is None
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_more_variants_than_dynamos_default_limit_stay_compiled(monkeypatch: Any) -> None:
+    """Ten variants of the kernel in one process (Dynamo's default limit is 8 per code
+    object, shared by every variant): each still runs compiled, with eager's bits. Slow: ten
+    compiles."""
+    monkeypatch.setenv(update_path.EAGER_ENV, "0")
+    monkeypatch.setattr(update_path, "_failures", [])
+    update = kernel.OnePassUpdate()
+    variants = [
+        (rounding, grad, states, decoupled)
+        for rounding in ("nearest", "stochastic")
+        for grad, states in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16))
+        for decoupled in (True, False)
+    ] + [
+        ("kahan", torch.float32, torch.float32, True),
+        ("kahan", torch.float32, torch.bfloat16, True),
+    ]
+    for rounding, grad, states, decoupled in variants:
+        options = {"decoupled": decoupled, "weight_decay": True, "rounding": rounding}
+        tensors = _tensors(515, grad, states, seed=3)
+
+        def eager(*args: Any, options: dict[str, Any] = options) -> None:
+            kernel.adam_one_pass(*args, **options)
+
+        def compiled(*args: Any, options: dict[str, Any] = options) -> None:
+            update(*args, **options)
+
+        want = _run(eager, tensors, rounding, 2, 0)
+        got = _run(compiled, tensors, rounding, 2, 0)
+        assert update_path.path() == "compiled", (rounding, grad, states, decoupled)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(_bits(a), _bits(b)), (rounding, grad, states, decoupled)

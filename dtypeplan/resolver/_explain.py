@@ -141,8 +141,8 @@ def host_update(plan: ExplainedPlan) -> str | None:
     ``update/pieces.py``), or None for fp32 masters with fp32 states (torch's fused
     kernel)."""
     states = {plan.exp_avg_dtype, plan.exp_avg_sq_dtype}
-    if plan.master_dtype == torch.float32:
-        return None if states == {"fp32"} else "fp32 pieces around torch's fused Adam/AdamW"
+    if plan.master_dtype == torch.float32 and states == {"fp32"}:
+        return None
     if not states <= {"fp32", "bf16"}:
         return "fp32 pieces around torch's fused Adam/AdamW (quantized states)"
     if (

@@ -8,11 +8,10 @@ Adam/AdamW math in fp32, operation for operation as that function writes it; rou
 parameter (bf16 or fp32) where it is not the master. Each element is read once and written
 once: per parameter ``G + 2 * (W + C + M + V) + P`` bytes (see :func:`bytes_per_param`).
 
-"Its bits" with one caveat: torch's CPU ``sqrt`` on fp32 is not correctly rounded on every
-build (MKL/Sleef: 7,532 of 2**20 random values one ulp off here), while ``sqrt_rn``, CUDA's
-``sqrt`` and the host's compiled update (Inductor) round correctly. The kernel gives the
-compiled host update's bits, and the eager one's wherever its root is correctly rounded
-(``tests/test_low_precision_triton.py`` checks against eager with a correctly rounded root).
+"Its bits" for every root too: torch's CPU ``sqrt`` on fp32 is not correctly rounded (about
+one value in five one ulp off on this machine's AMD EPYC), so the host's eager update takes the
+root in double (``one_pass._correctly_rounded_sqrt``), which rounds correctly as ``sqrt_rn``,
+CUDA's ``sqrt`` and the host's compiled update (Inductor) do.
 
 How it keeps the host update's bits:
 

@@ -4,9 +4,9 @@ fp32, the results rounded or quantized back. Two kernels share the bucket loop o
 
 **16-bit master weights or bf16 moments** (:class:`LowPrecisionKernel`):
 ``LowPrecisionAdamUpdate.bucket`` (``update/pieces.py``) runs each bucket chunk: on the
-host, a 16-bit master with fp32 or bf16 moments takes the one-pass update
-(``kernels/one_pass.py``: compiled, or eager with the same numbers); otherwise fp32 pieces around
-torch's fused Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).
+host, a master with fp32 or bf16 moments takes the one-pass update (``kernels/one_pass.py``:
+compiled, or eager with the same numbers); on other devices, fp32 pieces around torch's fused
+Adam/AdamW, the master rounded as the plan says (nearest, stochastic, Kahan).
 
 **int8 or fp8 moments** (torchao's blockwise codes; :class:`QuantizedKernel`): dequantize,
 update in fp32, quantize back.
@@ -45,7 +45,7 @@ class LowPrecisionKernel(BucketChunkKernel):
 
     def describe(self) -> str:
         plan = self.engine.plan
-        if plan.master_dtype != torch.float32 and self.engine.device.type == "cpu":
+        if self.engine.device.type == "cpu":
             return f"one pass over master, gradient and moments ({update_path.path()})"
         return "fp32 pieces around torch's fused Adam/AdamW, rounded back"
 
