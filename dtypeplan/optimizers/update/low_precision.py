@@ -44,7 +44,6 @@ class LowPrecisionKernel(BucketChunkKernel):
         return update is not None and not update.quantized and torch_fused_adam(engine)
 
     def describe(self) -> str:
-        plan = self.engine.plan
         if self.engine.device.type == "cpu":
             return f"one pass over master, gradient and moments ({update_path.path()})"
         return "fp32 pieces around torch's fused Adam/AdamW, rounded back"
