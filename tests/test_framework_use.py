@@ -38,24 +38,43 @@ DDP_CASES = [
     {"stage": 0, "bf16": True, "micro_batches": 1},
     {"stage": 1, "bf16": False, "bucket_view": True, "micro_batches": 2, "no_sync": True},
     {"stage": 1, "bf16": True, "micro_batches": 2},  # every micro-batch synchronized
-    {"stage": 2, "bf16": True, "find_unused": True, "micro_batches": 1},  # the HF Trainer's
+    # the HF Trainer's; the optimizer collected, never closed
+    {"stage": 2, "bf16": True, "find_unused": True, "micro_batches": 1, "collected": True},
     {"stage": 2, "bf16": False, "static_graph": True, "bucket_view": True, "micro_batches": 2},
+    # the reducer armed by hand after forward (Accelerate's trigger_sync_in_backward)
+    {"stage": 1, "bf16": True, "micro_batches": 2, "armed_anyway": True},
 ]
-DDP_DEFAULTS = {"bucket_view": False, "find_unused": False, "static_graph": False, "no_sync": False}
+DDP_DEFAULTS = {
+    "bucket_view": False,
+    "find_unused": False,
+    "static_graph": False,
+    "no_sync": False,
+    "armed_anyway": False,
+}
 
 
 def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
     """DDP around parameters the optimizer owns (Accelerate, Lightning 32-true, the Trainer):
     the same losses and parameters, bit for bit, as without DDP, the same gradient-sized
     collectives on the wire (DDP's buckets go nowhere), no .grad left after backward, and no
-    "set by hand" error at step. A DDP with a communication hook of its own is refused."""
+    "set by hand" error at step. DDP stays quiet: no bucket reaches its communication hook, it
+    writes no .grad, and no collective of its own runs (not even find_unused_parameters' map),
+    from the first iteration on (static_graph: from the second; its first reduces all buckets
+    whatever the flag); only a reducer armed by hand goes through the hook, and still trains
+    the same. Once the optimizer is closed (or collected) the wrapper reduces again (the mean
+    gradient in .grad). A wrapper around parameters partly owned by dtypeplan still reduces
+    the others as DDP (their first backward was divided by the world size twice before). DDP
+    broadcasts its buffers from rank 0 as often as around torch.optim. A DDP with a
+    communication hook of its own is refused."""
     from dtypeplan.launch import spawn
     from tests.workers.framework_use import ddp_cases
 
     cases = [{**DDP_DEFAULTS, **case} for case in DDP_CASES]
+    cases.append({"partly_owned": True})
+    cases.append({"buffers": True})
     cases.append({**DDP_DEFAULTS, "stage": 1, "bf16": True, "micro_batches": 1, "own_hook": True})
-    for rank_results in spawn(ddp_cases, 2, cases):
-        *compared, refused = rank_results
+    for rank, rank_results in enumerate(spawn(ddp_cases, 2, cases)):
+        *compared, (partly, partly_bare), (buffers, ddp_buffers), refused = rank_results
         assert "communication hook of its own" in refused
         for case, (wrapped, bare) in zip(cases, compared, strict=False):
             assert wrapped["losses"] == bare["losses"], case
@@ -64,6 +83,24 @@ def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
             assert wrapped["wire"] == bare["wire"], case
             assert bare["wire"], "the profiler saw the optimizer's own collectives"
             assert not any(wrapped["grads_after_backward"]), case
+            for mine, theirs in zip(wrapped["after_close"], bare["after_close"], strict=True):
+                assert torch.equal(mine, theirs), case
+            if case["armed_anyway"]:
+                assert all(wrapped["ddp_wrote"]) and all(wrapped["hook_calls"]), wrapped
+                continue
+            assert wrapped["all_collectives"] == bare["all_collectives"], case
+            first = 1 if case["static_graph"] else 0  # the steps DDP is quiet from
+            assert wrapped["hook_calls"][first:] == [0] * (3 - first), (case, wrapped)
+            per_step = case["micro_batches"]
+            assert len(wrapped["ddp_wrote"]) == 3 * per_step, case
+            assert not any(wrapped["ddp_wrote"][first * per_step :]), (case, wrapped)
+        assert partly["losses"] == partly_bare["losses"]
+        for mine, theirs in zip(partly["params"], partly_bare["params"], strict=True):
+            assert torch.equal(mine, theirs)
+        assert partly["hook_calls"] == 6, partly  # one bucket per synchronized backward
+        # DDP broadcasts rank 0's buffers as often as without dtypeplan (after a sync)
+        assert buffers == ddp_buffers and True in buffers, buffers
+        assert rank == 0 or False in buffers, buffers  # rank 0's own, always
 
 
 class _TakesMany(torch.nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -19,14 +20,58 @@ bucket holds hundreds); the smaller ones are bookkeeping (the step summary, DDP'
 used parameters, its bucket-order broadcast)."""
 
 
-def _bulk_collectives(prof: Any) -> list[tuple[str, int]]:
+def _collectives(prof: Any, bulk_only: bool = True) -> list[tuple[str, int]]:
     out = []
     for event in prof.events():
         if event.name.startswith("gloo:") and event.input_shapes:
             numel = sum(int(torch.Size(s).numel()) for s in event.input_shapes if s)
-            if numel > BULK:
+            if numel > BULK or not bulk_only:
                 out.append((event.name, numel))
     return sorted(out)
+
+
+class _CountedHook:
+    """dtypeplan's communication hook, counting DDP's calls (each one a bucket DDP filled)."""
+
+    def __init__(self) -> None:
+        from dtypeplan.optimizers.grads import ddp as ddp_module
+
+        self.module = ddp_module
+        self.original = ddp_module._reduced_by_dtypeplan
+        self.calls = 0
+
+    def __enter__(self) -> _CountedHook:
+        def _reduced_by_dtypeplan(process_group, bucket):  # type: ignore[no-untyped-def]
+            # unannotated: DDP checks annotations as objects, and this module's are strings
+            self.calls += 1
+            return self.original(process_group, bucket)
+
+        self.module._reduced_by_dtypeplan = _reduced_by_dtypeplan  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module._reduced_by_dtypeplan = self.original  # type: ignore[assignment]
+
+
+def _watch_ddp_writes(optimizer: Any, model: torch.nn.Module, wrote: list[bool]) -> None:
+    """Record, right after DDP's end of backward and before the optimizer drops it, whether
+    DDP wrote a ``.grad`` (one entry per backward)."""
+    drop = optimizer.reductions.after_wrapped_backward
+
+    def recorded() -> None:
+        wrote.append(
+            any(p.grad is not None and not is_owned_gradient(p.grad) for p in model.parameters())
+        )
+        drop()
+
+    optimizer.reductions.after_wrapped_backward = recorded
+
+
+def _mean_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    """What DDP's all-reduce makes of a gradient: divided by the world size, then summed."""
+    out = grad / torch.distributed.get_world_size()
+    torch.distributed.all_reduce(out)
+    return out
 
 
 def _ddp_run(rank: int, case: dict[str, Any], wrapped: bool) -> dict[str, Any]:
@@ -40,7 +85,8 @@ def _ddp_run(rank: int, case: dict[str, Any], wrapped: bool) -> dict[str, Any]:
     plan = dtypeplan.resolve(config)
     model = plan.prepare_model(make_model(0))
     optimizer = plan.build(model.parameters())
-    net: torch.nn.Module = model
+    net: Any = model
+    ddp_wrote: list[bool] = []
     if wrapped:
         net = DistributedDataParallel(
             model,
@@ -52,45 +98,132 @@ def _ddp_run(rank: int, case: dict[str, Any], wrapped: bool) -> dict[str, Any]:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
             net.register_comm_hook(None, allreduce_hook)
+        _watch_ddp_writes(optimizer, model, ddp_wrote)
     micro = case["micro_batches"]
     losses: list[float] = []
     wire: list[tuple[str, int]] = []
+    all_collectives: list[tuple[str, int]] = []
     grads_after_backward: list[bool] = []
-    for step in range(3):
-        # DDP rebuilds its buckets (one broadcast) in the second iteration: the third is steady.
-        watch = step == 2
-        with (
-            profile(activities=[ProfilerActivity.CPU], record_shapes=True)
-            if watch
-            else (_nullcontext()) as prof
-        ):
-            for m in range(micro):
-                x, y = make_batch(100 * step + 10 * m + rank, 4)
-                sync = m == micro - 1 or not case["no_sync"] or not wrapped
-                context = net.no_sync() if not sync else _nullcontext()  # type: ignore[operator]
-                with context:
-                    loss = mse(net, x, y) / micro
-                    loss.backward()
-                losses.append(float(loss))
-                # None or the optimizer's placeholder, never DDP's zeros
-                grads_after_backward.append(
-                    any(
-                        p.grad is not None and not is_owned_gradient(p.grad)
-                        for p in model.parameters()
+    hook_calls: list[int] = []
+    with _CountedHook() as counted:
+        for step in range(3):
+            # DDP rebuilds its buckets (one broadcast) in the second iteration: the third is
+            # steady.
+            watch = step == 2
+            calls_before = counted.calls
+            with (
+                profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+                if watch
+                else (_nullcontext()) as prof
+            ):
+                for m in range(micro):
+                    x, y = make_batch(100 * step + 10 * m + rank, 4)
+                    sync = m == micro - 1 or not case["no_sync"] or not wrapped
+                    context = net.no_sync() if not sync else _nullcontext()
+                    with context:
+                        loss = mse(net, x, y) / micro
+                        if wrapped and sync and case.get("armed_anyway"):
+                            # Accelerate's trigger_sync_in_backward: the reducer armed by hand
+                            net.reducer.prepare_for_backward([])
+                        loss.backward()
+                    losses.append(float(loss))
+                    # None or the optimizer's placeholder, never DDP's zeros
+                    grads_after_backward.append(
+                        any(
+                            p.grad is not None and not is_owned_gradient(p.grad)
+                            for p in model.parameters()
+                        )
                     )
-                )
-            optimizer.step()
-            optimizer.zero_grad()
-        if watch:
-            wire = _bulk_collectives(prof)
+                optimizer.step()
+                optimizer.zero_grad()
+            hook_calls.append(counted.calls - calls_before)
+            if watch:
+                wire = _collectives(prof)
+                all_collectives = _collectives(prof, bulk_only=False)
     params = [p.detach().float().clone() for p in model.parameters()]
-    optimizer.close()
+    if case.get("collected"):  # never closed: its parameters owned by nobody once collected
+        del optimizer
+        gc.collect()
+    else:
+        optimizer.close()
+    # Without its optimizer the wrapper is DDP again: the mean gradient in .grad.
+    x, y = make_batch(1000 + rank, 4)
+    mse(net, x, y).backward()
+    if wrapped:
+        after_close = [p.grad.clone() for p in model.parameters()]
+    else:
+        after_close = [_mean_over_ranks(p.grad) for p in model.parameters()]
     return {
         "losses": losses,
         "params": params,
         "wire": wire,
+        "all_collectives": all_collectives,
         "grads_after_backward": grads_after_backward,
+        "ddp_wrote": ddp_wrote,
+        "hook_calls": hook_calls,
+        "after_close": after_close,
     }
+
+
+def _partly_owned_run(rank: int, wrapped: bool) -> dict[str, Any]:
+    """The first layer owned by dtypeplan, the others by torch's SGD; DDP (wrapped) or a hand
+    all-reduce of the SGD parameters' gradients (bare) reduces those."""
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}})
+    model = plan.prepare_model(make_model(0))
+    owned = list(model[0].parameters())
+    others = [p for p in model.parameters() if all(p is not q for q in owned)]
+    optimizer = plan.build(owned, lr=1e-2)
+    sgd = torch.optim.SGD(others, lr=1e-2, momentum=0.9)
+    net: Any = DistributedDataParallel(model) if wrapped else model
+    losses: list[float] = []
+    with _CountedHook() as counted:
+        for step in range(3):
+            for m in range(2):
+                x, y = make_batch(100 * step + 10 * m + rank, 4)
+                loss = mse(net, x, y) / 2
+                loss.backward()
+                if not wrapped:
+                    for p in others:
+                        p.grad = _mean_over_ranks(p.grad)
+                losses.append(float(loss))
+            optimizer.step()
+            sgd.step()
+            optimizer.zero_grad()
+            sgd.zero_grad()
+    optimizer.close()
+    return {
+        "losses": losses,
+        "params": [p.detach().float().clone() for p in model.parameters()],
+        "hook_calls": counted.calls,
+    }
+
+
+def _buffer_run(rank: int, owned: bool) -> list[bool]:
+    """Per forward through DDP (accumulation under ``no_sync()``, then without): whether it
+    broadcast rank 0's buffer, with the parameters owned by dtypeplan or by torch's SGD."""
+    model = make_model(0)
+    model[1].register_buffer("mark", torch.zeros(3))
+    plan = dtypeplan.resolve({"zero_optimization": {"stage": 1}})
+    optimizer: Any = (plan.build if owned else _sgd)(model.parameters())
+    net = DistributedDataParallel(model)
+    broadcast: list[bool] = []
+    for step, schedule in enumerate(([False, True], [False, True], [True, True])):
+        for m, sync in enumerate(schedule):
+            model[1].mark.fill_(rank + 1)
+            x, y = make_batch(100 * step + 10 * m + rank, 4)
+            with net.no_sync() if not sync else _nullcontext():
+                loss = mse(net, x, y)
+                loss.backward()
+            broadcast.append(bool((model[1].mark == 1).all()))
+        optimizer.step()
+        optimizer.zero_grad()
+    if owned:
+        optimizer.close()
+    return broadcast
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-2)
 
 
 class _nullcontext:
@@ -106,6 +239,12 @@ def ddp_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[A
     torch.set_num_threads(1)
     results: list[Any] = []
     for case in cases:
+        if case.get("buffers"):
+            results.append((_buffer_run(rank, True), _buffer_run(rank, False)))
+            continue
+        if case.get("partly_owned"):
+            results.append((_partly_owned_run(rank, True), _partly_owned_run(rank, False)))
+            continue
         try:
             wrapped = _ddp_run(rank, case, wrapped=True)
         except dtypeplan.errors.OptimizerUsageError as exc:

@@ -34,6 +34,7 @@ __all__ = [
     "owner_of",
     "release",
     "user_stacklevel",
+    "version",
     "weak_key",
 ]
 
@@ -77,6 +78,19 @@ class ParamWeakMap:
 
 
 _OWNERS = ParamWeakMap()
+_VERSION = 0
+
+
+def version() -> int:
+    """A number that changes whenever the owner of any parameter may have changed: a claim, a
+    release, an owner collected. An answer derived from ownership stays right while it stays
+    (``grads/ddp.py`` asks per forward whether a wrapper's parameters are all owned)."""
+    return _VERSION
+
+
+def _changed(_: object = None) -> None:
+    global _VERSION
+    _VERSION += 1
 
 
 def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
@@ -97,9 +111,10 @@ def claim(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
             stacklevel=user_stacklevel(),
         )
         old.close()
-    ref = weakref.ref(owner)
+    ref = weakref.ref(owner, _changed)  # the callback: the owner collected, never closed
     for param in params:
         _OWNERS[param] = ref
+    _changed()
 
 
 def owner_of(param: torch.Tensor) -> object | None:
@@ -123,6 +138,7 @@ def release(owner: _Closable, params: Iterable[torch.Tensor]) -> None:
         current = _OWNERS.get(param)
         if current is not None and current() in (owner, None):
             del _OWNERS[param]
+    _changed()
 
 
 class HookSet:

@@ -349,7 +349,8 @@ class ReductionScheduler:
         """The first hook of a backward: queue the end-of-backward flush."""
         if self._look_for_wrappers:
             # Before DDP's own hook on this parameter runs, so before any bucket of DDP's is
-            # reduced: its communication hook is in place for the first one.
+            # reduced: its communication hook is in place for the first one (the wrapper's
+            # forward registered it already, unless these parameters were owned only later).
             self._look_for_wrappers = False
             self.ddp_wrapped = cooperate_with_ddp(p for s in self.groups for p in s.flat.params)
             self._stop_watching()
