@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtypeplan import _update_path as update_path
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import NotSupportedError
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
@@ -280,9 +281,10 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         grad_scale: torch.Tensor,
         slot: dict[str, Any],
     ) -> None:
-        """:meth:`bucket` by :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`, a
-        piece of ``PIECE`` at a time (bounds the eager path's temporaries; the compiled one
-        has none)."""
+        """:meth:`bucket` by :func:`~dtypeplan.optimizers.kernels.one_pass.adam_one_pass`: in
+        one call compiled (it holds no temporaries; each call costs the host about 0.3 ms,
+        a third of a compiled 1 M-value piece's time), a piece of ``PIECE`` at a time eagerly
+        (bounds its temporaries). The noise counter of an element is its index either way."""
         step = int(slot["step"].item())  # a host tensor: no device sync
         decoupled = decoupled_weight_decay(self.torch_class, group)
         hyper = update_kernel.hyperparameters(group, step, decoupled, master.device)
@@ -293,8 +295,9 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
         flat += [slot[name].view(-1) for name in MOMENTS]
         compensation = slot[KAHAN_COMPENSATION].view(-1) if self.rounding == "kahan" else None
         weight_decay = float(group["weight_decay"]) != 0.0
-        for begin in range(0, master.numel(), PIECE):
-            end = min(begin + PIECE, master.numel())
+        piece = master.numel() if update_path.path() == "compiled" else PIECE
+        for begin in range(0, master.numel(), max(piece, 1)):
+            end = min(begin + piece, master.numel())
             self._kernel(
                 *(t[begin:end] for t in flat),
                 None if compensation is None else compensation[begin:end],
