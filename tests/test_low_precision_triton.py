@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -458,15 +459,61 @@ for fused in ("1", "0"):
     digests[fused] = [[case["params_digest"] for case in result] for result in results]
 assert digests["1"] == digests["0"], digests
 
+# ZeRO-3 on two ranks: each param group's local shards in one launch per step count, the
+# bits of the host's one-pass update (bf16 masters stochastic and Kahan; an fp32 master
+# with bf16 moments); with DTYPEPLAN_FUSED_KERNEL=0 no launch.
+from tests.test_low_precision_triton import run_cases_counting_launches
+zero3 = [
+    {{"name": rounding, "steps": 3, "param_groups": 2, "config": {{
+        **bf16_master(rounding, "bf16"), "zero_optimization": {{"stage": 3}}}}}}
+    for rounding in ("stochastic", "kahan")
+] + [{{"name": "fp32 masters", "steps": 3, "config": {{
+    "optimizer_states": "bf16", "optimizer": ADAMW, "zero_optimization": {{"stage": 3}}}}}}]
+digests = {{}}
+for fused in ("1", "0"):
+    os.environ["DTYPEPLAN_FUSED_KERNEL"] = fused
+    results = spawn(run_cases_counting_launches, 2, zero3)
+    for result, launches in results:
+        for case in result:
+            assert "error" not in case, case
+            assert case["master_rel_error"] <= 2e-2, case
+        # One launch per step and param group: every shard of a group at one step count.
+        per_group = sum(case["steps"] * case.get("param_groups", 1) for case in zero3)
+        assert launches == (per_group if fused == "1" else 0), (fused, launches)
+    digests[fused] = [[case["params_digest"] for case in result] for result, _ in results]
+assert digests["1"] == digests["0"], digests
+
 print("SHARDED-OK")
 """
 )
 
 
+def run_cases_counting_launches(
+    rank: int, world_size: int, cases: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int]:
+    """``tests.workers.parity.run_cases``, and how many one-pass Triton launches ZeRO-3's
+    shard update made (``fsdp2/shard_update.py``)."""
+    from dtypeplan.optimizers.fsdp2 import shard_update
+    from tests.workers.parity import run_cases
+
+    launches = [0]
+    launch = shard_update.launch_one_pass
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        launches[0] += 1
+        launch(*args, **kwargs)
+
+    shard_update.launch_one_pass = counted  # type: ignore[assignment]
+    try:
+        return run_cases(rank, world_size, cases), launches[0]
+    finally:
+        shard_update.launch_one_pass = launch  # type: ignore[assignment]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
 def test_two_ranks_run_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
-    """ZeRO-2 on two ranks (about 20 s here: two spawned groups under the interpreter)."""
+    """ZeRO-2 and ZeRO-3 on two ranks (two spawned groups each under the interpreter)."""
     _interpret(_SHARDED_SCRIPT, "SHARDED-OK")
 
 
@@ -500,3 +547,19 @@ def test_explain_names_the_cuda_update(monkeypatch: pytest.MonkeyPatch) -> None:
     fp16 = {"fp16": {"enabled": True}, "optimizer_states": "bf16"}
     assert "rounds to bf16 only" in str(row(fp16))
     assert row({}) is None
+
+
+def test_host_steps_read_the_device_once_and_follow_every_change() -> None:
+    """ZeRO-3's launches take each shard's step count from the host: read once, advanced
+    with each launch, read again after anything else wrote the tensor (a load, a user)."""
+    from dtypeplan.optimizers.update.triton_low_precision import HostSteps
+
+    steps = HostSteps()
+    step = torch.tensor(4.0)
+    assert steps.count(step) == 4
+    torch._foreach_add_([step], 1.0)  # what launch_one_pass does
+    steps.advance([step], [4])
+    with mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("read again")):
+        assert steps.count(step) == 5
+    step.copy_(torch.tensor(2.0))  # a load
+    assert steps.count(step) == 2

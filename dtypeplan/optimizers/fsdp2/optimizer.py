@@ -90,6 +90,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.host_update import HostUpdate, offloads_optimizer_alone
+from dtypeplan.optimizers.fsdp2.shard_update import ShardUpdate
 from dtypeplan.optimizers.fsdp2.sharding import (
     BEFORE_REDUCE,
     CLEARS_OWNED,
@@ -212,6 +213,18 @@ class FSDP2Optimizer(FSDP2State):
             self._locals(),
             self.layout.shard_rank if self.layout is not None else self.comm.rank,
         )
+        self._shard_update = (
+            None
+            if self._low_precision is None
+            else ShardUpdate(
+                self._low_precision,
+                self._inner,
+                plan.optimizer.torch_class,
+                # Where the shards are (the host under CPUOffloadPolicy), not the mesh's device.
+                next((t.device for t in self._locals()), torch.device("cpu")),
+            )
+        )
+        """The step of the local shards with low-precision state (``fsdp2/shard_update.py``)."""
         self._low_precision_masters = plan.master_dtype != torch.float32
         # 16-bit accumulation, or 16-bit masters (whose sharded .grad FSDP2 keeps in their
         # dtype): FSDP2 hands each micro-batch's reduced shard to a hook.
@@ -373,7 +386,10 @@ class FSDP2Optimizer(FSDP2State):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self._low_precision is not None:
             self._low_precision.check_still_serves(self.plan)
-            self._low_precision_update(local_grads, factor[1], touched)
+            assert self._shard_update is not None
+            self._shard_update.step(
+                self.inner.param_groups, self.locals, local_grads, touched, factor[1]
+            )
             self.scaler.update(overflow=False)
             return loss
         if self.host_update is not None:
@@ -448,25 +464,6 @@ class FSDP2Optimizer(FSDP2State):
             placeholder.zeroed = False
             self.accumulators[index].zero_()
             self._pending = None
-
-    def _low_precision_update(
-        self, local_grads: list[torch.Tensor], grad_scale: torch.Tensor, touched: list[bool]
-    ) -> None:
-        """Each bf16 local shard updated in fp32 from ``grad / grad_scale`` and rounded back.
-
-        A parameter no rank gave a gradient keeps its weights and states, as in torch.
-        """
-        assert self._low_precision is not None
-        grads = iter(zip(local_grads, touched, strict=True))
-        try:
-            for inner_group, locals_ in zip(self.inner.param_groups, self.locals, strict=True):
-                for local in locals_:
-                    grad, got_one = next(grads)
-                    if got_one:
-                        self._low_precision.bucket(inner_group, local, grad, None, grad_scale)
-        finally:
-            # Working copies live only inside the step (plan.memory() counts between steps).
-            self._low_precision.release_scratch()
 
     def _device(self) -> torch.device:
         """Where the step's summary is reduced: the mesh's device, which under CPUOffloadPolicy
