@@ -55,18 +55,23 @@ def test_dry_run_prints_the_steps_and_checks_every_entry_point(tmp_path: Path) -
         name: int(limit)
         for name, limit in re.findall(r"^=== (\w+) \(limit (\d+) s\)", output, re.MULTILINE)
     }
-    steps = ["install", "smoke", "zero3", "tests", "kernel", "lowprec", "engine", "offload", "fp8"]
+    steps = [
+        "install", "smoke", "zero3", "tests", "kernel", "lowprec", "multichunk", "engine",
+        "offload", "fp8",
+    ]  # fmt: skip
     assert list(limits) == steps, output[-3000:]
     # Under 10 minutes, the install included; the fp8 step comes last and runs in what the
     # others leave of the 590 s budget (its compiles are the least certain cost).
     assert sum(limits.values()) - limits["fp8"] <= 590, limits
     assert "--numel 268435456" in output  # the kernels at 2^28
+    assert "bench_multi_chunk_step --ranks 8,64" in output  # and on a 7B Llama's chunks
     modules = re.findall(r"^    modules: ok     (\S+)", output, re.MULTILINE)
     assert modules == [
         "benchmarks.gpu.smoke_engine",
         "benchmarks.gpu.zero3_one_rank",
         "benchmarks.gpu.bench_fused_step",
         "benchmarks.gpu.bench_low_precision_step",
+        "benchmarks.gpu.bench_multi_chunk_step",
         "benchmarks.gpu.bench_engine_step",
         "benchmarks.bench_offload",
         "benchmarks.gpu.bench_fp8_step",
@@ -133,6 +138,7 @@ def test_run_all_cpu_run_passes_and_writes_dated_results(tmp_path: Path) -> None
         "tests": "ok",
         "kernel": "ok",
         "lowprec": "ok",
+        "multichunk": "ok",
         "engine": "ok",
         "offload": "ok",
         "fp8": "ok",
@@ -178,6 +184,20 @@ def test_run_all_cpu_run_passes_and_writes_dated_results(tmp_path: Path) -> None
         assert len(low["cells"]) == 6, low["cells"]
     else:
         assert [e["section"] for e in low["errors"]] == ["setup"], low["errors"]
+    (multi_json,) = tmp_path.glob("gpu_multi_chunk_step_dryrun-*.json")
+    multi = json.loads(multi_json.read_text())
+    # The host's tile table build at the 7B layout, measured in every mode: one tile per
+    # block of every chunk, 6.7e9 elements on one rank.
+    builds = multi["table_build"]
+    assert {(b["ranks"], b["block"]) for b in builds} >= {(1, 1024), (1, 4096)}, builds
+    one_rank = next(b for b in builds if b["ranks"] == 1 and b["block"] == 1024)
+    assert one_rank["numel"] == 6_738_415_616 and one_rank["tiles"] >= one_rank["numel"] // 1024
+    if importlib.util.find_spec("triton") is not None:
+        assert multi["errors"] == [], multi["errors"]
+        assert len(multi["check"]) == 3, multi["check"]
+        assert all(case["ok"] for case in multi["check"].values()), multi["check"]
+        cases = multi["layouts"]["2"]["cases"]
+        assert all("first_step_ms" in r for k, r in cases.items() if "one launch" in k), cases
     # The last line of each benchmark's output is its JSON summary.
     assert '"benchmark": "gpu_engine_step_dryrun"' in output
 

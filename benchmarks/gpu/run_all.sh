@@ -26,15 +26,20 @@
 # 5. kernel   python3 -m benchmarks.gpu.bench_fused_step --numel 2^28 (the fp32 Triton kernel).
 # 6. lowprec  python3 -m benchmarks.gpu.bench_low_precision_step --numel 2^28 (the one-pass
 #             Triton kernel of the 16-bit cells against its bytes floor, and its bits).
-# 7. engine   python3 -m benchmarks.gpu.bench_engine_step --blocks 8 (the engine's whole step
+# 7. multichunk python3 -m benchmarks.gpu.bench_multi_chunk_step --ranks 8,64 (the multi-chunk
+#             kernels on a 7B Llama's chunks of one rank of 8 and of 64, one launch against a
+#             launch per chunk, the bytes floor and torch's fused AdamW on the same tensors;
+#             the bits against the single-chunk kernel; the first step's table build).
+# 8. engine   python3 -m benchmarks.gpu.bench_engine_step --blocks 8 (the engine's whole step
 #             on a 0.27B stack against torch.optim.AdamW(fused=True) and the bytes floor).
-# 8. offload  python3 -m benchmarks.bench_offload --device cuda (the step of a 100M-parameter
+# 9. offload  python3 -m benchmarks.bench_offload --device cuda (the step of a 100M-parameter
 #             stack with masters and states in pinned host memory).
 #
 # Each step runs under `timeout` (limits add up to 590 s: install 180, smoke 90, zero3 45,
-# tests 60, kernel 65, lowprec 50, engine 65, offload 35), and never past the whole run's
-# budget (RUN_ALL_BUDGET_S, default 590 s: a step that would start with under 15 s left is
-# skipped, one that would outlast it gets what is left). A failing step is recorded and the
+# tests 60, kernel 55, lowprec 45, multichunk 35, engine 50, offload 30; the fp8 step last,
+# in what the others leave), and never past the whole run's budget (RUN_ALL_BUDGET_S, default
+# 590 s: a step that would start with under 15 s left is skipped, one that would outlast it
+# gets what is left). A failing step is recorded and the
 # next one runs. DIR/gpu_run_all-<date>.json is rewritten as each step ends (a run cut short
 # keeps what it did); the summary, with the paths a single GPU cannot reach, is printed at the
 # end and written to DIR/gpu_run_all-<date>.md. The exit status is 0 only when every step passed.
@@ -277,6 +282,7 @@ if ((cpu_run)); then
     run_step tests 60 env DTYPEPLAN_CUDA_TESTS_ONLY=1 "$python" -m pytest -q -p no:cacheprovider --collect-only "${cuda_tests[@]}"
     run_step kernel 60 "$python" -m benchmarks.gpu.bench_fused_step --dry-run --out "$out"
     run_step lowprec 60 "$python" -m benchmarks.gpu.bench_low_precision_step --dry-run --out "$out"
+    run_step multichunk 60 "$python" -m benchmarks.gpu.bench_multi_chunk_step --dry-run --out "$out"
     run_step engine 60 "$python" -m benchmarks.gpu.bench_engine_step --dry-run --out "$out"
     run_step offload 60 "$python" -m benchmarks.bench_offload --device cpu --dry-run --out "$out"
     run_step fp8 120 "$python" -m benchmarks.gpu.bench_fp8_step --dry-run --out "$out"
@@ -298,10 +304,11 @@ else
     # shellcheck disable=SC2016  # expanded by the inner bash, which gets them as arguments
     run_step tests 60 bash -o pipefail -c 'DTYPEPLAN_CUDA_TESTS_ONLY=1 "$0" -m pytest -q -rs -p no:cacheprovider "${@:2}" 2>&1 | tee "$1"' \
         "$python" "$tests_log" "${cuda_tests[@]}"
-    run_step kernel 65 "$python" -m benchmarks.gpu.bench_fused_step --numel "$numel" --out "$out"
-    run_step lowprec 50 "$python" -m benchmarks.gpu.bench_low_precision_step --numel "$numel" --out "$out"
-    run_step engine 65 "$python" -m benchmarks.gpu.bench_engine_step --blocks 8 --out "$out"
-    run_step offload 35 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
+    run_step kernel 55 "$python" -m benchmarks.gpu.bench_fused_step --numel "$numel" --out "$out"
+    run_step lowprec 45 "$python" -m benchmarks.gpu.bench_low_precision_step --numel "$numel" --out "$out"
+    run_step multichunk 35 "$python" -m benchmarks.gpu.bench_multi_chunk_step --ranks 8,64 --out "$out"
+    run_step engine 50 "$python" -m benchmarks.gpu.bench_engine_step --blocks 8 --out "$out"
+    run_step offload 30 "$python" -m benchmarks.bench_offload --device cuda --out "$out"
     # Last: its compiles are the least certain cost; the budget cuts it before the others.
     run_step fp8 180 "$python" -m benchmarks.gpu.bench_fp8_step --out "$out"
     if ((dry_run)); then
@@ -312,6 +319,7 @@ else
             "benchmarks.gpu.zero3_one_rank --out $out" \
             "benchmarks.gpu.bench_fused_step --numel $numel --out $out" \
             "benchmarks.gpu.bench_low_precision_step --numel $numel --out $out" \
+            "benchmarks.gpu.bench_multi_chunk_step --ranks 8,64 --out $out" \
             "benchmarks.gpu.bench_engine_step --blocks 8 --out $out" \
             "benchmarks.bench_offload --device cuda --out $out" \
             "benchmarks.gpu.bench_fp8_step --out $out"
@@ -347,7 +355,7 @@ summary="$out/gpu_run_all-$date_utc.md"
         echo "$gpus GPUs are present, but every step here runs one rank: the multi-rank paths (ZeRO 1-3 across ranks, hybrid layouts, the quantized wire, pipeline stages) are not run by this script."
         echo
     fi
-    echo "Results in this folder: gpu_smoke_engine*, gpu_zero3_one_rank*, gpu_fused_step*, gpu_low_precision_step*, gpu_engine_step*, offload* (-$date_utc.{json,md}), gpu_tests-$date_utc.log, and gpu_run_all-$date_utc.json (rewritten as each step ends)."
+    echo "Results in this folder: gpu_smoke_engine*, gpu_zero3_one_rank*, gpu_fused_step*, gpu_low_precision_step*, gpu_multi_chunk_step*, gpu_engine_step*, offload* (-$date_utc.{json,md}), gpu_tests-$date_utc.log, and gpu_run_all-$date_utc.json (rewritten as each step ends)."
 } >"$summary"
 write_json
 echo

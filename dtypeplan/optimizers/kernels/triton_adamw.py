@@ -69,8 +69,8 @@ which are strided over the flat buffer) in one launch: a pointer table holds eac
 addresses, a tile table splits every chunk into BLOCK-sized tiles (a tile never straddles two
 chunks), and program ``i`` runs tile ``i``. The host cost is one launch per param group
 instead of one per bucket (a 14 us wrapper each, and at 64 ranks a bucket's chunk is under one
-wave of the GPU); both tables are cached and re-uploaded only when an address or a size
-changes (after a checkpoint load), with a host-to-device copy, never a sync.
+wave of the GPU); ``launch_tables`` builds and caches both: the pointer table again when an
+address changes, the tile table once per chunk sizes, with a host-to-device copy, never a sync.
 
 Triton is imported guarded: this module imports without it. :func:`fused_mixed_adamw_` raises
 ``RuntimeError`` when Triton or CUDA is missing (under ``TRITON_INTERPRET=1`` it also accepts CPU
@@ -80,10 +80,11 @@ tensors, which is how the kernel is tested on machines without a GPU).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from dtypeplan.optimizers.kernels import launch_tables
 
 __all__ = [
     "bytes_per_param",
@@ -397,24 +398,6 @@ if triton is not None:
             )
 
 
-_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
-"""Uploaded pointer and tile tables by content (a few per param group; see the design note)."""
-_MAX_TABLES = 64
-
-
-def _table(
-    key: tuple[Any, ...], rows: Callable[[], list[list[int]]], device: torch.device
-) -> torch.Tensor:
-    """The uploaded table for ``key``; ``rows`` is built (and uploaded) only when it is new."""
-    table = _TABLES.get(key)
-    if table is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        table = torch.tensor(rows(), dtype=torch.int64).to(device, non_blocking=True)
-        _TABLES[key] = table
-    return table
-
-
 def aligned(addresses: tuple[tuple[int, ...], ...], sizes: tuple[int, ...]) -> bool:
     """Whether a multi-chunk launch may use 128-bit accesses: every address 16-byte aligned
     and every chunk a multiple of 16 elements (so a tile's start and length are; the flat
@@ -430,20 +413,6 @@ def check_block_size(block_size: int) -> int:
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two, got {block}")
     return block
-
-
-def tile_table(sizes: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
-    """The uploaded ``[chunk, first element, elements]`` rows of a launch over chunks of
-    ``sizes``, ``block`` elements a tile: a tile never straddles two chunks."""
-    return _table(
-        ("tiles", device, block, sizes),
-        lambda: [
-            [index, begin, min(block, size - begin)]
-            for index, size in enumerate(sizes)
-            for begin in range(0, size, block)
-        ],
-        device,
-    )
 
 
 def fused_mixed_adamw_multi_(
@@ -521,8 +490,8 @@ def fused_mixed_adamw_multi_(
     num_tiles = sum(triton.cdiv(size, block) for size in sizes)
     if num_tiles == 0:
         return
-    pointers = _table(("pointers", device, addresses), lambda: [list(a) for a in addresses], device)
-    tiles = tile_table(sizes, block, device)
+    pointers = launch_tables.pointer_table("pointers", addresses, device)
+    tiles = launch_tables.tile_table(sizes, block, device)
 
     factor_is_tensor = isinstance(grad_factor, torch.Tensor)
     w1 = 1.0 - beta1

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from dtypeplan.optimizers.kernels import rounding
+from dtypeplan.optimizers.kernels import launch_tables, rounding
 from dtypeplan.optimizers.kernels import triton_adamw as fp32_kernel
 
 __all__ = [
@@ -558,10 +558,8 @@ def adam_one_pass_triton_multi_(
         tuple(t.data_ptr() for t in row) + (int(base),)
         for row, base in zip(rows, key_bases, strict=True)
     )
-    pointers = fp32_kernel._table(
-        ("low-precision pointers", device, table), lambda: [list(r) for r in table], device
-    )
-    tiles = fp32_kernel.tile_table(sizes, block_size, device)
+    pointers = launch_tables.pointer_table("low-precision pointers", table, device)
+    tiles = launch_tables.tile_table(sizes, block_size, device)
     first = rows[0]
     has_param = first[5].data_ptr() != first[0].data_ptr()
     _adam_one_pass_multi_kernel[(num_tiles,)](
