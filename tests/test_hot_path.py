@@ -69,6 +69,33 @@ def test_adam_with_decoupled_decay_matches_torch() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_host_factor_of_exactly_one_skips_the_kernels_rescaling(clip: float) -> None:
+    """One process, no clipping: torch's fused kernel gets no ``grad_scale`` (it would write
+    every gradient back, divided by 1), and the numbers are torch's; clipped, it gets one."""
+    plan = dtypeplan.resolve({"gradient_clipping": clip})
+    model, reference = make_model(0), make_model(0)
+    optimizer = plan.build(model.parameters(), optimizer=torch.optim.AdamW, lr=1e-2, fused=True)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    scales: list[torch.Tensor | None] = []
+    fused = torch._fused_adamw_
+
+    def recording(*args: object, grad_scale: torch.Tensor | None = None, **kwargs: object) -> None:
+        scales.append(grad_scale)
+        fused(*args, grad_scale=grad_scale, **kwargs)  # type: ignore[arg-type]
+
+    x, y = make_batch(0, 8)
+    with mock.patch.object(torch, "_fused_adamw_", recording):
+        optimizer.backward(mse(model, x, y), last_micro_batch=True)
+        optimizer.step()
+    assert scales and all((s is None) == (clip == 0.0) for s in scales)
+    if clip == 0.0:
+        mse(reference, x, y).backward()
+        torch_optimizer.step()
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 # --- W2: the reduction op per backend ---------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from dtypeplan.optimizers.contract.model import (
 )
 from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
 from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
-from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
+from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor, unit_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers.grads.pipeline import PipelineLink, stage_local_refusal
@@ -409,6 +409,8 @@ class MixedPrecisionOptimizer(OptimizerState):
             host = self._gradient_factor(float(sq_norm), divisor)
             if host is None:
                 return None
+            if host == 1.0:
+                return unit_factor(sq_norm.device)
             factor = torch.full((), host, dtype=torch.float32, device=sq_norm.device)
             return factor, factor.reciprocal()
         device = device_gradient_factor(sq_norm, divisor, self.clip, self._take_clip_coef())

@@ -8,6 +8,11 @@ version, :meth:`MixedPrecisionOptimizer._gradient_factor`, needs the squared nor
 float: one device-to-host sync per step. Where the step cannot be skipped (no fp16, no
 non-finite check) nothing on the host needs the number, so it stays a 0-dim tensor: the fused
 update reads it from device memory, and ``grad_norm`` syncs only when someone reads it.
+
+Where the host knows the factor is exactly 1 without reading it (no clipping asked for, nothing
+left to divide by: one process, one micro-batch, no loss scale, the plain torch loop), the step
+gets :func:`unit_factor`'s tensors, which :func:`is_unit_factor` recognizes: torch's fused
+kernels are then given no ``grad_scale`` (``kernels/torch_adam.kernel_grad_scale``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ __all__ = [
     "NormProbe",
     "chunk_sq_norms",
     "device_gradient_factor",
+    "is_unit_factor",
     "sum_sq_norms",
+    "unit_factor",
 ]
 
 _CPU_NORM_CHUNK = 1 << 20
@@ -87,6 +94,28 @@ class DeviceGradientFactor(NamedTuple):
     """fp64: the global gradient norm after unscaling and averaging (NaN when not finite)."""
 
 
+_UNIT_FACTORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def unit_factor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factor and inverse of a step that the host knows multiplies by exactly 1.
+
+    The same two fp32 ones on ``device`` every time (never written: the kernels only read a
+    factor), so that :func:`is_unit_factor` knows them by identity, with no device read.
+    """
+    device = torch.device(device)
+    if device not in _UNIT_FACTORS:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        _UNIT_FACTORS[device] = (one, one)
+    return _UNIT_FACTORS[device]
+
+
+def is_unit_factor(factor: torch.Tensor) -> bool:
+    """Whether ``factor`` is one of :func:`unit_factor`'s (the value 1, known on the host)."""
+    unit = _UNIT_FACTORS.get(factor.device)
+    return unit is not None and factor is unit[0]
+
+
 def device_gradient_factor(
     sq_norm: torch.Tensor, divisor: float, clip: float, requested: float = 1.0
 ) -> DeviceGradientFactor:
@@ -104,10 +133,11 @@ def device_gradient_factor(
     if clip > 0:
         clipped = norm * requested
         factor = torch.where(clipped > clip, factor * (clip / (clipped + 1e-6)), factor)
+    reported = torch.where(finite, norm, torch.nan)
+    if clip <= 0 and requested == 1.0 and divisor == 1.0:
+        return DeviceGradientFactor(*unit_factor(sq.device), reported)
     factor32 = factor.float()
-    return DeviceGradientFactor(
-        factor32, factor32.reciprocal(), torch.where(finite, norm, torch.nan)
-    )
+    return DeviceGradientFactor(factor32, factor32.reciprocal(), reported)
 
 
 class NormProbe:

@@ -30,12 +30,15 @@ from typing import Any
 
 import torch
 
+from dtypeplan.optimizers.grads.factor import is_unit_factor
+
 __all__ = [
     "CPU_CHUNK",
     "FlatAdamUpdate",
     "decoupled_weight_decay",
     "fused_adam_kernel",
     "inner_step_grads",
+    "kernel_grad_scale",
     "is_adam",
 ]
 
@@ -63,7 +66,8 @@ def fused_adam_kernel(
     """torch's fused Adam or AdamW kernel for ``group`` and its keyword arguments.
 
     The gradients it is given are divided by ``grad_scale`` inside the kernel (the unscale,
-    average and clip factor folded into one device scalar; no separate pass).
+    average and clip factor folded into one device scalar; no separate pass), unless the host
+    knows it is exactly 1 (:func:`kernel_grad_scale`).
     """
     beta1, beta2 = group["betas"]
     fused = (
@@ -77,9 +81,21 @@ def fused_adam_kernel(
         "eps": group["eps"],
         "amsgrad": False,
         "maximize": False,
-        "grad_scale": grad_scale,
+        "grad_scale": kernel_grad_scale(grad_scale),
     }
     return fused, kwargs
+
+
+def kernel_grad_scale(grad_scale: torch.Tensor) -> torch.Tensor | None:
+    """What torch's fused kernel is given as ``grad_scale``: None for a factor known to be 1.
+
+    With a ``grad_scale``, torch's fused Adam/AdamW write every unscaled gradient back to
+    memory, one more pass over the gradients (one core, 16.8 M values: fp32 8.8 against 8.0 ms,
+    bf16 13.7 against 11.0 ms). A division by exactly 1 changes no bit (NaN and infinities
+    included), so a factor the host knows is 1 (``grads/factor.unit_factor``: no clipping, no
+    loss scale, nothing left to average) is left out, without reading the device.
+    """
+    return None if is_unit_factor(grad_scale) else grad_scale
 
 
 class FlatAdamUpdate:
