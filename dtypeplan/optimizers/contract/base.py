@@ -32,10 +32,11 @@ from dtypeplan.optimizers.contract.model import (
 )
 from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
 from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
-from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor, unit_factor
+from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
 from dtypeplan.optimizers.grads.pipeline import PipelineLink, stage_local_refusal
+from dtypeplan.optimizers.kernels.torch_adam import unit_factor
 from dtypeplan.optimizers.state.held import HeldTensors
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ update reads it from device memory, and ``grad_norm`` syncs only when someone re
 
 Where the host knows the factor is exactly 1 without reading it (no clipping asked for, nothing
 left to divide by: one process, one micro-batch, no loss scale, the plain torch loop), the step
-gets :func:`unit_factor`'s tensors, which :func:`is_unit_factor` recognizes: torch's fused
-kernels are then given no ``grad_scale`` (``kernels/torch_adam.kernel_grad_scale``).
+gets ``kernels/torch_adam.unit_factor``'s tensors, and torch's fused kernels no ``grad_scale``
+(``kernel_grad_scale``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 import torch
 
+from dtypeplan.optimizers.kernels.torch_adam import unit_factor
+
 __all__ = [
     "DeviceGradientFactor",
     "NormProbe",
     "chunk_sq_norms",
     "device_gradient_factor",
-    "is_unit_factor",
     "sum_sq_norms",
-    "unit_factor",
 ]
 
 _CPU_NORM_CHUNK = 1 << 20
@@ -92,28 +92,6 @@ class DeviceGradientFactor(NamedTuple):
     """fp32: ``1 / factor``, the ``grad_scale`` that torch's fused optimizers divide by."""
     norm: torch.Tensor
     """fp64: the global gradient norm after unscaling and averaging (NaN when not finite)."""
-
-
-_UNIT_FACTORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def unit_factor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factor and inverse of a step that the host knows multiplies by exactly 1.
-
-    The same two fp32 ones on ``device`` every time (never written: the kernels only read a
-    factor), so that :func:`is_unit_factor` knows them by identity, with no device read.
-    """
-    device = torch.device(device)
-    if device not in _UNIT_FACTORS:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        _UNIT_FACTORS[device] = (one, one)
-    return _UNIT_FACTORS[device]
-
-
-def is_unit_factor(factor: torch.Tensor) -> bool:
-    """Whether ``factor`` is one of :func:`unit_factor`'s (the value 1, known on the host)."""
-    unit = _UNIT_FACTORS.get(factor.device)
-    return unit is not None and factor is unit[0]
 
 
 def device_gradient_factor(

@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from dtypeplan.optimizers.grads.factor import is_unit_factor
-
 __all__ = [
     "CPU_CHUNK",
     "FlatAdamUpdate",
     "decoupled_weight_decay",
     "fused_adam_kernel",
     "inner_step_grads",
+    "is_unit_factor",
     "kernel_grad_scale",
     "is_adam",
+    "unit_factor",
 ]
 
 CPU_CHUNK = 1 << 20
@@ -86,13 +86,35 @@ def fused_adam_kernel(
     return fused, kwargs
 
 
+_UNIT_FACTORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def unit_factor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factor and inverse of a step that the host knows multiplies by exactly 1.
+
+    The same two fp32 ones on ``device`` every time (never written: the kernels only read a
+    factor), so that :func:`is_unit_factor` knows them by identity, with no device read.
+    """
+    device = torch.device(device)
+    if device not in _UNIT_FACTORS:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        _UNIT_FACTORS[device] = (one, one)
+    return _UNIT_FACTORS[device]
+
+
+def is_unit_factor(factor: torch.Tensor) -> bool:
+    """Whether ``factor`` is one of :func:`unit_factor`'s (the value 1, known on the host)."""
+    unit = _UNIT_FACTORS.get(factor.device)
+    return unit is not None and factor is unit[0]
+
+
 def kernel_grad_scale(grad_scale: torch.Tensor) -> torch.Tensor | None:
     """What torch's fused kernel is given as ``grad_scale``: None for a factor known to be 1.
 
     With a ``grad_scale``, torch's fused Adam/AdamW write every unscaled gradient back to
     memory, one more pass over the gradients (one core, 16.8 M values: fp32 8.8 against 8.0 ms,
     bf16 13.7 against 11.0 ms). A division by exactly 1 changes no bit (NaN and infinities
-    included), so a factor the host knows is 1 (``grads/factor.unit_factor``: no clipping, no
+    included), so a factor the host knows is 1 (:func:`unit_factor`: no clipping, no
     loss scale, nothing left to average) is left out, without reading the device.
     """
     return None if is_unit_factor(grad_scale) else grad_scale
