@@ -25,7 +25,8 @@ needs_compiler = pytest.mark.skipif(
     # torch 2.13's Inductor emits at::vec code that does not compile under this setting (the
     # update then falls back to eager with its warning, tested below with a failing compile).
     or os.environ.get("ATEN_CPU_CAPABILITY") == "default",
-    reason="no C++ compiler for Inductor's code: the update runs eagerly only",
+    reason="no C++ compiler for Inductor's code, or ATEN_CPU_CAPABILITY=default (which torch "
+    "2.13's Inductor code does not compile under): the update runs eagerly only",
 )
 
 
