@@ -36,9 +36,9 @@ __all__ = [
     "decoupled_weight_decay",
     "fused_adam_kernel",
     "inner_step_grads",
+    "is_adam",
     "is_unit_factor",
     "kernel_grad_scale",
-    "is_adam",
     "unit_factor",
 ]
 
