@@ -96,6 +96,35 @@ def test_host_factor_of_exactly_one_skips_the_kernels_rescaling(clip: float) -> 
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_a_factor_of_one_is_not_applied_through_inner_step(clip: float) -> None:
+    """The classes stepped through ``inner.step()`` (here fused SGD, which takes a
+    ``grad_scale``): a factor of exactly 1 reaches them as no scale at all, torch's bits; a
+    clipping factor as the kernel's ``grad_scale``."""
+    plan = dtypeplan.resolve({"gradient_clipping": clip})
+    model, reference = make_model(0), make_model(0)
+    params = {"lr": 1e-2, "momentum": 0.9, "fused": True}
+    optimizer = plan.build(model.parameters(), optimizer=torch.optim.SGD, **params)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), **params)
+    scales: list[torch.Tensor | None] = []
+    fused = torch._fused_sgd_
+
+    def recording(*args: object, grad_scale: torch.Tensor | None = None, **kwargs: object) -> None:
+        scales.append(grad_scale)
+        fused(*args, grad_scale=grad_scale, **kwargs)  # type: ignore[arg-type]
+
+    x, y = make_batch(0, 8)
+    with mock.patch.object(torch, "_fused_sgd_", recording):
+        optimizer.backward(mse(model, x, y), last_micro_batch=True)
+        optimizer.step()
+    assert scales and all((s is None) == (clip == 0.0) for s in scales)
+    if clip == 0.0:
+        mse(reference, x, y).backward()
+        torch_optimizer.step()
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 # --- W2: the reduction op per backend ---------------------------------------------------------
 
 

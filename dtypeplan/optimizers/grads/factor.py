@@ -107,13 +107,13 @@ def device_gradient_factor(
     sq = sq_norm.reshape(()).double()
     finite = torch.isfinite(sq)
     norm = torch.where(finite, sq.sqrt() / divisor, torch.inf)
+    reported = torch.where(finite, norm, torch.nan)
+    if clip <= 0 and requested == 1.0 and divisor == 1.0:
+        return DeviceGradientFactor(*unit_factor(sq.device), reported)
     factor = torch.full_like(sq, requested / divisor)
     if clip > 0:
         clipped = norm * requested
         factor = torch.where(clipped > clip, factor * (clip / (clipped + 1e-6)), factor)
-    reported = torch.where(finite, norm, torch.nan)
-    if clip <= 0 and requested == 1.0 and divisor == 1.0:
-        return DeviceGradientFactor(*unit_factor(sq.device), reported)
     factor32 = factor.float()
     return DeviceGradientFactor(factor32, factor32.reciprocal(), reported)
 

@@ -219,17 +219,20 @@ def inner_step_grads(
     """Inside, ``masters`` hold fp32 ``grads`` scaled by ``factor`` for ``inner.step()``.
 
     Optimizers that take ``grad_scale`` in their fused step get ``inverse`` there (no pass);
-    the others get one multiply by the device factor (still no host sync). On the way out the
-    masters' ``.grad`` and the scale are removed, whatever happened inside.
+    the others get one multiply by the device factor (still no host sync). A factor known to be
+    1 (:func:`unit_factor`) gets neither: no multiply pass, and no fused kernel writing every
+    gradient back. On the way out the masters' ``.grad`` and the scale are removed, whatever
+    happened inside.
     """
     fp32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    if getattr(inner, "_step_supports_amp_scaling", False) and all(
-        g.get("fused") for g in inner.param_groups
-    ):
-        inner.grad_scale = inverse  # type: ignore[attr-defined]
-        inner.found_inf = None  # type: ignore[attr-defined]
-    else:
-        torch._foreach_mul_(fp32, factor)
+    if not is_unit_factor(factor):
+        if getattr(inner, "_step_supports_amp_scaling", False) and all(
+            g.get("fused") for g in inner.param_groups
+        ):
+            inner.grad_scale = inverse  # type: ignore[attr-defined]
+            inner.found_inf = None  # type: ignore[attr-defined]
+        else:
+            torch._foreach_mul_(fp32, factor)
     for master, grad in zip(masters, fp32, strict=True):
         master.grad = grad
     try:
