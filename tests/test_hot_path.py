@@ -69,52 +69,33 @@ def test_adam_with_decoupled_decay_matches_torch() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+_UNIT_FACTOR_KERNELS = {
+    # The fused Adam path (kernels/torch_adam.fused_adam_kernel), and a class stepped through
+    # inner.step() (inner_step_grads) whose fused kernel takes a grad_scale.
+    "adamw": (torch.optim.AdamW, "_fused_adamw_", {"lr": 1e-2, "fused": True}),
+    "sgd": (torch.optim.SGD, "_fused_sgd_", {"lr": 1e-2, "momentum": 0.9, "fused": True}),
+}
+
+
 @pytest.mark.parametrize("clip", [0.0, 1e-3])
-def test_host_factor_of_exactly_one_skips_the_kernels_rescaling(clip: float) -> None:
+@pytest.mark.parametrize("kernel", sorted(_UNIT_FACTOR_KERNELS))
+def test_host_factor_of_exactly_one_skips_the_kernels_rescaling(kernel: str, clip: float) -> None:
     """One process, no clipping: torch's fused kernel gets no ``grad_scale`` (it would write
     every gradient back, divided by 1), and the numbers are torch's; clipped, it gets one."""
+    torch_class, kernel_name, params = _UNIT_FACTOR_KERNELS[kernel]
     plan = dtypeplan.resolve({"gradient_clipping": clip})
     model, reference = make_model(0), make_model(0)
-    optimizer = plan.build(model.parameters(), optimizer=torch.optim.AdamW, lr=1e-2, fused=True)
-    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    optimizer = plan.build(model.parameters(), optimizer=torch_class, **params)
+    torch_optimizer = torch_class(reference.parameters(), **params)
     scales: list[torch.Tensor | None] = []
-    fused = torch._fused_adamw_
+    fused = getattr(torch, kernel_name)
 
     def recording(*args: object, grad_scale: torch.Tensor | None = None, **kwargs: object) -> None:
         scales.append(grad_scale)
-        fused(*args, grad_scale=grad_scale, **kwargs)  # type: ignore[arg-type]
+        fused(*args, grad_scale=grad_scale, **kwargs)
 
     x, y = make_batch(0, 8)
-    with mock.patch.object(torch, "_fused_adamw_", recording):
-        optimizer.backward(mse(model, x, y), last_micro_batch=True)
-        optimizer.step()
-    assert scales and all((s is None) == (clip == 0.0) for s in scales)
-    if clip == 0.0:
-        mse(reference, x, y).backward()
-        torch_optimizer.step()
-        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("clip", [0.0, 1e-3])
-def test_a_factor_of_one_is_not_applied_through_inner_step(clip: float) -> None:
-    """The classes stepped through ``inner.step()`` (here fused SGD, which takes a
-    ``grad_scale``): a factor of exactly 1 reaches them as no scale at all, torch's bits; a
-    clipping factor as the kernel's ``grad_scale``."""
-    plan = dtypeplan.resolve({"gradient_clipping": clip})
-    model, reference = make_model(0), make_model(0)
-    params = {"lr": 1e-2, "momentum": 0.9, "fused": True}
-    optimizer = plan.build(model.parameters(), optimizer=torch.optim.SGD, **params)
-    torch_optimizer = torch.optim.SGD(reference.parameters(), **params)
-    scales: list[torch.Tensor | None] = []
-    fused = torch._fused_sgd_
-
-    def recording(*args: object, grad_scale: torch.Tensor | None = None, **kwargs: object) -> None:
-        scales.append(grad_scale)
-        fused(*args, grad_scale=grad_scale, **kwargs)  # type: ignore[arg-type]
-
-    x, y = make_batch(0, 8)
-    with mock.patch.object(torch, "_fused_sgd_", recording):
+    with mock.patch.object(torch, kernel_name, recording):
         optimizer.backward(mse(model, x, y), last_micro_batch=True)
         optimizer.step()
     assert scales and all((s is None) == (clip == 0.0) for s in scales)
