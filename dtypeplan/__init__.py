@@ -23,12 +23,14 @@ if TYPE_CHECKING:
         RulesError,
     )
     from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
-    from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
+    from dtypeplan.lion import Lion
+    from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from, register_optimizer
 
 __version__ = "0.1.0"
 
 _HOMES = {
     "CollectiveError": "dtypeplan.comm",
+    "Lion": "dtypeplan.lion",
     "MixedPrecisionOptimizer": "dtypeplan.optimizers",
     "NotSupportedError": "dtypeplan.errors",
     "PrecisionConfigError": "dtypeplan.errors",
@@ -40,12 +42,14 @@ _HOMES = {
     "auto_values_from": "dtypeplan.resolver",
     "load_rules": "dtypeplan._api",
     "register": "dtypeplan.optimizers",
+    "register_optimizer": "dtypeplan.resolver",
     "registered_names": "dtypeplan.optimizers",
     "resolve": "dtypeplan._api",
 }
 
 __all__ = [
     "CollectiveError",
+    "Lion",
     "MixedPrecisionOptimizer",
     "NotSupportedError",
     "PrecisionConfigError",
@@ -58,6 +62,7 @@ __all__ = [
     "checkpoint",
     "load_rules",
     "register",
+    "register_optimizer",
     "registered_names",
     "resolve",
 ]

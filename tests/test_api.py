@@ -9,7 +9,15 @@ import torch
 
 import dtypeplan
 
-API_NAMES = ["resolve", "PrecisionConfigError", "RulesError", "NotSupportedError", "register"]
+API_NAMES = [
+    "resolve",
+    "PrecisionConfigError",
+    "RulesError",
+    "NotSupportedError",
+    "register",
+    "register_optimizer",
+    "Lion",
+]
 PLAN_DTYPES = ["param_dtype", "grad_accum_dtype", "comm_dtype", "master_dtype"]
 OPTIMIZER_CALLS = [
     "backward",

@@ -88,7 +88,7 @@ def test_every_deepspeed_optimizer_name_is_read() -> None:
     for name in ds_keys.DEEPSPEED_OPTIMIZERS:
         plan = _resolve(name)
         assert plan.status in ("OK", "NotSupported"), name
-        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad")), name
+        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad", "lion")), name
     assert set(DEEPSPEED_ONLY) <= set(ds_keys.DEEPSPEED_OPTIMIZERS)
 
 
