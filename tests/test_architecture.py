@@ -215,6 +215,7 @@ ROOMS = {
     "update": 5,
     "flat": 6,
     "fsdp2": 6,
+    "whole": 6,
 }
 """The rooms of ``dtypeplan/optimizers/``, by level: a module imports modules of its own room or
 of a room of a lower level, never of one of its own level or above (``flat/`` and ``fsdp2/``,

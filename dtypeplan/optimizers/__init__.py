@@ -11,6 +11,7 @@ from dtypeplan.optimizers.flat import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.grads import LossScaler, MinimumLossScaleError
 from dtypeplan.optimizers.state import HeldTensors
+from dtypeplan.optimizers.whole import WholeTensorOptimizer
 
 __all__ = [
     "FSDP2Optimizer",
@@ -20,6 +21,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "ReplicatedOptimizer",
     "ShardedOptimizer",
+    "WholeTensorOptimizer",
     "build_optimizer",
     "get_implementation",
     "implementation_class",

@@ -1,0 +1,333 @@
+"""WholeTensorOptimizer: each parameter updated whole, by the torch class that needs its shape.
+
+``torch.optim.Muon`` orthogonalizes each matrix's update and ``torch.optim.Adafactor`` factors
+its second moment by rows and columns: neither can run on the flat engine's shards of many
+parameters. Here each trainable parameter keeps its shape and its own fp32 master:
+
+* ZeRO 0 (``owners`` is None): every rank sums its micro-batches' gradients, all-reduces them
+  in ``comm_dtype`` and runs the class on every parameter (replicated, no owner).
+* ZeRO 1 and 2: each parameter is owned whole by one rank (``owners.py``: balanced by size).
+  Only the owner keeps its master and states and runs the class on it. Its gradient is reduced
+  to the owner in ``comm_dtype`` (a SUM, then divided by the ranks: gloo's AVG is not reliable)
+  once per step where the accumulator is whole (ZeRO-1), or at each micro-batch's backward where
+  it is sharded (ZeRO-2: only the owner keeps a sum). The updated parameter is broadcast back
+  from its owner in the parameter dtype.
+
+The global norm is one all-reduce of the owners' squared norms; clipping, the non-finite check
+and the step's factor are the base class's (``contract/base.py``). A parameter that got no
+gradient on any rank since ``zero_grad`` is not updated (its ``.grad`` stays None for the
+class), as in ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtypeplan.comm import Communicator
+from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, inner_optimizer
+from dtypeplan.optimizers.state import HeldTensors, keys
+from dtypeplan.optimizers.whole.owners import Owners, assign_owners
+from dtypeplan.resolver import PrecisionPlan
+
+__all__ = ["WholeTensorOptimizer"]
+
+
+class WholeTensorOptimizer(MixedPrecisionOptimizer):
+    """ZeRO 0-2 for optimizers that need each parameter whole (Muon, Adafactor)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        *,
+        plan: PrecisionPlan,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(params, plan=plan, process_group=process_group)
+        self.comm = Communicator(process_group)
+        if self.comm.active:
+            self._check_ranks_agree(self.comm)
+            self._make_replicas_equal(self.comm)
+        self.params = self.trainable_parameters()
+        sizes = [p.numel() for p in self.params]
+        self.owners: Owners | None = (
+            assign_owners(sizes, self.comm.world_size) if plan.zero_stage >= 1 else None
+        )
+        """Each parameter's owning rank; None at ZeRO 0 (every rank updates everything)."""
+        self.reduce_each_micro_batch = plan.accumulator_sharded and self.owners is not None
+        self.masters: dict[int, torch.Tensor] = {}
+        """The fp32 master of each parameter this rank owns, by its number."""
+        with torch.no_grad():
+            for index, param in enumerate(self.params):
+                if self._owns(index):
+                    self.masters[index] = param.detach().to(torch.float32, copy=True)
+                param.data = param.data.to(plan.param_dtype)
+        number = {id(p): i for i, p in enumerate(self.params)}
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [
+                    self.masters[number[id(p)]]
+                    for p in group["params"]
+                    if id(p) in number and number[id(p)] in self.masters
+                ],
+            }
+            for group in self.param_groups
+        ]
+        self._inner = inner_optimizer(plan, groups, fused=False)
+        self.accumulators: dict[int, torch.Tensor] = {}
+        """Each parameter's sum of micro-batch gradients in ``grad_accum_dtype`` since
+        ``zero_grad`` (ZeRO-2: reduced already, on the owner only)."""
+        self.touched: set[int] = set()
+        """The parameters that got a gradient on this rank since ``zero_grad``."""
+        self._pending: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
+        this = weakref.ref(self)
+        for index, param in enumerate(self.params):
+            self.hooks.add(param, _accumulate_hook(this, index))
+        self._take_ownership()
+
+    # --- layout --------------------------------------------------------------------------------
+    def _owns(self, index: int) -> bool:
+        return self.owners is None or self.owners.ranks[index] == self.comm.rank
+
+    def _owner_global_rank(self, index: int) -> int:
+        assert self.owners is not None
+        owner = self.owners.ranks[index]
+        return dist.get_global_rank(self.comm.group, owner) if self.comm.distributed else owner
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        return self._inner
+
+    # --- backward -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _accumulate(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        self.touched.add(index)
+        if self.reduce_each_micro_batch:
+            wire = self._reduce_to_owner(index, grad)
+            if wire is None:
+                return
+            grad = wire
+        accumulator = self.accumulators.get(index)
+        if accumulator is None:
+            self.accumulators[index] = grad.to(self.plan.grad_accum_dtype, copy=True)
+        else:
+            accumulator.add_(grad.to(accumulator.dtype))
+
+    def _reduce_to_owner(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` summed over the ranks in ``comm_dtype``, on the owner (None elsewhere)."""
+        wire = grad.to(self.plan.comm_dtype, copy=True)
+        if self.comm.active:
+            dist.reduce(wire, dst=self._owner_global_rank(index), group=self.comm.group)
+        return wire if self._owns(index) else None
+
+    # --- step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _reduce(self) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The step's gradients of the parameters this rank updates (fp32, summed over the
+        ranks, not yet divided) and the global squared norm (0-dim)."""
+        touched = torch.zeros(len(self.params))
+        touched[list(self.touched)] = 1.0
+        if self.comm.active:
+            dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=self.comm.group)
+        grads: dict[int, torch.Tensor] = {}
+        for index, param in enumerate(self.params):
+            if not touched[index]:
+                continue
+            summed = self.accumulators.get(index)
+            if self.reduce_each_micro_batch:
+                if summed is not None:  # the owner: reduced at each backward
+                    grads[index] = summed.float()
+                elif self._owns(index):
+                    grads[index] = torch.zeros_like(param, dtype=torch.float32)
+                continue
+            local = summed if summed is not None else torch.zeros_like(param)
+            if self.owners is None:
+                wire = local.to(self.plan.comm_dtype, copy=True)
+                if self.comm.active:
+                    dist.all_reduce(wire, group=self.comm.group)
+                grads[index] = wire.float()
+            else:
+                reduced = self._reduce_to_owner(index, local)
+                if reduced is not None:
+                    grads[index] = reduced.float()
+        sq_norm = torch.zeros((), dtype=torch.float32)
+        for grad in grads.values():
+            sq_norm += grad.pow(2).sum()
+        if self.owners is not None and self.comm.active:
+            dist.all_reduce(sq_norm, group=self.comm.group)
+        return grads, self._across_pipeline(sq_norm, self.comm.world_size * self.loss_scale)
+
+    def _prepare_grad_norm(self) -> float:
+        if self._pending is None:
+            self._pending = self._reduce()
+        sq_norm = float(self._pending[1])
+        divisor = self.comm.world_size * self.loss_scale
+        return sq_norm**0.5 / divisor if sq_norm == sq_norm and sq_norm != float("inf") else float("inf")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._check_open("step()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.hyperparameter_check.flush()
+        self._sync_hyperparameters()
+        grads, sq_norm = self._pending if self._pending is not None else self._reduce()
+        self._pending = None
+        factors = self._check_and_clip(sq_norm, self.comm.world_size * self.loss_scale)
+        if factors is not None:
+            factor = factors[0]
+            for index, master in self.masters.items():
+                grad = grads.get(index)
+                master.grad = None if grad is None else grad.mul_(factor)
+            self._inner.step()
+            for master in self.masters.values():
+                master.grad = None
+            self.scaler.update(overflow=False)
+            self._write_parameters()
+        self.zero_grad()
+        return loss
+
+    def _sync_hyperparameters(self) -> None:
+        """The param groups' hyperparameters (an LR scheduler's) into the inner groups."""
+        for group, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
+            inner.update({k: v for k, v in group.items() if k != "params"})
+
+    @torch.no_grad()
+    def _write_parameters(self) -> None:
+        """Each master into its parameter, broadcast from its owner in the parameter dtype."""
+        for index, param in enumerate(self.params):
+            if index in self.masters:
+                param.data.copy_(self.masters[index])
+            if self.owners is not None and self.comm.active:
+                dist.broadcast(param.data, src=self._owner_global_rank(index), group=self.comm.group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.accumulators = {}
+        self.touched = set()
+        self._pending = None
+        for param in self.params:
+            param.grad = None
+
+    def clear_lp_grads(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    # --- state ----------------------------------------------------------------------------------
+    def held_tensors(self) -> HeldTensors:
+        states = tuple(
+            value
+            for slot in self._inner.state.values()
+            for value in slot.values()
+            if torch.is_tensor(value)
+        )
+        return HeldTensors(
+            params=tuple(p.data for p in self.params),
+            grads=tuple(p.grad for p in self.params if p.grad is not None),
+            accumulator=tuple(self.accumulators.values()),
+            master=tuple(self.masters.values()),
+            optimizer_states=states,
+        )
+
+    def _layout_facts(self) -> dict[str, Any]:
+        return {
+            "implementation": "whole",
+            "world_size": self.comm.world_size,
+            "owners": list(self.owners.ranks) if self.owners is not None else None,
+        }
+
+    def state_names(self) -> list[str]:
+        names = {
+            name
+            for slot in self._inner.state.values()
+            for name, value in slot.items()
+            if torch.is_tensor(value) and value.dim() > 0
+        }
+        return [keys.MASTER, *sorted(names)]
+
+    def _param_state(self, index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+        return {
+            index_of[id(self.params[index])]: {
+                keys.MASTER: master,
+                **self._inner.state.get(master, {}),
+            }
+            for index, master in self.masters.items()
+        }
+
+    @torch.no_grad()
+    def _load_param_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
+        for index, master in self.masters.items():
+            entry = state.get(index_of[id(self.params[index])], {})
+            if keys.MASTER in entry:
+                master.copy_(entry[keys.MASTER])
+            slot = self._inner.state[master]
+            slot.clear()
+            for name, value in entry.items():
+                if name != keys.MASTER:
+                    slot[name] = value.clone() if torch.is_tensor(value) else value
+            if not slot:
+                del self._inner.state[master]
+        self._write_parameters()
+
+    def _owner_payload(self, index: int) -> dict[str, Any]:
+        """Parameter ``index``'s master and states (CPU), from its owner to every rank."""
+        payload: list[Any] = [None]
+        if index in self.masters:
+            master = self.masters[index]
+            slot = self._inner.state.get(master, {})
+            payload[0] = {
+                keys.MASTER: master.detach().cpu().clone(),
+                **{n: v.detach().cpu().clone() if torch.is_tensor(v) else v for n, v in slot.items()},
+            }
+        if self.owners is not None and self.comm.active:
+            dist.broadcast_object_list(
+                payload, src=self._owner_global_rank(index), group=self.comm.group
+            )
+        return payload[0]
+
+    def full_state(self) -> dict[str, torch.Tensor | float | int]:
+        """Every parameter's master and states from its owner (collective at ZeRO 1-2)."""
+        state: dict[str, torch.Tensor | float | int] = {}
+        for index in range(len(self.params)):
+            for name, value in self._owner_payload(index).items():
+                if torch.is_tensor(value) and (value.dim() > 0 or name == keys.MASTER):
+                    state[keys.param_key(index, name)] = value
+        state.update(self._scalar_state())
+        return state
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        for index, master in self.masters.items():
+            prefix = keys.param_key(index, "")
+            slot = self._inner.state[master]
+            for key, value in state.items():
+                if not key.startswith(prefix):
+                    continue
+                name = key[len(prefix) :]
+                if name == keys.MASTER:
+                    master.copy_(value)
+                else:
+                    slot[name] = torch.as_tensor(value).to(master.device).clone()
+        self._load_scalar_state(dict(state))
+        self._write_parameters()
+
+
+def _accumulate_hook(
+    this: weakref.ref[WholeTensorOptimizer], index: int
+) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        optimizer = this()
+        if optimizer is not None and not optimizer.closed:
+            optimizer._accumulate(index, param)
+
+    return hook
