@@ -22,8 +22,8 @@ if TYPE_CHECKING:
         RegistryError,
         RulesError,
     )
-    from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
     from dtypeplan.lion import Lion
+    from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
     from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from, register_optimizer
 
 __version__ = "0.1.0"

@@ -29,7 +29,9 @@ BF16_MASTER_RTOL = 2e-2
 class MyLion(torch.optim.Optimizer):
     """Lion (arXiv 2302.06675), as a user writes it."""
 
-    def __init__(self, params: Any, lr: float = 1e-4, betas: Any = (0.9, 0.99), weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params: Any, lr: float = 1e-4, betas: Any = (0.9, 0.99), weight_decay: float = 0.0
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -56,7 +58,9 @@ MINE = f"{__name__}:MyLion"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
 
 
-def _case(name: str, stage: int, *, client: bool = True, low_precision: bool = False) -> dict[str, Any]:
+def _case(
+    name: str, stage: int, *, client: bool = True, low_precision: bool = False
+) -> dict[str, Any]:
     config: dict[str, Any] = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}
     if low_precision:
         config |= {
@@ -73,7 +77,11 @@ def _case(name: str, stage: int, *, client: bool = True, low_precision: bool = F
         "bf16": low_precision,
     }
     if client:
-        case["client"] = {"optimizer": MINE, "hyperparameters": HYPER, "how": ("build", "wrap")[stage % 2]}
+        case["client"] = {
+            "optimizer": MINE,
+            "hyperparameters": HYPER,
+            "how": ("build", "wrap")[stage % 2],
+        }
     else:
         config["optimizer"] = {"type": "lion", "params": {**HYPER, "betas": list(HYPER["betas"])}}
     return case
@@ -110,7 +118,9 @@ def test_undeclared_states_run_in_fp32_only() -> None:
     low = dtypeplan.resolve(
         {"bf16": {"enabled": True}, "optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"}}
     )
-    with pytest.raises(dtypeplan.NotSupportedError, match="registered without its per-element states"):
+    with pytest.raises(
+        dtypeplan.NotSupportedError, match="registered without its per-element states"
+    ):
         low.build(model.parameters(), optimizer=UndeclaredLion)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RegistryError
 from dtypeplan.lion import Lion
+from dtypeplan.muon import MuonWithAuxAdamW
 from dtypeplan.resolver._frozen import FrozenDict
 
 __all__ = [
@@ -202,8 +203,9 @@ _WHOLE_TORCH = frozenset(
     found
     for found in (getattr(torch.optim, name, None) for name in ("Adafactor", "Muon"))
     if found is not None
-)
-"""The shaped ``torch.optim`` classes dtypeplan runs on whole parameters."""
+) | {MuonWithAuxAdamW}
+"""The shaped classes dtypeplan runs on whole parameters: torch's Adafactor and Muon, and
+DeepSpeed's ``"Muon"`` (``dtypeplan/muon.py``: Muon on the hidden matrices, AdamW on the rest)."""
 TORCH_OPTIMIZER_NAMES: tuple[str, ...] = tuple(
     sorted({c.__name__ for c in ELEMENTWISE} | set(_SHAPED_TORCH), key=str.lower)
 )
@@ -230,8 +232,8 @@ DEEPSPEED_ONLY: FrozenDict[str, tuple[str, str]] = FrozenDict(
 class runs: the name a config shows and why dtypeplan does not run it."""
 
 # DeepSpeed's names for torch.optim classes (lowercase), and sgd as dtypeplan read it before.
-# DeepSpeed reads "muon" as its MuonWithAuxAdam (Muon on matrices, Adam on the rest): shaped
-# either way.
+# DeepSpeed reads "muon" as its MuonWithAuxAdam (Muon on matrices, Adam on the rest): so does
+# dtypeplan (dtypeplan/muon.py); torch.optim.Muon is passed to build(optimizer=...).
 # DeepSpeed's "lion" is dtypeplan's own Lion (``dtypeplan/lion.py``), elementwise.
 _ANY_CASE = {
     "adam": "Adam",
@@ -270,7 +272,11 @@ def canonical_name(name: str) -> str:
             "it up in torch.optim); use Adam or AdamW",
             "$.optimizer.type",
         )
-    known = [*TORCH_OPTIMIZER_NAMES, Lion.__name__, *(shown for shown, _ in DEEPSPEED_ONLY.values())]
+    known = [
+        *TORCH_OPTIMIZER_NAMES,
+        Lion.__name__,
+        *(shown for shown, _ in DEEPSPEED_ONLY.values()),
+    ]
     by_lower = {k.lower(): k for k in known}
     close = difflib.get_close_matches(lower, list(by_lower), n=1, cutoff=0.6)
     hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
@@ -293,6 +299,8 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
             raise NotSupportedError(f"optimizer {name}: {reason}")
     if name == Lion.__name__:
         return Lion
+    if name == "Muon":  # DeepSpeed's "Muon": its MuonWithAuxAdam (torch.optim.Muon via build)
+        return MuonWithAuxAdamW
     found = getattr(torch.optim, name, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         raise NotSupportedError(
@@ -330,6 +338,11 @@ def shaped_reason(name: str, torch_class: type | None) -> str:
         return "each element's update depends on that element alone"
     if needs_whole(torch_class) and registered_optimizer(torch_class) is not None:
         return "registered with kind='whole': its update needs each parameter whole"
+    if torch_class is MuonWithAuxAdamW:
+        return (
+            "DeepSpeed's Muon: torch.optim.Muon orthogonalizes each hidden matrix's update "
+            "(Newton-Schulz iterations over its rows and columns), AdamW updates the rest"
+        )
     name_in_torch = torch_class.__name__
     if getattr(torch.optim, name_in_torch, None) is torch_class and name_in_torch in _SHAPED_TORCH:
         return _SHAPED_TORCH[name_in_torch]

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 import dtypeplan
-from dtypeplan.resolver._client_optimizer import client_optimizer_config
 from tests._helpers import HIDDEN, IN, OUT, make_batch, master_rel_error, mse
-
+from tests.workers.parity import client_class
 
 
 def whole_model(seed: int, bias: bool) -> torch.nn.Module:
@@ -41,16 +40,19 @@ def whole_model(seed: int, bias: bool) -> torch.nn.Module:
 
 
 def _plan(case: dict[str, Any]) -> dtypeplan.PrecisionPlan:
-    torch_class = getattr(torch.optim, case["optimizer"])
-    plan = dtypeplan.resolve(case["config"])
-    assert plan.status == "OK", plan.explain()
-    whole = plan.with_optimizer(torch_class, case["hyperparameters"])
+    """The case's plan: the config's optimizer block (``"optimizer": "config"``) or a class
+    passed in place of it (``torch.optim`` by name, or ``"module:Class"``)."""
+    config = case["config"]
+    base = dtypeplan.resolve({k: v for k, v in config.items() if k != "optimizer"})
+    assert base.status == "OK", base.explain()
+    if case["optimizer"] == "config":
+        whole = dtypeplan.resolve(config)
+    else:
+        whole = base.with_optimizer(client_class(case["optimizer"]), case["hyperparameters"])
     if whole.status == "OK":
         return whole
-    # Before the table routes whole-tensor classes (rules v2), the plan of the same cell with
-    # the class swapped in.
-    client = client_optimizer_config(torch_class, case["hyperparameters"])
-    return dataclasses.replace(plan, optimizer=client)
+    # Before the table routes whole-tensor classes (rules v2): the same cell, the class in.
+    return dataclasses.replace(base, optimizer=whole.optimizer)
 
 
 def _build(plan: dtypeplan.PrecisionPlan, model: torch.nn.Module) -> Any:
@@ -62,7 +64,12 @@ def _build(plan: dtypeplan.PrecisionPlan, model: torch.nn.Module) -> Any:
 
 
 def _train_steps(
-    model: torch.nn.Module, optimizer: Any, steps: range, case: dict[str, Any], rank: int, world: int
+    model: torch.nn.Module,
+    optimizer: Any,
+    steps: range,
+    case: dict[str, Any],
+    rank: int,
+    world: int,
 ) -> list[float]:
     micro = case["micro_batches"]
     losses = []
@@ -92,7 +99,7 @@ def _digest(model: torch.nn.Module) -> str:
 
 def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     plan = _plan(case)
-    bias = case["optimizer"] != "Muon"
+    bias = case["optimizer"] != "Muon"  # torch's Muon takes matrices only
     reference = whole_model(case.get("seed", 0), bias)
     model = plan.prepare_model(copy.deepcopy(reference))
     optimizer = _build(plan, model)
@@ -123,7 +130,9 @@ def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         )
         resumed.close()
     result["losses"] = losses
-    result["master_rel_error"] = master_rel_error(optimizer.full_state(), list(reference.parameters()))
+    result["master_rel_error"] = master_rel_error(
+        optimizer.full_state(), list(reference.parameters())
+    )
     result["balance"] = optimizer.owners.balance if optimizer.owners is not None else 1.0
     result["params_digest"] = _digest(model)
     optimizer.close()

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from dtypeplan.comm import Communicator
-from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, inner_optimizer
+from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
+from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.owners import Owners, assign_owners
 from dtypeplan.resolver import PrecisionPlan
@@ -64,7 +65,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():
             for index, param in enumerate(self.params):
                 if self._owns(index):
-                    self.masters[index] = param.detach().to(torch.float32, copy=True)
+                    master = param.detach().to(torch.float32, copy=True)
+                    if hasattr(param, "use_muon"):  # DeepSpeed's tag (dtypeplan/muon.py)
+                        master.use_muon = param.use_muon  # type: ignore[attr-defined]
+                    self.masters[index] = master
                 param.data = param.data.to(plan.param_dtype)
         number = {id(p): i for i, p in enumerate(self.params)}
         groups = [
@@ -89,6 +93,21 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         for index, param in enumerate(self.params):
             self.hooks.add(param, _accumulate_hook(this, index))
         self._take_ownership()
+
+    @classmethod
+    def prepare_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        plan: PrecisionPlan,
+        process_group: dist.ProcessGroup | None = None,
+        wrap: WrapPolicy | None = None,
+    ) -> torch.nn.Module:
+        """As the base class; for DeepSpeed's ``"Muon"`` also tag each parameter ``use_muon``
+        by its name and shape, as ``deepspeed.initialize`` does (a tag already set stays)."""
+        if plan.optimizer.torch_class is MuonWithAuxAdamW:
+            tag_muon_parameters(model, keep=True)
+        return super().prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
 
     # --- layout --------------------------------------------------------------------------------
     def _owns(self, index: int) -> bool:
@@ -171,7 +190,11 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             self._pending = self._reduce()
         sq_norm = float(self._pending[1])
         divisor = self.comm.world_size * self.loss_scale
-        return sq_norm**0.5 / divisor if sq_norm == sq_norm and sq_norm != float("inf") else float("inf")
+        return (
+            sq_norm**0.5 / divisor
+            if sq_norm == sq_norm and sq_norm != float("inf")
+            else float("inf")
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -210,7 +233,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             if index in self.masters:
                 param.data.copy_(self.masters[index])
             if self.owners is not None and self.comm.active:
-                dist.broadcast(param.data, src=self._owner_global_rank(index), group=self.comm.group)
+                dist.broadcast(
+                    param.data, src=self._owner_global_rank(index), group=self.comm.group
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.accumulators = {}
@@ -287,7 +312,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             slot = self._inner.state.get(master, {})
             payload[0] = {
                 keys.MASTER: master.detach().cpu().clone(),
-                **{n: v.detach().cpu().clone() if torch.is_tensor(v) else v for n, v in slot.items()},
+                **{
+                    n: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for n, v in slot.items()
+                },
             }
         if self.owners is not None and self.comm.active:
             dist.broadcast_object_list(
