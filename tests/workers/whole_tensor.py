@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import dtypeplan
 from tests._helpers import HIDDEN, IN, OUT, make_batch, master_rel_error, mse
@@ -93,7 +94,10 @@ def _train_steps(
 def _digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for param in model.parameters():
-        digest.update(param.detach().float().numpy().tobytes())
+        whole = param.detach()
+        if isinstance(whole, DTensor):
+            whole = whole.full_tensor()  # collective: every rank, same order
+        digest.update(whole.float().numpy().tobytes())
     return digest.hexdigest()
 
 

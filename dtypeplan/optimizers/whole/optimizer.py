@@ -12,6 +12,11 @@ parameters. Here each trainable parameter keeps its shape and its own fp32 maste
   once per step where the accumulator is whole (ZeRO-1), or at each micro-batch's backward where
   it is sharded (ZeRO-2: only the owner keeps a sum). The updated parameter is broadcast back
   from its owner in the parameter dtype.
+* ZeRO 3: FSDP2 shards the parameters (``fsdp2/``'s ``prepare_model``) and reduce-scatters each
+  micro-batch's gradient into the shards (the mean); each parameter is owned as at ZeRO 1-2,
+  with a whole fp32 master on its owner. At the step the owner gets the full gradient from the
+  shards (``sharded.py``: an all-gather), updates the whole parameter, and broadcasts it; each
+  rank copies its shard of it into FSDP2's sharded parameter.
 
 The global norm is one all-reduce of the owners' squared norms; clipping, the non-finite check
 and the step's factor are the base class's (``contract/base.py``). A parameter that got no
@@ -27,19 +32,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dtypeplan.comm import Communicator
 from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
+from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.owners import Owners, assign_owners
+from dtypeplan.optimizers.whole.sharded import full_from_shards, write_shards
 from dtypeplan.resolver import PrecisionPlan
 
 __all__ = ["WholeTensorOptimizer"]
 
 
 class WholeTensorOptimizer(MixedPrecisionOptimizer):
-    """ZeRO 0-2 for optimizers that need each parameter whole (Muon, Adafactor)."""
+    """ZeRO 0-3 for optimizers that need each parameter whole (Muon, Adafactor, DeepSpeed's
+    Muon)."""
 
     def __init__(
         self,
@@ -50,26 +59,37 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         super().__init__(params, plan=plan, process_group=process_group)
         self.comm = Communicator(process_group)
+        self.fsdp2 = plan.zero_stage == 3 and self.comm.distributed
+        """ZeRO-3: the parameters are FSDP2's shards (``sharded.py``)."""
         if self.comm.active:
             self._check_ranks_agree(self.comm)
-            self._make_replicas_equal(self.comm)
+            if not self.fsdp2:
+                self._make_replicas_equal(self.comm)
         self.params = self.trainable_parameters()
         sizes = [p.numel() for p in self.params]
         self.owners: Owners | None = (
             assign_owners(sizes, self.comm.world_size) if plan.zero_stage >= 1 else None
         )
         """Each parameter's owning rank; None at ZeRO 0 (every rank updates everything)."""
-        self.reduce_each_micro_batch = plan.accumulator_sharded and self.owners is not None
+        self.reduce_each_micro_batch = (
+            plan.accumulator_sharded and self.owners is not None and not self.fsdp2
+        )
+        # What the summed gradients are still to be divided by: FSDP2 averaged them already.
+        self.divisor = 1 if self.fsdp2 else self.comm.world_size
         self.masters: dict[int, torch.Tensor] = {}
         """The fp32 master of each parameter this rank owns, by its number."""
         with torch.no_grad():
             for index, param in enumerate(self.params):
+                whole = param.detach()
+                if self.fsdp2:  # every rank takes part in the gather; the owner keeps it
+                    whole = full_from_shards(param, param.to_local().detach())
                 if self._owns(index):
-                    master = param.detach().to(torch.float32, copy=True)
+                    master = whole.to(torch.float32, copy=True)
                     if hasattr(param, "use_muon"):  # DeepSpeed's tag (dtypeplan/muon.py)
                         master.use_muon = param.use_muon  # type: ignore[attr-defined]
                     self.masters[index] = master
-                param.data = param.data.to(plan.param_dtype)
+                if not self.fsdp2:  # ZeRO-3 keeps the sharded parameters in fp32
+                    param.data = param.data.to(plan.param_dtype)
         number = {id(p): i for i, p in enumerate(self.params)}
         groups = [
             {
@@ -107,6 +127,11 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         by its name and shape, as ``deepspeed.initialize`` does (a tag already set stays)."""
         if plan.optimizer.torch_class is MuonWithAuxAdamW:
             tag_muon_parameters(model, keep=True)
+        if plan.zero_stage == 3 and dist.is_available() and dist.is_initialized():
+            # ZeRO-3: sharded by FSDP2 as the fsdp2 implementation shards it.
+            return FSDP2Optimizer.prepare_model(
+                model, plan=plan, process_group=process_group, wrap=wrap
+            )
         return super().prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
 
     # --- layout --------------------------------------------------------------------------------
@@ -130,6 +155,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         if grad is None:
             return
         self.touched.add(index)
+        if isinstance(grad, DTensor):  # ZeRO-3: FSDP2's reduced shard
+            grad = grad.to_local()
         if self.reduce_each_micro_batch:
             wire = self._reduce_to_owner(index, grad)
             if wire is None:
@@ -168,6 +195,12 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 elif self._owns(index):
                     grads[index] = torch.zeros_like(param, dtype=torch.float32)
                 continue
+            if self.fsdp2:
+                local = summed if summed is not None else torch.zeros_like(param.to_local())
+                whole = full_from_shards(param, local.detach())
+                if self._owns(index):
+                    grads[index] = whole.float()
+                continue
             local = summed if summed is not None else torch.zeros_like(param)
             if self.owners is None:
                 wire = local.to(self.plan.comm_dtype, copy=True)
@@ -183,13 +216,13 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             sq_norm += grad.pow(2).sum()
         if self.owners is not None and self.comm.active:
             dist.all_reduce(sq_norm, group=self.comm.group)
-        return grads, self._across_pipeline(sq_norm, self.comm.world_size * self.loss_scale)
+        return grads, self._across_pipeline(sq_norm, self.divisor * self.loss_scale)
 
     def _prepare_grad_norm(self) -> float:
         if self._pending is None:
             self._pending = self._reduce()
         sq_norm = float(self._pending[1])
-        divisor = self.comm.world_size * self.loss_scale
+        divisor = self.divisor * self.loss_scale
         return (
             sq_norm**0.5 / divisor
             if sq_norm == sq_norm and sq_norm != float("inf")
@@ -207,7 +240,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         self._sync_hyperparameters()
         grads, sq_norm = self._pending if self._pending is not None else self._reduce()
         self._pending = None
-        factors = self._check_and_clip(sq_norm, self.comm.world_size * self.loss_scale)
+        factors = self._check_and_clip(sq_norm, self.divisor * self.loss_scale)
         if factors is not None:
             factor = factors[0]
             for index, master in self.masters.items():
@@ -230,6 +263,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     def _write_parameters(self) -> None:
         """Each master into its parameter, broadcast from its owner in the parameter dtype."""
         for index, param in enumerate(self.params):
+            if self.fsdp2:
+                source = self._owner_global_rank(index)
+                write_shards(param, self.masters.get(index), source, self.comm.group)
+                continue
             if index in self.masters:
                 param.data.copy_(self.masters[index])
             if self.owners is not None and self.comm.active:
@@ -257,7 +294,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             if torch.is_tensor(value)
         )
         return HeldTensors(
-            params=tuple(p.data for p in self.params),
+            params=tuple(p.to_local() if isinstance(p, DTensor) else p.data for p in self.params),
             grads=tuple(p.grad for p in self.params if p.grad is not None),
             accumulator=tuple(self.accumulators.values()),
             master=tuple(self.masters.values()),
