@@ -137,6 +137,11 @@ def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     result["master_rel_error"] = master_rel_error(
         optimizer.full_state(), list(reference.parameters())
     )
+    held = optimizer.held_tensors()
+    result["master_dtypes"] = sorted({str(t.dtype) for t in held.master})
+    result["state_dtypes"] = sorted(
+        {str(t.dtype) for t in held.optimizer_states if t.dim() > 0 and t.is_floating_point()}
+    )
     result["balance"] = optimizer.owners.balance if optimizer.owners is not None else 1.0
     result["params_digest"] = _digest(model)
     optimizer.close()

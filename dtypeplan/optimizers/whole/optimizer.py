@@ -39,6 +39,7 @@ from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.state import HeldTensors, keys
+from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
 from dtypeplan.optimizers.whole.owners import Owners, assign_owners
 from dtypeplan.optimizers.whole.sharded import full_from_shards, write_shards
 from dtypeplan.resolver import PrecisionPlan
@@ -77,14 +78,14 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         # What the summed gradients are still to be divided by: FSDP2 averaged them already.
         self.divisor = 1 if self.fsdp2 else self.comm.world_size
         self.masters: dict[int, torch.Tensor] = {}
-        """The fp32 master of each parameter this rank owns, by its number."""
+        """The master of each parameter this rank owns, by its number (``master_dtype``)."""
         with torch.no_grad():
             for index, param in enumerate(self.params):
                 whole = param.detach()
                 if self.fsdp2:  # every rank takes part in the gather; the owner keeps it
                     whole = full_from_shards(param, param.to_local().detach())
                 if self._owns(index):
-                    master = whole.to(torch.float32, copy=True)
+                    master = whole.to(plan.master_dtype, copy=True)
                     if hasattr(param, "use_muon"):  # DeepSpeed's tag (dtypeplan/muon.py)
                         master.use_muon = param.use_muon  # type: ignore[attr-defined]
                     self.masters[index] = master
@@ -103,6 +104,15 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             for group in self.param_groups
         ]
         self._inner = inner_optimizer(plan, groups, fused=False)
+        self.low_precision: WholeLowPrecisionStep | None = None
+        """bf16 masters or bf16 states: each step in fp32 on upcast copies."""
+        if plan.master_dtype != torch.float32 or plan.optimizer_states != "fp32":
+            self.low_precision = WholeLowPrecisionStep(
+                plan.optimizer.torch_class,
+                rounding=plan.master_rounding,
+                exp_avg_dtype=plan.exp_avg_dtype,
+                exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
+            )
         self.accumulators: dict[int, torch.Tensor] = {}
         """Each parameter's sum of micro-batch gradients in ``grad_accum_dtype`` since
         ``zero_grad`` (ZeRO-2: reduced already, on the owner only)."""
@@ -243,16 +253,35 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         factors = self._check_and_clip(sq_norm, self.divisor * self.loss_scale)
         if factors is not None:
             factor = factors[0]
-            for index, master in self.masters.items():
-                grad = grads.get(index)
-                master.grad = None if grad is None else grad.mul_(factor)
-            self._inner.step()
-            for master in self.masters.values():
-                master.grad = None
+            if self.low_precision is not None:
+                self._step_low_precision(grads, factor)
+            else:
+                for index, master in self.masters.items():
+                    grad = grads.get(index)
+                    master.grad = None if grad is None else grad.mul_(factor)
+                self._inner.step()
+                for master in self.masters.values():
+                    master.grad = None
             self.scaler.update(overflow=False)
             self._write_parameters()
         self.zero_grad()
         return loss
+
+    def _step_low_precision(self, grads: dict[int, torch.Tensor], factor: torch.Tensor) -> None:
+        """Each owned parameter with a gradient, stepped in fp32 and stored back in its
+        dtypes (``low_precision.py``)."""
+        assert self.low_precision is not None
+        number = {id(master): index for index, master in self.masters.items()}
+        for group in self._inner.param_groups:
+            for master in group["params"]:
+                index = number[id(master)]
+                grad = grads.get(index)
+                if grad is None:
+                    continue  # torch.optim skips a parameter without a gradient
+                state = self._inner.state.get(master, {})
+                self._inner.state[master] = self.low_precision.step(
+                    group, master, grad.mul_(factor), state, index
+                )
 
     def _sync_hyperparameters(self) -> None:
         """The param groups' hyperparameters (an LR scheduler's) into the inner groups."""
@@ -347,8 +376,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         if index in self.masters:
             master = self.masters[index]
             slot = self._inner.state.get(master, {})
+            compensation = slot.get(keys.KAHAN_COMPENSATION)
+            values = master.float() if compensation is None else master.float() + compensation
             payload[0] = {
-                keys.MASTER: master.detach().cpu().clone(),
+                keys.MASTER: values.detach().cpu().clone(),
                 **{
                     n: v.detach().cpu().clone() if torch.is_tensor(v) else v
                     for n, v in slot.items()
@@ -381,7 +412,11 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 name = key[len(prefix) :]
                 if name == keys.MASTER:
                     master.copy_(value)
-                else:
+                    if self.plan.master_rounding == "kahan" and master.dtype != torch.float32:
+                        # The fp32 value split into the bf16 weight and its compensation.
+                        error = torch.as_tensor(value).to(master.device) - master.float()
+                        slot[keys.KAHAN_COMPENSATION] = error.to(master.dtype)
+                elif name != keys.KAHAN_COMPENSATION:
                     slot[name] = torch.as_tensor(value).to(master.device).clone()
         self._load_scalar_state(dict(state))
         self._write_parameters()
