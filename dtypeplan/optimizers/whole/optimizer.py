@@ -83,7 +83,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             for index, param in enumerate(self.params):
                 whole = param.detach()
                 if self.fsdp2:  # every rank takes part in the gather; the owner keeps it
-                    whole = full_from_shards(param, param.to_local().detach())
+                    whole = full_from_shards(param, _local(param))
                 if self._owns(index):
                     master = whole.to(plan.master_dtype, copy=True)
                     if hasattr(param, "use_muon"):  # DeepSpeed's tag (dtypeplan/muon.py)
@@ -151,7 +151,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     def _owner_global_rank(self, index: int) -> int:
         assert self.owners is not None
         owner = self.owners.ranks[index]
-        return dist.get_global_rank(self.comm.group, owner) if self.comm.distributed else owner
+        if not self.comm.distributed or self.comm.group is None:
+            return owner
+        return dist.get_global_rank(self.comm.group, owner)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -206,7 +208,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                     grads[index] = torch.zeros_like(param, dtype=torch.float32)
                 continue
             if self.fsdp2:
-                local = summed if summed is not None else torch.zeros_like(param.to_local())
+                local = summed if summed is not None else torch.zeros_like(_local(param))
                 whole = full_from_shards(param, local.detach())
                 if self._owns(index):
                     grads[index] = whole.float()
@@ -411,7 +413,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                     continue
                 name = key[len(prefix) :]
                 if name == keys.MASTER:
-                    master.copy_(value)
+                    master.copy_(torch.as_tensor(value))
                     if self.plan.master_rounding == "kahan" and master.dtype != torch.float32:
                         # The fp32 value split into the bf16 weight and its compensation.
                         error = torch.as_tensor(value).to(master.device) - master.float()
@@ -420,6 +422,12 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                     slot[name] = torch.as_tensor(value).to(master.device).clone()
         self._load_scalar_state(dict(state))
         self._write_parameters()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ZeRO-3 parameter (FSDP2's DTensor), detached."""
+    assert isinstance(param, DTensor)
+    return param.to_local().detach()
 
 
 def _accumulate_hook(

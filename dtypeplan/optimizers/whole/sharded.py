@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 __all__ = ["full_from_shards", "write_shards"]
 
 
-def full_from_shards(param: DTensor, local: torch.Tensor) -> torch.Tensor:
-    """The whole tensor whose shard on this rank is ``local``, laid out as ``param`` (collective
-    over ``param``'s mesh)."""
+def full_from_shards(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor whose shard on this rank is ``local``, laid out as ``param`` (a DTensor;
+    collective over its mesh)."""
+    assert isinstance(param, DTensor), "ZeRO-3 parameters are FSDP2's DTensors"
     sharded = DTensor.from_local(
         local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
     )
@@ -28,10 +29,11 @@ def full_from_shards(param: DTensor, local: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def write_shards(
-    param: DTensor, whole: torch.Tensor | None, src: int, group: dist.ProcessGroup | None
+    param: torch.Tensor, whole: torch.Tensor | None, src: int, group: dist.ProcessGroup | None
 ) -> None:
     """Broadcast ``whole`` (on global rank ``src``; None elsewhere) and copy this rank's shard
-    of it into ``param``'s local shard."""
+    of it into ``param``'s local shard (``param``: a DTensor)."""
+    assert isinstance(param, DTensor), "ZeRO-3 parameters are FSDP2's DTensors"
     local = param.to_local().detach()
     if whole is None:
         whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
