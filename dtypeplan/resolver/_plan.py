@@ -4,10 +4,11 @@ The plan holds effective values only (``check_nonfinite`` is True under fp16, wh
 checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
 derivation; the text of ``explain()`` is written by ``_explain.py``. It imports nothing of
 ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model`
-call the builder that ``dtypeplan/__init__.py`` installs with :func:`install_builder`
+call the builder that ``dtypeplan/_api.py`` installs with :func:`install_builder`
 (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as torchtitan's
-``build_optimizers``). Imports so run one way, optimizers -> resolver, and the package root,
-which imports both, is the one place the two layers are joined.
+``build_optimizers``). Imports so run one way, optimizers -> resolver, and ``_api.py``, which
+imports both, is the one place the two layers are joined; a plan that builds before anything
+imported it (a plan unpickled on a spawned rank) loads it by name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -85,15 +87,21 @@ _builder: _Builder | None = None
 def install_builder(*, build_optimizer: _BuildOptimizer, prepare_model: _PrepareModel) -> None:
     """Set what :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model` call.
 
-    ``dtypeplan/__init__.py`` installs ``dtypeplan.optimizers``'s builder; importing any part
-    of the package runs it first, so a plan can always build.
+    ``dtypeplan/_api.py`` installs ``dtypeplan.optimizers``'s builder when it is imported
+    (``dtypeplan.resolve`` and ``dtypeplan.load_rules`` import it); :func:`_installed` imports
+    it where nothing did, so a plan can always build.
     """
     global _builder
     _builder = _Builder(build_optimizer=build_optimizer, prepare_model=prepare_model)
 
 
 def _installed() -> _Builder:
-    assert _builder is not None, "dtypeplan/__init__.py installs the optimizer builder"
+    """The installed builder, importing ``dtypeplan._api`` (which installs it) where nothing
+    has: a rank that received its plan pickled may never have touched ``dtypeplan.resolve``.
+    Loaded by name, so that the resolver holds no import of the optimizers' side."""
+    if _builder is None:
+        importlib.import_module("dtypeplan._api")
+    assert _builder is not None, "importing dtypeplan._api installs the optimizer builder"
     return _builder
 
 
