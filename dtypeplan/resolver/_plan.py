@@ -2,7 +2,10 @@
 
 The plan holds effective values only (``check_nonfinite`` is True under fp16, which always
 checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
-derivation; the text of ``explain()`` is written by ``_explain.py``. It imports nothing of
+derivation; the text of ``explain()`` is written by ``_explain.py``. The table's dimensions are
+held once, as the point (:attr:`PrecisionPlan.point`); each dimension's record
+(``_dimensions.py``) names the plan attributes derived from its value (``param_dtype``,
+``master_dtype``, ``offload_optimizer``, ...), which are generated here. It imports nothing of
 ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model`
 call the builder that ``dtypeplan/_api.py`` installs with :func:`install_builder`
 (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as torchtitan's
