@@ -10,6 +10,7 @@ and the pages); only the rules that decide its values would remain to write.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -72,6 +73,14 @@ def test_the_plan_derives_each_attribute_from_its_point() -> None:
             assert data[key] == expected, name
     assert data["master_dtype"] == "bf16" and data["param_dtype"] == "bf16"
     assert plan.origins["master_dtype"].startswith("config: master_weights")
+
+
+def test_no_derived_attribute_shadows_the_plan() -> None:
+    """A record's attribute named as a field or method of the plan would hide it (the
+    ``optimizer`` dimension's value is ``optimizer_kind``: ``optimizer`` is the config's)."""
+    own = {f.name for f in dataclasses.fields(_plan.PrecisionPlan)} | set(vars(_plan.PrecisionPlan))
+    assert not set(_plan.ATTRIBUTES) & own
+    assert len(_plan.ATTRIBUTES) == sum(len(d.attributes) for d in DIMENSIONS.values())
 
 
 def _declared() -> dict[str, str]:
