@@ -76,6 +76,10 @@ _ZERO3_CELLS = [
     {**_ZERO3, "shard_groups": "flat", "hierarchical_partitioning": True, "pipeline": False,
      "state_kind": "*"},
 ]
+# offload_optimizer alone: fp32 masters and states on the host, the device shards fp32.
+_ZERO3_OFFLOAD_OPTIMIZER = {
+    **_ZERO3, "offload_optimizer": "cpu", "pipeline": False, "state_kind": "*"
+}
 _ZERO3_FLAT = {**_ZERO3, "shard_groups": "flat"}
 _ZERO3_FP8 = [
     *with_fp8(_each(_NO_AUTOCAST, **_ZERO3_FLAT), **_FP8_WEIGHTS_IN_PARAM_DTYPE),
@@ -97,14 +101,14 @@ SHARDED: list[Box] = [
     # ZeRO-3's plan in one process (no group to shard over): the flat sharded engine.
     *_ZERO3_CELLS,
     *_ZERO3_FP8,
+    _ZERO3_OFFLOAD_OPTIMIZER,
 ]
 """ZeRO-1/2 (``flat/``), and ZeRO-3's plan without a process group."""
 
 FSDP2: list[Box] = [
     *_ZERO3_CELLS,
     *_ZERO3_FP8,
-    # offload_optimizer alone: fp32 masters and states on the host, the device shards fp32.
-    {**_ZERO3, "offload_optimizer": "cpu", "pipeline": False, "state_kind": "*"},
+    _ZERO3_OFFLOAD_OPTIMIZER,
     # offload_param too (FSDP2's CPUOffloadPolicy): the shards, gradients and states on the host.
     *_each(_NO_AUTOCAST, **_ZERO3, offload_optimizer="cpu", offload_param="cpu", pipeline=False),
 ]
