@@ -31,7 +31,11 @@ from dtypeplan.optimizers.contract.model import (
     restore_cast_values,
 )
 from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
-from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
+from dtypeplan.optimizers.contract.param_groups import (
+    IMPLEMENTATION_SWITCHES,
+    checked_param_groups,
+    refuse_sharded_parameters,
+)
 from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
@@ -164,6 +168,10 @@ class MixedPrecisionOptimizer(OptimizerState):
     ``_check_open("step()")`` first in :meth:`step`.
     """
 
+    takes_sharded_parameters = False
+    """Whether the class is built on parameters FSDP2 sharded (DTensors); the others refuse
+    them (``contract/param_groups.py``)."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -173,6 +181,8 @@ class MixedPrecisionOptimizer(OptimizerState):
     ) -> None:
         groups = checked_param_groups(params, plan)
         super().__init__(groups, hyperparameter_defaults(plan))
+        if not self.takes_sharded_parameters:
+            refuse_sharded_parameters(self.param_groups, plan, type(self).__name__)
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
