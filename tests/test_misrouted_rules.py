@@ -20,7 +20,9 @@ def _zero3_to_sharded(tmp_path: Path) -> Path:
     rule = text.index("  - id: zero3\n")
     at = text.index("implementation: fsdp2", rule)
     path = tmp_path / "misrouted.yaml"
-    path.write_text(text[:at] + "implementation: sharded" + text[at + len("implementation: fsdp2") :])
+    path.write_text(
+        text[:at] + "implementation: sharded" + text[at + len("implementation: fsdp2") :]
+    )
     return path
 
 

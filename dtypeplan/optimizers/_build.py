@@ -33,8 +33,8 @@ from dtypeplan.optimizers.contract import (
 )
 from dtypeplan.optimizers.grads import (
     PipelineLink,
-    pipeline_group_of,
     note_stages,
+    pipeline_group_of,
     remember,
     remembered,
     schedule_refusal,

@@ -206,7 +206,9 @@ class MixedPrecisionOptimizer(OptimizerState):
         distributed = dist.is_available() and dist.is_initialized()
         ranks = dist.get_world_size(process_group) if distributed else 1
         self.accumulation = backward_passes_per_step(
-            plan, plan.accumulation_steps(ranks), [p for g in self.param_groups for p in g["params"]]
+            plan,
+            plan.accumulation_steps(ranks),
+            [p for g in self.param_groups for p in g["params"]],
         )
         """Backward passes per step where known (``gradient_accumulation_steps``, or DeepSpeed's
         batch arithmetic on this group's ranks; under a pipeline times this rank's stage

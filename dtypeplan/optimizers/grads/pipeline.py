@@ -235,9 +235,7 @@ def unannounced_pipeline(
     mine = {id(p) for p in params}
     stage_class = stage_module._PipelineStageBase
     for obj in gc.get_objects():
-        if isinstance(obj, stage_class) and any(
-            id(p) in mine for p in obj.submod.parameters()
-        ):
+        if isinstance(obj, stage_class) and any(id(p) in mine for p in obj.submod.parameters()):
             return (
                 f"{call}: this optimizer's parameters are those of pipeline stage "
                 f"{obj.stage_index} (a torch.distributed.pipelining stage), but the plan was "
