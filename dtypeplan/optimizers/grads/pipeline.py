@@ -60,8 +60,8 @@ __all__ = [
     "pipeline_group_of",
     "remember",
     "remembered",
-    "stage_local_refusal",
     "schedule_refusal",
+    "stage_local_refusal",
     "stage_modules_on_rank",
     "unannounced_pipeline",
 ]
