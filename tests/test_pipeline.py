@@ -518,12 +518,18 @@ def _pipeline_edge_cases() -> list[dict]:
     ]
 
 
-def test_pipeline_edges_pp2() -> None:
-    cases = _pipeline_edge_cases()
-    # A short group timeout: a rank that raises inside the schedule leaves the other waiting.
+def _run_edge_cases(cases: list[dict]) -> list[dict[str, dict]]:
+    """Per rank, the results by case name. A short group timeout: a rank that raises inside
+    the schedule leaves the other waiting."""
     per_rank = spawn(run_pipeline_cases, 2, cases, 2, timeout_s=400, group_timeout_s=60)
-    for results in per_rank:
-        by_name = {r["name"]: r for r in results}
+    return [{r["name"]: r for r in results} for results in per_rank]
+
+
+def test_interleaved_schedule_counts_each_stage_modules_backward_pp2() -> None:
+    """Before: the rank's 4th backward (of 8) was taken for the last, the 5th raised inside
+    the schedule on one rank and the other waited until the group's timeout."""
+    cases = _pipeline_edge_cases()[:6]
+    for by_name in _run_edge_cases(cases):
         for case in cases[:5]:
             result = by_name[case["name"]]
             assert "error" not in result, result.get("error")
@@ -536,11 +542,18 @@ def test_pipeline_edges_pp2() -> None:
             assert result["backward_passes_per_step"] == 8, result
         error = by_name[cases[5]["name"]]["error"]
         assert "OptimizerUsageError" in error and "n_microbatches 4" in error, error
-        for case in cases[6:8]:
-            error = by_name[case["name"]]["error"]
+
+
+def test_pipeline_without_pipeline_parallel_and_default_scale_grads_pp2() -> None:
+    """Before: the unannounced pipelines trained, each stage clipping by its own norm (fp16:
+    deciding its overflow alone); scale_grads=True got the clip_grad_norm_ message."""
+    cases = _pipeline_edge_cases()[6:]
+    for by_name in _run_edge_cases(cases):
+        for case in cases[:2]:
+            error = by_name[case["name"]].get("error", "trained")
             assert "OptimizerUsageError" in error, error
             assert "pipeline_parallel=True" in error and "pipeline_group" in error, error
-        assert "build: " in by_name[cases[6]["name"]]["error"]
-        assert "step(): " in by_name[cases[7]["name"]]["error"]
-        error = by_name[cases[8]["name"]]["error"]
+        assert "build: " in by_name[cases[0]["name"]]["error"]
+        assert "step(): " in by_name[cases[1]["name"]]["error"]
+        error = by_name[cases[2]["name"]]["error"]
         assert "scale_grads=False" in error, error

@@ -30,6 +30,7 @@ parameters right before the unit's next reduce-scatter.
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ SCALE_GRADS_MESSAGE = (
 def _in_pipeline_scale_grads() -> bool:
     """Whether the operation comes from a pipelining stage's ``scale_grads`` (the schedule
     calls it from Python, so its frame is on this thread's stack)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "scale_grads" and "pipelining" in code.co_filename:
