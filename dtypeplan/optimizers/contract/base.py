@@ -219,10 +219,11 @@ class MixedPrecisionOptimizer(OptimizerState):
             warnings.warn(mismatch, UserWarning, stacklevel=user_stacklevel())
         self.scaler = LossScaler(plan.loss_scaling)
         self.pipeline: PipelineLink | None = None
-        self._looked_for_stages = False
         """The other pipeline stages (``build(pipeline_group=...)``): the step's squared norm
         is summed over them too (``grads/pipeline.py``). None: this optimizer's group holds the
         whole model."""
+        self._looked_for_stages = False
+        """Whether the first step looked for a pipeline stage of a plan without one."""
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
         self.hooks.finalize_with(self)
