@@ -31,11 +31,20 @@ from dtypeplan.optimizers.contract.model import (
     restore_cast_values,
 )
 from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
-from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
+from dtypeplan.optimizers.contract.param_groups import (
+    IMPLEMENTATION_SWITCHES,
+    checked_param_groups,
+    refuse_sharded_parameters,
+)
 from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
-from dtypeplan.optimizers.grads.pipeline import PipelineLink, stage_local_refusal
+from dtypeplan.optimizers.grads.pipeline import (
+    PipelineLink,
+    backward_passes_per_step,
+    stage_local_refusal,
+    unannounced_pipeline,
+)
 from dtypeplan.optimizers.kernels.torch_adam import unit_factor
 from dtypeplan.optimizers.state.held import HeldTensors
 
@@ -159,6 +168,10 @@ class MixedPrecisionOptimizer(OptimizerState):
     ``_check_open("step()")`` first in :meth:`step`.
     """
 
+    takes_sharded_parameters = False
+    """Whether the class is built on parameters FSDP2 sharded (DTensors); the others refuse
+    them (``contract/param_groups.py``)."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -168,6 +181,8 @@ class MixedPrecisionOptimizer(OptimizerState):
     ) -> None:
         groups = checked_param_groups(params, plan)
         super().__init__(groups, hyperparameter_defaults(plan))
+        if not self.takes_sharded_parameters:
+            refuse_sharded_parameters(self.param_groups, plan, type(self).__name__)
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
@@ -190,10 +205,15 @@ class MixedPrecisionOptimizer(OptimizerState):
         self.check_nonfinite = plan.check_nonfinite
         distributed = dist.is_available() and dist.is_initialized()
         ranks = dist.get_world_size(process_group) if distributed else 1
-        self.accumulation = plan.accumulation_steps(ranks)
-        """Micro-batches per step where known (``gradient_accumulation_steps``, or DeepSpeed's
-        batch arithmetic on this group's ranks): the flat engine counts backward passes and
-        treats the last one as the boundary."""
+        self.accumulation = backward_passes_per_step(
+            plan,
+            plan.accumulation_steps(ranks),
+            [p for g in self.param_groups for p in g["params"]],
+        )
+        """Backward passes per step where known (``gradient_accumulation_steps``, or DeepSpeed's
+        batch arithmetic on this group's ranks; under a pipeline times this rank's stage
+        modules): the flat engine counts backward passes and treats the last one as the
+        boundary."""
         mismatch = plan.batch_size_mismatch(ranks)
         if mismatch is not None:
             warnings.warn(mismatch, UserWarning, stacklevel=user_stacklevel())
@@ -202,6 +222,8 @@ class MixedPrecisionOptimizer(OptimizerState):
         """The other pipeline stages (``build(pipeline_group=...)``): the step's squared norm
         is summed over them too (``grads/pipeline.py``). None: this optimizer's group holds the
         whole model."""
+        self._looked_for_stages = False
+        """Whether the first step looked for a pipeline stage of a plan without one."""
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
         self.hooks.finalize_with(self)
@@ -373,11 +395,21 @@ class MixedPrecisionOptimizer(OptimizerState):
             reason = stage_local_refusal(self.plan, self.process_group, call)
             if reason is not None:
                 raise NotSupportedError(reason)
+            params = [p for g in self.param_groups for p in g["params"]]
+            unannounced = unannounced_pipeline(self.plan, self.process_group, params, call)
+            if unannounced is not None:
+                raise OptimizerUsageError(unannounced)
 
     def _across_pipeline(self, sq_norm: torch.Tensor, divisor: float) -> torch.Tensor:
         """The step's squared norm over the whole model: summed over the other pipeline
-        stages where there are any (``sq_norm`` and the result scaled by ``divisor``)."""
+        stages where there are any (``sq_norm`` and the result scaled by ``divisor``).
+
+        Without them, the first step looks once for a pipeline stage built after the
+        optimizer (``grads/pipeline.py``): every rank raises there alike."""
         if self.pipeline is None:
+            if not self._looked_for_stages:
+                self._looked_for_stages = True
+                self._refuse_stage_local("step()")
             return sq_norm
         return self.pipeline.whole_model_sq_norm(sq_norm, divisor)
 

@@ -135,6 +135,8 @@ def _sharded(tensor: torch.Tensor | None) -> DTensor:
 class FSDP2Optimizer(FSDP2State):
     """ZeRO-3: master weights, gradients and optimizer states sharded, on FSDP2."""
 
+    takes_sharded_parameters = True
+
     @classmethod
     def prepare_model(
         cls,
