@@ -5,9 +5,10 @@ dtypeplan at ZeRO-3 (each rank its share of the batch) and through plain fp32 ``
 a copy of the model, one process, on the whole batch (replicated: the reference runs on every
 rank and nothing of it is communicated). Operations:
 
-``("train", k)``      forward and ``loss.backward()`` on batch ``k`` (``opt.backward`` under fp16)
+``("train", k)``      forward and ``loss.backward()`` on batch ``k`` (``opt.backward`` under fp16);
+                      the loss (mean over ranks) is recorded
 ``("eval", k)``       a forward under ``torch.no_grad()`` (its output is recorded; the
-                      reference's from a copy in the parameter dtype)
+                      reference's from a copy in the parameter dtype, each rank's rows apart)
 ``("clip", c)``       ``opt.clip_grad_norm_(c)`` / ``torch.nn.utils.clip_grad_norm_``
 ``("step",)``         ``opt.step()`` (the reference clips by ``gradient_clipping`` first)
 ``("zero_grad",)``    ``opt.zero_grad()`` / ``ref_opt.zero_grad()``
@@ -18,7 +19,8 @@ rank and nothing of it is communicated). Operations:
 ``("load_model", n)`` ``model.load_state_dict`` of snapshot ``n`` (the weights only)
 ``("write", f)``      every weight multiplied by ``f`` under ``torch.no_grad()`` (a user's write,
                       an EMA swap)
-``("grads",)``        record ``.grad`` (dtypeplan: gathered), readable with an fp32 accumulator
+``("grads",)``        record ``.grad`` (dtypeplan: gathered) where it is readable (an fp32
+                      accumulator; a 16-bit one leaves a placeholder there)
 
 At the end, and at every ``eval``, the outputs and weights are compared by the test.
 """
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 import dtypeplan
 from dtypeplan import checkpoint
+from dtypeplan.errors import OptimizerUsageError
 
 WIDTH = 32
 """In and out features of every layer: a multiple of 16, so fp8 converts every linear."""
@@ -57,7 +60,9 @@ class RootScaled(torch.nn.Module):
         self.logit_scale = torch.nn.Parameter(torch.tensor(0.1))
         with torch.no_grad():
             for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                # bf16 values: the fp8 scale of a weight is then the same from the fp32
+                # shards as from a bf16 copy (the reference's), and so is every fp8 value.
+                param.copy_((torch.randn(param.shape, generator=generator) * scale).bfloat16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -112,7 +117,9 @@ def run_program(
     shared = [directory]
     dist.broadcast_object_list(shared)
     saved: dict[str, dict[str, Any]] = {}
-    record: dict[str, Any] = {"evals": [], "ref_evals": [], "grads": [], "ref_grads": []}
+    record: dict[str, Any] = {
+        key: [] for key in ("evals", "ref_evals", "grads", "ref_grads", "losses", "ref_losses")
+    }
     rows = slice(rank * BATCH, (rank + 1) * BATCH)
     for op, *args in program:
         if op == "train":
@@ -122,18 +129,25 @@ def run_program(
                 opt.backward(loss)
             else:
                 loss.backward()
-            _loss(reference, x, y).backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            record["losses"].append(float(total) / world)
+            ref_loss = _loss(reference, x, y)
+            ref_loss.backward()
+            record["ref_losses"].append(float(ref_loss.detach()))
         elif op == "eval":
             x, _ = batch(args[0], world * BATCH)
             with torch.no_grad():
-                dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+                dtype = plan.param_dtype
                 mine = model(x[rows].to(dtype)).float()
                 out = torch.empty(world * BATCH, WIDTH)
                 dist.all_gather_into_tensor(out, mine.contiguous())
                 record["evals"].append(out)
-                # In the parameter dtype, as dtypeplan's forward: what remains is the shards'.
+                # In the parameter dtype and rank by rank, as dtypeplan's forward (fp8 scales
+                # each input by its own maximum): what remains is the weights'.
                 copy_ = copy.deepcopy(reference).to(dtype)
-                record["ref_evals"].append(copy_(x.to(dtype)).float())
+                parts = [copy_(part.to(dtype)).float() for part in x.chunk(world)]
+                record["ref_evals"].append(torch.cat(parts))
         elif op == "clip":
             opt.clip_grad_norm_(args[0])
             torch.nn.utils.clip_grad_norm_(reference.parameters(), args[0])
@@ -175,7 +189,11 @@ def run_program(
                 for param in reference.parameters():
                     param.mul_(args[0])
         elif op == "grads":
-            record["grads"].append([_full(p.grad) for p in model.parameters()])
+            try:
+                grads = [_full(p.grad) for p in model.parameters()]
+            except OptimizerUsageError:
+                continue  # a 16-bit accumulator's placeholder: nothing to read in .grad
+            record["grads"].append(grads)
             record["ref_grads"].append([p.grad.detach().clone() for p in reference.parameters()])
         else:
             raise ValueError(f"unknown operation {op}")
