@@ -184,13 +184,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
+    """Every case's result on rank 0 (a case that raised reports its traceback)."""
     names = list(CASES)
     per_rank = spawn(run_programs, 2, [CASES[n] for n in names], timeout_s=900)
-    out = {}
-    for name, result in zip(names, per_rank[0], strict=True):
-        assert result["ok"], f"{name}: {result['trace']}"
-        out[name] = result["value"]
-    return out
+    return dict(zip(names, per_rank[0], strict=True))
+
+
+def _value(results: dict[str, Any], name: str) -> dict[str, Any]:
+    result = results[name]
+    assert result["ok"], f"{name}: {result['trace']}"
+    value: dict[str, Any] = result["value"]
+    return value
 
 
 def _weights_off(value: dict[str, Any]) -> float:
@@ -203,7 +207,7 @@ def _evals_off(value: dict[str, Any]) -> list[float]:
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("root")])
 def test_a_no_grad_forward_leaves_no_stale_root(results: dict[str, Any], name: str) -> None:
-    value = results[name]
+    value = _value(results, name)
     assert _weights_off(value) < FP32_RTOL, name
     assert max(_evals_off(value)) < FP32_RTOL, (name, _evals_off(value))
     for loss, ref in zip(value["losses"], value["ref_losses"], strict=True):
@@ -214,7 +218,7 @@ def test_a_no_grad_forward_leaves_no_stale_root(results: dict[str, Any], name: s
 def test_fp8_scales_follow_weights_changed_outside_step(
     results: dict[str, Any], name: str
 ) -> None:
-    evals = _evals_off(results[name])
+    evals = _evals_off(_value(results, name))
     assert len(evals) >= 2 and max(evals) < EVAL_RTOL, (name, evals)
 
 
@@ -222,7 +226,7 @@ def test_fp8_scales_follow_weights_changed_outside_step(
 def test_the_kept_gradient_is_torchs_on_every_update_path(
     results: dict[str, Any], name: str
 ) -> None:
-    value = results[name]
+    value = _value(results, name)
     fp32 = "fused" in name or "host" in name
     bound = FP32_RTOL if fp32 else LOW_PRECISION_MASTER_RTOL
     assert _weights_off(value) < bound, (name, _weights_off(value))
@@ -235,8 +239,8 @@ def test_the_kept_gradient_is_torchs_on_every_update_path(
 
 
 def test_fp8_all_gather_trains_with_bf16_master_weights(results: dict[str, Any]) -> None:
-    fp8_gather = results["fp8: bf16 masters, fp8 gather"]
-    bf16_gather = results["fp8: bf16 masters, bf16 gather"]
+    fp8_gather = _value(results, "fp8: bf16 masters, fp8 gather")
+    bf16_gather = _value(results, "fp8: bf16 masters, bf16 gather")
     # A bf16 master gathered in bf16 and cast with the whole weight's scale in the forward,
     # or cast with that scale before the gather: the same fp8 values.
     assert fp8_gather["losses"] == bf16_gather["losses"]
@@ -248,7 +252,7 @@ def test_fp8_all_gather_trains_with_bf16_master_weights(results: dict[str, Any])
 
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)
 def test_random_training_loop_programs_match_torch(results: dict[str, Any], seed: int) -> None:
-    value = results[f"random {seed}"]
+    value = _value(results, f"random {seed}")
     program = CASES[f"random {seed}"][1]
     assert _weights_off(value) < FP32_RTOL, program
     assert max(_evals_off(value)) < FP32_RTOL, program
