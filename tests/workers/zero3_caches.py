@@ -19,6 +19,8 @@ rank and nothing of it is communicated). Operations:
 ``("load_model", n)`` ``model.load_state_dict`` of snapshot ``n`` (the weights only)
 ``("write", f)``      every weight multiplied by ``f`` under ``torch.no_grad()`` (a user's write,
                       an EMA swap)
+``("swap", s, w)``    every weight set to ``RootScaled(s, w)``'s under ``torch.no_grad()`` (an EMA
+                      swap: bf16 values, the same fp8 scales from the shards as from bf16)
 ``("grads",)``        record ``.grad`` (dtypeplan: gathered) where it is readable (an fp32
                       accumulator; a 16-bit one leaves a placeholder there)
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dtypeplan
 from dtypeplan import checkpoint
@@ -95,9 +97,25 @@ def _reference_model(model: torch.nn.Module, fp8: bool) -> torch.nn.Module:
 
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+        tensorwise = Float8LinearConfig.from_recipe_name("tensorwise")
+        config = dataclasses.replace(tensorwise, emulate=True)
         convert_to_float8_training(reference, config=config)
     return reference
+
+
+@torch.no_grad()
+def _swap_in(model: torch.nn.Module, reference: torch.nn.Module, other: torch.nn.Module) -> None:
+    """Copy ``other``'s weights into both models (an EMA swap): into dtypeplan's shards as
+    each rank's piece of them."""
+    for param, ref, value in zip(
+        model.parameters(), reference.parameters(), other.parameters(), strict=True
+    ):
+        ref.copy_(value)
+        if isinstance(param, DTensor):
+            whole = value.to(param.dtype).reshape(param.shape)
+            param.copy_(distribute_tensor(whole, param.device_mesh, param.placements))
+        else:
+            param.copy_(value.reshape(param.shape))
 
 
 def run_program(
@@ -188,6 +206,8 @@ def run_program(
                     param.mul_(args[0])
                 for param in reference.parameters():
                     param.mul_(args[0])
+        elif op == "swap":
+            _swap_in(model, reference, RootScaled(args[0], args[1]))
         elif op == "grads":
             try:
                 grads = [_full(p.grad) for p in model.parameters()]
