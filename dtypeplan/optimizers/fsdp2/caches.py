@@ -51,7 +51,7 @@ from dtypeplan.optimizers.grads.ownership import ParamWeakMap
 __all__ = ["COPIES_OF", "WeightCopies", "copies_of", "follow_the_shards"]
 
 COPIES_OF = ParamWeakMap()
-"""Sharded parameter -> the :class:`WeightCopies` of its model (set by :func:`follow_the_shards`)."""
+"""Sharded parameter -> the :class:`WeightCopies` of its model (:func:`follow_the_shards`)."""
 
 
 class WeightCopies:
