@@ -312,7 +312,18 @@ class MixedPrecisionOptimizer(OptimizerState):
 
     @abc.abstractmethod
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce, check, clip, update the master weights and write them to the parameters."""
+        """Reduce, check, clip, update the master weights and write them to the parameters.
+
+        The gradients after it, at every stage and on every update path: what torch would
+        keep, or refused. ZeRO-3 keeps them as ``torch.optim`` keeps ``.grad`` (the next
+        backward adds to them, a ``step()`` without backward applies them again): the sum
+        since ``zero_grad`` times the step's clip coefficient (``clip_grad_norm_`` and
+        ``gradient_clipping`` clip them as torch's ``clip_grad_norm_`` clips ``.grad`` in
+        place; unclipped, the step leaves them untouched), under fp16 in the units of the loss
+        scale after the step. ZeRO 0-2 use them up: a backward, ``step()`` or
+        ``clip_grad_norm_`` after a step without ``zero_grad()`` raises. A skipped step (fp16
+        overflow, ``check_nonfinite``) applies nothing and keeps them (rescaled under fp16).
+        """
 
     @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
