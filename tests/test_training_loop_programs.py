@@ -36,8 +36,8 @@ from tests.workers.loop_programs import (
     ITEM1_PROGRAM,
     OPS,
     adagrad_sums,
-    item9_programs,
     default_group,
+    item9_programs,
     run_program,
     run_programs,
 )
@@ -113,9 +113,8 @@ def expected_refusals(program: dict[str, Any]) -> list[bool]:
 # this shape out; test_item1_zero3_no_grad_forward_root_unit holds its reproducer (strict
 # xfail). When it passes, delete both.
 def known_zero3_failure(program: dict[str, Any]) -> str | None:
-    if program["stage"] == 3 and program["model"] == "root_scaled" and "no_grad_forward" in (
-        program["ops"]
-    ):
+    ops, model = program["ops"], program["model"]
+    if program["stage"] == 3 and model == "root_scaled" and "no_grad_forward" in ops:
         return "issue 47 item 1"
     return None
 
@@ -272,15 +271,16 @@ def test_item5_adagrad_initial_accumulator_in_fp32(stage: int) -> None:
     ``initial_accumulator_value`` rounded to bf16 (0.1 held as 0.10009765625), as torch's
     constructor made it like the bf16 master; torch holds fp32 0.1 for an fp32 parameter."""
     want = float(
-        torch.optim.Adagrad([torch.zeros(2, requires_grad=True)], initial_accumulator_value=0.1)
-        .state_dict()["state"][0]["sum"][0]
+        torch.optim.Adagrad(
+            [torch.zeros(2, requires_grad=True)], initial_accumulator_value=0.1
+        ).state_dict()["state"][0]["sum"][0]
     )
     assert want == float(torch.tensor(0.1))
     for when, sums in adagrad_sums(stage).items():
         assert sums == {want}, f"stage {stage}, {when}: {sums}"
 
 
-# --- ZeRO-3 and every stage on 2 ranks (the group of test_loop_programs_two_ranks) -----------------
+# --- ZeRO-3 and every stage on 2 ranks (the group of test_loop_programs_two_ranks) ------------
 def _named(two_ranks: dict[str, Any], name: str) -> list[Any]:
     return [per_rank[name] for per_rank in two_ranks["named"]]
 

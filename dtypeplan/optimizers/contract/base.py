@@ -135,7 +135,11 @@ def _constructor_states_in_fp32(
             made = torch_class([{**hyper, "params": [stand_in]}], **arguments).state[stand_in]
             for name, value in made.items():
                 held = slot.get(name)
-                if torch.is_tensor(held) and held.shape == master.shape and held.dtype != value.dtype:
+                if (
+                    torch.is_tensor(held)
+                    and held.shape == master.shape
+                    and held.dtype != value.dtype
+                ):
                     slot[name] = value
 
 
