@@ -96,6 +96,9 @@ class Loop:
             "zero_optimization": {"stage": program["stage"]},
             "optimizer": {"type": name, "params": HYPER[name]},
         }
+        if program.get("offload"):
+            # The host update (issue 47 item 3: what .grad holds after its step).
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         self.clip = program["clip"]
         if self.clip:
             config["gradient_clipping"] = self.clip
@@ -237,6 +240,12 @@ ITEM1_PROGRAM: dict[str, Any] = {
 }  # fmt: skip
 """Item 1 (ZeRO-3, a metrics forward between backward and step): the smallest program found."""
 
+ITEM3_PROGRAM: dict[str, Any] = {
+    "stage": 3, "optimizer": "SGD", "clip": 0.05, "model": "mlp", "seed": 5, "offload": True,
+    "ops": ["backward", "step", "backward", "step"],
+}  # fmt: skip
+"""Item 3 (ZeRO-3, offload_optimizer, clipping: a backward onto the gradients a step kept)."""
+
 
 def _adagrad(stage: int) -> tuple[torch.nn.Module, Any]:
     plan = dtypeplan.resolve(
@@ -314,12 +323,13 @@ def _outcome(run: Callable[[], Any]) -> Any:
 
 
 def named_cases(rank: int, world: int) -> dict[str, Any]:
-    """Items 1, 4, 5 and 9 on this rank of 2, by name (a barrier after each)."""
+    """Items 1, 3, 4, 5 and 9 on this rank of 2, by name (a barrier after each)."""
     torch.set_num_threads(1)
     cases: dict[str, Callable[[], Any]] = {
         "item4-zero3": lambda: other_class_state_refused(3),
         "item5-zero3": lambda: adagrad_sums(3),
         "item1": lambda: run_program(ITEM1_PROGRAM, rank, world),
+        "item3": lambda: run_program(ITEM3_PROGRAM, rank, world),
     }
     for stage in (0, 1, 2, 3):
         for index, program in enumerate(item9_programs(stage)):
