@@ -113,12 +113,43 @@ def inner_optimizer(
     ``__init__`` from them (Adagrad fills ``state["sum"]`` with its constructor's
     ``initial_accumulator_value``, for every param group alike). Of the elementwise classes
     only Adagrad does; the others create their state at a parameter's first gradient.
+    Made like a 16-bit master, that state would hold the argument rounded (0.1 as
+    0.10009765625 in bf16) whatever dtype the plan stores it in: it is made in fp32, as torch
+    holds it for an fp32 parameter (the optimizer stores it in its state dtype afterwards).
     """
     torch_class = plan.optimizer.torch_class
     arguments = constructor_arguments(plan)
     if fused and "fused" in inspect.signature(torch_class.__init__).parameters:
         arguments["fused"] = True
-    return torch_class(groups, **arguments)
+    optimizer = torch_class(groups, **arguments)
+    _constructor_states_in_fp32(optimizer, torch_class, arguments)
+    return optimizer
+
+
+@torch.no_grad()
+def _constructor_states_in_fp32(
+    optimizer: torch.optim.Optimizer,
+    torch_class: type[torch.optim.Optimizer],
+    arguments: dict[str, Any],
+) -> None:
+    """Remake the per-element states that ``optimizer``'s constructor made for 16-bit masters
+    as the same constructor makes them for an fp32 stand-in of each (one master at a time)."""
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for master in group["params"]:
+            slot = optimizer.state.get(master)
+            if not slot or master.dtype == torch.float32:
+                continue
+            stand_in = torch.empty_like(master, dtype=torch.float32)
+            made = torch_class([{**hyper, "params": [stand_in]}], **arguments).state[stand_in]
+            for name, value in made.items():
+                held = slot.get(name)
+                if (
+                    torch.is_tensor(held)
+                    and held.shape == master.shape
+                    and held.dtype != value.dtype
+                ):
+                    slot[name] = value
 
 
 def constructor_arguments(plan: PrecisionPlan) -> dict[str, Any]:
