@@ -112,40 +112,6 @@ def expected_refusals(program: dict[str, Any]) -> list[bool]:
     return refused
 
 
-# Failures of ZeRO-3 that branch zero3-caches is fixing: the random programs leave their shapes
-# out, and a strict xfail test holds each one's reproducer (test_item1_..., test_item3_...).
-# When those pass, delete them with this function.
-def known_zero3_failure(program: dict[str, Any]) -> str | None:
-    if program["stage"] != 3:
-        return None
-    ops = program["ops"]
-    if program["model"] == "root_scaled" and "no_grad_forward" in ops:
-        # A forward under torch.no_grad() leaves the root unit gathered; step() writes the
-        # shards only, and the next forward and backward use the old weights.
-        return "issue 47 item 1"
-    if program.get("offload") and program["clip"] and _backward_onto_kept(ops):
-        # The host update leaves the unclipped gradient in .grad, where torch's clip_grad_norm_
-        # (and the fused path) leave it clipped: the next backward adds to another gradient.
-        return "issue 47 item 3"
-    return None
-
-
-def _backward_onto_kept(ops: list[str]) -> bool:
-    """A backward adds to the gradients a step kept in .grad (no zeroing in between: zeros
-    are the same on both sides)."""
-    holds = kept = False
-    for op in ops:
-        if op in BACKWARDS:
-            if kept:
-                return True
-            holds = True
-        elif op == "step":
-            kept = holds
-        elif op in ZEROING:
-            holds = kept = False
-    return False
-
-
 def check_program(program: dict[str, Any], per_rank: list[list[dict[str, Any]]]) -> None:
     expected = expected_refusals(program)
     for rank, seen in enumerate(per_rank):
@@ -200,8 +166,9 @@ def check_programs(drawn: list[dict[str, Any]], per_rank: list[list[Any]]) -> No
 
 
 def checked(drawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The programs to judge: those without a shape of a known failure."""
-    return [p for p in drawn if known_zero3_failure(p) is None]
+    """The programs to judge: every one drawn (ZeRO-3's no_grad-forward and kept-gradient
+    programs included, since issue 47 items 1 and 3 were fixed)."""
+    return list(drawn)
 
 
 @pytest.fixture(scope="module")
@@ -330,23 +297,9 @@ def test_item5_zero3_two_ranks(two_ranks: dict[str, Any]) -> None:
             assert found == {want}, f"{when}: {found}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47 item 1: ZeRO-3 leaves the root unit gathered after a no_grad forward and "
-    "step() writes the shards only (branch zero3-caches); when this passes, delete this "
-    "mark and known_zero3_failure's case",
-)
 def test_item1_zero3_no_grad_forward_root_unit(two_ranks: dict[str, Any]) -> None:
-    assert known_zero3_failure(ITEM1_PROGRAM) == "issue 47 item 1"
     check_program(ITEM1_PROGRAM, _named(two_ranks, "item1"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47 item 3: ZeRO-3's host update (offload_optimizer) leaves .grad unclipped "
-    "after step(), torch's clip_grad_norm_ clipped (branch zero3-caches); when this passes, "
-    "delete this mark and known_zero3_failure's case",
-)
 def test_item3_zero3_offload_grad_after_step(two_ranks: dict[str, Any]) -> None:
-    assert known_zero3_failure(ITEM3_PROGRAM) == "issue 47 item 3"
     check_program(ITEM3_PROGRAM, _named(two_ranks, "item3"))
