@@ -150,6 +150,11 @@ class Rule:
     decided_by: tuple[str, ...] = ()
     """A deferral as looked up: the ids of the deferring gate and of the rule deciding."""
 
+    @property
+    def explanation(self) -> str:
+        """The reason, and for a refusal the setting that lifts it: what a plan says."""
+        return f"{self.reason} To change it: {self.fix}." if self.fix else self.reason
+
     def when_text(self) -> str:
         """The match condition as ``dim=value`` pairs, as the file names them."""
         parts = []
