@@ -25,7 +25,14 @@ from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._optimizer_kind import register_optimizer
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
-from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules
+from dtypeplan.resolver._rules import (
+    MAX_RULES,
+    Rule,
+    RuleTable,
+    Status,
+    declaration_boxes,
+    load_rules,
+)
 from dtypeplan.resolver._traffic import Traffic
 
 __all__ = [
@@ -57,6 +64,7 @@ __all__ = [
     "config_for",
     "install_builder",
     "load_config",
+    "declaration_boxes",
     "load_rules",
     "register_optimizer",
     "resolve",
