@@ -47,8 +47,10 @@ _NOT_CHOSEN = {
 def _choices() -> dict[str, tuple[Any, ...]]:
     chosen = {}
     for name, dim in DIMENSIONS.items():
-        if name == "params":
-            chosen[name] = dim.choices  # fp32, fp16, bf16
+        if name in ("params", "accum", "comm"):
+            # bf16 before fp16: of two combinations of equal cost the planner keeps the first,
+            # and bf16 needs no loss scaling. (fp16+bf16 is a contradiction, never a choice.)
+            chosen[name] = ("fp32", "bf16", "fp16")
         elif name in _NOT_CHOSEN:
             continue
         elif name in ("offload_optimizer", "offload_param"):
