@@ -181,7 +181,9 @@ def _deepspeed_only() -> set[str]:
 def _group_sizes(fleet: Fleet, given: Sequence[int] | None) -> list[int]:
     """The shard group sizes tried for a hybrid layout: ``given`` (each dividing the fleet,
     below it), by default one node's GPUs (``shard_group_size: "auto"`` under torchrun)."""
-    sizes = list(given) if given is not None else [fleet.ranks_per_node]
+    if given is None:
+        return [fleet.ranks_per_node] if fleet.gpus > fleet.ranks_per_node else []
+    sizes = list(given)
     for size in sizes:
         if not 1 <= size < fleet.gpus or fleet.gpus % size:
             raise ValueError(
@@ -251,7 +253,19 @@ def config_of(
     """The ds_config that selects ``candidate``'s combination (``_normal`` values only)."""
     from dtypeplan.resolver import config_for
 
-    values = {k: v for k, v in candidate.values.items() if k not in ("optimizer", "state_kind")}
+    from dtypeplan.resolver._dimensions import CORE_DIMENSIONS, DIMENSIONS
+
+    # The core settings always (their defaults depend on each other through the rules file),
+    # a feature only where it is used: the config a person would write.
+    values = {
+        name: value
+        for name, value in candidate.values.items()
+        if name in CORE_DIMENSIONS and not (name == "params" and value == "fp32")
+        or name in DIMENSIONS
+        and name not in CORE_DIMENSIONS
+        and name not in ("optimizer", "state_kind")
+        and value != DIMENSIONS[name].default_value
+    }
     config = config_for(values)
     zero = config.setdefault("zero_optimization", {})
     if candidate.shard_group_size is not None:
