@@ -40,26 +40,24 @@ ADAMW = {"pipeline": False, "fp8_execution": "native", "optimizer": "elementwise
 
 
 def test_the_boxes_hold_exactly_the_ok_points_a_lookup_of_every_point_finds() -> None:
-    """A sub-space of about 5,000 points, looked up one by one, against the boxes (the
-    enumeration's shortcut: it looks up only the points whose values the table reads)."""
+    """A sub-space of 12,288 points (every dimension varied), looked up one by one, against
+    the boxes (the enumeration's shortcut: it looks up only the points whose values the table
+    reads)."""
     table = dtypeplan.load_rules()
     narrow = {
         "params": ("fp32", "bf16"),
-        "accum": ("fp32", "bf16"),
-        "comm": ("fp32", "bf16"),
+        "comm": ("bf16",),
         "reduction": ("collective",),
-        "master": ("fp32", "bf16_sr", "bf16_kahan"),
-        "states": ("fp32", "int8/fp32", "fp8"),
+        "master": ("fp32", "bf16_kahan"),
+        "states": ("fp32", "int8/fp32"),
         "shard_groups": ("flat", "hybrid_int8"),
-        "autocast": ("none", "bf16"),
-        "quantized_communication": ("none", "both"),
+        "autocast": ("none",),
+        "quantized_communication": ("none",),
         "gradient_prescaling": ("none",),
-        "hierarchical_partitioning": (False, True),
-        "fp8_recipe": ("tensorwise", "mxfp8"),
-        "fp8_all_gather": ("param_dtype", "fp8"),
+        "fp8_recipe": ("tensorwise",),
     }
     space = choice_space(ADAMW, narrow)
-    assert math.prod(len(v) for v in space.values()) < 20_000
+    assert math.prod(len(v) for v in space.values()) == 12_288
     found = {}
     for box in ok_points(table, ADAMW, space):
         for point in box.points():
