@@ -488,6 +488,8 @@ def _add_plan(commands: Any) -> None:
                       help="GPU to host memory (default 25GB/s: PCIe 4 x16)")
     plan.add_argument("--gpu-flops", default="400e12", metavar="FLOPS",
                       help="sustained 16-bit matmul flops per GPU (default 400e12)")
+    plan.add_argument("--mxfp8", action="store_true", help="the GPUs run MXFP8 natively "
+                      "(SM100+); without it the mxfp8 recipe is left out")
     plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class name "
                       "(default AdamW)")
     plan.add_argument("--batch", type=_positive, default=1, metavar="B",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtypeplan.planner.costs import Candidate, Coster, Workload
-from dtypeplan.planner.enumeration import Box, choice_space, ok_points
+from dtypeplan.planner.enumeration import CHOICES, Box, choice_space, ok_points
 from dtypeplan.planner.fleet import Fleet, parse_bandwidth, parse_size
 from dtypeplan.planner.model_sizes import ModelSizes, model_sizes
 from dtypeplan.planner.rank import OBJECTIVES, ranked
@@ -146,7 +146,11 @@ def plan_for(
         state_bytes_per_param=state_bytes,
     )
     table = load_rules(rules)
-    overrides = {} if fleet.gpus > fleet.ranks_per_node else {"shard_groups": ("flat",)}
+    overrides: dict[str, tuple[Any, ...]] = {}
+    if fleet.gpus <= fleet.ranks_per_node:
+        overrides["shard_groups"] = ("flat",)  # one node: nothing to replicate across
+    if not fleet.native_mxfp8:
+        overrides["fp8_recipe"] = tuple(r for r in CHOICES["fp8_recipe"] if r != "mxfp8")
     boxes = ok_points(table, fixed, choice_space(fixed, overrides), progress)
     coster = Coster(workload, fleet)
     candidates = _costed(boxes, coster, _group_sizes(fleet, shard_group_sizes), progress)

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
             inter_node_bandwidth=parse_bandwidth(args.inter_node),
             host_link_bandwidth=parse_bandwidth(args.host_link),
             gpu_flops=float(args.gpu_flops),
+            native_mxfp8=args.mxfp8,
         )
         planning = plan_for(
             args.model if args.model is not None else args.params,

@@ -85,6 +85,9 @@ class Fleet:
     """Sustained 16-bit matmul flops per GPU for the compute-time model (H100 SXM: 989e12
     dense bf16 peak; 400e12 is about 40% of it, a typical training utilization); fp8 matmuls
     run at twice this, fp32 ones (TF32) at half."""
+    native_mxfp8: bool = False
+    """Whether the GPUs have MXFP8 kernels (SM100+: B200, GB200); without them the planner
+    leaves the mxfp8 recipe out (it would run emulated, slower than bf16). H100 is SM90."""
     reserved_fraction: float = 0.1
     """Share of each GPU's memory not counted as usable: the CUDA context, the caching
     allocator's fragmentation, NCCL's buffers."""

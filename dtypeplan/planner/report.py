@@ -23,7 +23,7 @@ _SHOWN = (
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f}"
+    return f"{nbytes / 1e9:.2f}" if nbytes < 1e10 else f"{nbytes / 1e9:.1f}"
 
 
 def setting(candidate: Candidate) -> str:
