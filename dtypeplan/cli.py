@@ -471,42 +471,95 @@ def _add_plan(commands: Any) -> None:
         "time and expected drift, ranked by --objective with the Pareto front marked. Exit 0 "
         "when some combination fits, 1 when none does (the closest are shown), 2 on bad input.",
     )
-    plan.add_argument("--model", metavar="CONFIG", help="a transformers config.json or its "
-                      "directory")
-    plan.add_argument("--params", type=_positive, metavar="N", help="a parameter count "
-                      "instead of --model (no activations)")
+    plan.add_argument(
+        "--model", metavar="CONFIG", help="a transformers config.json or its directory"
+    )
+    plan.add_argument(
+        "--params",
+        type=_positive,
+        metavar="N",
+        help="a parameter count instead of --model (no activations)",
+    )
     plan.add_argument("--gpus", type=_positive, required=True, metavar="N")
     plan.add_argument("--gpus-per-node", type=_positive, default=8, metavar="G", help="default 8")
     plan.add_argument("--gpu-memory", required=True, metavar="SIZE", help="e.g. 80GB")
-    plan.add_argument("--host-memory", metavar="SIZE", help="per node, e.g. 2TB (default: "
-                      "not checked)")
-    plan.add_argument("--intra-node", default="450GB/s", metavar="BW",
-                      help="per GPU, each way (default 450GB/s: H100 NVLink)")
-    plan.add_argument("--inter-node", default="50GB/s", metavar="BW",
-                      help="per GPU, each way (default 50GB/s: a 400Gb/s NIC per GPU)")
-    plan.add_argument("--host-link", default="25GB/s", metavar="BW",
-                      help="GPU to host memory (default 25GB/s: PCIe 4 x16)")
-    plan.add_argument("--gpu-flops", default="400e12", metavar="FLOPS",
-                      help="sustained 16-bit matmul flops per GPU (default 400e12)")
-    plan.add_argument("--mxfp8", action="store_true", help="the GPUs run MXFP8 natively "
-                      "(SM100+); without it the mxfp8 recipe is left out")
-    plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class name "
-                      "(default AdamW)")
-    plan.add_argument("--batch", type=_positive, default=1, metavar="B",
-                      help="sequences per micro-batch per GPU (default 1)")
-    plan.add_argument("--seq", type=_positive, default=2048, metavar="S",
-                      help="tokens per sequence (default 2048)")
-    plan.add_argument("--micro-batches", type=_positive, default=1, metavar="K",
-                      help="micro-batches per step (default 1)")
-    plan.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
-                      default="auto", help="activation recomputation (default auto: the "
-                      "least that fits, per combination)")
-    plan.add_argument("--objective", choices=("memory", "time", "fidelity"), default="time",
-                      help="what to rank by (default time)")
-    plan.add_argument("--max-drift", type=float, metavar="X", help="the largest expected "
-                      "relative loss deviation accepted (e.g. 1e-3)")
-    plan.add_argument("--top", type=_positive, default=10, metavar="K", help="rows shown "
-                      "(default 10)")
+    plan.add_argument(
+        "--host-memory", metavar="SIZE", help="per node, e.g. 2TB (default: not checked)"
+    )
+    plan.add_argument(
+        "--intra-node",
+        default="450GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 450GB/s: H100 NVLink)",
+    )
+    plan.add_argument(
+        "--inter-node",
+        default="50GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 50GB/s: a 400Gb/s NIC per GPU)",
+    )
+    plan.add_argument(
+        "--host-link",
+        default="25GB/s",
+        metavar="BW",
+        help="GPU to host memory (default 25GB/s: PCIe 4 x16)",
+    )
+    plan.add_argument(
+        "--gpu-flops",
+        default="400e12",
+        metavar="FLOPS",
+        help="sustained 16-bit matmul flops per GPU (default 400e12)",
+    )
+    plan.add_argument(
+        "--mxfp8",
+        action="store_true",
+        help="the GPUs run MXFP8 natively (SM100+); without it the mxfp8 recipe is left out",
+    )
+    plan.add_argument(
+        "--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)"
+    )
+    plan.add_argument(
+        "--batch",
+        type=_positive,
+        default=1,
+        metavar="B",
+        help="sequences per micro-batch per GPU (default 1)",
+    )
+    plan.add_argument(
+        "--seq",
+        type=_positive,
+        default=2048,
+        metavar="S",
+        help="tokens per sequence (default 2048)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="micro-batches per step (default 1)",
+    )
+    plan.add_argument(
+        "--recompute",
+        choices=("auto", "none", "selective", "full"),
+        default="auto",
+        help="activation recomputation (default auto: the least that fits, per combination)",
+    )
+    plan.add_argument(
+        "--objective",
+        choices=("memory", "time", "fidelity"),
+        default="time",
+        help="what to rank by (default time)",
+    )
+    plan.add_argument(
+        "--max-drift",
+        type=float,
+        metavar="X",
+        help="the largest expected relative loss deviation accepted (e.g. 1e-3)",
+    )
+    plan.add_argument(
+        "--top", type=_positive, default=10, metavar="K", help="rows shown (default 10)"
+    )
     plan.add_argument("--write", metavar="CONFIG.json", help="write #1's ds_config here")
     plan.add_argument("--plot", metavar="FRONT.png", help="draw the Pareto front (matplotlib)")
     plan.add_argument("--json", action="store_true", help="print the top rows as JSON")

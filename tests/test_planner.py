@@ -83,6 +83,7 @@ def test_every_optimizer_class_the_table_knows_is_planned_or_refused_with_the_re
     sgd = plan_for(GPT2, fleet, optimizer="SGD", seq=128)
     adam = plan_for(GPT2, fleet, optimizer="AdamW", seq=128)
     assert sgd.fitting and adam.fitting
+
     # Plain SGD keeps no state: its best model states are the parameters and accumulator only.
     def states(c: Any) -> int:
         return c.memory["optimizer_states"] + c.memory["host_optimizer_states"]
@@ -202,6 +203,25 @@ def test_model_states_equal_deepspeeds_estimator_term_by_term(path: Path, gpus: 
         assert coster.candidate(point, None, "", None).memory == memory
 
 
+def test_fp32_adam_on_one_gpu_equals_accelerates_estimate_for_gpt2() -> None:
+    """``accelerate estimate-memory`` needs the Hub; its functions, run on the model it builds
+    (``AutoModel`` on the meta device), give fp32 Adam's training peak as 16 bytes a parameter
+    for a model built in fp32, as plan.memory() does at ZeRO 0 on one GPU (docs/planning.md:
+    for configs with ``torch_dtype: bfloat16`` it reads bf16 sizes as fp32 and says half)."""
+    transformers = pytest.importorskip("transformers")
+    estimate = pytest.importorskip("accelerate.commands.estimate")
+    from accelerate import init_empty_weights
+    from accelerate.utils import calculate_maximum_sizes
+
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(GPT2))
+    total, _ = calculate_maximum_sizes(model)
+    n = sum(p.numel() for p in model.parameters())
+    peak = max(estimate.estimate_training_usage(total, "float32").values())
+    plan = dtypeplan.resolve({"optimizer": {"type": "AdamW"}})
+    assert peak == plan.memory(n, 1)["total"] == 16 * n
+
+
 # --- the planner's figures ----------------------------------------------------------------------
 
 
@@ -234,7 +254,11 @@ def test_the_front_is_every_combination_no_other_dominates() -> None:
     rows = list(planning.fitting)
 
     def costs(c: Any) -> tuple[float, float, float]:
-        return (c.device_bytes, c.seconds, c.numerics.total + (1e-12 if c.numerics.unmeasured else 0))
+        return (
+            c.device_bytes,
+            c.seconds,
+            c.numerics.total + (1e-12 if c.numerics.unmeasured else 0),
+        )
 
     front = pareto_front(rows)
     marked = [c for c in rows if c.pareto]

@@ -134,7 +134,7 @@ def plan_for(
     }
     state_bytes = (
         kinds.state_bytes_per_param(torch_class, {})
-        if fixed["optimizer"] == "elementwise"
+        if torch_class is not None and fixed["optimizer"] == "elementwise"
         else 0
     )
     workload = Workload(
@@ -256,7 +256,6 @@ def config_of(
 ) -> dict[str, Any]:
     """The ds_config that selects ``candidate``'s combination (``_normal`` values only)."""
     from dtypeplan.resolver import config_for
-
     from dtypeplan.resolver._dimensions import CORE_DIMENSIONS, DIMENSIONS
 
     # The core settings always (their defaults depend on each other through the rules file),
@@ -264,7 +263,8 @@ def config_of(
     values = {
         name: value
         for name, value in candidate.values.items()
-        if name in CORE_DIMENSIONS and not (name == "params" and value == "fp32")
+        if name in CORE_DIMENSIONS
+        and not (name == "params" and value == "fp32")
         or name in DIMENSIONS
         and name not in CORE_DIMENSIONS
         and name not in ("optimizer", "state_kind")
@@ -305,7 +305,9 @@ def _checked_plan(
         problems.append(f"resolves {plan.status} ({plan.rule_id}: {plan.reason})")
     else:
         fp8 = sizes.fp8_weights if plan.fp8 else None
-        memory = plan.memory(sizes.num_params, gpus, param_numels=sizes.param_numels, fp8_weights=fp8)
+        memory = plan.memory(
+            sizes.num_params, gpus, param_numels=sizes.param_numels, fp8_weights=fp8
+        )
         traffic = plan.traffic(
             sizes.num_params, gpus, micro_batches=planning.workload.micro_batches, fp8_weights=fp8
         )

@@ -26,8 +26,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         if (args.model is None) == (args.params is None):
-            raise ValueError("give the model as --model CONFIG (a config.json or its "
-                             "directory) or its size as --params N, one of them")
+            raise ValueError(
+                "give the model as --model CONFIG (a config.json or its "
+                "directory) or its size as --params N, one of them"
+            )
         fleet = Fleet(
             gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
@@ -84,6 +86,5 @@ def _no_ok_combination(optimizer: str, rules: str | None) -> str:
 
     plan = resolve({"optimizer": {"type": optimizer}}, rules=rules)
     return (
-        f"the table has no OK combination for optimizer {optimizer}: {plan.rule_id}: "
-        f"{plan.reason}"
+        f"the table has no OK combination for optimizer {optimizer}: {plan.rule_id}: {plan.reason}"
     )

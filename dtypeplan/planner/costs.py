@@ -103,7 +103,6 @@ class Candidate:
         return self.rejected is None
 
 
-
 class Coster:
     """Costs combinations on one fleet for one workload, caching each part by the values it
     depends on (the memory by the memory model's arguments, the traffic by the traffic
@@ -153,17 +152,19 @@ class Coster:
         """The least recomputation whose activations fit beside ``base`` device bytes (the
         given one when the workload names one; full when none fits)."""
         options = RECOMPUTE if self.workload.recompute == "auto" else (self.workload.recompute,)
+        activations = 0
         for option in options:
             key = (compute_bytes, option)
-            activations = self._activations.get(key)
-            if activations is None:
-                activations = self._activations[key] = activation_bytes(
+            cached = self._activations.get(key)
+            if cached is None:
+                cached = self._activations[key] = activation_bytes(
                     self.workload.sizes,
                     micro_batch=self.workload.micro_batch,
                     seq=self.workload.seq,
                     recompute=option,
                     bytes_per_value=compute_bytes,
                 )
+            activations = cached
             if base + activations <= self.fleet.usable_gpu_memory:
                 break
         return option, activations
@@ -186,7 +187,7 @@ class Coster:
         sizes, workload = self.workload.sizes, self.workload
         tokens = workload.micro_batch * workload.seq * workload.micro_batches
         passes = 8 if recompute == "full" else 6
-        flops = passes * sizes.num_params * tokens
+        flops = float(passes * sizes.num_params * tokens)
         rate = self.fleet.gpu_flops
         if tf32:
             rate /= 2

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ _NOT_CHOSEN = {
 
 
 def _choices() -> dict[str, tuple[Any, ...]]:
-    chosen = {}
+    chosen: dict[str, tuple[Any, ...]] = {}
     for name, dim in DIMENSIONS.items():
         if name in ("params", "accum", "comm"):
             # bf16 before fp16: of two combinations of equal cost the planner keeps the first,
@@ -87,14 +87,14 @@ class Box:
         return size
 
 
-class _ReadRecorder(dict):  # type: ignore[type-arg]
+class _ReadRecorder(dict[str, Any]):
     """A point that records, in order, which of the ``free`` dimensions a lookup reads.
 
     A dict subclass that keeps ``__iter__``: ``{**point}`` copies its storage without calling
     ``__getitem__`` (the copies ``lookup`` makes are handled by the caller; see the module
     docstring)."""
 
-    def __init__(self, values: Mapping[str, Any], free: Collection) -> None:
+    def __init__(self, values: Mapping[str, Any], free: Container[str]) -> None:
         super().__init__(values)
         self.free = free
         self.read: list[str] = []
@@ -103,9 +103,6 @@ class _ReadRecorder(dict):  # type: ignore[type-arg]
         if name in self.free and name not in self.read:
             self.read.append(name)
         return super().__getitem__(name)
-
-
-Collection = Any  # a container of dimension names
 
 
 def choice_space(

@@ -128,7 +128,9 @@ class Fleet:
     def bandwidth(self, ranks: int) -> float:
         """The bandwidth of a ring over ``ranks`` consecutive ranks: intra-node while they fit
         one node, else the inter-node link, which every ring that leaves a node waits on."""
-        return self.intra_node_bandwidth if ranks <= self.gpus_per_node else self.inter_node_bandwidth
+        return (
+            self.intra_node_bandwidth if ranks <= self.gpus_per_node else self.inter_node_bandwidth
+        )
 
     def describe(self) -> str:
         return (

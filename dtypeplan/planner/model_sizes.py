@@ -143,7 +143,7 @@ def _from_module(module: Any, *, name: str, source: str, **shape: Any) -> ModelS
     )
 
 
-def _shape(config: Mapping[str, Any]) -> dict[str, int]:
+def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
     layers = config.get("num_hidden_layers", config.get("n_layer"))
     hidden = config.get("hidden_size", config.get("n_embd"))
     heads = config.get("num_attention_heads", config.get("n_head"))
@@ -223,7 +223,11 @@ def _llama(config: Mapping[str, Any]) -> ModelSizes:
     _linear(block, fp8, "k_proj", h, kv_heads * head_dim, qkv_bias)
     _linear(block, fp8, "v_proj", h, kv_heads * head_dim, qkv_bias)
     _linear(block, fp8, "o_proj", heads * head_dim, h, o_bias)
-    for name, n_in, n_out in (("gate_proj", h, inner), ("up_proj", h, inner), ("down_proj", inner, h)):
+    for name, n_in, n_out in (
+        ("gate_proj", h, inner),
+        ("up_proj", h, inner),
+        ("down_proj", inner, h),
+    ):
         _linear(block, fp8, name, n_in, n_out, mlp_bias)
     block += [h, h]
     numels = [shape["vocab"] * h] + block * layers + [h]
@@ -237,4 +241,3 @@ def _llama(config: Mapping[str, Any]) -> ModelSizes:
         source=f"counted from the config ({config.get('model_type')} formula)",
         **shape,
     )
-

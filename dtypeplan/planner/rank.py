@@ -50,7 +50,11 @@ def ranked(candidates: Sequence[Candidate], objective: str) -> list[Candidate]:
 
 
 def _costs(c: Candidate) -> tuple[float, float, float]:
-    return (float(c.device_bytes), c.seconds, c.numerics.total + (1e-12 if c.numerics.unmeasured else 0))
+    return (
+        float(c.device_bytes),
+        c.seconds,
+        c.numerics.total + (1e-12 if c.numerics.unmeasured else 0),
+    )
 
 
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:

@@ -33,9 +33,7 @@ def setting(candidate: Candidate) -> str:
     layout = v["shard_groups"]
     if layout != "flat":
         wire = layout.partition("_")[2]
-        parts.append(
-            f"hybrid {candidate.shard_group_size}" + (f" ({wire} across)" if wire else "")
-        )
+        parts.append(f"hybrid {candidate.shard_group_size}" + (f" ({wire} across)" if wire else ""))
     if v["offload_optimizer"] != "none":
         parts.append("offload opt" + ("+params" if v["offload_param"] != "none" else ""))
     if v["autocast"] != "none":
@@ -108,8 +106,10 @@ def describe(planning: Planning, top: int) -> str:
             "--recompute full would bring the figures down"
         )
         return "\n".join(lines)
-    lines.append(f"ranked by {planning.objective} (front: on the Pareto front of memory, "
-                 "step time and drift):")
+    lines.append(
+        f"ranked by {planning.objective} (front: on the Pareto front of memory, "
+        "step time and drift):"
+    )
     lines.append(table(planning.fitting[:top]))
     best = planning.fitting[0]
     lines += [
@@ -118,8 +118,11 @@ def describe(planning: Planning, top: int) -> str:
         f"{_gb(best.memory['total'])} GB, activations {_gb(best.activations)} GB"
         + (f", gathered units {_gb(best.gathered)} GB" if best.gathered else "")
         + f" per GPU; drift {best.numerics.text()}"
-        + (f" ({', '.join(f'{n} {f:.1e}' for n, f in best.numerics.parts)})"
-           if best.numerics.parts else ""),
+        + (
+            f" ({', '.join(f'{n} {f:.1e}' for n, f in best.numerics.parts)})"
+            if best.numerics.parts
+            else ""
+        ),
     ]
     if best.numerics.unmeasured:
         lines.append(
@@ -176,15 +179,27 @@ def plot_front(planning: Planning, path: str | os.PathLike[str]) -> None:
     )
     if rows:
         best = rows[0]
-        ax.scatter([best.seconds], [best.device_bytes / 1e9], marker="*", s=200, c="black",
-                   label=f"chosen ({planning.objective})")
+        ax.scatter(
+            [best.seconds],
+            [best.device_bytes / 1e9],
+            marker="*",
+            s=200,
+            c="black",
+            label=f"chosen ({planning.objective})",
+        )
     fig.colorbar(points, ax=ax, label="log10 expected drift (relative loss deviation)")
     ax.set_xlabel("modelled step time (s): compute + communication")
     ax.set_ylabel("device GB per GPU")
-    ax.set_title(f"{planning.sizes.name} on {planning.fleet.gpus} GPUs: "
-                 f"{len(rows):,} combinations that fit")
-    ax.axhline(planning.fleet.usable_gpu_memory / 1e9, color="grey", linestyle="--",
-               linewidth=0.8, label="usable GPU memory")
+    ax.set_title(
+        f"{planning.sizes.name} on {planning.fleet.gpus} GPUs: {len(rows):,} combinations that fit"
+    )
+    ax.axhline(
+        planning.fleet.usable_gpu_memory / 1e9,
+        color="grey",
+        linestyle="--",
+        linewidth=0.8,
+        label="usable GPU memory",
+    )
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
