@@ -22,7 +22,7 @@ from dtypeplan.planner import Fleet, model_sizes, parse_bandwidth, parse_size, p
 from dtypeplan.planner.costs import Coster, Workload
 from dtypeplan.planner.enumeration import choice_space, ok_points
 from dtypeplan.planner.numerics import MEASURED, numerical_cost
-from dtypeplan.planner.rank import pareto_front
+from dtypeplan.planner.rank import pareto_front, ranked
 from dtypeplan.resolver import DIMENSIONS
 from tests._helpers import memory_mlp
 from tests.workers.optimizer import memory_cases
@@ -249,45 +249,41 @@ def test_every_figure_equals_the_resolved_plans() -> None:
         )
 
 
-def test_the_front_is_every_combination_no_other_dominates() -> None:
-    planning = plan_for(GPT2, Fleet(gpus=16, gpu_memory=16e9), seq=512, resolve_top=0)
-    rows = list(planning.fitting)
+@pytest.fixture(scope="module")
+def gpt2_on_two_nodes() -> Any:
+    return plan_for(GPT2, Fleet(gpus=16, gpu_memory=16e9), seq=512, resolve_top=0)
 
-    def costs(c: Any) -> tuple[float, float, float]:
-        return (
-            c.device_bytes,
-            c.seconds,
-            c.numerics.total + (1e-12 if c.numerics.unmeasured else 0),
-        )
 
+def _costs(c: Any) -> tuple[float, float, float]:
+    return (c.device_bytes, c.seconds, c.numerics.total + (1e-12 if c.numerics.unmeasured else 0))
+
+
+def _dominates(a: Any, b: Any) -> bool:
+    return all(x <= y for x, y in zip(_costs(a), _costs(b), strict=True)) and _costs(a) != _costs(b)
+
+
+def test_the_front_is_every_combination_no_other_dominates(gpt2_on_two_nodes: Any) -> None:
+    rows = list(gpt2_on_two_nodes.fitting)
     front = pareto_front(rows)
     marked = [c for c in rows if c.pareto]
     assert len(marked) == len(front) > 1
-    marked_costs = {costs(c) for c in marked}
-    for c in rows:
-        dominated = any(
-            all(a <= b for a, b in zip(costs(o), costs(c), strict=True)) and costs(o) != costs(c)
-            for o in marked
-        )
-        if c.pareto:
-            assert not dominated
-        else:  # dominated, or of the same costs as one on the front (kept once)
-            assert dominated or costs(c) in marked_costs
+    marked_costs = {_costs(c) for c in marked}
+    for c in marked:  # no combination dominates one on the front
+        assert not any(_dominates(o, c) for o in rows)
+    for c in rows:  # every other is dominated by one on the front, or costs what one does
+        if not c.pareto:
+            assert _costs(c) in marked_costs or any(_dominates(o, c) for o in marked)
 
 
-def test_objectives_sort_by_their_cost() -> None:
-    fleet = Fleet(gpus=16, gpu_memory=16e9)
-    for objective, cost in (
-        ("memory", lambda c: c.device_bytes),
-        ("time", lambda c: c.seconds),
-        ("fidelity", lambda c: (bool(c.numerics.unmeasured) and 0) or c.numerics.total),
-    ):
-        rows = plan_for(GPT2, fleet, seq=512, objective=objective, resolve_top=0).fitting
-        if objective != "fidelity":
-            assert [cost(c) for c in rows] == sorted(cost(c) for c in rows)
-        else:
-            measured = [c.numerics.total for c in rows if not c.numerics.unmeasured]
-            assert measured == sorted(measured) and measured[0] == 0.0
+def test_objectives_sort_by_their_cost(gpt2_on_two_nodes: Any) -> None:
+    candidates = list(gpt2_on_two_nodes.fitting)
+    assert [c.seconds for c in candidates] == sorted(c.seconds for c in candidates)
+    by_memory = ranked(candidates, "memory")
+    assert [c.device_bytes for c in by_memory] == sorted(c.device_bytes for c in by_memory)
+    by_fidelity = ranked(candidates, "fidelity")
+    measured = [c.numerics.total for c in by_fidelity if not c.numerics.unmeasured]
+    assert measured == sorted(measured) and measured[0] == 0.0
+    assert by_fidelity.index(next(c for c in by_fidelity if c.numerics.unmeasured)) > 0
 
 
 def test_the_drift_figures_are_the_benchmarks() -> None:

@@ -96,7 +96,7 @@ def plan_for(
     micro_batches: int = 1,
     recompute: str = "auto",
     shard_group_sizes: Sequence[int] | None = None,
-    objective: str = "memory",
+    objective: str = "time",
     max_drift: float | None = None,
     rules: str | os.PathLike[str] | None = None,
     resolve_top: int = 5,
