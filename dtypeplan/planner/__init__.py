@@ -222,7 +222,7 @@ def _costed(
     candidates: list[Candidate] = []
     for i, box in enumerate(boxes):
         if progress is not None and i % 1000 == 0:
-            progress(f"costing box {i + 1}/{len(boxes)}, {len(candidates)} distinct so far")
+            progress(f"costing box {i + 1}/{len(boxes)}, {len(candidates)} distinct costs")
         free = {n: _costed_values(n, v, box.fixed) for n, v in box.free.items()}
         for point in Box(box.fixed, free, box.rule_id, box.implementation).points():
             layouts: Sequence[int | None] = [None] if point["shard_groups"] == "flat" else groups

@@ -20,6 +20,7 @@ plan's (``planner/__init__.py``). Added here, beside the model states:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,7 @@ class Coster:
         if traffic is None:
             t = _traffic_model(targs, workload.sizes)
             traffic = self._traffic[targs] = (t, *_by_link(t, values, fleet))
-        nargs = tuple(values[n] for n in _NUMERIC_DIMENSIONS)
+        nargs = _numeric_values(values)
         numerics = self._numerics.get(nargs)
         if numerics is None:
             numerics = self._numerics[nargs] = numerical_cost(values)
@@ -256,6 +257,7 @@ _NUMERIC_DIMENSIONS = (
     "fp8_recipe",
 )
 """The dimensions ``numerics.numerical_cost`` reads."""
+_numeric_values = operator.itemgetter(*_NUMERIC_DIMENSIONS)
 
 
 def _memory_args(

@@ -133,7 +133,7 @@ def ok_points(
     for i, core_values in enumerate(cores):
         core = {**base, **dict(zip(core_names, core_values, strict=True))}
         if progress is not None and i % 24 == 0:
-            progress(f"core {i + 1}/{len(cores)}, {len(boxes)} OK boxes so far")
+            progress(f"enumerating the table: core {i + 1}/{len(cores)}, {len(boxes)} OK boxes")
         if table.lookup(core).status == Status.ERROR:
             continue  # a core Error decides every point with these core values
         chosen_core = {n: core[n] for n in core_names}
@@ -185,5 +185,5 @@ def _lookup(table: RuleTable, values: dict[str, Any], free: set[str]) -> tuple[A
 
 def stderr_progress(message: str) -> None:
     """A progress line on stderr, rewritten in place."""
-    sys.stderr.write(f"\rdtypeplan plan: enumerating the table: {message}\033[K")
+    sys.stderr.write(f"\rdtypeplan plan: {message}\033[K")
     sys.stderr.flush()
