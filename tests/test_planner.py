@@ -76,6 +76,19 @@ def test_the_boxes_hold_exactly_the_ok_points_a_lookup_of_every_point_finds() ->
     assert len(found) > 100
 
 
+def test_a_lookup_that_reads_unseen_is_caught_not_planned_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Were the table to read a point in a way the recorder does not see, the boxes would be
+    wrong: the sample check after the enumeration raises instead."""
+    from dtypeplan.planner import enumeration
+
+    monkeypatch.setattr(enumeration._ReadRecorder, "__getitem__", dict.__getitem__)
+    space = choice_space(ADAMW, {"states": ("fp32", "bf16"), "master": ("fp32", "bf16_sr")})
+    with pytest.raises(RuntimeError, match="disagrees with RuleTable.lookup"):
+        ok_points(dtypeplan.load_rules(), ADAMW, space)
+
+
 def test_every_optimizer_class_the_table_knows_is_planned_or_refused_with_the_reason(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -202,11 +202,10 @@ def _normal(point: Mapping[str, Any]) -> dict[str, Any]:
     from dtypeplan.resolver import DIMENSIONS
 
     normal = dict(point)
-    for name, value in point.items():
+    for name in point:
         requires = DIMENSIONS[name].requires
         if any(normal.get(k) != v for k, v in requires.items()):
             normal[name] = DIMENSIONS[name].default_value
-        del value
     return normal
 
 

@@ -138,7 +138,46 @@ def ok_points(
             continue  # a core Error decides every point with these core values
         chosen_core = {n: core[n] for n in core_names}
         _walk(table, core, feature_space, chosen_core, boxes)
+    _check_sample(table, base, space, boxes)
     return boxes
+
+
+def _check_sample(
+    table: RuleTable,
+    base: Mapping[str, Any],
+    space: Mapping[str, tuple[Any, ...]],
+    boxes: Sequence[Box],
+    samples: int = 256,
+) -> None:
+    """Look up ``samples`` points of ``space`` drawn at random (a fixed seed) one by one: each
+    must be in a box exactly when the table says OK, with the box's rule. The shortcut of
+    recording reads holds while ``lookup`` reads a point by subscript; a table that reads it
+    another way would make the boxes wrong, and this says so instead of planning with them."""
+    import random
+
+    draw = random.Random(0)
+    names = list(space)
+    by_core: dict[tuple[Any, ...], list[Box]] = {}
+    core_names = [n for n in CORE_DIMENSIONS if n in space]
+    for box in boxes:
+        by_core.setdefault(tuple(box.fixed[n] for n in core_names), []).append(box)
+    for _ in range(samples):
+        point = {**base, **{n: draw.choice(space[n]) for n in names}}
+        rule = table.lookup(point)
+        holding = [
+            box
+            for box in by_core.get(tuple(point[n] for n in core_names), [])
+            if all(point[n] == v for n, v in box.fixed.items())
+            and all(point[n] in v for n, v in box.free.items())
+        ]
+        found = holding[0].rule_id if len(holding) == 1 else None
+        expected = rule.id if rule.status == Status.OK else None
+        if len(holding) > 1 or found != expected:
+            raise RuntimeError(
+                f"the planner's enumeration disagrees with RuleTable.lookup at {point}: the "
+                f"table says {rule.status} ({rule.id}), the boxes {found or 'not OK'}; the "
+                "table's lookup reads points in a way enumeration.py does not record"
+            )
 
 
 def _walk(
