@@ -215,7 +215,8 @@ def _lookup(table: RuleTable, values: dict[str, Any], free: set[str]) -> tuple[A
     if deferring:
         # The deciding rule is the one of the point with the deferring rule's values: follow
         # that walk too (its reads of the deferred-to dimensions are not the point's).
-        decide_as = next(r.decide_as for r in table.rules if r.id == deferring[0])
+        rules = [*getattr(table, "gates", ()), *getattr(table, "rules", ())]
+        decide_as = next(r.decide_as for r in rules if r.id == deferring[0])
         again = _ReadRecorder({**values, **decide_as}, free - set(decide_as))
         table.lookup(again)
         read += [n for n in again.read if n not in read]
