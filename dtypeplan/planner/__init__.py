@@ -199,14 +199,25 @@ def _group_sizes(fleet: Fleet, given: Sequence[int] | None) -> list[int]:
 def _normal(point: Mapping[str, Any]) -> dict[str, Any]:
     """``point`` with the dimensions that mean nothing there (the fp8 recipe without fp8) at
     their defaults, so that equal combinations compare equal."""
+    normal = dict(point)
+    for name, (requires, default) in _REQUIRES.items():
+        if name in normal and any(normal.get(k) != v for k, v in requires.items()):
+            normal[name] = default
+    return normal
+
+
+def _requires() -> dict[str, tuple[dict[str, Any], Any]]:
     from dtypeplan.resolver import DIMENSIONS
 
-    normal = dict(point)
-    for name in point:
-        requires = DIMENSIONS[name].requires
-        if any(normal.get(k) != v for k, v in requires.items()):
-            normal[name] = DIMENSIONS[name].default_value
-    return normal
+    return {
+        name: (dict(dim.requires), dim.default_value)
+        for name, dim in DIMENSIONS.items()
+        if dim.requires
+    }
+
+
+_REQUIRES = _requires()
+"""The dimensions that mean something only where others have a value (the fp8 recipe)."""
 
 
 def _costed(
