@@ -35,6 +35,7 @@ from dtypeplan.resolver import (
     _rules,
     load_rules,
 )
+from dtypeplan.resolver._boxes import intersect, size
 from dtypeplan.resolver._dimensions import (
     CORE_COMBINATIONS,
     FEATURE_DIMENSIONS,
@@ -43,7 +44,6 @@ from dtypeplan.resolver._dimensions import (
     points,
     value_text,
 )
-from dtypeplan.resolver._boxes import intersect, size
 from dtypeplan.resolver._rules import default_rules_path
 
 SHIPPED = Path(default_rules_path()).read_text()
@@ -172,13 +172,6 @@ def assert_at(error: RulesError, path: str, line: int) -> None:
 
 
 # --- the shipped table -----------------------------------------------------------------------
-def _box_size(rule: Rule) -> int:
-    return math.prod(
-        len(rule.when[name]) if name in rule.when else len(dim.values)
-        for name, dim in DIMENSIONS.items()
-    )
-
-
 def _disjoint(first: Rule, second: Rule) -> bool:
     return any(
         not (first.when[name] & second.when[name])
@@ -286,8 +279,11 @@ def test_core_contradictions_are_errors_whatever_features_are_set() -> None:
     value of every feature (alone, and with fp8 on beside it), never a feature's NotSupported,
     a deferral or OK."""
     table = dtypeplan.load_rules()
-    contradictions = ["fp16-and-bf16", "stage0-sharded-accumulator",
-                      "partitioned-gradients-whole-accumulator"]
+    contradictions = [
+        "fp16-and-bf16",
+        "stage0-sharded-accumulator",
+        "partitioned-gradients-whole-accumulator",
+    ]
     assert [gate.id for gate in table.gates[:3]] == contradictions
     checked = 0
     for point in CORE_CONTRADICTIONS + [p for p in points() if p["params"] == "fp16+bf16"]:
@@ -962,7 +958,9 @@ def _rule(number: int, when: dict[str, Any], gate: bool = False) -> Rule:
         id=f"{'g' if gate else 'r'}{number}",
         when=FrozenDict(
             {
-                k: frozenset(DIMENSIONS[k].values if v == "*" else v if isinstance(v, list) else [v])
+                k: frozenset(
+                    DIMENSIONS[k].values if v == "*" else v if isinstance(v, list) else [v]
+                )
                 for k, v in when.items()
             }
         ),
@@ -1206,7 +1204,10 @@ def test_not_matcher() -> None:
     ("matcher", "expected"),
     [
         ("{not: [fp32, bf16]}", set(STATES.values) - {"fp32", "bf16"}),
-        ("{not: unquantized_states}", set(STATES.values) - {"fp32", "bf16", "fp32/bf16", "bf16/fp32"}),
+        (
+            "{not: unquantized_states}",
+            set(STATES.values) - {"fp32", "bf16", "fp32/bf16", "bf16/fp32"},
+        ),
         ("{not: fp33}", "states: unknown value 'fp33'"),
         ('{not: "*"}', "states: unknown value"),
         ("{not: quantized_states, other: 1}", "other"),
@@ -1215,7 +1216,9 @@ def test_not_matcher() -> None:
 def test_not_matcher_edited(tmp_path: Path, matcher: str, expected: Any) -> None:
     gate = GATE["autocast-optimizer-states"]
     line = field_line(gate, "when")
-    path = write(tmp_path, replace_line(line, f"    when: {{autocast: [bf16, fp16], states: {matcher}}}"))
+    path = write(
+        tmp_path, replace_line(line, f"    when: {{autocast: [bf16, fp16], states: {matcher}}}")
+    )
     if isinstance(expected, str):
         error = rules_error(path)
         assert_at(error, path, line)
@@ -1247,8 +1250,12 @@ def test_unless_leaves_its_box_to_the_rules_after_the_gate() -> None:
     served = _zero3_point(hierarchical_partitioning=True)
     assert TABLE.lookup(served).id == "zero3" and TABLE.lookup(served).status == "OK"
     assert not gate.matches(served)
-    for where in ({"pipeline": True}, {"stage": 2}, {"master": "bf16", "params": "bf16"},
-                  {"reduction": "fp32_sum"}):
+    for where in (
+        {"pipeline": True},
+        {"stage": 2},
+        {"master": "bf16", "params": "bf16"},
+        {"reduction": "fp32_sum"},
+    ):
         refused = {**served, **where}
         assert gate.matches(refused)
         # The first gate holding it decides: this one, or one before it.
@@ -1280,7 +1287,10 @@ def test_an_unless_that_holds_all_or_none_of_its_gate_is_refused(
 def test_an_unless_with_an_unknown_value(tmp_path: Path) -> None:
     gate = GATE["offload-zero3"]
     line, _ = when_span(gate, "unless")
-    path = write(tmp_path, replace_when(gate, "    unless: {stage: 3, shard_groups: [flat, hibrid]}", "unless"))
+    path = write(
+        tmp_path,
+        replace_when(gate, "    unless: {stage: 3, shard_groups: [flat, hibrid]}", "unless"),
+    )
     error = rules_error(path)
     assert_at(error, path, line)
     assert "shard_groups: unknown value 'hibrid'" in str(error)
@@ -1306,7 +1316,10 @@ def test_the_first_gate_holding_a_point_decides_it(tmp_path: Path) -> None:
     text = _move_before(SHIPPED, GATE["fp8-autocast"], GATE["fp8-fp16-params"])
     table = dtypeplan.load_rules(write(tmp_path, text))
     assert table.lookup(point).id == "fp8-autocast"
-    assert [g.id for g in table.gates if g.matches(point)][:2] == ["fp8-autocast", "fp8-fp16-params"]
+    assert [g.id for g in table.gates if g.matches(point)][:2] == [
+        "fp8-autocast",
+        "fp8-fp16-params",
+    ]
     # The deferral moved before the fp8 refusals takes all of fp8: they decide nothing.
     text = _move_before(SHIPPED, GATE["fp8-compute"], GATE["fp8-fp16-params"])
     path = write(tmp_path, text)
@@ -1318,10 +1331,20 @@ def test_the_first_gate_holding_a_point_decides_it(tmp_path: Path) -> None:
 def test_a_deferral_gate_decides_as_its_point_without_fp8() -> None:
     gate = GATE["fp8-compute"]
     assert gate.decide_as == {"fp8": False} and gate.status == "OK" and gate.implementation is None
-    for stage, sharded, rule in ((0, False, "stage0-data-parallel"), (1, False, "zero1"),
-                                 (2, True, "zero2"), (3, True, "zero3")):
-        point = {**next(points()), "stage": stage, "sharded": sharded, "params": "bf16",
-                 "fp8": True, "fp8_execution": "emulated"}
+    for stage, sharded, rule in (
+        (0, False, "stage0-data-parallel"),
+        (1, False, "zero1"),
+        (2, True, "zero2"),
+        (3, True, "zero3"),
+    ):
+        point = {
+            **next(points()),
+            "stage": stage,
+            "sharded": sharded,
+            "params": "bf16",
+            "fp8": True,
+            "fp8_execution": "emulated",
+        }
         decided = TABLE.lookup(point)
         assert decided.id == f"fp8-compute+{rule}" and decided.decided_by == ("fp8-compute", rule)
         assert decided.implementation == GRID[rule].implementation
@@ -1364,8 +1387,12 @@ def test_a_deferral_with_a_status_is_refused(tmp_path: Path) -> None:
 def test_a_deferral_to_a_deferral_is_refused(tmp_path: Path) -> None:
     gate = GATE["fp8-compute"]
     block = SHIPPED.splitlines(keepends=True)[gate.line - 1 : block_end(gate)]
-    second = "".join(block).replace("id: fp8-compute", "id: fp8-again").replace(
-        "{fp8: true}", "{fp8: false, pipeline: true}").replace("{fp8: false}", "{fp8: true}", 1)
+    second = (
+        "".join(block)
+        .replace("id: fp8-compute", "id: fp8-again")
+        .replace("{fp8: true}", "{fp8: false, pipeline: true}")
+        .replace("{fp8: false}", "{fp8: true}", 1)
+    )
     # fp8-again defers fp8=false points to fp8=true ones, which fp8-compute defers back.
     text = insert_after(block_end(gate), second.rstrip("\n"))
     error = rules_error(write(tmp_path, text))
@@ -1386,8 +1413,10 @@ def test_a_gate_that_earlier_gates_cover_in_the_shipped_file_is_refused(tmp_path
 
 def test_a_grid_rule_the_shipped_gates_cover_is_refused(tmp_path: Path) -> None:
     """A grid rule for ZeRO-0 offload: the gates refuse all of it, so it decides nothing."""
-    rule = ("  - id: stage0-offload\n    when: {stage: 0, offload_param: [cpu, nvme]}\n"
-            "    status: NotSupported\n    reason: r")
+    rule = (
+        "  - id: stage0-offload\n    when: {stage: 0, offload_param: [cpu, nvme]}\n"
+        "    status: NotSupported\n    reason: r"
+    )
     text = SHIPPED.rstrip("\n") + "\n\n" + rule + "\n"
     path = write(tmp_path, text)
     error = rules_error(path)
@@ -1432,16 +1461,24 @@ def test_gradient_prescaling_routed_to_sharded_is_refused(tmp_path: Path) -> Non
         'shard_groups: "*", offload_optimizer: [none, cpu], gradient_prescaling: "*"}',
     )
     line = line_of(text, "when: {gradient_prescaling: [prescale, predivide]}")
-    text = replace_line(line, "    when: {gradient_prescaling: [prescale, predivide], stage: [0, 2, 3]}", text)
+    text = replace_line(
+        line, "    when: {gradient_prescaling: [prescale, predivide], stage: [0, 2, 3]}", text
+    )
     path = write(tmp_path, text)
     error, named, implementation = _declaration_error(path)
     assert (named.id, implementation) == ("zero1", "sharded")
-    assert "gradient_prescaling=prescale" in str(error) or "gradient_prescaling=predivide" in str(error)
+    assert "gradient_prescaling=prescale" in str(error) or "gradient_prescaling=predivide" in str(
+        error
+    )
     assert "stage=1" in str(error)
     assert_at(error, path, id_line(text, "zero1"))
     # The shipped file refuses it at the gate.
-    assert dtypeplan.load_rules().lookup({**next(points()), "stage": 1,
-                                          "gradient_prescaling": "prescale"}).id == gate.id
+    assert (
+        dtypeplan.load_rules()
+        .lookup({**next(points()), "stage": 1, "gradient_prescaling": "prescale"})
+        .id
+        == gate.id
+    )
 
 
 def test_quantized_weights_routed_to_fsdp2_are_refused(tmp_path: Path) -> None:
@@ -1482,7 +1519,10 @@ def test_the_shipped_table_is_checked_against_the_declarations() -> None:
         for impl in (rule.implementation, rule.single_process_implementation):
             if impl is not None:
                 assert any(all(point[d] in v for d, v in box.items()) for box in boxes[impl]), (
-                    rule.id, impl, point)
+                    rule.id,
+                    impl,
+                    point,
+                )
                 checked += 1
     assert checked > 500
 
@@ -1540,8 +1580,10 @@ def test_register_with_a_bad_declaration_raises(
     serves: list[dict[str, Any]], message: str, clean_registry: None
 ) -> None:
     with pytest.raises(RegistryError, match=message) as info:
+
         @dtypeplan.register("badly_declared", serves=serves)
         class Bad(ReplicatedOptimizer):
             pass
+
     assert "@register('badly_declared', serves=...)" in str(info.value)
     assert "badly_declared" not in dtypeplan.registered_names()
