@@ -257,6 +257,22 @@ def test_lookup_is_the_first_gate_else_the_one_grid_rule() -> None:
             assert decided is rule
 
 
+def test_version_2_decides_as_version_1() -> None:
+    """The rewrite to gates and a grid changed no decision: at every core point and a sample of
+    the whole space (fp8 on and off), the status and the implementations are version 1's, as
+    its own semantics give them (tests/rules_v1.py: a linear scan of the old file with its core
+    Error precedence; the rule ids differ)."""
+    from tests.rules_v1 import load_v1, v1_verdict
+
+    old = load_v1()
+    table = dtypeplan.load_rules()
+    for point in _sample_points(1500, seed=7) + _fp8_points(1000, seed=8):
+        rule = table.lookup(point)
+        verdict, old_id = v1_verdict(old, point)
+        new = (str(rule.status), rule.implementation, rule.single_process_implementation)
+        assert new == verdict, (point, rule.id, old_id)
+
+
 CORE_CONTRADICTIONS = [
     p
     for p in points()
