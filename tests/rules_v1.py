@@ -77,3 +77,53 @@ def v1_verdict(rules: list[V1Rule], point: dict[str, Any]) -> tuple[Verdict, str
         if core.status == "Error":
             rule = core
     return (rule.status or "", rule.implementation, rule.single), rule.id
+
+
+def v1_regions(rules: list[V1Rule]) -> list:
+    """The version-1 table as disjoint boxes with one verdict each (see
+    ``dtypeplan.resolver._diff``): every rule's box (the boxes are disjoint in a valid version-1
+    file), cut where the core settings are an Error (that Error decides there, unless the rule
+    is an Error too), a deferring rule's boxes cut by where their points land."""
+    from dtypeplan.resolver._boxes import FULL, intersect, remaining, with_values
+    from dtypeplan.resolver._diff import Region, deferred
+    from dtypeplan.resolver._rules import _mask
+
+    core_errors = [
+        (with_values(_mask(r.when), {d: None for d in FEATURES_UNUSED}), r)
+        for r in rules
+        if r.status == "Error"
+        and intersect(_mask(r.when), with_values(FULL, FEATURES_UNUSED)) is not None
+    ]
+    core_boxes = [
+        intersect(box, with_values(_mask(r.when), dict(FEATURES_UNUSED)))
+        for box, r in core_errors
+    ]
+    # A core Error rule's region: the core combinations it holds, with any features.
+    core = [
+        (with_values(c, {d: None for d in FEATURES_UNUSED}), r)
+        for c, (_, r) in zip(core_boxes, core_errors, strict=True)
+        if c is not None
+    ]
+
+    def verdict(rule: V1Rule) -> Verdict:
+        return (rule.status or "", rule.implementation, rule.single)
+
+    plain, deferring = [], []
+    for rule in rules:
+        box = _mask(rule.when)
+        if rule.status == "Error":
+            plain.append(Region(box, verdict(rule), rule.id))
+            continue
+        for core_box, error in core:
+            common = intersect(box, core_box)
+            if common is not None:
+                plain.append(Region(common, verdict(error), error.id))
+        for piece in remaining(box, [c for c, _ in core]):
+            if rule.decide_as:
+                deferring.append((rule, piece))
+            else:
+                plain.append(Region(piece, verdict(rule), rule.id))
+    out = list(plain)
+    for rule, piece in deferring:
+        out.extend(deferred(piece, rule.decide_as, plain, rule.id))
+    return out

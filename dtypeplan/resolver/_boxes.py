@@ -20,7 +20,7 @@ implementation declaration of the table is a box. The space has too many points 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "remaining",
     "size",
     "subtract",
+    "with_values",
 ]
 
 Box = tuple[int, ...]
@@ -101,6 +102,23 @@ def box_text(box: Box) -> str:
             values = (value_text(v) for i, v in enumerate(dim.values) if mask >> i & 1)
             parts.append(f"{name}={'|'.join(values)}")
     return ", ".join(parts) or "any combination"
+
+
+def with_values(box: Box, values: Mapping[str, Any]) -> Box:
+    """``box`` with the dimensions of ``values`` set to those values (``None``: any value)."""
+    out = list(box)
+    for position, (name, dim) in enumerate(DIMENSIONS.items()):
+        if name in values:
+            value = values[name]
+            out[position] = (
+                FULL[position]
+                if value is None
+                # bool is an int in Python: match the type too.
+                else 1 << next(
+                    i for i, v in enumerate(dim.values) if v == value and type(v) is type(value)
+                )
+            )
+    return tuple(out)
 
 
 def _positions(mask: int) -> list[int]:

@@ -70,6 +70,7 @@ from dtypeplan.resolver._boxes import (
     remaining,
     size,
     subtract,
+    with_values,
 )
 from dtypeplan.resolver._dimensions import (
     COMBINATIONS,
@@ -835,30 +836,20 @@ def _check_declarations(table: RuleTable, implementations: Implementations, name
             continue
         # The points it defers whose deferred point is taken by a gate are decided there.
         deferred_taken = [
-            _with_values(box, {dim: None for dim in gate.decide_as})
+            with_values(box, {dim: None for dim in gate.decide_as})
             for box in taken
-            if intersect(box, _with_values(FULL, gate.decide_as)) is not None
+            if intersect(box, with_values(FULL, gate.decide_as)) is not None
         ]
         for piece in table.decided(gate):
-            target = _with_values(piece, gate.decide_as)
+            target = with_values(piece, gate.decide_as)
             for base in leaves_within(table.index, target, table.leaves.__getitem__):
                 if base.decided_by is None:
                     continue
-                widened = _with_values(base.box, {dim: None for dim in gate.decide_as})
+                widened = with_values(base.box, {dim: None for dim in gate.decide_as})
                 common = intersect(piece, widened)
                 if common is not None:
                     rule = table.grid[base.decided_by]
                     _check_served(rule, common, deferred_taken, declared, name, gate)
-
-
-def _with_values(box: Box, values: Mapping[str, Any]) -> Box:
-    """``box`` with the dimensions of ``values`` set to those values (``None``: any value)."""
-    out = list(box)
-    for position, dim in enumerate(DIMENSIONS):
-        if dim in values:
-            value = values[dim]
-            out[position] = FULL[position] if value is None else _mask({dim: [value]})[position]
-    return tuple(out)
 
 
 def _check_served(
