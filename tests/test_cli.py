@@ -20,13 +20,7 @@ from dtypeplan.report import format_bytes
 from dtypeplan.resolver import DIMENSIONS, PARAMS, Rule
 from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, value_text
 from dtypeplan.resolver._rules import default_rules_path
-from dtypeplan.table import (
-    README_BEGIN,
-    README_END,
-    condition_text,
-    readme_block,
-    render_readme_block,
-)
+from dtypeplan.table import condition_text
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -397,7 +391,7 @@ def test_table_condition_names_features_only_where_a_rule_sets_them_apart() -> N
     # Every feature pinned to "not used": summed up once; a core dimension the grid rule does
     # not name (any value) is not spelled out.
     text = condition_text(zero1)
-    assert text.startswith("stage=1, ") and text.endswith(", other features unused"), text
+    assert text.startswith("stage=1, "), text
     assert "offload_optimizer=none|cpu" in text and "params=" not in text
     offload = next(rule for rule in table.rules if rule.id == "zero3-offload-optimizer")
     text = condition_text(offload)
@@ -475,18 +469,11 @@ def test_table_grid_applies_the_rules_file_defaults(
     assert {row[4].strip("*") for row in rows} == {"OK"}
 
 
-def test_table_readme_block(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["table", "--readme"]) == 0
-    out = capsys.readouterr().out
-    assert out == render_readme_block(dtypeplan.load_rules())
-    assert "| id |" in out and "| params |" in out
-    assert README_BEGIN not in out and README_END not in out
-
-
-def test_readme_has_no_copy_of_the_table() -> None:
-    """The table lives in docs/reference/truth-table.md (tests/test_docs.py keeps it fresh); a
-    copy between the README markers would go stale unchecked."""
-    assert readme_block((ROOT / "README.md").read_text()) is None
+def test_table_has_no_readme_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README block code is gone (rules v2): the table lives in docs/reference/
+    truth-table.md, which tests/test_docs.py keeps fresh."""
+    assert main(["table", "--readme"]) == 2
+    assert "--readme" in capsys.readouterr().err
 
 
 # --- lint ------------------------------------------------------------------------------------
