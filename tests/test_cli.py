@@ -770,10 +770,12 @@ def test_diff_names_the_combinations_an_edit_changes(
     start = shipped.index("  - id: zero3-wire-across")
     end = shipped.index("  - id: zero3-fp32-sum")
     edited = tmp_path / "edited.yaml"
-    # Refuse ZeRO-2 with bf16 states too: a gate added in the place of another one's.
+    # Refuse plain shard groups (HSDP) at ZeRO-3 too: one gate widened.
     edited.write_text(
         shipped[:start]
-        + shipped[start:end].replace("{stage: 3, shard_groups: wire_across}", "{stage: 3}")
+        + shipped[start:end].replace(
+            "{stage: 3, shard_groups: wire_across}", "{stage: 3, shard_groups: shard_groups_any}"
+        )
         + shipped[end:]
     )
     assert main(["diff", "shipped", str(edited)]) == 1
