@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtypeplan._formats import FORMATS
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 
 __all__ = [
@@ -333,7 +334,7 @@ MASTER_ROUNDING: FrozenDict[str, tuple[str, str]] = FrozenDict(
     }
 )
 """Each master value as (dtype name, rounding of the fp32 update into that dtype)."""
-STATE_DTYPES = ("fp32", "bf16", "int8", "fp8")
+STATE_DTYPES = tuple(FORMATS)
 """How one optimizer state (a moment) can be stored: fp32; bf16 rounded to nearest; torchao's
 8-bit blockwise dynamic-tree codes or fp8 e4m3 codes, each with one fp32 scale per block."""
 
