@@ -66,8 +66,8 @@ def _train(
             torch.nn.functional.mse_loss(ref_model(x), y).backward()
             ref_opt.step()
         optimizer.zero_grad()
-        mine = zip(x.chunk(world_size)[rank].chunk(MICRO), y.chunk(world_size)[rank].chunk(MICRO))
-        for xm, ym in mine:
+        xs, ys = x.chunk(world_size)[rank].chunk(MICRO), y.chunk(world_size)[rank].chunk(MICRO)
+        for xm, ym in zip(xs, ys, strict=True):
             (torch.nn.functional.mse_loss(model(xm), ym) / MICRO).backward()
         optimizer.step()
 
