@@ -247,6 +247,36 @@ def _untagged(state_dict: dict[str, Any], tag: str) -> dict[str, Any]:
     return state_dict
 
 
+BEFORE = Path(__file__).parent / "data" / "checkpoints" / "before-trust-bf16-int8-fp8-zero1"
+"""A checkpoint saved before the records (int8 first moments, fp8 second), tagged int8 / fp8."""
+
+
+def test_a_checkpoint_saved_before_the_records_restores_its_codes() -> None:
+    """Its ``codes.*.int8`` / ``codes.*.fp8`` keys are the int8 and fp8 records' tags: a load
+    into the same layout and formats restores the codes bit for bit, so the moments read back
+    exactly as the fp32 values the checkpoint stored (what fp32 states load), where quantizing
+    those values anew would move them."""
+    config: dict[str, Any] = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 300},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    codes = _manifest_codes(str(BEFORE))
+    assert {key.split(".")[-2] for key in codes} == {INT8.tag, FORMATS["fp8"].tag}
+    loaded = {}
+    for states in ("int8/fp8", "fp32"):
+        exp_avg, exp_avg_sq = STATE_PAIRS[states]
+        plan = dtypeplan.resolve(
+            {**config, "optimizer_states": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}}
+        )
+        optimizer = plan.build(plan.prepare_model(make_model(5)).parameters())
+        checkpoint.load(optimizer, str(BEFORE))
+        loaded[states] = checkpoint_cases.snapshot(optimizer)["states"]
+    assert loaded["int8/fp8"].keys() == loaded["fp32"].keys()
+    for key, values in loaded["fp32"].items():
+        assert torch.equal(loaded["int8/fp8"][key], values), key
+
+
 # --- ranks that hold no element of a parameter ---------------------------------------------
 
 STEPS, LR = 3, 1e-2
