@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -96,8 +96,6 @@ class StateFormat:
     """Whether a state dict written before codes carried their format's tag (``exp_avg.codes``)
     holds this format's codes when they are in ``storage_dtype``: int8 and fp8, the only
     quantized formats then, each with a codes dtype of its own."""
-    summary: str = field(default="", compare=False)
-    """One line for the docs and the error messages."""
 
     @property
     def quantized(self) -> bool:
@@ -107,10 +105,6 @@ class StateFormat:
     @property
     def tag(self) -> str:
         return self.checkpoint_tag or self.name
-
-    def padded(self, numel: int) -> int:
-        """``numel`` rounded up to whole blocks."""
-        return -(-numel // self.block) * self.block
 
     def code_count(self, numel: int) -> int:
         """Elements of ``storage_dtype`` that hold ``numel`` values (whole blocks)."""
@@ -128,6 +122,10 @@ class StateFormat:
         """The codes and the scales that hold stored values ``[begin, end)`` (whole blocks)."""
         codes = slice(self.code_count(begin), self.code_count(end))
         return codes, slice(begin // self.block, end // self.block)
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is a state stored in this format."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -148,8 +146,7 @@ class QuantizedFormat(StateFormat):
         raise NotImplementedError
 
     def holds(self, value: Any) -> bool:
-        """Whether ``value`` is a state of this format (a plain tensor never is: torchao is
-        not imported for it)."""
+        # A plain tensor never is: torchao is not imported for it.
         return type(value) is not torch.Tensor and isinstance(value, self.container())
 
     def new(self, numel: int, device: torch.device, *, signed: bool) -> torch.Tensor:
@@ -276,8 +273,8 @@ def _dynamic_tree(signed: bool) -> Sequence[float]:
     return subclass_8bit.get_qmap_signed() if signed else subclass_8bit.get_qmap_unsigned()
 
 
-FP32 = PlainFormat("fp32", 32, torch.float32, summary="fp32 (4 bytes a value)")
-BF16 = PlainFormat("bf16", 16, torch.bfloat16, summary="bf16 rounded to nearest (2 bytes)")
+FP32 = PlainFormat("fp32", 32, torch.float32)
+BF16 = PlainFormat("bf16", 16, torch.bfloat16)
 INT8 = CodebookFormat(
     "int8",
     8,
@@ -287,7 +284,6 @@ INT8 = CodebookFormat(
     signed_codebooks=True,
     codebook_bytes=256 * 4,
     reads_untagged_codes=True,
-    summary="torchao's 8-bit dynamic-tree codes, one fp32 scale per 256 values",
     codebook=_dynamic_tree,
 )
 FP8 = Fp8Format(
@@ -297,7 +293,6 @@ FP8 = Fp8Format(
     block=256,
     scale_dtype=torch.float32,
     reads_untagged_codes=True,
-    summary="torchao's fp8 e4m3 codes, one fp32 scale per 256 values",
 )
 
 _REGISTRY: dict[str, StateFormat] = {f.name: f for f in (FP32, BF16, INT8, FP8)}
@@ -321,6 +316,6 @@ def format_of(value: Any) -> StateFormat | None:
     if not torch.is_tensor(value):
         return None
     for fmt in FORMATS.values():
-        if isinstance(fmt, (PlainFormat, QuantizedFormat)) and fmt.holds(value):
+        if fmt.holds(value):
             return fmt
     return None

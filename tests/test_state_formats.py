@@ -122,7 +122,6 @@ LIN8 = CodebookFormat(
     scale_dtype=torch.float32,
     signed_codebooks=True,
     codebook_bytes=1024,
-    summary="tests only: linear 8-bit codes in uint8",
     codebook=_linear,
 )
 

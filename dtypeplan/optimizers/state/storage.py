@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtypeplan._formats import QuantizedFormat, format_of, state_format, torchao
+from dtypeplan._formats import FORMATS, QuantizedFormat, format_of, state_format
 
 __all__ = [
     "BlockLayout",
@@ -171,11 +171,15 @@ class BlockLayout:
 
 
 def is_quantized(value: Any) -> bool:
-    """Whether ``value`` is a quantized state (codes and block scales in a torchao tensor)."""
+    """Whether ``value`` is a quantized state: held in a quantized format's container (codes
+    and block scales in a torchao tensor), whatever its code table."""
     if not torch.is_tensor(value) or type(value) is torch.Tensor:
         return False
-    subclass_8bit, subclass_fp8, _ = torchao()
-    return isinstance(value, (subclass_8bit.OptimState8bit, subclass_fp8.OptimStateFp8))
+    return any(
+        isinstance(value, fmt.container())
+        for fmt in FORMATS.values()
+        if isinstance(fmt, QuantizedFormat)
+    )
 
 
 def _quantized_format(value: Any) -> QuantizedFormat:
