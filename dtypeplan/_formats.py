@@ -182,7 +182,13 @@ class CodebookFormat(QuantizedFormat):
 
     def table(self, device: torch.device, signed: bool) -> torch.Tensor:
         """The code table of ``signed`` states on ``device`` (one tensor, shared)."""
-        return _table(self, torch.device(device), signed or not self.signed_codebooks)
+        key = (self.name, device, signed or not self.signed_codebooks)
+        found = _TABLES.get(key)  # a dict, not functools.cache: read for every piece
+        if found is None:
+            assert self.codebook is not None, self.name
+            values = list(self.codebook(key[2]))
+            found = _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        return found
 
     def holds(self, value: Any) -> bool:
         if not super().holds(value):
@@ -214,10 +220,8 @@ class CodebookFormat(QuantizedFormat):
         torch.mul(values.view(-1, self.block), scales.view(-1, 1), out=blocks)
 
 
-@functools.cache
-def _table(fmt: CodebookFormat, device: torch.device, signed: bool) -> torch.Tensor:
-    assert fmt.codebook is not None, fmt.name
-    return torch.tensor(list(fmt.codebook(signed)), dtype=torch.float32, device=device)
+_TABLES: dict[tuple[str, torch.device, bool], torch.Tensor] = {}
+"""Each codebook format's table by (name, device, sign)."""
 
 
 @functools.cache

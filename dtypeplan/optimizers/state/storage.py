@@ -175,11 +175,10 @@ def is_quantized(value: Any) -> bool:
     and block scales in a torchao tensor), whatever its code table."""
     if not torch.is_tensor(value) or type(value) is torch.Tensor:
         return False
-    return any(
-        isinstance(value, fmt.container())
-        for fmt in FORMATS.values()
-        if isinstance(fmt, QuantizedFormat)
-    )
+    for fmt in FORMATS.values():
+        if isinstance(fmt, QuantizedFormat) and isinstance(value, fmt.container()):
+            return True
+    return False
 
 
 def _quantized_format(value: Any) -> QuantizedFormat:
@@ -241,7 +240,7 @@ def state_values(
         fmt = _quantized_format(value)
         layout = layout or BlockLayout.whole(numel, block=fmt.block)
         whole = torch.empty(layout.stored_numel, dtype=torch.float32, device=value.device)
-        _decode(value, 0, layout.stored_numel, whole)
+        _decode(fmt, value, 0, layout.stored_numel, whole)
         return layout.gather(whole)
     return value.to(torch.float32, copy=True)
 
@@ -256,7 +255,8 @@ def to_storage(
     stored = new_state(dtype, values.numel(), values.device, signed=signed, layout=layout)
     if not is_quantized(stored):
         return stored.copy_(values)
-    _encode(layout.scatter(values.to(torch.float32)), stored, 0, layout.stored_numel)
+    fmt = _quantized_format(stored)
+    _encode(fmt, layout.scatter(values.to(torch.float32)), stored, 0, layout.stored_numel)
     return stored
 
 
@@ -268,20 +268,22 @@ def scratch_numel(piece: LayoutPiece) -> int:
     return span if piece.splits is None else span + piece.end - piece.begin
 
 
-def _decode(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
-    """Stored values ``[begin, end)`` (whole blocks) of a quantized state into ``out``, by its
-    format's decoding of the codes and scales directly (the torchao subclass's dispatch costs
-    more than the arithmetic on small chunks)."""
-    fmt = _quantized_format(stored)
+def _decode(
+    fmt: QuantizedFormat, stored: torch.Tensor, begin: int, end: int, out: torch.Tensor
+) -> None:
+    """Stored values ``[begin, end)`` (whole blocks) of a quantized state of format ``fmt``
+    into ``out``, by the format's decoding of the codes and scales directly (the torchao
+    subclass's dispatch costs more than the arithmetic on small chunks)."""
     codes, scales, signed = fmt.parts(stored)
     at_codes, at_scales = fmt.spans(begin, end)
     fmt.decode(codes[at_codes], scales[at_scales], out, signed=signed)
 
 
-def _encode(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) -> None:
+def _encode(
+    fmt: QuantizedFormat, values: torch.Tensor, stored: torch.Tensor, begin: int, end: int
+) -> None:
     """Encode fp32 ``values`` (whole blocks) into stored values ``[begin, end)`` of a quantized
-    state, by its format (torchao's codes, bit for bit)."""
-    fmt = _quantized_format(stored)
+    state of format ``fmt`` (torchao's codes, bit for bit)."""
     codes, scales, signed = fmt.parts(stored)
     at_codes, at_scales = fmt.spans(begin, end)
     new_codes, new_scales = fmt.encode(values, signed=signed)
@@ -300,12 +302,13 @@ def load_piece(stored: torch.Tensor, piece: LayoutPiece, scratch: torch.Tensor) 
             return stored[begin:end]
         scratch[:n].copy_(stored[begin:end])
         return scratch[:n]
+    fmt = _quantized_format(stored)
     span = piece.stored_end - piece.stored_begin
     if piece.splits is None:
-        _decode(stored, piece.stored_begin, piece.stored_end, scratch[:span])
+        _decode(fmt, stored, piece.stored_begin, piece.stored_end, scratch[:span])
         return scratch[:n]
     staging = scratch[n : n + span]
-    _decode(stored, piece.stored_begin, piece.stored_end, staging)
+    _decode(fmt, stored, piece.stored_begin, piece.stored_end, staging)
     torch.cat(staging.split(piece.splits)[::2], out=scratch[:n])  # one call, no index
     return scratch[:n]
 
@@ -320,14 +323,15 @@ def store_piece(
         if stored.dtype != torch.float32:
             stored[begin:end].copy_(values)
         return  # fp32: updated in place
+    fmt = _quantized_format(stored)
     n, span = end - begin, piece.stored_end - piece.stored_begin
     if piece.splits is None:
         # The padding beyond the segment joins its last block's absmax: it must stay zero.
         scratch[n:span].zero_()
-        _encode(scratch[:span], stored, piece.stored_begin, piece.stored_end)
+        _encode(fmt, scratch[:span], stored, piece.stored_begin, piece.stored_end)
         return
     parts = scratch[n : n + span].split(piece.splits)  # segment, padding, segment, ...
     # The padding after each segment joins its last block's absmax: it must stay zero.
     torch._foreach_zero_(list(parts[1::2]))
     torch._foreach_copy_(list(parts[::2]), list(values.split(piece.splits[::2])))
-    _encode(scratch[n : n + span], stored, piece.stored_begin, piece.stored_end)
+    _encode(fmt, scratch[n : n + span], stored, piece.stored_begin, piece.stored_end)
