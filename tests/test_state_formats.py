@@ -253,8 +253,10 @@ BEFORE = Path(__file__).parent / "data" / "checkpoints" / "before-trust-bf16-int
 def test_a_checkpoint_saved_before_the_records_restores_its_codes() -> None:
     """Its ``codes.*.int8`` / ``codes.*.fp8`` keys are the int8 and fp8 records' tags: a load
     into the same layout and formats restores the codes bit for bit, so the moments read back
-    exactly as the fp32 values the checkpoint stored (what fp32 states load), where quantizing
-    those values anew would move them."""
+    as the fp32 values the checkpoint stored (what fp32 states load), where quantizing those
+    values anew moves some by a code step (1% or more). (Within 1 ulp, not bit for bit: with
+    ``ATEN_CPU_CAPABILITY=default`` a few int8 values decode 1 ulp off what the AVX build that
+    saved them wrote, on main as here.)"""
     config: dict[str, Any] = {
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 300},
@@ -273,7 +275,7 @@ def test_a_checkpoint_saved_before_the_records_restores_its_codes() -> None:
         loaded[states] = checkpoint_cases.snapshot(optimizer)["states"]
     assert loaded["int8/fp8"].keys() == loaded["fp32"].keys()
     for key, values in loaded["fp32"].items():
-        assert torch.equal(loaded["int8/fp8"][key], values), key
+        torch.testing.assert_close(loaded["int8/fp8"][key], values, rtol=2**-21, atol=0)
 
 
 # --- ranks that hold no element of a parameter ---------------------------------------------
