@@ -3,7 +3,8 @@
 
 Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
 (``demo``: the config is not OK), 2 a bad config or rules file, an Error combination, or a
-usage error, 3 a demo rank failed.
+usage error, 3 a demo rank failed, 141 the reader of the output closed it early (``check``
+exits with its verdict then, and prints no traceback either).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -27,6 +29,9 @@ EXIT_OK = 0
 EXIT_NOT_SUPPORTED = 1
 EXIT_ERROR = 2
 EXIT_RANK_FAILED = 3
+EXIT_READER_GONE = 141
+"""128 + SIGPIPE: what a shell reports for a tool that the closed reader of its output
+stopped (``check`` keeps its verdict instead)."""
 
 DEFAULT_PARAMS = 1_000_000_000
 DEFAULT_WORLD_SIZE = 8
@@ -185,6 +190,9 @@ def _exit_code(plan: PrecisionPlan) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Resolve, print, and exit with the verdict: that of the plan, or with unfilled "auto"
+    precision keys the worst of the choices shown. The verdict stands when the reader of the
+    output closes it early (``check ... | head``): the rest goes nowhere, quietly."""
     from dtypeplan import resolve
 
     fills = dict(args.auto)
@@ -195,24 +203,43 @@ def _cmd_check(args: argparse.Namespace) -> int:
         auto=fills,
         strict=args.strict,
     )
-    choices = _precision_choices(plan, fills)
+    # The precision keys are "auto" and nothing fills them: the run's dtypes are the
+    # launcher's choice, so show the plan of each (the exit code is the worst of them).
+    choices = [
+        (
+            choice,
+            extra,
+            resolve(
+                args.config,
+                pipeline_parallel=args.pipeline,
+                rules=args.rules,
+                auto={**fills, **extra},
+                strict=args.strict,
+            ),
+        )
+        for choice, extra in _precision_choices(plan, fills)
+    ]
+    verdict = max(_exit_code(p) for p in [c[2] for c in choices] or [plan])
+    try:
+        _print_check(plan, choices, args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _output_closed()
+    return verdict
+
+
+def _print_check(
+    plan: PrecisionPlan,
+    choices: list[tuple[str, dict[str, bool], PrecisionPlan]],
+    args: argparse.Namespace,
+) -> None:
     if not choices:
         data = _print_plan(plan, args)
         if args.json:
             print(json.dumps(data, indent=2))
-        return _exit_code(plan)
-    # The precision keys are "auto" and nothing fills them: the run's dtypes are the
-    # launcher's choice, so show the plan of each (the exit code is the HF default's, fp32).
+        return
     results = []
-    worst = EXIT_OK
-    for choice, extra in choices:
-        choice_plan = resolve(
-            args.config,
-            pipeline_parallel=args.pipeline,
-            rules=args.rules,
-            auto={**fills, **extra},
-            strict=args.strict,
-        )
+    for choice, extra, choice_plan in choices:
         setting = " ".join(f"--auto {k}={str(v).lower()}" for k, v in extra.items())
         shown = _shown_precision(choice_plan)
         if not args.json:
@@ -225,7 +252,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 "plan": _print_plan(choice_plan, args),
             }
         )
-        worst = max(worst, _exit_code(choice_plan))
         if not args.json:
             print()
     if args.json:
@@ -235,15 +261,25 @@ def _cmd_check(args: argparse.Namespace) -> int:
             'the precision keys are "auto": each choice is shown above; without --auto, '
             "resolve() takes the HF Trainer default (fp32). The exit code is the worst of them."
         )
-    return worst
+
+
+def _output_closed() -> None:
+    """The reader of stdout went away (``| head``): what is left to print, and the
+    interpreter's flush at exit, go to the null device instead of raising BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file stream
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
     from dtypeplan import load_rules
-    from dtypeplan.table import render_markdown, render_readme_block
+    from dtypeplan.table import render_markdown
 
-    table = load_rules(args.rules)
-    print(render_readme_block(table) if args.readme else render_markdown(table), end="")
+    print(render_markdown(load_rules(args.rules)), end="")
     return EXIT_OK
 
 
@@ -252,12 +288,25 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     from dtypeplan.resolver import COMBINATIONS
 
     table = load_rules(args.rules)
-    combinations = COMBINATIONS
     print(
-        f"ok: {len(table.rules)} rules, {combinations} combinations, "
-        "each matched by exactly one rule"
+        f"ok: {len(table.gates)} gates and {len(table.grid)} rules decide each of "
+        f"{COMBINATIONS} combinations once; every OK rule stays inside what its "
+        "implementation declares it serves"
     )
     return EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from dtypeplan import load_rules
+    from dtypeplan.resolver._diff import differences, verdict_regions
+
+    old, new = (None if path == "shipped" else path for path in (args.old, args.new))
+    found = differences(verdict_regions(load_rules(old)), verdict_regions(load_rules(new)))
+    for difference in found:
+        print(difference.text())
+    total = sum(d.combinations for d in found)
+    print(f"{len(found)} boxes, {total} combinations decided otherwise" if found else "same")
+    return EXIT_NOT_SUPPORTED if found else EXIT_OK
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
@@ -343,8 +392,8 @@ def _parser() -> argparse.ArgumentParser:
         help="resolve a config: explain the plan and predict memory",
         description="Resolve CONFIG, print plan.explain() and the predicted bytes per rank. "
         "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config. When bf16/fp16 "
-        '"enabled" are "auto" and no --auto fills them, the plan of each choice is printed and '
-        "the exit code is that of the HF default (fp32).",
+        '"enabled" are "auto" and no --auto fills them, the plan of each choice (fp32, fp16, '
+        "bf16) is printed and the exit code is the worst of theirs.",
     )
     check.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style .json or .yaml config")
     check.add_argument("--pipeline", action="store_true", help="the run uses pipeline parallelism")
@@ -395,23 +444,33 @@ def _parser() -> argparse.ArgumentParser:
         "feature value's deciding rules, as markdown.",
     )
     table.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
-    table.add_argument(
-        "--readme",
-        action="store_true",
-        help="print the block that goes between the table markers of README.md",
-    )
     add_import(table)
     table.set_defaults(handler=_cmd_table)
 
     lint = commands.add_parser(
         "lint",
         help="check a rules file",
-        description="Check that every combination is matched by exactly one rule and every "
-        "implementation is registered. Exit 0 if so, else 2 with file:line.",
+        description="Check that every combination past the gates is matched by exactly one "
+        "rule, that every gate and rule decides something, that every implementation is "
+        "registered, and that every OK rule stays inside what its implementation declares it "
+        "serves. Exit 0 if so, else 2 with file:line.",
     )
     lint.add_argument("rules", nargs="?", metavar="RULES", help="default: the shipped rules file")
     add_import(lint)
     lint.set_defaults(handler=_cmd_lint)
+
+    diff = commands.add_parser(
+        "diff",
+        help="the combinations two rules files decide differently",
+        description="Print each box of combinations whose verdict (status and implementation) "
+        "differs between OLD and NEW, with the rule deciding on each side: what an edit "
+        "changes, before anything runs. Exit 0 when they decide alike, 1 when they differ, 2 "
+        "for a file that does not load.",
+    )
+    diff.add_argument("old", metavar="OLD", help="a rules file (the shipped one: 'shipped')")
+    diff.add_argument("new", metavar="NEW", help="a rules file (or 'shipped')")
+    add_import(diff)
+    diff.set_defaults(handler=_cmd_diff)
 
     demo = commands.add_parser(
         "demo",
@@ -466,7 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     try:
         _import_modules(args.imports)
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()
+        return code
     except (PrecisionConfigError, RulesError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # the reader of the output left early (`dtypeplan table | head`)
+        _output_closed()
+        return EXIT_READER_GONE
