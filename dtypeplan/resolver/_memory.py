@@ -68,6 +68,7 @@ FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -105,9 +106,11 @@ def _moment_bytes(
     fmt = state_format(dtype)
     if not fmt.quantized or param_numels is None:
         return fmt.stored_bytes(shard)
+    # A model's parameters come in a few sizes: each size is counted once.
+    sizes = Counter(param_numels)
     if zero_stage >= 3:
-        return sum(fmt.stored_bytes(-(-n // w)) for n in param_numels)
-    total = sum(fmt.stored_bytes(n) for n in param_numels)
+        return sum(count * fmt.stored_bytes(-(-n // w)) for n, count in sizes.items())
+    total = sum(count * fmt.stored_bytes(n) for n, count in sizes.items())
     return total * shard // max(sum(param_numels), 1)
 
 
