@@ -281,9 +281,10 @@ _RANK_MODULE = "dtypeplan.integrations.hf_trainer_run"
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """``dtypeplan run [torchrun options] SCRIPT [ARGS]``: torchrun, each rank running SCRIPT
-    unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG`` its config).
-    The exit code is torchrun's."""
+    """``dtypeplan run [--rules RULES] [torchrun options] SCRIPT [ARGS]``: torchrun, each rank
+    running SCRIPT unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG``
+    its config, RULES its rules file). The exit code is torchrun's."""
+    import os
     import subprocess
 
     from torch.distributed.run import get_args_parser
@@ -291,12 +292,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     argv = list(args.torchrun_argv)
     parser = get_args_parser()
     parser.prog = "dtypeplan run"
-    parser.usage = "dtypeplan run [torchrun options] SCRIPT [SCRIPT ARGS, e.g. --deepspeed ds.json]"
+    parser.usage = (
+        "dtypeplan run [--rules RULES] [torchrun options] SCRIPT [SCRIPT ARGS, e.g. "
+        "--deepspeed ds.json]"
+    )
+    parser.add_argument(
+        "--rules",
+        metavar="RULES",
+        help="dtypeplan's: the rules file the config is resolved with, instead of the shipped "
+        "one (a path; each rank reads it)",
+    )
     parser.description = (
         "torchrun with these options, each rank running SCRIPT (or -m MODULE) unedited with "
         "transformers.Trainer as dtypeplan's DtypeplanTrainer and TrainingArguments' "
-        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled). The exit code "
-        "is torchrun's. torchrun's options:"
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled), resolved with "
+        "--rules RULES (default: the shipped rules file). The exit code is torchrun's. "
+        "torchrun's options:"
     )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -309,13 +320,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("error: dtypeplan run: --no-python runs no Python script to start", file=sys.stderr)
         return EXIT_ERROR
     script_at = len(argv) - 1 - len(parsed.training_script_args)
-    options = [a for a in argv[:script_at] if a not in ("-m", "--module")]
-    rank = ["-m", _RANK_MODULE, *(["-m"] if parsed.module else []), parsed.training_script]
+    options = [a for a in _without_rules(argv[:script_at]) if a not in ("-m", "--module")]
+    rules = []
+    if parsed.rules is not None:
+        from dtypeplan.resolver import load_rules
+
+        # Checked here, once, before any rank starts; the implementations it names may be
+        # registered by the script's imports, so the ranks check those.
+        load_rules(parsed.rules, implementations=None)
+        # An absolute path: a launcher may start the ranks in another directory.
+        rules = ["--rules", os.path.abspath(parsed.rules)]
+    module = ["-m"] if parsed.module else []
+    rank = ["-m", _RANK_MODULE, *rules, *module, parsed.training_script]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *rank]
     try:
         return subprocess.call([*command, *parsed.training_script_args])
     except KeyboardInterrupt:
         return 130
+
+
+def _without_rules(options: list[str]) -> list[str]:
+    """torchrun's options without ``--rules RULES`` / ``--rules=RULES`` (dtypeplan's own)."""
+    kept: list[str] = []
+    skip = False
+    for option in options:
+        if skip:
+            skip = False
+        elif option == "--rules":
+            skip = True
+        elif not option.startswith("--rules="):
+            kept.append(option)
+    return kept
 
 
 # --- parser ------------------------------------------------------------------------------------
@@ -443,10 +478,11 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="torchrun an HF Trainer script, unedited, on dtypeplan (--deepspeed CONFIG)",
-        description="dtypeplan run [torchrun options] SCRIPT [ARGS]: torchrun with the same "
-        "options, each rank running SCRIPT (or -m MODULE) unedited with transformers.Trainer "
-        "as dtypeplan.integrations.DtypeplanTrainer and TrainingArguments' --deepspeed CONFIG "
-        "as its dtypeplan config (DeepSpeed is not enabled). The exit code is torchrun's.",
+        description="dtypeplan run [--rules RULES] [torchrun options] SCRIPT [ARGS]: torchrun "
+        "with the same options, each rank running SCRIPT (or -m MODULE) unedited with "
+        "transformers.Trainer as dtypeplan.integrations.DtypeplanTrainer and TrainingArguments' "
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled), resolved with "
+        "the rules file RULES (default: the shipped one). The exit code is torchrun's.",
         prefix_chars="\0",  # every argument is torchrun's or the script's
         add_help=False,
     )
