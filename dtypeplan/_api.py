@@ -38,7 +38,7 @@ def resolve(
     auto: Mapping[str, Any] | None = None,
     strict: bool = False,
 ) -> PrecisionPlan:
-    """Validate ``config`` and return its :class:`PrecisionPlan` (see API.md).
+    """Validate ``config`` and return its :class:`PrecisionPlan` (see docs/api.md).
 
     ``auto`` fills the config's ``"auto"`` values (dotted path -> value, e.g. from
     :func:`dtypeplan.auto_values_from`); unfilled ones take the HF Trainer's defaults.
