@@ -23,7 +23,7 @@ import importlib
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,7 +401,9 @@ def _judge(one: Sample, results: dict[int, dict[str, Any]]) -> Outcome:
     limit = max((r["bound"] for r in trained), default=None)
     result = "failed" if problems else "passed" if trained else "skipped"
     notes = problems or [
-        f"{ranks} rank(s) {text}" for ranks, text in runs.items() if "skipped" in text
+        f"{ranks} rank{'s' if ranks > 1 else ''} {text}"
+        for ranks, text in runs.items()
+        if "skipped" in text
     ]
     return Outcome(one.rule_id, one.text(), result, error, limit, "; ".join(notes), runs)
 
@@ -410,14 +412,16 @@ def prove(
     rules: str | os.PathLike[str] | None = None,
     *,
     imports: Sequence[str] = (),
+    only: Collection[str] | None = None,
     ranks: Sequence[int] = RANKS,
     progress: Callable[[str], None] | None = None,
     timeout_s: float = 3000.0,
 ) -> list[Outcome]:
     """Prove every OK rule of the rules file ``rules`` (None: the shipped one): one
-    :class:`Outcome` per OK rule, in the file's order. ``imports``: modules that register the
-    implementations it names (imported here and in every rank); ``progress`` receives a line
-    as each stage starts (rank 0 of each group prints one per rule)."""
+    :class:`Outcome` per OK rule, in the file's order (``only``: the OK rules of these ids).
+    ``imports``: modules that register the implementations it names (imported here and in every
+    rank); ``progress`` receives a line as each stage starts (rank 0 of each group prints one
+    per rule)."""
     from dtypeplan import load_rules, resolve
     from dtypeplan.launch import spawn
 
@@ -426,7 +430,14 @@ def prove(
     path = None if rules is None else os.fspath(rules)
     table = load_rules(path)
     say = progress or (lambda line: None)
-    ok = [rule for rule in table.rules if rule.status == Status.OK]
+    ok = [
+        rule
+        for rule in table.rules
+        if rule.status == Status.OK and (only is None or rule.id in only)
+    ]
+    missing = set(only or ()) - {rule.id for rule in ok}
+    if missing:
+        raise ValueError(f"{sorted(missing)}: no OK rule of {table.path} has these ids")
     say(f"finding a point of each of {len(ok)} OK rules")
     samples = [
         sample(table, rule, lambda config, pipeline: resolve(config, pipeline, path)) for rule in ok
