@@ -44,7 +44,8 @@ layer."""
 MICRO_BATCHES, PER_MICRO_BATCH = 2, 4
 RANKS = (1, 2)
 MAX_TRIES = 2000
-"""Points of a rule's box tried for one its lookup and this machine's config reach."""
+"""How many points of a rule's box are tried for one that the rule decides (the table's lookup)
+and that the config written for it reaches on this machine."""
 
 NEEDS: dict[tuple[str, Any], str] = {
     ("fp8_execution", "native"): "fp8 execution native needs a device with the recipe's fp8 "
@@ -108,7 +109,10 @@ def bound(plan: PrecisionPlan, steps: int = STEPS) -> float:
         INT8_WIRE if plan.quantized_communication != "none" else 0.0,
         _wire_eps(plan.wire_across_groups),
     ]
-    states = [_state_eps(plan.exp_avg_dtype, "signed"), _state_eps(plan.exp_avg_sq_dtype, "")]
+    states = [
+        _state_eps(plan.exp_avg_dtype, signed=True),
+        _state_eps(plan.exp_avg_sq_dtype, signed=False),
+    ]
     master = 2 * UNIT_ROUNDOFF[plan.master_dtype]
     per_step = GRADIENT_GAIN * sum(gradient) + UPDATE_GAIN * sum(states) + master
     return max(FLOOR, steps * per_step)
@@ -120,9 +124,9 @@ def _wire_eps(wire: str | None) -> float:
     return {"bf16": 2.0**-9, "fp16": 2.0**-11, "fp8": E4M3, "int8": INT8_WIRE}[wire]
 
 
-def _state_eps(dtype: str, sign: str) -> float:
+def _state_eps(dtype: str, *, signed: bool) -> float:
     if dtype == "int8":
-        return INT8_STATE_EPS["signed" if sign == "signed" else "unsigned"]
+        return INT8_STATE_EPS["signed" if signed else "unsigned"]
     return STATE_EPS[dtype]
 
 
@@ -380,7 +384,7 @@ def _judge(one: Sample, results: dict[int, dict[str, Any]]) -> Outcome:
     """The outcome of ``one`` from each run's result (ranks -> rank 0's result)."""
     problems: list[str] = []
     runs: dict[int, str] = {}
-    trained = []
+    trained: list[dict[str, Any]] = []
     for ranks, result in sorted(results.items()):
         where = f"{ranks} rank{'s' if ranks > 1 else ''}"
         if "skipped" in result:
@@ -399,13 +403,13 @@ def _judge(one: Sample, results: dict[int, dict[str, Any]]) -> Outcome:
             problems.append(f"{where} skipped {result['skipped_steps']} step(s)")
     error = max((r["error"] for r in trained), default=None)
     limit = max((r["bound"] for r in trained), default=None)
-    result = "failed" if problems else "passed" if trained else "skipped"
+    verdict = "failed" if problems else "passed" if trained else "skipped"
     notes = problems or [
         f"{ranks} rank{'s' if ranks > 1 else ''} {text}"
         for ranks, text in runs.items()
         if "skipped" in text
     ]
-    return Outcome(one.rule_id, one.text(), result, error, limit, "; ".join(notes), runs)
+    return Outcome(one.rule_id, one.text(), verdict, error, limit, "; ".join(notes), runs)
 
 
 def prove(
