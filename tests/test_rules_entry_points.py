@@ -5,9 +5,10 @@ the user's own, ``user-refuses-zero1``; ZeRO-1 fp32 is OK in the shipped table. 
 is given the file the way a user gives it (``resolve(rules=)``; ``dtypeplan check / table /
 run --rules``; ``DtypeplanTrainer(dtypeplan_rules=)``; ``DtypeplanAccelerator.resolve(config,
 rules=)``; ``DtypeplanStrategy(config, rules=)``) and must refuse a ZeRO-1 config, naming the
-user's rule and file. The frameworks run on one spawned gloo rank in one group (importing them
-costs more than the runs); ``dtypeplan run`` starts a real torchrun of one rank running
-tests/data/hf_scripts/run_clm.py unedited.
+user's rule and file. The frameworks and ``dtypeplan run``'s rank module (running
+tests/data/hf_scripts/run_clm.py unedited) run on one spawned gloo rank in one group (importing
+them costs more than the runs); the slow run also starts ``dtypeplan run`` itself, a real
+torchrun of one rank.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_dtypeplan_run_refuses_by_the_users_rule(tmp_path: Path) -> None:
     """An unedited HF Trainer script under ``dtypeplan run --rules RULES``: the rank refuses
     the config by the user's rule, and torchrun's exit code says it failed."""
@@ -126,5 +128,3 @@ def test_dtypeplan_run_refuses_by_the_users_rule(tmp_path: Path) -> None:
     assert done.returncode != 0, output[-4000:]
     assert "NotSupportedError" in output, output[-4000:]
     _refused_by_the_users_rule(output, rules)
-
-

@@ -1,8 +1,9 @@
 """A user's rules file at each framework entry point (tests/test_rules_entry_points.py): the HF
 Trainer (``DtypeplanTrainer(dtypeplan_rules=...)``), Accelerate
-(``DtypeplanAccelerator.resolve(config, rules=...)``) and Lightning
-(``DtypeplanStrategy(config, rules=...)``), each driven as a user drives it, on a config that
-the rules file refuses. Each returns what it raised (plain data for the parent)."""
+(``DtypeplanAccelerator.resolve(config, rules=...)``), Lightning
+(``DtypeplanStrategy(config, rules=...)``) and ``dtypeplan run``'s rank module
+(``hf_trainer_run --rules RULES``, an unedited script), each driven as a user drives it, on a
+config that the rules file refuses. Each returns what it raised (plain data for the parent)."""
 
 from __future__ import annotations
 
@@ -79,10 +80,37 @@ def _lightning(root: str, rules: str) -> None:
     trainer.fit(Module(), loader)
 
 
+RUN_CLM = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hf_scripts", "run_clm.py"
+)
+"""A script written for the plain HF Trainer (tests/data/hf_scripts/run_clm.py)."""
+
+
+def _unedited_script(root: str, rules: str) -> None:
+    """What ``dtypeplan run --rules RULES`` starts in each rank: the rank module, which runs
+    run_clm.py unedited (it makes ``transformers.Trainer`` dtypeplan's for this whole process:
+    the last entry point)."""
+    import json
+
+    from dtypeplan.integrations import hf_trainer_run
+
+    config = os.path.join(root, f"ds_config.{os.environ['RANK']}.json")
+    with open(config, "w", encoding="utf-8") as handle:
+        json.dump(CONFIG, handle)
+    hf_trainer_run.main([
+        "--rules", rules, RUN_CLM, "--deepspeed", config, "--model_type", "gpt2",
+        "--config_overrides", "vocab_size=128,n_positions=32,n_embd=32,n_layer=2,n_head=2",
+        "--do_train", "--output_dir", os.path.join(root, "run_clm"), "--max_steps", "1",
+        "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+        "--dataloader_num_workers", "0",
+    ])  # fmt: skip
+
+
 ENTRY_POINTS: dict[str, Callable[[str, str], None]] = {
     "trainer": _trainer,
     "accelerate": _accelerate,
     "lightning": _lightning,
+    "dtypeplan run's rank module": _unedited_script,
 }
 
 
