@@ -19,6 +19,7 @@ names are registered there).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import itertools
 import math
@@ -43,7 +44,7 @@ WIDTHS = (32, 64, 64, 32)
 layer."""
 MICRO_BATCHES, PER_MICRO_BATCH = 2, 4
 RANKS = (1, 2)
-MAX_TRIES = 2000
+MAX_TRIES = 5000
 """How many points of a rule's box are tried for one that the rule decides (the table's lookup)
 and that the config written for it reaches on this machine."""
 
@@ -141,6 +142,8 @@ class Sample:
     pipeline: bool
     skip: str | None = None
     """Why this machine cannot train it (None: it can)."""
+    added: bool = False
+    """A point the shipped table does not run: a combination the rules file adds."""
 
     def too_few(self, world: int) -> str | None:
         """Why a group of ``world`` ranks cannot run this point (None: it can)."""
@@ -208,11 +211,38 @@ def config_of(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def sample(
-    table: RuleTable, rule: Rule, resolve: Callable[[dict[str, Any], bool], PrecisionPlan]
-) -> Sample:
-    """A point of OK ``rule`` that the table decides by it and whose config resolves to it
-    here (``resolve(config, pipeline)``: with the same rules file); skipped with the reason
-    where no point this machine can run does."""
+    table: RuleTable,
+    rule: Rule,
+    resolve: Callable[[dict[str, Any], bool], PrecisionPlan],
+    baseline: RuleTable | None = None,
+) -> list[Sample]:
+    """The points of OK ``rule`` to train (``resolve(config, pipeline)`` resolves with the same
+    rules file): the first point the table decides OK by it and whose config resolves to it
+    here; and, given ``baseline`` (the shipped table), the first such point that ``baseline``
+    does not run (a combination the file adds: where a broad rule took over a narrowed
+    refusal, the first point alone would not reach it). A point this machine cannot train
+    comes back skipped with the reason."""
+    first = _search(table, rule, resolve)
+    assert first is not None, "the first search takes any point"
+    if baseline is None:
+        return [first]
+    added = _search(table, rule, resolve, lambda point: baseline.lookup(point).status != Status.OK)
+    if added is None:
+        return [first]
+    if added.point == first.point:
+        return [dataclasses.replace(first, added=True)]
+    return [first, dataclasses.replace(added, added=True)]
+
+
+def _search(
+    table: RuleTable,
+    rule: Rule,
+    resolve: Callable[[dict[str, Any], bool], PrecisionPlan],
+    wanted: Callable[[dict[str, Any]], bool] | None = None,
+) -> Sample | None:
+    """The first point of ``rule``'s box (:func:`_candidates`) that is ``wanted``, decided OK
+    by the rule and resolved to it here; skipped with the reason where only points this machine
+    cannot train are; None where none is ``wanted`` (a search for any point says so, skipped)."""
     reason = None
     first: dict[str, Any] | None = None
     for tries, point in enumerate(_candidates(rule)):
@@ -221,6 +251,8 @@ def sample(
         decided = table.lookup(point)
         if decided.status != Status.OK or not _decides(rule, decided.id):
             continue  # another rule's point, or a deferral that refuses it
+        if wanted is not None and not wanted(point):
+            continue
         first = first or point
         needs = [NEEDS[(n, v)] for n, v in point.items() if (n, v) in NEEDS and _means(n, point)]
         if needs:
@@ -232,10 +264,12 @@ def sample(
             return Sample(rule.id, point, config, point["pipeline"])
         shown = Sample(rule.id, point, {}, False).text()
         reason = reason or f"the config of [{shown}] resolves to {plan.rule_id} here"
-    if first is None:
-        reason = f"none of the first {MAX_TRIES} points of its box is an OK point it decides"
-        return Sample(rule.id, {}, {}, False, skip=reason)
-    return Sample(rule.id, first, {}, first["pipeline"], skip=reason)
+    if first is not None:
+        return Sample(rule.id, first, {}, first["pipeline"], skip=reason)
+    if wanted is not None:
+        return None
+    reason = f"none of the first {MAX_TRIES} points of its box is an OK point it decides"
+    return Sample(rule.id, {}, {}, False, skip=reason)
 
 
 # --- training -------------------------------------------------------------------------------
@@ -348,7 +382,8 @@ def run_group(
                 result.get("raised") or f"error {result['error']:.1e}, bound {result['bound']:.1e}"
             )
             where = f"{world} rank{'s' if world > 1 else ''}"
-            print(f"  [{index}/{len(samples)}] {one.rule_id} on {where}: {shown}", flush=True)
+            rule = f"{one.rule_id}{' (added)' if one.added else ''}"
+            print(f"  [{index}/{len(samples)}] {rule} on {where}: {shown}", flush=True)
         if dist.is_initialized():
             dist.barrier()
     return results
@@ -369,6 +404,8 @@ class Outcome:
     detail: str = ""
     runs: dict[int, str] = field(default_factory=dict)
     """Ranks -> that run's result, as text."""
+    added: bool = False
+    """The point is one the shipped table does not run (see :func:`sample`)."""
 
     def line(self) -> str:
         figures = (
@@ -377,7 +414,8 @@ class Outcome:
             else f" max error {self.error:.2e} vs bound {self.bound:.2e}"
         )
         detail = f" ({self.detail})" if self.detail else ""
-        return f"{self.result.upper():7} {self.rule_id}  [{self.point}]{figures}{detail}"
+        added = " (added)" if self.added else ""
+        return f"{self.result.upper():7} {self.rule_id}{added}  [{self.point}]{figures}{detail}"
 
 
 def _judge(one: Sample, results: dict[int, dict[str, Any]]) -> Outcome:
@@ -409,7 +447,9 @@ def _judge(one: Sample, results: dict[int, dict[str, Any]]) -> Outcome:
         for ranks, text in runs.items()
         if "skipped" in text
     ]
-    return Outcome(one.rule_id, one.text(), verdict, error, limit, "; ".join(notes), runs)
+    return Outcome(
+        one.rule_id, one.text(), verdict, error, limit, "; ".join(notes), runs, one.added
+    )
 
 
 def prove(
@@ -421,59 +461,80 @@ def prove(
     progress: Callable[[str], None] | None = None,
     timeout_s: float = 3000.0,
 ) -> list[Outcome]:
-    """Prove every OK rule of the rules file ``rules`` (None: the shipped one): one
-    :class:`Outcome` per OK rule, in the file's order (``only``: the OK rules of these ids).
-    ``imports``: modules that register the implementations it names (imported here and in every
-    rank); ``progress`` receives a line as each stage starts (rank 0 of each group prints one
-    per rule)."""
+    """Prove every OK rule of the rules file ``rules`` (None: the shipped one), in the file's
+    order (``only``: the OK rules of these ids): one :class:`Outcome` per point of
+    :func:`sample` (a file other than the shipped one is compared with it, so that a
+    combination it adds is trained too). ``imports``: modules that register the
+    implementations it names (imported here and in every rank); ``progress`` receives a line as
+    each stage starts (rank 0 of each group prints one per point)."""
     from dtypeplan import load_rules, resolve
-    from dtypeplan.launch import spawn
+    from dtypeplan.resolver._rules import default_rules_path
 
     for name in imports:
         importlib.import_module(name)
     path = None if rules is None else os.fspath(rules)
     table = load_rules(path)
-    say = progress or (lambda line: None)
-    ok = [
-        rule
-        for rule in table.rules
-        if rule.status == Status.OK and (only is None or rule.id in only)
-    ]
+    shipped = path is None or os.path.samefile(path, default_rules_path())
+    baseline = None if shipped else load_rules(None)
+    ok = [r for r in table.rules if r.status == Status.OK and (only is None or r.id in only)]
     missing = set(only or ()) - {rule.id for rule in ok}
     if missing:
         raise ValueError(f"{sorted(missing)}: no OK rule of {table.path} has these ids")
-    say(f"finding a point of each of {len(ok)} OK rules")
+    say = progress or (lambda line: None)
+    say(f"finding the points of {len(ok)} OK rules")
     samples = [
-        sample(table, rule, lambda config, pipeline: resolve(config, pipeline, path)) for rule in ok
+        one
+        for rule in ok
+        for one in sample(table, rule, lambda c, p: resolve(c, p, path), baseline)
     ]
-    runnable = [one for one in samples if one.skip is None]
-    results: dict[str, dict[int, dict[str, Any]]] = {one.rule_id: {} for one in runnable}
+    results = _train(samples, path, imports, ranks, say, progress is not None, timeout_s)
+    return [
+        Outcome(one.rule_id, one.text(), "skipped", detail=one.skip or "", added=one.added)
+        if one.skip is not None
+        else _judge(one, results[index])
+        for index, one in enumerate(samples)
+    ]
+
+
+def _train(
+    samples: Sequence[Sample],
+    path: str | None,
+    imports: Sequence[str],
+    ranks: Sequence[int],
+    say: Callable[[str], None],
+    progress: bool,
+    timeout_s: float,
+) -> dict[int, dict[int, dict[str, Any]]]:
+    """Each runnable sample's result on each group size: sample index -> ranks -> rank 0's
+    result (``{"skipped": why}`` where the group is too small for it)."""
+    from dtypeplan.launch import spawn
+
+    results: dict[int, dict[int, dict[str, Any]]] = {}
     for world in ranks:
         group = []
-        for one in runnable:
+        for index, one in enumerate(samples):
+            if one.skip is not None:
+                continue
             why = one.too_few(world)
             if why is None:
-                group.append(one)
+                group.append(index)
             else:
-                results[one.rule_id][world] = {"skipped": why}
-        say(f"training {len(group)} rules on {world} gloo rank{'s' if world > 1 else ''}")
+                results.setdefault(index, {})[world] = {"skipped": why}
+        say(f"training {len(group)} points on {world} gloo rank{'s' if world > 1 else ''}")
+        chosen = [samples[index] for index in group]
         per_rank = spawn(
-            run_group, world, group, path, list(imports), progress is not None,
-            timeout_s=timeout_s,
-        )  # fmt: skip
-        for one, result in zip(group, per_rank[0], strict=True):
-            results[one.rule_id][world] = result
-    return [
-        Outcome(one.rule_id, one.text(), "skipped", detail=one.skip)
-        if one.skip is not None
-        else _judge(one, results[one.rule_id])
-        for one in samples
-    ]
+            run_group, world, chosen, path, list(imports), progress, timeout_s=timeout_s
+        )
+        for index, result in zip(group, per_rank[0], strict=True):
+            results.setdefault(index, {})[world] = result
+    return results
 
 
 def summary(outcomes: Sequence[Outcome]) -> str:
-    """``N OK rules: P passed, F failed, S skipped``."""
+    """``N points of M OK rules: P passed, F failed, S skipped``."""
     counts = {
         name: sum(o.result == name for o in outcomes) for name in ("passed", "failed", "skipped")
     }
-    return f"{len(outcomes)} OK rules: " + ", ".join(f"{n} {name}" for name, n in counts.items())
+    rules = len({o.rule_id for o in outcomes})
+    shown = ", ".join(f"{n} {name}" for name, n in counts.items())
+    return f"{len(outcomes)} points of {rules} OK rules: {shown}"

@@ -89,7 +89,9 @@ def test_an_added_combination_passes_and_an_overclaim_fails(tmp_path: Path) -> N
     rules = _edited(tmp_path)
     assert dtypeplan.load_rules(str(rules))  # well formed: the loader cannot tell them apart
     outcomes = {o.rule_id: o for o in prove(str(rules), only=[SERVED, OVERCLAIMED])}
+    assert len(outcomes) == 2, "each rule is new: its first point is the one it adds"
     served, overclaimed = outcomes[SERVED], outcomes[OVERCLAIMED]
+    assert served.added and overclaimed.added
     print(f"\n{served.line()}\n{overclaimed.line()}")
     assert served.result == "passed", served.line()
     assert set(served.runs) == {1, 2} and "autocast=" in served.point and "states=" in served.point
@@ -125,7 +127,7 @@ def test_lint_prove_reports_each_rule_and_fails_on_a_failed_proof(
     out = capsys.readouterr().out
     assert "PASSED  a  [params=fp32] max error 1.00e-07 vs bound 1.00e-05" in out
     assert "SKIPPED b  [params=bf16] (fp8 execution native needs a GPU)" in out
-    assert "2 OK rules: 1 passed, 0 failed, 1 skipped" in out
+    assert "2 points of 2 OK rules: 1 passed, 0 failed, 1 skipped" in out
     given.append(Outcome("c", "params=fp32", "failed", 3e-3, 1e-5, "2 ranks: error"))
     assert cli.main(["lint", "--prove"]) == cli.EXIT_NOT_SUPPORTED
     assert "FAILED  c" in capsys.readouterr().out
