@@ -1,10 +1,11 @@
 """Where the two layers meet: the resolver's entry points with the optimizer registry filled in.
 
 ``dtypeplan.resolver`` is inert data and imports nothing of ``dtypeplan.optimizers``; the
-optimizers read the resolver's data. This module, imported by the package root, joins them:
-it installs the optimizers' builder behind ``PrecisionPlan.build`` / ``prepare_model``, and
-gives ``resolve`` / ``load_rules`` the registered implementation names, so a rules file naming
-an unregistered implementation is refused without the resolver importing the registry.
+optimizers read the resolver's data. This module joins them (the package root imports it for
+``resolve`` / ``load_rules``; ``PrecisionPlan.build`` imports it where nothing has): it
+installs the optimizers' builder behind ``PrecisionPlan.build`` / ``prepare_model``, and gives
+``resolve`` / ``load_rules`` the registered implementation names, so a rules file naming an
+unregistered implementation is refused without the resolver importing the registry.
 """
 
 from __future__ import annotations

@@ -494,7 +494,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo, imports=[])
 
     docs = commands.add_parser(
-        "docs", help="write or check the generated pages of docs/ (docs/reference/)"
+        "docs",
+        help="write or check the generated pages of docs/ (docs/reference/), the figures of "
+        "the hand-written pages and the schemas' generated enums",
     )
     mode = docs.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="write the pages that are stale")

@@ -3,11 +3,13 @@ imports nothing of the optimizers; the optimizers' rooms import only rooms below
 engine and the base class stay small, and every update kernel keeps one interface.
 
 For the graph every module of ``dtypeplan`` is read with ``ast`` (nothing is imported), and
-every import statement counts: at module level, inside functions, and under
-``TYPE_CHECKING``, since each one is a dependency a reader must follow. ``from pkg import
-name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``. The parent packages
-that Python initializes before a submodule are not edges: every module would otherwise depend
-on the package root.
+every import statement counts for the layering: at module level, inside functions, and under
+``TYPE_CHECKING``, since each one is a dependency a reader must follow. The cycle check leaves
+out the imports under ``TYPE_CHECKING``: a module may name the type of one that imports it (the
+report names ``PrecisionPlan``, whose ``explain()`` runs the report) without a run-time
+cycle. ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
+``pkg``. The parent packages that Python initializes before a submodule are not edges: every
+module would otherwise depend on the package root.
 """
 
 from __future__ import annotations
@@ -42,10 +44,31 @@ def _target(name: str) -> str | None:
     return None
 
 
-def _imports(module: str, path: Path) -> set[str]:
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under ``if TYPE_CHECKING:``."""
+    found: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            for statement in node.body:
+                found |= {
+                    n for n in ast.walk(statement) if isinstance(n, ast.Import | ast.ImportFrom)
+                }
+    return found
+
+
+def _imports(module: str, path: Path, *, type_only: bool = True) -> set[str]:
+    """The package modules ``module`` imports (``type_only`` false: not those imported under
+    ``TYPE_CHECKING`` only)."""
     is_package = path.name == "__init__.py"
     edges: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = set() if type_only else _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -65,6 +88,9 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+RUN_TIME_GRAPH = {
+    module: _imports(module, path, type_only=False) for module, path in MODULES.items()
+}
 
 
 def _cycle() -> list[str] | None:
@@ -75,7 +101,7 @@ def _cycle() -> list[str] | None:
     def visit(module: str) -> list[str] | None:
         state[module] = 1
         path.append(module)
-        for target in sorted(GRAPH[module]):
+        for target in sorted(RUN_TIME_GRAPH[module]):
             if state.get(target) == 1:
                 return path[path.index(target) :] + [target]
             if target not in state and (found := visit(target)) is not None:
@@ -84,7 +110,7 @@ def _cycle() -> list[str] | None:
         state[module] = 2
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(RUN_TIME_GRAPH):
         if module not in state and (found := visit(module)) is not None:
             return found
     return None

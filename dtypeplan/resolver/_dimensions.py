@@ -2,23 +2,34 @@
 
 A *point* of the space has one value on every dimension. Each :class:`Dimension` says, once,
 what the rules loader checks (``name``, ``values``), where a config sets it (``config_key``,
-:meth:`Dimension.config_for`), what applies when the config is silent (``default``), how the
-resolver advises a change (:meth:`Dimension.setting`) and how the table shows it (``title``,
-:meth:`Dimension.show`). The rules loader, the resolver, the table renderer and the tests all
-read these records (in the spirit of torchgen's ``model.py``); adding a dimension means adding
-one record here, one key to the rules schema and the code in the resolver that derives its
-value from a config.
+:meth:`Dimension.config_for`) and how a feature's value is read from a loaded config
+(``read``), what applies when the config is silent (``default``) and where a value came from
+(:meth:`Dimension.origin`), what the plan derives from the value (``attributes``: the plan's
+attributes and ``to_dict`` keys), how the resolver advises a change (:meth:`Dimension.setting`),
+how the table shows it (``title``, :meth:`Dimension.show`) and how ``explain()`` writes it
+(``label``, :meth:`Dimension.describe`). The rules loader, the resolver, the plan, the report,
+the table renderer, the schemas' enums and the docs' figures (``dtypeplan/docs_pages.py``) all
+read these records (in the spirit of torchgen's ``model.py``). Adding a feature dimension means
+one record here (in ``FEATURE_DIMENSIONS`` at its display place), the code that reads its value
+from a config (a ``PrecisionConfig`` field and ``_fields.py``), the rules that name it, and
+``python -m dtypeplan docs --write`` for the generated schema enums and pages
+(``tests/test_dimension_records.py`` adds one and checks the rest follows).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dtypeplan._dtypes import DTYPES
+from dtypeplan.resolver._fp8_device import fp8_execution
 from dtypeplan.resolver._frozen import FrozenDict, freeze
+
+if TYPE_CHECKING:
+    from dtypeplan.resolver._config import PrecisionConfig
 
 __all__ = [
     "ACCUM",
@@ -109,8 +120,24 @@ class Dimension:
     requires: Mapping[str, Any] = field(default_factory=FrozenDict)
     """Where the dimension means anything (``fp8_recipe``: ``fp8`` true); elsewhere the rules
     ignore it (they do not name it) and the config reader warns that it has no effect."""
+    read: Callable[[PrecisionConfig], Any] | None = None
+    """A feature dimension's value in a loaded config; None for the core dimensions, whose
+    values ``_effective.py`` works out with the rules file's defaults."""
+    attributes: Mapping[str, Callable[[Any], Any]] = field(default_factory=FrozenDict)
+    """The plan's attributes derived from the value (each also a ``to_dict`` key): name ->
+    function of the value. Empty means one attribute, :attr:`name`, holding the value."""
+    origin_key: str = ""
+    """The plan's ``origins`` key of the value; empty means the first of :attr:`attributes`."""
+    label: str = ""
+    """Its row's label in ``explain()``; empty means :attr:`title`."""
+    described: Mapping[Any, str] = field(default_factory=FrozenDict)
+    """How ``explain()`` writes a value, where it differs from its spelling."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attributes", freeze(self.attributes or {self.name: _same}))
+        object.__setattr__(self, "origin_key", self.origin_key or next(iter(self.attributes)))
+        object.__setattr__(self, "label", self.label or self.title)
+        object.__setattr__(self, "described", freeze(self.described))
         object.__setattr__(self, "choices", self.choices or self.values)
         object.__setattr__(self, "value_configs", freeze(self.value_configs))
         object.__setattr__(self, "shown", freeze(self.shown))
@@ -119,6 +146,16 @@ class Dimension:
 
     def show(self, value: Any) -> str:
         return self.shown.get(value, value_text(value))
+
+    def describe(self, value: Any) -> str:
+        """``value`` as ``explain()`` writes it."""
+        return self.described.get(value, value_text(value))
+
+    def origin(self, value: Any) -> str:
+        """Where a feature's ``value`` came from, as ``explain()`` prints it after ``<-``."""
+        if value == self.default_value:
+            return f"default: {self.default}"
+        return f"config: {self.config_key}"
 
     def config_for(self, value: Any) -> dict[str, Any]:
         """The config fragment a user writes to select ``value`` (``{}`` when not a config key)."""
@@ -138,6 +175,10 @@ class Dimension:
         if self.config_path is None and not self.value_configs:
             return f"{self.config_key}={value}"
         return ", ".join(f"{k}={value_text(v)}" for k, v in _flat(self.config_for(value)))
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _thaw(value: Any) -> Any:
@@ -165,6 +206,10 @@ PARAMS = Dimension(
     default="fp32 (neither bf16 nor fp16 enabled)",
     default_value="fp32",
     title="params",
+    # Both 16-bit modes on is an Error plan; its parameters are fp16 (DeepSpeed's order).
+    attributes={"param_dtype": lambda value: DTYPES["fp16" if value == "fp16+bf16" else value]},
+    label="parameters",
+    described={"fp16+bf16": "fp16"},
     value_configs={
         "fp32": {"bf16": {"enabled": False}, "fp16": {"enabled": False}},
         "fp16": {"fp16": {"enabled": True}, "bf16": {"enabled": False}},
@@ -180,6 +225,8 @@ ACCUM = Dimension(
     default="the rules file's defaults.grad_accum_dtype, by parameter dtype",
     title="accum",
     config_path=("gradient_accumulation_dtype", "dtype"),
+    attributes={"grad_accum_dtype": DTYPES.__getitem__},
+    label="gradient accumulation",
 )
 SHARDED = Dimension(
     name="sharded",
@@ -189,6 +236,9 @@ SHARDED = Dimension(
     default="the rules file's defaults.accumulator_sharded, by ZeRO stage",
     title="sharded",
     config_path=("gradient_accumulation_dtype", "sharded"),
+    attributes={"accumulator_sharded": _same},
+    label="accumulator",
+    described={True: "sharded", False: "whole"},
 )
 STAGE = Dimension(
     name="stage",
@@ -200,6 +250,7 @@ STAGE = Dimension(
     title="ZeRO stage",
     config_path=("zero_optimization", "stage"),
     shown={0: "ZeRO 0", 1: "ZeRO 1", 2: "ZeRO 2", 3: "ZeRO 3"},
+    attributes={"zero_stage": _same},
 )
 PIPELINE = Dimension(
     name="pipeline",
@@ -210,6 +261,9 @@ PIPELINE = Dimension(
     default_value=False,
     title="pipeline",
     shown={False: "", True: "+ PP"},
+    attributes={"pipeline_parallel": _same},
+    label="pipeline parallel",
+    described={False: "no", True: "yes"},
 )
 COMM = Dimension(
     name="comm",
@@ -219,6 +273,8 @@ COMM = Dimension(
     default="the rules file's defaults.communication_data_type",
     title="comm",
     config_path=("communication_data_type",),
+    attributes={"comm_dtype": DTYPES.__getitem__},
+    label="communication",
 )
 REDUCTION = Dimension(
     name="reduction",
@@ -230,6 +286,7 @@ REDUCTION = Dimension(
     default_value="collective",
     title="reduction",
     config_path=("communication_reduction",),
+    attributes={"comm_reduction": _same},
 )
 
 # --- the layout of the data-parallel group ----------------------------------------------------
@@ -286,6 +343,9 @@ SHARD_GROUPS = Dimension(
         f"communication_data_type_across_groups={w}"
         for w in WIRES_ACROSS
     },
+    # _effective.py drops a wire across that is the communication dtype (no other wire).
+    read=lambda config: shard_groups_value(config.shard_group_size, config.wire_across_groups),
+    origin_key="shard_group_size",
 )
 
 # --- feature dimensions ------------------------------------------------------------------------
@@ -321,6 +381,11 @@ MASTER = Dimension(
         "fp16": {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
     },
     shown={"bf16": "bf16 (nearest)", "bf16_sr": "bf16 (stochastic)", "bf16_kahan": "bf16 (Kahan)"},
+    read=lambda config: config.master_weights_dtype,
+    attributes={
+        "master_dtype": lambda value: DTYPES[MASTER_ROUNDING[value][0]],
+        "master_rounding": lambda value: MASTER_ROUNDING[value][1],
+    },
 )
 
 MASTER_ROUNDING: FrozenDict[str, tuple[str, str]] = FrozenDict(
@@ -377,6 +442,13 @@ STATES = Dimension(
     choices=("fp32",),
     title="optimizer states",
     value_configs={value: _states_config(value) for value in STATE_PAIRS},
+    read=lambda config: config.optimizer_states_dtype,
+    attributes={
+        "optimizer_states": _same,
+        "exp_avg_dtype": lambda value: STATE_PAIRS[value][0],
+        "exp_avg_sq_dtype": lambda value: STATE_PAIRS[value][1],
+    },
+    origin_key="optimizer_states_dtype",
 )
 AUTOCAST = Dimension(
     name="autocast",
@@ -392,6 +464,9 @@ AUTOCAST = Dimension(
         "bf16": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
         "fp16": {"torch_autocast": {"enabled": True, "dtype": "float16"}},
     },
+    read=lambda config: config.autocast,
+    attributes={"autocast_dtype": lambda value: None if value == "none" else DTYPES[value]},
+    origin_key="autocast",
 )
 OFFLOAD_OPTIMIZER = Dimension(
     name="offload_optimizer",
@@ -403,6 +478,7 @@ OFFLOAD_OPTIMIZER = Dimension(
     choices=("none",),
     title="offload optimizer",
     config_path=("zero_optimization", "offload_optimizer", "device"),
+    read=lambda config: config.offload_optimizer,
 )
 OFFLOAD_PARAM = Dimension(
     name="offload_param",
@@ -414,6 +490,7 @@ OFFLOAD_PARAM = Dimension(
     choices=("none",),
     title="offload params",
     config_path=("zero_optimization", "offload_param", "device"),
+    read=lambda config: config.offload_param,
 )
 QUANTIZED_COMMUNICATION = Dimension(
     name="quantized_communication",
@@ -437,6 +514,7 @@ QUANTIZED_COMMUNICATION = Dimension(
             "zero_optimization": {"zero_quantized_weights": True, "zero_quantized_gradients": True}
         },
     },
+    read=lambda config: config.quantized_communication,
 )
 HIERARCHICAL_PARTITIONING = Dimension(
     name="hierarchical_partitioning",
@@ -451,6 +529,7 @@ HIERARCHICAL_PARTITIONING = Dimension(
         False: {"zero_optimization": {"zero_hpz_partition_size": 1}},
         True: {"zero_optimization": {"zero_hpz_partition_size": 8}},
     },
+    read=lambda config: config.hierarchical_partitioning,
 )
 GRADIENT_PRESCALING = Dimension(
     name="gradient_prescaling",
@@ -466,6 +545,7 @@ GRADIENT_PRESCALING = Dimension(
         "prescale": {"prescale_gradients": True},
         "predivide": {"gradient_predivide_factor": 2.0},
     },
+    read=lambda config: config.gradient_prescaling,
 )
 FP8 = Dimension(
     name="fp8",
@@ -479,6 +559,7 @@ FP8 = Dimension(
     default_value=False,
     title="fp8",
     config_path=("fp8", "enabled"),
+    read=lambda config: config.fp8,
 )
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``) and MXFP8
@@ -496,6 +577,7 @@ FP8_RECIPE = Dimension(
     title="fp8 recipe",
     config_path=("fp8", "recipe"),
     requires={"fp8": True},
+    read=lambda config: config.fp8_recipe,
 )
 FP8_ALL_GATHER = Dimension(
     name="fp8_all_gather",
@@ -508,6 +590,7 @@ FP8_ALL_GATHER = Dimension(
     title="fp8 weight all-gather",
     config_path=("fp8", "all_gather"),
     requires={"fp8": True},
+    read=lambda config: config.fp8_all_gather,
 )
 FP8_EXECUTION = Dimension(
     name="fp8_execution",
@@ -530,6 +613,7 @@ FP8_EXECUTION = Dimension(
         "emulated": "fp8.emulate=true",
     },
     requires={"fp8": True},
+    read=lambda config: fp8_execution(config.fp8_recipe, config.fp8_emulate),
 )
 OPTIMIZER_KIND = Dimension(
     name="optimizer",
@@ -547,6 +631,9 @@ OPTIMIZER_KIND = Dimension(
         "elementwise": {"optimizer": {"type": "AdamW"}},
         "shaped": {"optimizer": {"type": "Adafactor"}},
     },
+    read=lambda config: config.optimizer.kind,
+    attributes={"optimizer_kind": _same},
+    label="optimizer kind",
 )
 STATE_KIND = Dimension(
     name="state_kind",
@@ -566,6 +653,7 @@ STATE_KIND = Dimension(
         "step_sizes": {"optimizer": {"type": "Rprop"}},
         "averaged_weights": {"optimizer": {"type": "ASGD"}},
     },
+    read=lambda config: config.optimizer.state_kind,
 )
 
 CORE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
@@ -606,8 +694,8 @@ FEATURES_UNUSED: FrozenDict[str, Any] = FrozenDict(
 """The feature dimensions at their "not used" values: what a config that sets none gets."""
 
 COMBINATIONS = math.prod(len(dim.values) for dim in DIMENSIONS.values())
-"""The number of points of the space (about 41 billion: too many to list; the rules loader
-checks rule boxes, not points)."""
+"""The number of points of the space (far too many to list: the rules loader checks rule
+boxes, not points; ``dtypeplan lint`` and the docs print the figure)."""
 
 CORE_COMBINATIONS = math.prod(len(dim.values) for dim in CORE_DIMENSIONS.values())
 """The number of points of the core dimensions, the features unused."""

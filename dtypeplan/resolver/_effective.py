@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
 from dtypeplan.resolver._auto import SHARD_GROUP_SIZE
 from dtypeplan.resolver._client_optimizer import ClientOptimizerConfig
 from dtypeplan.resolver._config import PrecisionConfig
@@ -23,8 +21,10 @@ from dtypeplan.resolver._dimensions import (
     PARAMS,
     REDUCTION,
     STAGE,
+    Dimension,
     shard_groups_value,
 )
+from dtypeplan.resolver._fp8_device import fp8_device_text, fp8_execution, fp8_native
 from dtypeplan.resolver._rules import RuleTable
 
 __all__ = ["Effective", "effective_values", "fp8_execution", "fp8_native"]
@@ -39,14 +39,6 @@ _AUTO_ORIGINS = {
     "data_types.grad_accum_dtype": "grad_accum_dtype",
     "communication_data_type": "comm_dtype",
 }
-
-_FEATURE_ORIGINS = {
-    "master": "master_dtype",
-    "states": "optimizer_states_dtype",
-    "shard_groups": "shard_group_size",
-    "optimizer": "optimizer_kind",
-}
-"""The plan's ``origins`` key of a feature dimension, where it differs from its name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,33 +143,16 @@ def _params(config: PrecisionConfig) -> tuple[str, str]:
 
 
 def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> dict[str, Any]:
-    """The feature dimensions' values of ``config``, their origins added to ``origins``."""
-    features = {
-        "master": config.master_weights_dtype,
-        "states": config.optimizer_states_dtype,
-        "autocast": config.autocast,
-        "shard_groups": shard_groups_value(config.shard_group_size, config.wire_across_groups),
-        "offload_optimizer": config.offload_optimizer,
-        "offload_param": config.offload_param,
-        "quantized_communication": config.quantized_communication,
-        "hierarchical_partitioning": config.hierarchical_partitioning,
-        "gradient_prescaling": config.gradient_prescaling,
-        "fp8": config.fp8,
-        "optimizer": config.optimizer.kind,
-        "state_kind": config.optimizer.state_kind,
-        "fp8_recipe": config.fp8_recipe,
-        "fp8_all_gather": config.fp8_all_gather,
-        "fp8_execution": fp8_execution(config.fp8_recipe, config.fp8_emulate),
-    }
+    """The feature dimensions' values of ``config`` (each record's ``read``), their origins
+    added to ``origins``."""
+    features = {name: _read(dim, config) for name, dim in FEATURE_DIMENSIONS.items()}
     if config.wire_across_groups == comm:
         # The wire across named as the communication dtype is no other wire: the same
         # combination as leaving it unset (ZeRO-3 runs exactly that one, FSDP2's reduce dtype).
         features["shard_groups"] = shard_groups_value(config.shard_group_size, None)
-    for feature, value in features.items():
-        dim = FEATURE_DIMENSIONS[feature]
-        origins[_FEATURE_ORIGINS.get(feature, feature)] = (
-            f"default: {dim.default}" if value == dim.default_value else f"config: {dim.config_key}"
-        )
+    for name, value in features.items():
+        dim = FEATURE_DIMENSIONS[name]
+        origins[dim.origin_key] = dim.origin(value)
     origins["fp8_execution"] = f"fp8.emulate {config.fp8_emulate}, the device: {fp8_device_text()}"
     if config.shard_group_size is not None:
         origins["shard_group_size"] = "$.zero_optimization.shard_group_size"
@@ -190,38 +165,9 @@ def _features(config: PrecisionConfig, comm: str, origins: dict[str, str]) -> di
     return features
 
 
-def fp8_execution(recipe: str, emulate: str) -> str:
-    """The ``fp8_execution`` value: ``emulate`` true is emulated; else native where this
-    process's accelerator has the recipe's kernels, else emulated (``auto``) or unavailable
-    (``false``)."""
-    if emulate == "true":
-        return "emulated"
-    if fp8_native(recipe):
-        return "native"
-    return "emulated" if emulate == "auto" else "unavailable"
-
-
-def _capability() -> tuple[int, int] | None:
-    """The current CUDA device's compute capability; None without one."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability()
-
-
-def fp8_native(recipe: str) -> bool:
-    """Whether this process's device runs ``recipe``'s matmuls natively: fp8 tensor cores from
-    compute capability 8.9 (Ada, Hopper), MXFP8's block-scaled ones from 10.0 (Blackwell)."""
-    capability = _capability()
-    if capability is None:
-        return False
-    return capability >= ((10, 0) if recipe == "mxfp8" else (8, 9))
-
-
-def fp8_device_text() -> str:
-    capability = _capability()
-    if capability is None:
-        return "no CUDA device (fp8 emulated on the CPU)"
-    return f"CUDA compute capability {capability[0]}.{capability[1]}"
+def _read(dim: Dimension, config: PrecisionConfig) -> Any:
+    assert dim.read is not None, f"the feature dimension {dim.name} says how a config sets it"
+    return dim.read(config)
 
 
 def _setting_origins(

@@ -3,140 +3,37 @@
 The plan is data (``_plan.py``); this module writes it out: the decision, each effective
 setting with where it came from, which update runs a low-precision cell, the bytes on the wire,
 the config's ``"auto"`` values, warnings, DeepSpeed differences and the nearest supported
-configs. It reads the plan through :class:`ExplainedPlan` (``_plan.py`` imports this module, so
-this one cannot import the plan's class).
+configs. Each dimension of the plan's point is a row, written as its record says
+(``Dimension.label``, :meth:`Dimension.describe`, ``Dimension.origin_key``) unless a function
+here writes it (``_WRITTEN``): a feature at its "not used" value has no row. The plan's class is
+named for type checkers only (``_plan.py`` imports this module to run it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtypeplan import _update_path as update_path
 from dtypeplan._dtypes import DTYPE_NAMES
 from dtypeplan.errors import PrecisionConfigError
-from dtypeplan.resolver._auto import AutoValue
-from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig
-from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._dimensions import CORE_DIMENSIONS, DIMENSIONS, Dimension
 from dtypeplan.resolver._rules import Status
-from dtypeplan.resolver._traffic import Traffic
 
-__all__ = ["ExplainedPlan", "cuda_update", "explain", "host_update"]
+if TYPE_CHECKING:
+    from dtypeplan.resolver._plan import PrecisionPlan
 
+__all__ = ["cuda_update", "explain", "host_update"]
 
-class _Alternative(Protocol):
-    @property
-    def changes(self) -> tuple[str, ...]: ...
-    @property
-    def rule_id(self) -> str: ...
-    @property
-    def implementation(self) -> str: ...
+Row = tuple[str, str, str]
+"""(label, value, origins key) of a line of effective settings."""
 
 
-class ExplainedPlan(Protocol):
-    """What the report reads of a :class:`PrecisionPlan` (its fields, read-only)."""
-
-    @property
-    def status(self) -> Status: ...
-    @property
-    def implementation(self) -> str | None: ...
-    @property
-    def single_process_implementation(self) -> str | None: ...
-    @property
-    def rule_id(self) -> str: ...
-    @property
-    def rule_location(self) -> str: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def param_dtype(self) -> torch.dtype: ...
-    @property
-    def grad_accum_dtype(self) -> torch.dtype: ...
-    @property
-    def accumulator_sharded(self) -> bool: ...
-    @property
-    def comm_dtype(self) -> torch.dtype: ...
-    @property
-    def comm_reduction(self) -> str: ...
-    @property
-    def master_dtype(self) -> torch.dtype: ...
-    @property
-    def master_rounding(self) -> str: ...
-    @property
-    def optimizer_states(self) -> str: ...
-    @property
-    def exp_avg_dtype(self) -> str: ...
-    @property
-    def exp_avg_sq_dtype(self) -> str: ...
-    @property
-    def autocast_dtype(self) -> torch.dtype | None: ...
-    @property
-    def offload_optimizer(self) -> str: ...
-    @property
-    def offload_param(self) -> str: ...
-    @property
-    def quantized_communication(self) -> str: ...
-    @property
-    def hierarchical_partitioning(self) -> bool: ...
-    @property
-    def hpz_partition_size(self) -> int: ...
-    @property
-    def shard_group_size(self) -> int | None: ...
-    @property
-    def wire_across_groups(self) -> str | None: ...
-    @property
-    def gradient_prescaling(self) -> str: ...
-    @property
-    def fp8(self) -> bool: ...
-    @property
-    def fp8_recipe(self) -> str: ...
-    @property
-    def fp8_all_gather(self) -> str: ...
-    @property
-    def fp8_exclude_modules(self) -> tuple[str, ...]: ...
-    @property
-    def fp8_execution(self) -> str: ...
-    @property
-    def optimizer_kind(self) -> str: ...
-    @property
-    def zero_stage(self) -> int: ...
-    @property
-    def pipeline_parallel(self) -> bool: ...
-    @property
-    def loss_scaling(self) -> LossScaleConfig | None: ...
-    @property
-    def optimizer(self) -> OptimizerConfig: ...
-    @property
-    def gradient_clipping(self) -> float: ...
-    @property
-    def check_nonfinite(self) -> bool: ...
-    @property
-    def origins(self) -> FrozenDict[str, str]: ...
-    @property
-    def warnings(self) -> tuple[str, ...]: ...
-    @property
-    def ignored_keys(self) -> tuple[str, ...]: ...
-    @property
-    def alternatives(self) -> tuple[_Alternative, ...]: ...
-    @property
-    def scheduler(self) -> FrozenDict[str, Any] | None: ...
-    @property
-    def gradient_accumulation_steps(self) -> int | None: ...
-    @property
-    def auto_values(self) -> tuple[AutoValue, ...]: ...
-    @property
-    def config_warnings(self) -> tuple[str, ...]: ...
-    @property
-    def deepspeed_differences(self) -> tuple[str, ...]: ...
-    def traffic(self, num_params: int, world_size: int) -> Traffic: ...
-    def _batch_sizes(self) -> tuple[int | None, int | None, int | None]: ...
-
-
-def host_update(plan: ExplainedPlan) -> str | None:
+def host_update(plan: PrecisionPlan) -> str | None:
     """Which update runs a low-precision cell on the host (``optimizers/kernels/one_pass.py``,
     ``update/pieces.py``), or None for fp32 masters with fp32 states (torch's fused
     kernel)."""
@@ -155,7 +52,7 @@ def host_update(plan: ExplainedPlan) -> str | None:
     return f"one pass, {update_path.path()}"
 
 
-def cuda_update(plan: ExplainedPlan) -> str | None:
+def cuda_update(plan: PrecisionPlan) -> str | None:
     """Which update runs a low-precision cell on a CUDA device (the registry,
     ``optimizers/update/``): the one-pass Triton kernel where it serves the cell
     and Triton is installed, else fp32 pieces; None for fp32 masters with fp32 states."""
@@ -175,13 +72,17 @@ def cuda_update(plan: ExplainedPlan) -> str | None:
 
 
 def explain(
-    plan: ExplainedPlan, num_params: int | None = None, world_size: int | None = None
+    plan: PrecisionPlan, num_params: int | None = None, world_size: int | None = None
 ) -> str:
     """:meth:`PrecisionPlan.explain`: a human-readable account of the decision and of every
     effective setting; with ``num_params`` and ``world_size``, also the bytes each rank sends
     per step (:meth:`PrecisionPlan.traffic`)."""
     lines = _decision(plan)
-    rows = [*_dtype_rows(plan), *_setting_rows(plan), *_feature_rows(plan)]
+    rows = [
+        *(row for dim in DIMENSIONS.values() for row in _dimension_rows(plan, dim)),
+        *_update_rows(plan),
+        *_setting_rows(plan),
+    ]
     width = max(len(r[0]) for r in rows)
     value_width = min(max(len(r[1]) for r in rows), 12)
     for label, value, key in rows:
@@ -193,7 +94,7 @@ def explain(
     return "\n".join(lines)
 
 
-def _decision(plan: ExplainedPlan) -> list[str]:
+def _decision(plan: PrecisionPlan) -> list[str]:
     """The status, the implementations and the deciding rule."""
     head = f"status: {plan.status}"
     if plan.implementation:
@@ -213,50 +114,85 @@ def _decision(plan: ExplainedPlan) -> list[str]:
     return lines
 
 
-def _dtype_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
-    """(label, value, origins key) of the dtypes, the layout and the update that runs."""
-    rows: list[tuple[str, str, str]] = [
-        ("parameters", DTYPE_NAMES[plan.param_dtype], "param_dtype"),
-        ("gradient accumulation", DTYPE_NAMES[plan.grad_accum_dtype], "grad_accum_dtype"),
+def _dimension_rows(plan: PrecisionPlan, dim: Dimension) -> list[Row]:
+    """The rows of one dimension: written here where ``_WRITTEN`` says, else the record's;
+    a feature at its "not used" value has none (it would only lengthen the account)."""
+    if dim.name in _WRITTEN:
+        return _WRITTEN[dim.name](plan)
+    value = plan.point[dim.name]
+    if dim.name not in CORE_DIMENSIONS and value == dim.default_value:
+        return []
+    return [(dim.label, dim.describe(value), dim.origin_key)]
+
+
+def _master_rows(plan: PrecisionPlan) -> list[Row]:
+    rounding = "" if plan.master_dtype == torch.float32 else f", {plan.master_rounding}"
+    return [("master weights", DTYPE_NAMES[plan.master_dtype] + rounding, "master_dtype")]
+
+
+def _states_rows(plan: PrecisionPlan) -> list[Row]:
+    value = (
+        plan.optimizer_states
+        if plan.exp_avg_dtype == plan.exp_avg_sq_dtype
+        else f"exp_avg {plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype}"
+    )
+    return [("optimizer states", value, "optimizer_states_dtype")]
+
+
+def _shard_group_rows(plan: PrecisionPlan) -> list[Row]:
+    if plan.shard_group_size is None:
+        return []
+    return [
+        ("shard groups", f"{plan.shard_group_size} ranks each", "shard_group_size"),
         (
-            "accumulator",
-            "sharded" if plan.accumulator_sharded else "whole",
-            "accumulator_sharded",
+            "wire across groups",
+            plan.wire_across_groups or DTYPE_NAMES[plan.comm_dtype],
+            "wire_across_groups",
         ),
-        ("communication", DTYPE_NAMES[plan.comm_dtype], "comm_dtype"),
-        ("reduction", plan.comm_reduction, "comm_reduction"),
-        (
-            "master weights",
-            DTYPE_NAMES[plan.master_dtype]
-            + ("" if plan.master_dtype == torch.float32 else f", {plan.master_rounding}"),
-            "master_dtype",
-        ),
-        (
-            "optimizer states",
-            plan.optimizer_states
-            if plan.exp_avg_dtype == plan.exp_avg_sq_dtype
-            else f"exp_avg {plan.exp_avg_dtype}, exp_avg_sq {plan.exp_avg_sq_dtype}",
-            "optimizer_states_dtype",
-        ),
-        ("ZeRO stage", str(plan.zero_stage), "zero_stage"),
     ]
-    if plan.shard_group_size is not None:
-        rows += [
-            ("shard groups", f"{plan.shard_group_size} ranks each", "shard_group_size"),
-            (
-                "wire across groups",
-                plan.wire_across_groups or DTYPE_NAMES[plan.comm_dtype],
-                "wire_across_groups",
-            ),
-        ]
+
+
+def _hpz_rows(plan: PrecisionPlan) -> list[Row]:
+    if not plan.hierarchical_partitioning:
+        return []
+    text = f"on, secondary partition of {plan.hpz_partition_size} ranks"
+    return [("hierarchical partitioning", text, "hierarchical_partitioning")]
+
+
+def _fp8_rows(plan: PrecisionPlan) -> list[Row]:
+    return [("fp8", _fp8_text(plan), "fp8")] if plan.fp8 else []
+
+
+def _optimizer_kind_rows(plan: PrecisionPlan) -> list[Row]:
+    return [("optimizer kind", plan.optimizer_kind, "optimizer_kind")]
+
+
+_WRITTEN: dict[str, Callable[[PrecisionPlan], list[Row]]] = {
+    "master": _master_rows,
+    "states": _states_rows,
+    "shard_groups": _shard_group_rows,
+    "hierarchical_partitioning": _hpz_rows,
+    "fp8": _fp8_rows,
+    "fp8_recipe": lambda plan: [],  # in fp8's row
+    "fp8_all_gather": lambda plan: [],
+    "fp8_execution": lambda plan: [],
+    "optimizer": _optimizer_kind_rows,  # always shown: it decides what can run
+}
+"""The dimensions whose rows need more of the plan than their value."""
+
+
+def _update_rows(plan: PrecisionPlan) -> list[Row]:
+    """Which update runs a low-precision cell, on the host and on a CUDA device."""
     host = host_update(plan)
-    if host is not None:
-        rows.append(("host update", host, "master_dtype"))
-        rows.append(("CUDA update", str(cuda_update(plan)), "master_dtype"))
-    return rows
+    if host is None:
+        return []
+    return [
+        ("host update", host, "master_dtype"),
+        ("CUDA update", str(cuda_update(plan)), "master_dtype"),
+    ]
 
 
-def _setting_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
+def _setting_rows(plan: PrecisionPlan) -> list[Row]:
     """The rows of the settings that are no dtype: scaling, optimizer, clipping."""
     scaling = "off"
     ls = plan.loss_scaling
@@ -268,10 +204,8 @@ def _setting_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
             f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g}"
         )
     return [
-        ("pipeline parallel", "yes" if plan.pipeline_parallel else "no", "pipeline_parallel"),
         ("loss scaling", scaling, "loss_scaling"),
         ("optimizer", f"{plan.optimizer.type} {_kwargs(plan.optimizer.params)}", "optimizer"),
-        ("optimizer kind", plan.optimizer_kind, "optimizer_kind"),
         (
             "gradient clipping",
             f"global L2 norm {plan.gradient_clipping:g}" if plan.gradient_clipping else "off",
@@ -285,43 +219,7 @@ def _setting_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
     ]
 
 
-def _feature_rows(plan: ExplainedPlan) -> list[tuple[str, str, str]]:
-    """The rows of the DeepSpeed features in use."""
-    return [
-        (label, value, key)
-        for label, value, key, unused in (
-            (
-                "autocast",
-                DTYPE_NAMES[plan.autocast_dtype] if plan.autocast_dtype else "none",
-                "autocast",
-                "none",
-            ),
-            ("offload optimizer", plan.offload_optimizer, "offload_optimizer", "none"),
-            ("offload params", plan.offload_param, "offload_param", "none"),
-            (
-                "quantized communication",
-                plan.quantized_communication,
-                "quantized_communication",
-                "none",
-            ),
-            (
-                "hierarchical partitioning",
-                (
-                    f"on, secondary partition of {plan.hpz_partition_size} ranks"
-                    if plan.hierarchical_partitioning
-                    else "off"
-                ),
-                "hierarchical_partitioning",
-                "off",
-            ),
-            ("gradient prescaling", plan.gradient_prescaling, "gradient_prescaling", "none"),
-            ("fp8", _fp8_text(plan) if plan.fp8 else "off", "fp8", "off"),
-        )
-        if value != unused  # features not in use would only lengthen the account
-    ]
-
-
-def _fp8_text(plan: ExplainedPlan) -> str:
+def _fp8_text(plan: PrecisionPlan) -> str:
     """fp8 compute in a line: the recipe, how it runs, the weights' all-gather."""
     how = {
         "native": "native fp8 matmuls",
@@ -338,7 +236,7 @@ def _fp8_text(plan: ExplainedPlan) -> str:
     return f"{plan.fp8_recipe}, {how}{gather}; linear layers left out: {excluded}"
 
 
-def _run_notes(plan: ExplainedPlan) -> list[str]:
+def _run_notes(plan: PrecisionPlan) -> list[str]:
     """What the loop runs besides the optimizer: autocast, the scheduler, micro-batches."""
     lines: list[str] = []
     if plan.autocast_dtype is not None and plan.status == Status.OK:
@@ -377,7 +275,7 @@ def _run_notes(plan: ExplainedPlan) -> list[str]:
     return lines
 
 
-def _pipeline_note(plan: ExplainedPlan) -> list[str]:
+def _pipeline_note(plan: PrecisionPlan) -> list[str]:
     """Under a pipeline, what the step decides from the norm needs the other stages' group."""
     if not plan.pipeline_parallel:
         return []
@@ -405,7 +303,7 @@ def _pipeline_note(plan: ExplainedPlan) -> list[str]:
     ]
 
 
-def _sections(plan: ExplainedPlan, num_params: int | None, world_size: int | None) -> list[str]:
+def _sections(plan: PrecisionPlan, num_params: int | None, world_size: int | None) -> list[str]:
     """The traffic, the "auto" values, warnings, differences, ignored keys, alternatives."""
     lines: list[str] = []
     if num_params is not None and world_size is not None:

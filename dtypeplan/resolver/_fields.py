@@ -22,7 +22,7 @@ from dtypeplan.resolver._config import (
 from dtypeplan.resolver._dimensions import REDUCTION, STATE_DTYPES, states_value, value_text
 from dtypeplan.resolver._optimizer_block import OptimizerReading, read_optimizer, read_scheduler
 
-__all__ = ["read_fields"]
+__all__ = ["STATE_SPELLINGS", "read_fields"]
 
 
 def read_fields(
@@ -321,6 +321,8 @@ def _count(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 _DS_DTYPES = {
     "fp32": ("fp32", "torch.float32", "float32", "float"),
     "fp16": ("fp16", "torch.float16", "float16", "half"),
@@ -376,15 +378,22 @@ def _master_weights(document: dict[str, Any], bf16: dict[str, Any], fp16: dict[s
     return ours
 
 
-_STATE_SPELLINGS = {
+STATE_SPELLINGS = {
     **{name: name for name in STATE_DTYPES},
-    **{spelling: name for name, spellings in _DS_DTYPES.items() for spelling in spellings},
+    "fp16": "fp16",
+    **{
+        f"{prefix}{torch_name}": name
+        for name, torch_name in _TORCH_NAMES.items()
+        for prefix in ("", "torch.")
+    },
 }
-"""Every accepted spelling of a moment's dtype (Megatron-core writes torch's names)."""
+"""Every accepted spelling of a moment's dtype: the states' dtypes, fp16 (refused with the
+reason) and torch's names, as Megatron-core writes them. The schema's ``state_dtype`` enum is
+generated from it (``python -m dtypeplan docs --write``)."""
 
 
 def _state_dtype(spelling: str, path: str) -> str:
-    name = _STATE_SPELLINGS[spelling]
+    name = STATE_SPELLINGS[spelling]
     if name == "fp16":
         raise PrecisionConfigError(
             f"{path} is {spelling!r}: fp16 moments are not offered. The second moment holds "

@@ -2,12 +2,16 @@
 
 The plan holds effective values only (``check_nonfinite`` is True under fp16, which always
 checks; ``loss_scaling`` is None without fp16), so ``explain()`` and the optimizer read one
-derivation; the text of ``explain()`` is written by ``_explain.py``. It imports nothing of
+derivation; the text of ``explain()`` is written by ``_explain.py``. The table's dimensions are
+held once, as the point (:attr:`PrecisionPlan.point`); each dimension's record
+(``_dimensions.py``) names the plan attributes derived from its value (``param_dtype``,
+``master_dtype``, ``offload_optimizer``, ...), which are generated here. It imports nothing of
 ``dtypeplan.optimizers``: :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model`
-call the builder that ``dtypeplan/__init__.py`` installs with :func:`install_builder`
+call the builder that ``dtypeplan/_api.py`` installs with :func:`install_builder`
 (``dtypeplan.optimizers.build_optimizer`` / ``prepare_model``, as torchtitan's
-``build_optimizers``). Imports so run one way, optimizers -> resolver, and the package root,
-which imports both, is the one place the two layers are joined.
+``build_optimizers``). Imports so run one way, optimizers -> resolver, and ``_api.py``, which
+imports both, is the one place the two layers are joined; a plan that builds before anything
+imported it (a plan unpickled on a spawned rank) loads it by name.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +44,7 @@ from dtypeplan.resolver._batch import (
 )
 from dtypeplan.resolver._client_optimizer import client_optimizer_config
 from dtypeplan.resolver._config import LossScaleConfig, OptimizerConfig, PrecisionConfig
-from dtypeplan.resolver._dimensions import states_value
+from dtypeplan.resolver._dimensions import DIMENSIONS
 from dtypeplan.resolver._explain import explain
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
@@ -85,15 +90,21 @@ _builder: _Builder | None = None
 def install_builder(*, build_optimizer: _BuildOptimizer, prepare_model: _PrepareModel) -> None:
     """Set what :meth:`PrecisionPlan.build` and :meth:`PrecisionPlan.prepare_model` call.
 
-    ``dtypeplan/__init__.py`` installs ``dtypeplan.optimizers``'s builder; importing any part
-    of the package runs it first, so a plan can always build.
+    ``dtypeplan/_api.py`` installs ``dtypeplan.optimizers``'s builder when it is imported
+    (``dtypeplan.resolve`` and ``dtypeplan.load_rules`` import it); :func:`_installed` imports
+    it where nothing did, so a plan can always build.
     """
     global _builder
     _builder = _Builder(build_optimizer=build_optimizer, prepare_model=prepare_model)
 
 
 def _installed() -> _Builder:
-    assert _builder is not None, "dtypeplan/__init__.py installs the optimizer builder"
+    """The installed builder, importing ``dtypeplan._api`` (which installs it) where nothing
+    has: a rank that received its plan pickled may never have touched ``dtypeplan.resolve``.
+    Loaded by name, so that the resolver holds no import of the optimizers' side."""
+    if _builder is None:
+        importlib.import_module("dtypeplan._api")
+    assert _builder is not None, "importing dtypeplan._api installs the optimizer builder"
     return _builder
 
 
@@ -116,8 +127,91 @@ class Resolution:
     """``resolve_config`` with the plan's rules table and ``pipeline_parallel``."""
 
 
+class _PointAttributes:
+    """The plan's attributes derived from its point, one per entry of a dimension record's
+    ``attributes`` (``_dimensions.py``): generated below as read-only properties, so a new
+    dimension's value is a plan attribute and a ``to_dict`` key with no edit here.
+
+    The declarations are for type checkers only (``tests/test_dimension_records.py`` checks
+    that each names a generated attribute); an undeclared one reads as well at run time.
+    """
+
+    point: FrozenDict[str, Any]
+    if TYPE_CHECKING:
+        param_dtype: torch.dtype
+        """The model's parameters and their ``.grad``."""
+        grad_accum_dtype: torch.dtype
+        """Where micro-batch gradients are summed."""
+        accumulator_sharded: bool
+        """Whether each rank keeps only its shard of the accumulator."""
+        zero_stage: int
+        pipeline_parallel: bool
+        comm_dtype: torch.dtype
+        """Gradients on the wire; FSDP2's ``MixedPrecisionPolicy.reduce_dtype``."""
+        comm_reduction: str
+        """``"collective"`` or ``"fp32_sum"`` (see ``dtypeplan.comm``)."""
+        master_dtype: torch.dtype
+        """The master weights: fp32, or bf16 / fp16 where the parameters are the masters."""
+        master_rounding: str
+        """How each fp32 update is rounded into 16-bit masters: ``"nearest"``,
+        ``"stochastic"`` or ``"kahan"``; ``"nearest"`` for fp32 masters."""
+        optimizer_states: str
+        """The ``states`` value: one dtype name when both moments agree, else
+        ``"exp_avg/exp_avg_sq"`` (``"bf16/fp32"``)."""
+        exp_avg_dtype: str
+        """How Adam's first moment is stored: ``"fp32"``, ``"bf16"``, ``"int8"`` or
+        ``"fp8"`` (blockwise codes); each step computes it in fp32 and stores it back."""
+        exp_avg_sq_dtype: str
+        """How Adam's second moment is stored (the same choices)."""
+        autocast_dtype: torch.dtype | None
+        """``torch_autocast``'s dtype; None without it (see :meth:`PrecisionPlan.autocast`)."""
+        shard_groups: str
+        offload_optimizer: str
+        offload_param: str
+        quantized_communication: str
+        hierarchical_partitioning: bool
+        gradient_prescaling: str
+        fp8: bool
+        """fp8 compute: ``prepare_model`` converts the eligible linear layers."""
+        optimizer_kind: str
+        """``"elementwise"`` or ``"shaped"`` (see ``resolver/_optimizer_kind.py``)."""
+        state_kind: str
+        fp8_recipe: str
+        fp8_all_gather: str
+        fp8_execution: str
+
+    def attributes(self) -> dict[str, Any]:
+        """Every attribute the dimension records derive from :attr:`point`, by name, in the
+        dimensions' order."""
+        return {name: getattr(self, name) for name in ATTRIBUTES}
+
+
+ATTRIBUTES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    attribute: (dim.name, derive)
+    for dim in DIMENSIONS.values()
+    for attribute, derive in dim.attributes.items()
+}
+"""Each plan attribute derived from the point: (its dimension, the function of the value)."""
+
+
+def _derived(dimension: str, derive: Callable[[Any], Any], doc: str) -> property:
+    def read(plan: _PointAttributes) -> Any:
+        return derive(plan.point[dimension])
+
+    return property(read, doc=doc)
+
+
+def _generate() -> None:
+    for name, (dimension, derive) in ATTRIBUTES.items():
+        doc = f"Derived from the point's ``{dimension}`` (``_dimensions.py``)."
+        setattr(_PointAttributes, name, _derived(dimension, derive, doc))
+
+
+_generate()
+
+
 @dataclass(frozen=True, kw_only=True)
-class PrecisionPlan:
+class PrecisionPlan(_PointAttributes):
     """What dtypeplan will do for one config. Built by :func:`dtypeplan.resolve`."""
 
     status: Status
@@ -132,42 +226,10 @@ class PrecisionPlan:
     rule_location: str
     """``file:line`` of the deciding rule."""
     reason: str
-    param_dtype: torch.dtype
-    grad_accum_dtype: torch.dtype
-    accumulator_sharded: bool
-    comm_dtype: torch.dtype
-    """Gradients on the wire; FSDP2's ``MixedPrecisionPolicy.reduce_dtype`` (see
-    :attr:`reduce_dtype`)."""
-    comm_reduction: str
-    """``"collective"`` or ``"fp32_sum"`` (see ``dtypeplan.comm``)."""
-    master_dtype: torch.dtype = torch.float32
-    """The master weights' dtype: fp32, or bf16 for bf16 parameters at ZeRO stages 0-2, where
-    the parameters themselves are the masters (``master_weights.dtype``,
-    ``bf16.bf16_master_weights_and_grads``)."""
-    master_rounding: str = "nearest"
-    """How each fp32 update is rounded into 16-bit master weights: ``"nearest"``,
-    ``"stochastic"`` or ``"kahan"`` (a bf16 compensation buffer); ``"nearest"`` for fp32
-    masters, where nothing is rounded (``master_weights.rounding``)."""
-    exp_avg_dtype: str = "fp32"
-    """How Adam's first moment is stored: ``"fp32"``, ``"bf16"`` (rounded to nearest),
-    ``"int8"`` (torchao's 8-bit blockwise codes) or ``"fp8"`` (torchao's e4m3 blockwise codes);
-    each step computes it in fp32 and stores it back (``optimizer_states``, ``exp_avg_dtype``,
-    ``bf16.bf16_optimizer_states``)."""
-    exp_avg_sq_dtype: str = "fp32"
-    """How Adam's second moment is stored (the same choices as :attr:`exp_avg_dtype`)."""
-    autocast_dtype: torch.dtype | None = None
-    """``torch_autocast``'s dtype (bf16 or fp16); None without it. With it the parameters,
-    their gradients and the master weights stay fp32 and forward runs under
-    :meth:`autocast` (``prepare_model`` installs it around the model's forward); fp16 autocast
-    scales the loss with :attr:`loss_scaling`."""
-    offload_optimizer: str = "none"
-    """``"none"``, ``"cpu"`` or ``"nvme"`` (only ``"none"`` is OK today)."""
-    offload_param: str = "none"
-    """``"none"``, ``"cpu"`` or ``"nvme"`` (only ``"none"`` is OK today)."""
-    quantized_communication: str = "none"
-    """ZeRO++ quantization: ``"none"``, ``"weights"``, ``"gradients"`` or ``"both"``."""
-    hierarchical_partitioning: bool = False
-    """ZeRO++ hpZ (``zero_hpz_partition_size`` > 1)."""
+    point: FrozenDict[str, Any]
+    """The table's point: the value of every dimension (``_dimensions.DIMENSIONS``). The
+    attributes each dimension's record names (``Dimension.attributes``: :attr:`param_dtype`,
+    :attr:`master_dtype`, :attr:`offload_optimizer`, ...) are derived from it."""
     hpz_partition_size: int = 1
     """ZeRO++ hpZ's ``zero_hpz_partition_size``: at ZeRO-3 each unit's parameters are kept
     sharded over groups of this many consecutive ranks from its forward to its backward
@@ -181,27 +243,8 @@ class PrecisionPlan:
     """The gradients' wire format between shard groups: a dtype name (``"fp32"``, ``"bf16"``,
     ``"fp16"``) or a block-quantized one (``"int8"``, ``"fp8"``, summed in fp32). None: the same
     as :attr:`comm_dtype` (within the group)."""
-    gradient_prescaling: str = "none"
-    """``"none"``, ``"prescale"`` or ``"predivide"``."""
-    fp8: bool = False
-    """The fp8 block enabled: ``prepare_model`` converts the eligible linear layers."""
-    fp8_recipe: str = "tensorwise"
-    """fp8 compute's scaling: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or
-    ``"mxfp8"`` (meaningful with :attr:`fp8` only)."""
-    fp8_all_gather: str = "param_dtype"
-    """The dtype ZeRO-3 gathers the converted weights in: ``"param_dtype"`` or ``"fp8"``."""
     fp8_exclude_modules: tuple[str, ...] = ()
     """Names or fnmatch patterns of linear layers fp8 compute leaves unconverted."""
-    fp8_execution: str = "native"
-    """``"native"`` (the device's fp8 kernels), ``"emulated"`` (fp8 rounding, the matmul in
-    high precision) or ``"unavailable"`` (refused)."""
-    optimizer_kind: str = "elementwise"
-    """``"elementwise"`` or ``"shaped"`` (see ``resolver/_optimizer_kind.py``)."""
-    state_kind: str = "moments"
-    """The table's ``state_kind``: ``"moments"``, ``"step_sizes"`` (Rprop) or
-    ``"averaged_weights"`` (ASGD) (``resolver/_optimizer_kind.py``)."""
-    zero_stage: int
-    pipeline_parallel: bool
     loss_scaling: LossScaleConfig | None
     """fp16 loss scaling (fp16 parameters or fp16 autocast); None otherwise, where nothing is
     scaled."""
@@ -248,12 +291,6 @@ class PrecisionPlan:
 
     # --- reporting ----------------------------------------------------------------------------
     @property
-    def optimizer_states(self) -> str:
-        """The table's ``states`` value: one dtype name when both moments agree, else
-        ``"exp_avg/exp_avg_sq"`` (``"bf16/fp32"``)."""
-        return states_value(self.exp_avg_dtype, self.exp_avg_sq_dtype)
-
-    @property
     def optimizer_states_dtype(self) -> torch.dtype | None:
         """The torch dtype both moments are held in, where they share a plain float dtype
         (fp32 or bf16); None for int8 / fp8 codes or moments in different dtypes."""
@@ -261,17 +298,15 @@ class PrecisionPlan:
             DTYPES.get(self.optimizer_states) if self.optimizer_states in ("fp32", "bf16") else None
         )
 
-    def _fp8_dict(self) -> dict[str, Any]:
-        return {
-            "fp8": self.fp8,
-            "fp8_recipe": self.fp8_recipe,
-            "fp8_all_gather": self.fp8_all_gather,
-            "fp8_exclude_modules": list(self.fp8_exclude_modules),
-            "fp8_execution": self.fp8_execution,
-        }
-
     def to_dict(self) -> dict[str, Any]:
-        """Everything about the plan as JSON-serializable data."""
+        """Everything about the plan as JSON-serializable data: the decision, every attribute
+        the dimensions' records derive from :attr:`point` (dtypes by name), the settings."""
+        attributes = {
+            name: DTYPE_NAMES[value] if isinstance(value, torch.dtype) else value
+            for name, value in self.attributes().items()
+        }
+        # The states' value under its first key (the attribute holds the torch dtype).
+        attributes["optimizer_states_dtype"] = attributes.pop("optimizer_states")
         return {
             "status": str(self.status),
             "implementation": self.implementation,
@@ -279,31 +314,11 @@ class PrecisionPlan:
             "rule_id": self.rule_id,
             "rule_location": self.rule_location,
             "reason": self.reason,
-            "param_dtype": DTYPE_NAMES[self.param_dtype],
-            "grad_accum_dtype": DTYPE_NAMES[self.grad_accum_dtype],
-            "accumulator_sharded": self.accumulator_sharded,
-            "comm_dtype": DTYPE_NAMES[self.comm_dtype],
-            "comm_reduction": self.comm_reduction,
-            "master_dtype": DTYPE_NAMES[self.master_dtype],
-            "master_rounding": self.master_rounding,
-            "optimizer_states_dtype": self.optimizer_states,
-            "exp_avg_dtype": self.exp_avg_dtype,
-            "exp_avg_sq_dtype": self.exp_avg_sq_dtype,
-            "autocast_dtype": None
-            if self.autocast_dtype is None
-            else DTYPE_NAMES[self.autocast_dtype],
-            "offload_optimizer": self.offload_optimizer,
-            "offload_param": self.offload_param,
-            "quantized_communication": self.quantized_communication,
-            "hierarchical_partitioning": self.hierarchical_partitioning,
+            **attributes,
+            "hpz_partition_size": self.hpz_partition_size,
             "shard_group_size": self.shard_group_size,
             "wire_across_groups": self.wire_across_groups,
-            "gradient_prescaling": self.gradient_prescaling,
-            **self._fp8_dict(),
-            "optimizer_kind": self.optimizer_kind,
-            "state_kind": self.state_kind,
-            "zero_stage": self.zero_stage,
-            "pipeline_parallel": self.pipeline_parallel,
+            "fp8_exclude_modules": list(self.fp8_exclude_modules),
             "loss_scaling": None if self.loss_scaling is None else vars(self.loss_scaling).copy(),
             "optimizer": {"type": self.optimizer.type, "params": _jsonable(self.optimizer.params)},
             "gradient_clipping": self.gradient_clipping,

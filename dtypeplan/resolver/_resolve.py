@@ -16,7 +16,7 @@ from typing import Any
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.resolver._config import PrecisionConfig
 from dtypeplan.resolver._differences import ALL_STAGES, deepspeed_differences
-from dtypeplan.resolver._dimensions import DIMENSIONS, MASTER_ROUNDING, STATE_PAIRS
+from dtypeplan.resolver._dimensions import DIMENSIONS
 from dtypeplan.resolver._effective import Effective, effective_values
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._load import load_config
@@ -82,12 +82,10 @@ def _plan(
     *,
     pipeline_parallel: bool,
 ) -> PrecisionPlan:
-    """The plan: the rule's decision, the effective values as dtypes, and the config's
-    settings that no dimension holds."""
-    features, origins, scaled = effective.features, effective.origins, effective.scaled
+    """The plan: the rule's decision, the point (from which the plan derives each
+    dimension's attributes) and the config's settings that no dimension holds."""
+    origins, scaled = effective.origins, effective.scaled
     ok = rule.status == Status.OK
-    master_dtype, master_rounding = MASTER_ROUNDING[features["master"]]
-    exp_avg_dtype, exp_avg_sq_dtype = STATE_PAIRS[features["states"]]
     return PrecisionPlan(
         status=rule.status,
         implementation=rule.implementation if ok else None,
@@ -97,29 +95,11 @@ def _plan(
         rule_id=rule.id,
         rule_location=table.location(rule),
         reason=rule.reason,
-        param_dtype=DTYPES[effective.param_name],
-        grad_accum_dtype=DTYPES[effective.accum],
-        accumulator_sharded=effective.sharded,
-        comm_dtype=DTYPES[effective.comm],
-        comm_reduction=config.comm_reduction,
-        master_dtype=DTYPES[master_dtype],
-        master_rounding=master_rounding,
-        exp_avg_dtype=exp_avg_dtype,
-        exp_avg_sq_dtype=exp_avg_sq_dtype,
-        autocast_dtype=None if config.autocast == "none" else DTYPES[config.autocast],
-        offload_optimizer=config.offload_optimizer,
-        offload_param=config.offload_param,
-        quantized_communication=config.quantized_communication,
-        hierarchical_partitioning=config.hierarchical_partitioning,
+        point=FrozenDict(point),
         hpz_partition_size=config.hpz_partition_size,
         shard_group_size=config.shard_group_size,
         wire_across_groups=config.wire_across_groups,
-        gradient_prescaling=config.gradient_prescaling,
-        **_fp8_fields(config, features),
-        optimizer_kind=features["optimizer"],
-        state_kind=features["state_kind"],
-        zero_stage=effective.stage,
-        pipeline_parallel=bool(pipeline_parallel),
+        fp8_exclude_modules=config.fp8_exclude_modules,
         loss_scaling=config.loss_scaling if scaled else None,
         optimizer=config.optimizer,
         gradient_clipping=config.gradient_clipping,
@@ -144,17 +124,6 @@ def _plan(
             ),
         ),
     )
-
-
-def _fp8_fields(config: PrecisionConfig, features: dict[str, Any]) -> dict[str, Any]:
-    """The plan's fp8 compute settings (``features``: the table's point, for how it runs)."""
-    return {
-        "fp8": config.fp8,
-        "fp8_recipe": config.fp8_recipe,
-        "fp8_all_gather": config.fp8_all_gather,
-        "fp8_exclude_modules": config.fp8_exclude_modules,
-        "fp8_execution": features["fp8_execution"],
-    }
 
 
 def _warnings(point: dict[str, Any], config: PrecisionConfig) -> list[str]:
