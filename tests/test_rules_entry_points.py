@@ -37,9 +37,13 @@ def refusing_rules(directory: Path) -> Path:
     """The shipped rules file with ZeRO-1 refused by :data:`USER_RULE`."""
     with open(default_rules_path(), encoding="utf-8") as handle:
         document = yaml.safe_load(handle)
-    (rule,) = [r for r in document["rules"] if r["id"] == "zero1"]
-    rule.update(id=USER_RULE, status="NotSupported", reason=REASON)
-    del rule["implementation"]
+    if "gates" in document:  # the first gate that matches decides
+        gate = {"id": USER_RULE, "when": {"stage": 1}, "status": "NotSupported"}
+        document["gates"].insert(0, {**gate, "fix": "zero_optimization.stage 2", "reason": REASON})
+    else:
+        (rule,) = [r for r in document["rules"] if r["id"] == "zero1"]
+        rule.update(id=USER_RULE, status="NotSupported", reason=REASON)
+        del rule["implementation"]
     path = directory / "team_rules.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
     return path
