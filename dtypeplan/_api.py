@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtypeplan import resolver
-from dtypeplan.optimizers import build_optimizer, prepare_model, registered_names
+from dtypeplan.optimizers import build_optimizer, prepare_model, registered_declarations
 from dtypeplan.resolver import PrecisionPlan, RuleTable
 
 __all__ = ["load_rules", "resolve"]
@@ -29,7 +29,7 @@ def load_rules(path: str | os.PathLike[str] | None = None) -> RuleTable:
     Raises :class:`dtypeplan.RulesError` naming ``file:line`` (see
     :func:`dtypeplan.resolver.load_rules`).
     """
-    return resolver.load_rules(path, implementations=registered_names())
+    return resolver.load_rules(path, implementations=registered_declarations())
 
 
 def resolve(
@@ -46,5 +46,5 @@ def resolve(
     ``strict`` makes every unknown key an error (else an unknown top-level key is a warning).
     """
     return resolver.resolve(
-        config, pipeline_parallel, rules, auto, strict, implementations=registered_names()
+        config, pipeline_parallel, rules, auto, strict, implementations=registered_declarations()
     )

@@ -240,10 +240,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_table(args: argparse.Namespace) -> int:
     from dtypeplan import load_rules
-    from dtypeplan.table import render_markdown, render_readme_block
+    from dtypeplan.table import render_markdown
 
-    table = load_rules(args.rules)
-    print(render_readme_block(table) if args.readme else render_markdown(table), end="")
+    print(render_markdown(load_rules(args.rules)), end="")
     return EXIT_OK
 
 
@@ -252,10 +251,10 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     from dtypeplan.resolver import COMBINATIONS
 
     table = load_rules(args.rules)
-    combinations = COMBINATIONS
     print(
-        f"ok: {len(table.rules)} rules, {combinations} combinations, "
-        "each matched by exactly one rule"
+        f"ok: {len(table.gates)} gates and {len(table.grid)} rules decide each of "
+        f"{COMBINATIONS} combinations once; every OK rule stays inside what its "
+        "implementation declares it serves"
     )
     if not args.prove:
         return EXIT_OK
@@ -276,6 +275,19 @@ def _prove(args: argparse.Namespace) -> int:
     print(summary(outcomes))
     failed = any(outcome.result == "failed" for outcome in outcomes)
     return EXIT_NOT_SUPPORTED if failed else EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from dtypeplan import load_rules
+    from dtypeplan.resolver._diff import differences, verdict_regions
+
+    old, new = (None if path == "shipped" else path for path in (args.old, args.new))
+    found = differences(verdict_regions(load_rules(old)), verdict_regions(load_rules(new)))
+    for difference in found:
+        print(difference.text())
+    total = sum(d.combinations for d in found)
+    print(f"{len(found)} boxes, {total} combinations decided otherwise" if found else "same")
+    return EXIT_NOT_SUPPORTED if found else EXIT_OK
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
@@ -448,20 +460,18 @@ def _parser() -> argparse.ArgumentParser:
         "feature value's deciding rules, as markdown.",
     )
     table.add_argument("--rules", metavar="FILE", help="a rules file instead of the shipped one")
-    table.add_argument(
-        "--readme",
-        action="store_true",
-        help="print the block that goes between the table markers of README.md",
-    )
     add_import(table)
     table.set_defaults(handler=_cmd_table)
 
     lint = commands.add_parser(
         "lint",
         help="check a rules file",
-        description="Check that every combination is matched by exactly one rule and every "
-        "implementation is registered. Exit 0 if so, else 2 with file:line. With --prove, also "
-        "train a point of every OK rule against fp32 torch.optim (exit 1 if one fails).",
+        description="Check that every combination past the gates is matched by exactly one "
+        "rule, that every gate and rule decides something, that every implementation is "
+        "registered, and that every OK rule stays inside what its implementation declares it "
+        "serves. Exit 0 if so, else 2 with file:line. With --prove, also train a point of "
+        "every OK rule (and the first it adds to the shipped table) against fp32 torch.optim "
+        "(exit 1 if one fails).",
     )
     lint.add_argument("rules", nargs="?", metavar="RULES", help="default: the shipped rules file")
     lint.add_argument(
@@ -473,6 +483,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_import(lint)
     lint.set_defaults(handler=_cmd_lint)
+
+    diff = commands.add_parser(
+        "diff",
+        help="the combinations two rules files decide differently",
+        description="Print each box of combinations whose verdict (status and implementation) "
+        "differs between OLD and NEW, with the rule deciding on each side: what an edit "
+        "changes, before anything runs. Exit 0 when they decide alike, 1 when they differ, 2 "
+        "for a file that does not load.",
+    )
+    diff.add_argument("old", metavar="OLD", help="a rules file (the shipped one: 'shipped')")
+    diff.add_argument("new", metavar="NEW", help="a rules file (or 'shipped')")
+    add_import(diff)
+    diff.set_defaults(handler=_cmd_diff)
 
     demo = commands.add_parser(
         "demo",

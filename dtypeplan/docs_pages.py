@@ -231,16 +231,17 @@ def render_config_reference() -> str:
 # --- the truth table ---------------------------------------------------------------------------
 def render_truth_table() -> str:
     from dtypeplan import load_rules
+    from dtypeplan.optimizers import registered_declarations
     from dtypeplan.table import render_markdown
 
-    body = render_markdown(load_rules())
+    body = render_markdown(load_rules(), registered_declarations())
     # The table's headings start at ###, below the README's ##; here they sit under the page's #.
     body = re.sub(r"^#(#+) ", r"\1 ", body, flags=re.MULTILINE)
     return (
         GENERATED.format(source="dtypeplan/precision_rules.yaml")
         + "\n\n# Truth table\n\n"
-        + "Every rule of `dtypeplan/precision_rules.yaml` and the status of every combination a "
-        + "reader looks for, as `dtypeplan.resolve` answers it (each cell is resolved from a "
+        + "Every gate and rule of `dtypeplan/precision_rules.yaml`, what each implementation "
+        + "declares it serves, and the status of every combination a reader looks for, as `dtypeplan.resolve` answers it (each cell is resolved from a "
         + "real config). How the table works and how to add a combination: "
         + "[The truth table](../truth-table.md). `python3 -m dtypeplan table` prints the same.\n\n"
         + _size_sentence()

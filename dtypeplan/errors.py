@@ -39,6 +39,7 @@ class RulesError(ValueError):
     def __init__(self, message: str, file: str = "<rules>", line: int | None = None) -> None:
         location = f"{file}:{line}" if line is not None else file
         super().__init__(f"{location}: {message}")
+        self.message = message
         self.file = file
         self.line = line
 

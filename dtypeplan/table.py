@@ -1,8 +1,9 @@
-"""The rules table as markdown: ``dtypeplan table`` and the generated section of README.md.
+"""The rules table as markdown: ``dtypeplan table`` and ``docs/reference/truth-table.md``.
 
-Four kinds of table are rendered. The first lists every rule of the file in file order (a
-feature pinned to its "not used" value is summed up as "other features unused", so that each
-row shows what sets the rule apart). The second is the status grid a reader looks for: the
+Five kinds of table are rendered. The first two list the file as it reads: the gates in their
+order (what each refuses, the exception it leaves, the setting that lifts it), then the grid's
+rules (a feature a rule names at its "not used" value is not shown). With the registry's
+declarations, a third lists what each implementation declares it serves. The next is the status grid a reader looks for: the
 :data:`GRID_ROWS` dimensions (parameter dtype x accumulation dtype) against the
 :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism), with the other dimensions left to
 the defaults of the rules file and every feature unused. Then one grid per feature dimension
@@ -40,13 +41,11 @@ __all__ = [
     "condition_text",
     "GRID_COLUMNS",
     "GRID_ROWS",
-    "README_BEGIN",
-    "README_END",
     "grid_config",
-    "readme_block",
+    "render_declarations",
+    "render_gates",
     "render_grid",
     "render_markdown",
-    "render_readme_block",
     "feature_rows",
     "feature_statuses",
     "render_feature_grid",
@@ -54,9 +53,6 @@ __all__ = [
     "render_rules",
     "status_grid",
 ]
-
-README_BEGIN = "<!-- table:begin -->"
-README_END = "<!-- table:end -->"
 
 GRID_ROWS: tuple[Dimension, ...] = (PARAMS, ACCUM)
 """One grid row per combination of their advisable values."""
@@ -87,33 +83,74 @@ def _implementation_cell(rule: Rule) -> str:
 
 
 def condition_text(rule: Rule) -> str:
-    """The rule's condition without the features it pins to "not used" (named once at the end)."""
+    """The rule's condition as the file names it (a feature named at "not used" left out)."""
     parts = []
-    pinned_unused = False
     for name, dim in DIMENSIONS.items():
-        if name not in rule.when:
+        if name not in rule.named:
             continue
         values = rule.matched_values(name)
-        if name in FEATURE_DIMENSIONS and values == [dim.default_value]:
-            pinned_unused = True
-            continue
-        parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
-    if pinned_unused:
-        parts.append("other features unused")
+        if len(values) == len(dim.values):
+            parts.append(f"{name}=*")
+        elif not (name in FEATURE_DIMENSIONS and values == [dim.default_value]):
+            parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
     return ", ".join(parts) or "any"
 
 
-def render_rules(table: RuleTable) -> str:
-    """One markdown row per rule, in file order."""
+def _unless_text(rule: Rule) -> str:
+    if rule.unless is None:
+        return ""
+    return ", ".join(
+        f"{name}={'|'.join(value_text(v) for v in dim.values if v in rule.unless[name])}"
+        for name, dim in DIMENSIONS.items()
+        if name in rule.unless
+    )
+
+
+def render_gates(table: RuleTable) -> str:
+    """One markdown row per gate, in order: the first that holds a combination decides it."""
     lines = [
-        "| id | when | status | implementation | reason |",
+        "| # | id | refuses | unless | status | fix | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for number, gate in enumerate(table.gates, 1):
+        status = (
+            "as " + ", ".join(f"{k}={value_text(v)}" for k, v in gate.decide_as.items())
+            if gate.decide_as
+            else str(gate.status)
+        )
+        lines.append(
+            f"| {number} | `{gate.id}` | {_cell(condition_text(gate))} | "
+            f"{_cell(_unless_text(gate)) or '-'} | {status} | {_cell(gate.fix or '-')} | "
+            f"{_cell(gate.reason)} |"
+        )
+    return "\n".join(lines)
+
+
+def render_rules(table: RuleTable) -> str:
+    """One markdown row per rule of the grid."""
+    lines = [
+        "| id | when (features not named: unused) | status | implementation | reason |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for rule in table.rules:
+    for rule in table.grid:
         lines.append(
             f"| `{rule.id}` | {_cell(condition_text(rule))} | {rule.status} | "
             f"{_implementation_cell(rule)} | {_cell(rule.reason)} |"
         )
+    return "\n".join(lines)
+
+
+def render_declarations(declarations: dict[str, Any]) -> str:
+    """What each implementation declares it serves, one row per box (features not named are
+    at their "not used" value)."""
+    lines = ["| implementation | serves |", "| --- | --- |"]
+    for name, boxes in declarations.items():
+        for box in boxes or ():
+            text = ", ".join(
+                f"{k}={'|'.join(value_text(x) for x in v) if isinstance(v, (list, tuple)) else value_text(v)}"
+                for k, v in box.items()
+            )
+            lines.append(f"| `{name}` | {_cell(text)} |")
     return "\n".join(lines)
 
 
@@ -279,11 +316,26 @@ def render_features(table: RuleTable) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(table: RuleTable) -> str:
-    """The whole table: every rule, the status grid, then the features."""
+def render_markdown(table: RuleTable, declarations: dict[str, Any] | None = None) -> str:
+    """The whole table: the gates, the grid, the implementations' declarations (when given),
+    the status grid, then the features."""
+    served = (
+        "\n\n### What each implementation serves\n\n"
+        + "Declared with `@register(name, serves=[...])`; the loader refuses an OK rule that "
+        + "sends a combination outside its implementation's boxes.\n\n"
+        + render_declarations(declarations)
+        if declarations
+        else ""
+    )
     return (
-        f"### Rules of `{os.path.basename(table.path)}`\n\n"
+        f"### Gates of `{os.path.basename(table.path)}`, in order\n\n"
+        + "The first gate that holds a combination decides it; a dimension a gate does not "
+        + "name may have any value.\n\n"
+        + render_gates(table)
+        + "\n\n### The grid\n\n"
+        + "Every combination no gate takes is matched by exactly one of these rules.\n\n"
         + render_rules(table)
+        + served
         + "\n\n### Status by parameter dtype, accumulation dtype, ZeRO stage and pipeline\n\n"
         + render_grid(table)
         + "\n\n### Status of each feature that has OK cells\n\n"
@@ -296,28 +348,7 @@ def render_markdown(table: RuleTable) -> str:
         + "\n\n### DeepSpeed features, each alone\n\n"
         + 'The grid above is every feature\'s "not used" value. Each other value, as the only '
         + "feature of a config, is decided by the rule shown; when a config uses several, the "
-        + "last of them in this order decides (the master-weight rules also cover the "
-        + "optimizer states). A contradiction of the core settings (`gradient_accumulation_"
-        + "dtype.sharded` against the ZeRO stage, both 16-bit modes) is an Error whatever "
-        + "features are set: `resolve` answers the core rule's Error before any feature's "
-        + "verdict.\n\n"
+        + "first gate that holds the combination decides.\n\n"
         + render_features(table)
         + "\n"
     )
-
-
-def render_readme_block(table: RuleTable) -> str:
-    """What goes between :data:`README_BEGIN` and :data:`README_END` in README.md."""
-    return (
-        "<!-- generated by `dtypeplan table --readme` from dtypeplan/precision_rules.yaml; "
-        "do not edit by hand -->\n\n" + render_markdown(table)
-    )
-
-
-def readme_block(text: str) -> str | None:
-    """The text between the README markers (without them), or None when they are absent."""
-    begin = text.find(README_BEGIN)
-    end = text.find(README_END, begin + len(README_BEGIN)) if begin >= 0 else -1
-    if begin < 0 or end < 0:
-        return None
-    return text[begin + len(README_BEGIN) : end]

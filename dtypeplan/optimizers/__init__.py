@@ -5,6 +5,7 @@ from dtypeplan.optimizers.contract import (
     MixedPrecisionOptimizer,
     get_implementation,
     register,
+    registered_declarations,
     registered_names,
 )
 from dtypeplan.optimizers.flat import ReplicatedOptimizer, ShardedOptimizer
@@ -25,5 +26,6 @@ __all__ = [
     "implementation_class",
     "prepare_model",
     "register",
+    "registered_declarations",
     "registered_names",
 ]

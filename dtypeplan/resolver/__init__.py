@@ -24,7 +24,14 @@ from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
-from dtypeplan.resolver._rules import MAX_RULES, Rule, RuleTable, Status, load_rules
+from dtypeplan.resolver._rules import (
+    MAX_RULES,
+    Rule,
+    RuleTable,
+    Status,
+    declaration_boxes,
+    load_rules,
+)
 from dtypeplan.resolver._traffic import Traffic
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "config_for",
     "install_builder",
     "load_config",
+    "declaration_boxes",
     "load_rules",
     "resolve",
 ]

@@ -21,7 +21,7 @@ from dtypeplan.resolver._effective import Effective, effective_values
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, Resolution, Status
-from dtypeplan.resolver._rules import Rule, RuleTable, load_rules
+from dtypeplan.resolver._rules import Implementations, Rule, RuleTable, load_rules
 
 __all__ = ["resolve", "resolve_config"]
 
@@ -35,7 +35,7 @@ def resolve(
     auto: Mapping[str, Any] | None = None,
     strict: bool = False,
     *,
-    implementations: Collection[str] | None = None,
+    implementations: Implementations | Collection[str] | None = None,
 ) -> PrecisionPlan:
     """Validate ``config``, look its combination up in the rules table and return the plan.
 
@@ -43,8 +43,9 @@ def resolve(
     whose status says so; only an invalid config (:class:`PrecisionConfigError`) or an invalid
     rules file (:class:`RulesError`) raises. ``auto`` fills the config's ``"auto"`` values
     (dotted path -> value; the rest take the HF Trainer's defaults); ``strict`` makes every
-    unknown key an error. ``implementations``: the registered names a rule may send
-    combinations to (``dtypeplan.resolve`` passes the registry's); None: unchecked.
+    unknown key an error. ``implementations``: the registered implementations a rule may send
+    combinations to, with what each declares it serves (``dtypeplan.resolve`` passes the
+    registry's); None: unchecked.
     """
     return resolve_config(
         load_config(config, auto=auto, strict=strict),

@@ -1,40 +1,41 @@
 """The precision truth table: loading ``precision_rules.yaml`` and looking combinations up.
 
 A combination (a *point*) has one value on each dimension of :data:`DIMENSIONS` (see
-``_dimensions.py``). A rule's ``when`` maps dimensions to a value, a list of values or ``"*"``
-(a missing dimension means ``"*"``), so every rule is a *box*: the product of one value set per
-dimension. The table is valid only when every point of the space is matched by exactly one rule,
-so rule order never matters and no combination falls through to an accident.
+``_dimensions.py``). The file (version 2) has two parts, each a list of boxes (the product of
+one value set per dimension):
 
-The space has about 41 billion points, too many to enumerate, so the check works on the boxes
-(:func:`_check_coverage`): it splits the space one dimension at a time, grouping that dimension's
-values into classes that the rules still in play treat alike, and recurses into each class with
-the rules that contain it. A class no rule contains is a gap; a box every remaining rule covers
-whole is decided, by one rule, or it is an overlap of two. The splits form a decision tree,
-which is also the lookup index: a point is looked up in one step per split dimension. The cost
-grows with the number of distinct boxes the rules cut the space into, not with the space.
+1. ``gates``, in order: refusals (NotSupported or Error), each with its reason and the setting
+   that lifts it. The first gate whose ``when`` holds a point decides it. A gate names only
+   what it refuses: a dimension it does not name takes any value.
+2. ``rules``, the grid: what runs (OK, with its implementation) and what is left. Every point
+   no gate takes must be matched by exactly one grid rule, so their order never matters and no
+   combination falls through to an accident. A grid rule describes a cell: a *core* dimension
+   it does not name takes any value, a *feature* dimension it does not name is at its "not
+   used" value ("any value" is written ``"*"`` where meant).
 
-A rule may *defer* (``decide_as: {fp8: false}``): it matches its box like any rule, and the
-decision is the rule of the same point with those values (fp8 compute changes the matmuls, not
-what the optimizer holds, so the optimizer's cell is decided as without it). Its box must
-exclude the values it defers to, so a deferral never leads to another; :meth:`RuleTable.lookup`
-returns the pair as one rule (``fp8-compute+zero3``: the base's status and implementation, both
-reasons).
+A matcher is a value, a list, ``"*"``, ``{not: ...}`` or the name of a value set declared under
+``sets``. The loader checks the boxes, not the points (:mod:`dtypeplan.resolver._boxes`): the
+decision tree it builds is the proof that every point has exactly one decision, and the lookup
+index. A rule that decides nothing (the gates before it take every point of its box) is
+refused too.
 
-One precedence holds over every box: a contradiction of the core settings is an Error whatever
-features are set. Where the point's *core* (its core dimensions, every feature at its "not used"
-value) is an Error, :meth:`RuleTable.lookup` answers that Error, unless the point's own rule is
-an Error too (whose reason is about the point itself): a feature's NotSupported (or a deferral)
-never hides that the config contradicts itself (stage 0 with a sharded accumulator, stage 2 or 3
-with ``"sharded": false``). The boxes still cover every point exactly once; the loader refuses a
-rule that the precedence overrules at every point of its box (it would decide nothing).
+A gate may *defer* (``decide_as: {fp8: false}``): the decision is the one of the same point
+with those values (fp8 compute changes the matmuls, not what the optimizer holds, so the
+optimizer's cell is decided as without it). Its box must exclude the values it defers to, so a
+deferral never leads to another; :meth:`RuleTable.lookup` returns the pair as one rule
+(``fp8-compute+zero3``: the decision's status and implementation, both reasons).
+
+Implementations declare what they serve (``@dtypeplan.register(name, serves=[...])``, boxes in
+the grid's language). The loader refuses an OK rule that decides a point outside its
+implementation's declaration, naming the rule, the implementation and the point: an edited
+table cannot claim what no code does.
 
 Loading follows torchgen's habits: ``yaml.safe_load`` semantics with line numbers kept, every
 key checked against ``schemas/rules.schema.json``, cross-rule checks in a second pass, and every
 error a :class:`RulesError` naming ``file:line``. Nothing in a rules file is executed: explicit
-tags, anchors and aliases are refused before anything is constructed. Implementation names are
-checked against the names the caller passes (``implementations=``); this package imports no
-optimizer code (``dtypeplan.load_rules`` passes the registered names).
+tags, anchors and aliases are refused before anything is constructed. Implementation names and
+declarations come from the caller (``implementations=``); this package imports no optimizer
+code (``dtypeplan.load_rules`` passes the registry's declarations).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import enum
 import itertools
 import json
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -54,9 +55,25 @@ import jsonschema
 import yaml
 
 from dtypeplan.errors import RulesError
+from dtypeplan.resolver._boxes import (
+    FULL,
+    Box,
+    Coverage,
+    Index,
+    Leaf,
+    box_text,
+    first_point,
+    intersect,
+    leaves_within,
+    outside,
+    point_text,
+    remaining,
+    size,
+    subtract,
+    with_values,
+)
 from dtypeplan.resolver._dimensions import (
     COMBINATIONS,
-    CORE_DIMENSIONS,
     DIMENSIONS,
     FEATURES_UNUSED,
     Point,
@@ -75,16 +92,18 @@ __all__ = [
     "RuleTable",
     "Status",
     "core_of",
+    "declaration_boxes",
     "default_rules_path",
+    "grid_when",
     "load_rules",
 ]
 
 MAX_RULES = COMBINATIONS
-"""A valid table has at most one rule per point: every rule matches at least one."""
+"""A valid table has at most one rule per point: every rule decides at least one."""
 
-_Index = Any
-"""A node of the lookup tree: a rule's position (a leaf), or ``(dimension position, children)``
-with one child per value of that dimension (values of one class share their child)."""
+Implementations = Mapping[str, "Sequence[Mapping[str, Any]] | None"]
+"""Registered implementation names, each with the boxes it declares it serves (``None``: it
+declares nothing, so no OK rule may send a combination to it)."""
 
 
 class Status(str, enum.Enum):
@@ -104,11 +123,12 @@ _RULES_LIMITS = InputLimits(max_nodes=50_000_000)
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    """One row of the table."""
+    """One row of the table: a gate or a rule of the grid."""
 
     id: str
     when: FrozenDict[str, frozenset[Any]]
-    """Allowed values per dimension; a dimension absent here matches any value."""
+    """Allowed values per dimension; a dimension absent here matches any value (a grid rule's
+    unnamed features are filled in with their "not used" value on load)."""
     status: Status
     implementation: str | None
     """Registry name of the optimizer an OK rule builds."""
@@ -117,33 +137,51 @@ class Rule:
     needs a group; one process runs the flat sharded optimizer instead)."""
     reason: str
     line: int
+    gate: bool = False
+    """A gate (ordered, first match decides) rather than a rule of the grid."""
+    named: tuple[str, ...] = ()
+    """The dimensions the file names in ``when``, in display order."""
+    fix: str | None = None
+    """The setting that lifts a refusal, as the file states it."""
+    unless: FrozenDict[str, frozenset[Any]] | None = None
+    """Gates only: the box within ``when`` the gate leaves to the rules after it."""
     decide_as: FrozenDict[str, Any] = field(default_factory=FrozenDict)
-    """Deferring rules only: the values whose point decides (see the module docstring)."""
+    """Deferring gates only: the values whose point decides (see the module docstring)."""
     decided_by: tuple[str, ...] = ()
-    """A deferral as looked up: the ids of the deferring rule and of the rule deciding."""
-    overrules: str | None = None
-    """A core Error as looked up at a point with features: the id of the point's own rule,
-    which the contradiction of the core settings overrules (see the module docstring)."""
-
-    def matches(self, point: Point) -> bool:
-        return all(point[dim] in allowed for dim, allowed in self.when.items())
+    """A deferral as looked up: the ids of the deferring gate and of the rule deciding."""
 
     def when_text(self) -> str:
-        """The match condition as ``dim=value`` pairs, for tables and messages."""
-        if not self.when:
-            return "any"
+        """The match condition as ``dim=value`` pairs, as the file names them."""
         parts = []
         for name in DIMENSIONS:
-            if name in self.when:
+            if name in self.named:
                 values = self.matched_values(name)
-                parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
-        return ", ".join(parts)
+                if len(values) < len(DIMENSIONS[name].values):
+                    parts.append(f"{name}={'|'.join(value_text(v) for v in values)}")
+        return ", ".join(parts) or "any"
 
     def matched_values(self, name: str) -> list[Any]:
         """The values of dimension ``name`` this rule matches, in the dimension's order."""
         allowed = self.when.get(name)
         values = DIMENSIONS[name].values
         return list(values) if allowed is None else [v for v in values if _member(v, allowed)]
+
+    def box(self) -> Box:
+        """The rule's box as value masks (see ``_boxes.py``)."""
+        return _mask(self.when)
+
+    def region(self) -> list[Box]:
+        """Disjoint boxes of the points the rule claims: its box, less a gate's ``unless``."""
+        if self.unless is None:
+            return [self.box()]
+        return subtract(self.box(), _mask(self.unless))
+
+    def matches(self, point: Point) -> bool:
+        inside = all(point[dim] in allowed for dim, allowed in self.when.items())
+        return inside and not (
+            self.unless is not None
+            and all(point[dim] in allowed for dim, allowed in self.unless.items())
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,46 +203,67 @@ class RuleTable:
 
     path: str
     defaults: Defaults
-    rules: tuple[Rule, ...]
-    index: _Index = field(compare=False, repr=False)
-    """The decision tree the coverage check built (see the module docstring)."""
+    gates: tuple[Rule, ...]
+    grid: tuple[Rule, ...]
+    sets: FrozenDict[str, tuple[Any, ...]] = field(default_factory=FrozenDict)
+    index: Index = field(compare=False, repr=False)
+    """The grid's decision tree, which the coverage check built (see ``_boxes.py``)."""
+    leaves: tuple[Leaf, ...] = field(compare=False, repr=False, default=())
+    """Its leaves; ``decided_by`` is a position in :attr:`grid`."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """Every gate, in order, then the grid."""
+        return self.gates + self.grid
 
     def lookup(self, point: Point) -> Rule:
-        """The rule that decides ``point``: its one rule (a deferring rule's match as the
-        deferral, :func:`_deferred`), or the Error of the point's core where that rule is not
-        an Error itself (:func:`_overruling`; see the module docstring)."""
-        rule = self._own(point)
-        if rule.status == Status.ERROR:
-            return rule
-        core = self.core_error(point)
-        return rule if core is None else _overruling(core, rule)
-
-    def core_error(self, point: Point) -> Rule | None:
-        """The Error rule of ``point``'s core settings (every feature unused), or None where
-        they agree."""
-        core = self._own(core_of(point))
-        return core if core.status == Status.ERROR else None
-
-    def _own(self, point: Point) -> Rule:
-        """The decision of the one rule whose box holds ``point``, without the precedence."""
+        """The rule that decides ``point``: the first gate that holds it, else its one grid
+        rule; a deferring gate as the deferral (:func:`_deferred`)."""
         rule = self.matching(point)
         if not rule.decide_as:
             return rule
         return _deferred(rule, self.matching({**point, **rule.decide_as}))
 
+    def core_error(self, point: Point) -> Rule | None:
+        """The Error of ``point``'s core settings (every feature unused), or None where they
+        agree."""
+        core = self.lookup(core_of(point))
+        return core if core.status == Status.ERROR else None
+
     def matching(self, point: Point) -> Rule:
-        """The one rule whose box holds ``point`` (a deferring rule as it is)."""
+        """The gate or grid rule that decides ``point`` (a deferring gate as it is)."""
+        for gate in self.gates:
+            if gate.matches(point):
+                return gate
         node = self.index
         while isinstance(node, tuple):
             position, children = node
             name = _DIMENSION_NAMES[position]
             value = point[name]
             node = children[_VALUE_INDEX[name][(type(value), value)]]
-        return self.rules[node]
+        decided_by = self.leaves[node].decided_by
+        assert decided_by is not None, "a loaded table has no gap past its gates"
+        return self.grid[decided_by]
+
+    def decided(self, rule: Rule) -> list[Box]:
+        """Disjoint boxes of the points ``rule`` decides (a deferring gate: that it defers):
+        a gate's region less the gates before it, a grid rule's leaves less every gate."""
+        if rule.gate:
+            position = self.gates.index(rule)
+            earlier = [box for gate in self.gates[:position] for box in gate.region()]
+            return [piece for box in rule.region() for piece in remaining(box, earlier)]
+        position = self.grid.index(rule)
+        gates = [box for gate in self.gates for box in gate.region()]
+        return [
+            piece
+            for leaf in self.leaves
+            if leaf.decided_by == position
+            for piece in remaining(leaf.box, gates)
+        ]
 
     def points(self) -> Iterator[dict[str, Any]]:
         """Every combination of the core dimensions, the features at their "not used" values
-        (the whole space, about 41 billion points, is too large to list)."""
+        (the whole space is too large to list: see ``COMBINATIONS``)."""
         return points()
 
     def location(self, rule: Rule) -> str:
@@ -223,24 +282,9 @@ def _deferred(rule: Rule, base: Rule) -> Rule:
         single_process_implementation=base.single_process_implementation,
         reason=f"{base.reason} {rule.reason}",
         line=rule.line,
+        named=tuple(n for n in DIMENSIONS if n in base.named or n in rule.named),
+        fix=base.fix,
         decided_by=(rule.id, base.id),
-    )
-
-
-@cache
-def _overruling(core: Rule, rule: Rule) -> Rule:
-    """The Error ``core`` of a point's core settings, as it decides the point whose own rule is
-    ``rule``: its conditions on the core dimensions only (whatever features are set)."""
-    return Rule(
-        id=core.id,
-        when=FrozenDict({name: v for name, v in core.when.items() if name in CORE_DIMENSIONS}),
-        status=core.status,
-        implementation=None,
-        single_process_implementation=None,
-        reason=f"{core.reason} The core settings contradict each other, which is an Error "
-        f"whatever features are set (here it overrules rule {rule.id}).",
-        line=core.line,
-        overrules=rule.id,
     )
 
 
@@ -252,6 +296,21 @@ def core_of(point: Point) -> dict[str, Any]:
 def _member(value: Any, allowed: Collection[Any]) -> bool:
     # bool is an int in Python: keep stage=true from matching stage 1.
     return any(value == a and type(value) is type(a) for a in allowed)
+
+
+def _mask(when: Mapping[str, Collection[Any]]) -> Box:
+    """The box of a ``when`` (a dimension it leaves out: every value)."""
+    masks = []
+    for name, dim in DIMENSIONS.items():
+        allowed = when.get(name)
+        masks.append(
+            sum(
+                1 << i
+                for i, value in enumerate(dim.values)
+                if allowed is None or _member(value, allowed)
+            )
+        )
+    return tuple(masks)
 
 
 _VALUE_INDEX: FrozenDict[str, FrozenDict[tuple[type, Any], int]] = FrozenDict(
@@ -363,7 +422,7 @@ def _screen(text: str, name: str) -> None:
                 key = event.value if isinstance(event, yaml.ScalarEvent) else None
                 key_line = _line(event)
             else:
-                in_rules = key == "rules" and isinstance(event, yaml.SequenceStartEvent)
+                in_rules = key in ("gates", "rules") and isinstance(event, yaml.SequenceStartEvent)
             expect_key = not expect_key
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
@@ -438,22 +497,87 @@ def _validate_schema(document: Any, name: str) -> None:
     raise RulesError(f"{where}: {error.message}", name, _line_of(document, path))
 
 
-def _matcher(dim: str, spec: Any, name: str, line: int) -> frozenset[Any]:
+def _values(
+    dim: str, spec: Any, sets: Mapping[str, tuple[Any, ...]], name: str, line: int
+) -> list[Any]:
+    """The values a matcher lists: plain values and set names, checked against the dimension."""
+    known = DIMENSIONS[dim].values
+    values: list[Any] = []
+    for item in spec if isinstance(spec, list) else [spec]:
+        if isinstance(item, str) and item in sets:
+            values.extend(v for v in sets[item] if _member(v, known))
+            continue
+        if not _member(item, known):
+            choices = ", ".join(value_text(a) for a in known)
+            named = f"; sets: {', '.join(sets)}" if sets else ""
+            raise RulesError(
+                f"{dim}: unknown value {value_text(item)!r} (one of: {choices}, *{named})",
+                name,
+                line,
+            )
+        values.append(item)
+    return values
+
+
+def _matcher(
+    dim: str, spec: Any, name: str, line: int, sets: Mapping[str, tuple[Any, ...]] = FrozenDict()
+) -> frozenset[Any]:
+    """The values a matcher allows: a value, a list, ``"*"``, a set name or ``{not: ...}``."""
     known = DIMENSIONS[dim].values
     if spec == "*":
         return frozenset(known)
-    values = spec if isinstance(spec, list) else [spec]
-    for value in values:
-        if not _member(value, known):
-            choices = ", ".join(value_text(a) for a in known)
-            raise RulesError(
-                f"{dim}: unknown value {value_text(value)!r} (one of: {choices}, *)", name, line
-            )
-    return frozenset(values)
+    if isinstance(spec, Mapping):
+        excluded = _values(dim, spec["not"], sets, name, line)
+        allowed = frozenset(v for v in known if not _member(v, excluded))
+    else:
+        allowed = frozenset(_values(dim, spec, sets, name, line))
+    if not allowed:
+        raise RulesError(f"{dim}: the matcher allows no value", name, line)
+    return allowed
+
+
+def grid_when(
+    spec: Mapping[str, Any],
+    *,
+    name: str = "<declaration>",
+    line: int = 1,
+    sets: Mapping[str, tuple[Any, ...]] = FrozenDict(),
+    key_lines: Mapping[str, int] = FrozenDict(),
+) -> FrozenDict[str, frozenset[Any]]:
+    """A box in the grid's language: the named dimensions' matchers, every unnamed feature at
+    its "not used" value (what grid rules and implementation declarations say)."""
+    unknown = [dim for dim in spec if dim not in DIMENSIONS]
+    if unknown:
+        raise RulesError(
+            f"unknown dimension {unknown[0]!r} (known: {', '.join(DIMENSIONS)})", name, line
+        )
+    when = {
+        dim: _matcher(dim, matcher, name, key_lines.get(dim, line), sets)
+        for dim, matcher in spec.items()
+    }
+    for dim, unused in FEATURES_UNUSED.items():
+        if dim not in when and not _requirement_unmet(dim, when):
+            when[dim] = frozenset([unused])
+    return FrozenDict(when)
+
+
+def _requirement_unmet(dim: str, when: Mapping[str, frozenset[Any]]) -> bool:
+    """Whether ``when`` excludes where ``dim`` means anything (``fp8_recipe`` in a box with
+    ``fp8`` false): such a dimension is left at any value, as the config reader ignores it."""
+    return any(
+        required not in when.get(other, frozenset([FEATURES_UNUSED.get(other)]))
+        for other, required in DIMENSIONS[dim].requires.items()
+    )
+
+
+def declaration_boxes(serves: Sequence[Mapping[str, Any]]) -> tuple[Box, ...]:
+    """An implementation's declaration (``serves=``) as boxes; :class:`RulesError` for a
+    declaration that is not in the table's dimension language."""
+    return tuple(_mask(grid_when(box)) for box in serves)
 
 
 def _check_implementation(
-    raw: _LineMap, key: str, name: str, implementations: frozenset[str] | None
+    raw: _LineMap, key: str, name: str, implementations: Implementations | None
 ) -> str | None:
     implementation = raw.get(key)
     if implementation is None or implementations is None or implementation in implementations:
@@ -467,63 +591,121 @@ def _check_implementation(
     )
 
 
-def _build_rules(
-    document: _LineMap, name: str, implementations: frozenset[str] | None
-) -> tuple[Rule, ...]:
-    rules: list[Rule] = []
-    seen: dict[str, int] = {}
-    for raw in document["rules"]:
-        line = raw.line
-        if raw["id"] in seen:
+def _sets(document: _LineMap, name: str) -> FrozenDict[str, tuple[Any, ...]]:
+    """The file's named value sets; a name that is also a value would be ambiguous."""
+    raw = document.get("sets") or {}
+    every_value = {v for dim in DIMENSIONS.values() for v in dim.values if isinstance(v, str)}
+    for set_name in raw:
+        if set_name in every_value or set_name == "*":
             raise RulesError(
-                f"rule id {raw['id']!r} already used at line {seen[raw['id']]}", name, line
+                f"set name {set_name!r} is also a dimension value: name the set otherwise",
+                name,
+                raw.key_lines[set_name],
             )
-        seen[raw["id"]] = line
+    return FrozenDict({k: tuple(v) for k, v in raw.items()})
+
+
+def _build_rule(
+    raw: _LineMap,
+    *,
+    gate: bool,
+    name: str,
+    sets: Mapping[str, tuple[Any, ...]],
+    implementations: Implementations | None,
+) -> Rule:
+    line = raw.line
+    key_lines = raw["when"].key_lines
+    if gate:
         when = FrozenDict(
             {
-                dim: _matcher(dim, spec, name, raw["when"].key_lines.get(dim, line))
+                dim: _matcher(dim, spec, name, key_lines.get(dim, line), sets)
                 for dim, spec in raw["when"].items()
             }
         )
-        decide_as = _decide_as(raw, when, name)
-        status = Status(raw.get("status", Status.OK))
-        implementation = _check_implementation(raw, "implementation", name, implementations)
-        single = _check_implementation(raw, "single_process_implementation", name, implementations)
-        # A deferring rule's verdict is the rule it defers to (_decide_as refused a status or
-        # implementation of its own); the others state theirs.
-        if not decide_as and status == Status.OK:
-            if implementation is None:
+    else:
+        when = grid_when(raw["when"], name=name, line=line, sets=sets, key_lines=key_lines)
+    unless = _unless(raw, when, name, sets) if gate else None
+    decide_as = _decide_as(raw, when, name)
+    status = Status(raw["status"]) if "status" in raw else Status.OK
+    implementation = _check_implementation(raw, "implementation", name, implementations)
+    single = _check_implementation(raw, "single_process_implementation", name, implementations)
+    if status == Status.OK and not decide_as and implementation is None:
+        raise RulesError(f"rule {raw['id']!r} is OK but names no implementation", name, line)
+    if status != Status.OK or decide_as:
+        for key in ("implementation", "single_process_implementation"):
+            if key in raw:
                 raise RulesError(
-                    f"rule {raw['id']!r} is OK but names no implementation", name, line
+                    f"rule {raw['id']!r} has status {status} but names an {key}; "
+                    "only OK rules build an optimizer",
+                    name,
+                    raw.key_lines[key],
                 )
-        elif not decide_as:
-            for key in ("implementation", "single_process_implementation"):
-                if key in raw:
-                    raise RulesError(
-                        f"rule {raw['id']!r} has status {status} but names an {key}; "
-                        "only OK rules build an optimizer",
-                        name,
-                        raw.key_lines[key],
-                    )
-        rules.append(
-            Rule(
-                id=raw["id"],
-                when=when,
-                status=status,
-                implementation=implementation,
-                single_process_implementation=single,
-                reason=" ".join(raw["reason"].split()),
-                line=line,
-                decide_as=decide_as,
-            )
+    return Rule(
+        id=raw["id"],
+        when=when,
+        status=status,
+        implementation=implementation,
+        single_process_implementation=single,
+        reason=" ".join(raw["reason"].split()),
+        line=line,
+        gate=gate,
+        named=tuple(n for n in DIMENSIONS if n in raw["when"]),
+        fix=" ".join(raw["fix"].split()) if "fix" in raw else None,
+        unless=unless,
+        decide_as=decide_as,
+    )
+
+
+def _unless(
+    raw: _LineMap,
+    when: FrozenDict[str, frozenset[Any]],
+    name: str,
+    sets: Mapping[str, tuple[Any, ...]],
+) -> FrozenDict[str, frozenset[Any]] | None:
+    """A gate's ``unless``: a box (dimensions it does not name: any value) the gate leaves to
+    the rules after it; it must leave the gate something and take something from it."""
+    spec = raw.get("unless")
+    if spec is None:
+        return None
+    line = raw.key_lines["unless"]
+    unless = FrozenDict(
+        {dim: _matcher(dim, m, name, spec.key_lines.get(dim, line), sets) for dim, m in spec.items()}
+    )
+    box, cut = _mask(when), _mask(unless)
+    if intersect(box, cut) is None or not subtract(box, cut):
+        raise RulesError(
+            f"gate {raw['id']!r}: its unless {'holds its whole when' if intersect(box, cut) else 'shares no combination with its when'}",
+            name,
+            line,
         )
-    _check_deferrals(rules, name)
-    return tuple(rules)
+    return unless
+
+
+def _build_rules(
+    document: _LineMap, name: str, implementations: Implementations | None
+) -> tuple[tuple[Rule, ...], tuple[Rule, ...], FrozenDict[str, tuple[Any, ...]]]:
+    sets = _sets(document, name)
+    seen: dict[str, int] = {}
+    built: dict[str, list[Rule]] = {"gates": [], "rules": []}
+    for part in ("gates", "rules"):
+        for raw in document.get(part) or []:
+            if raw["id"] in seen:
+                raise RulesError(
+                    f"rule id {raw['id']!r} already used at line {seen[raw['id']]}", name, raw.line
+                )
+            seen[raw["id"]] = raw.line
+            built[part].append(
+                _build_rule(
+                    raw, gate=part == "gates", name=name, sets=sets, implementations=implementations
+                )
+            )
+    _check_deferrals(built["gates"], name)
+    return tuple(built["gates"]), tuple(built["rules"]), sets
 
 
 def _check_deferrals(rules: list[Rule], name: str) -> None:
-    """No deferral leads to a deferring rule: each point deferred to lies outside every
-    deferring rule's box."""
+    """No deferral leads to a deferring gate: each point deferred to lies outside every
+    deferring gate's box."""
     deferring = [rule for rule in rules if rule.decide_as]
     for rule in deferring:
         for other in deferring:
@@ -532,7 +714,7 @@ def _check_deferrals(rules: list[Rule], name: str) -> None:
                 for dim, value in rule.decide_as.items()
             ):
                 raise RulesError(
-                    f"rule {rule.id!r} defers to points that rule {other.id!r} (line "
+                    f"gate {rule.id!r} defers to points that gate {other.id!r} (line "
                     f"{other.line}) defers too: a deferral must reach a rule that decides",
                     name,
                     rule.line,
@@ -540,29 +722,28 @@ def _check_deferrals(rules: list[Rule], name: str) -> None:
 
 
 def _decide_as(raw: _LineMap, when: FrozenDict[str, frozenset[Any]], name: str) -> FrozenDict:
-    """A deferring rule's ``decide_as``, checked: no status or implementation of its own, and
-    its box excludes each value it defers to, so the point deferred to is never deferred again
-    (every deferring rule defers on dimensions its own box pins away from those values)."""
+    """A deferring gate's ``decide_as``, checked: no status of its own, and its box excludes
+    each value it defers to, so the point deferred to is never deferred again (every deferring
+    gate defers on dimensions its own box pins away from those values)."""
     spec = raw.get("decide_as")
     if spec is None:
         if "status" not in raw:
-            raise RulesError(f"rule {raw['id']!r} has neither status nor decide_as", name, raw.line)
+            raise RulesError(f"gate {raw['id']!r} has neither status nor decide_as", name, raw.line)
         return FrozenDict()
     line = raw.key_lines["decide_as"]
-    for key in ("status", "implementation", "single_process_implementation"):
-        if key in raw:
-            raise RulesError(
-                f"rule {raw['id']!r} defers (decide_as) and names a {key}: the rule it defers "
-                "to decides that",
-                name,
-                raw.key_lines[key],
-            )
+    if "status" in raw:
+        raise RulesError(
+            f"gate {raw['id']!r} defers (decide_as) and names a status: the rule it defers "
+            "to decides that",
+            name,
+            raw.key_lines["status"],
+        )
     values = {}
     for dim, value in spec.items():
         (values[dim],) = _matcher(dim, value, name, line)
         if dim not in when or _member(values[dim], when[dim]):
             raise RulesError(
-                f"rule {raw['id']!r} defers to {dim}={value_text(values[dim])} but its own when "
+                f"gate {raw['id']!r} defers to {dim}={value_text(values[dim])} but its own when "
                 f"does not exclude that value: name {dim} with the other values",
                 name,
                 line,
@@ -570,190 +751,182 @@ def _decide_as(raw: _LineMap, when: FrozenDict[str, frozenset[Any]], name: str) 
     return FrozenDict(values)
 
 
-def _rule_masks(rule: Rule) -> tuple[int, ...]:
-    """Per dimension, the set of value positions ``rule`` allows, as a bit mask."""
-    masks = []
-    for name, dim in DIMENSIONS.items():
-        allowed = rule.when.get(name)
-        masks.append(
-            sum(
-                1 << i
-                for i, value in enumerate(dim.values)
-                if allowed is None or _member(value, allowed)
+def _check_coverage(
+    gates: tuple[Rule, ...], grid: tuple[Rule, ...], name: str, rules_line: int
+) -> tuple[Index, tuple[Leaf, ...]]:
+    """The grid's decision tree; a gap or an overlap past the gates, or a rule that decides
+    nothing, raises (see the module docstring)."""
+    coverage = Coverage([rule.box() for rule in grid])
+    index = coverage.build()
+    taken = [box for gate in gates for box in gate.region()]
+    for box, live in coverage.overlaps:
+        beyond = outside(box, taken)
+        if beyond is not None:
+            first, second = grid[live[0]], grid[live[1]]
+            raise RulesError(
+                f"rules {first.id!r} (line {first.line}) and {second.id!r} overlap: both match "
+                f"{point_text(first_point(beyond))} and no gate takes it; every combination "
+                "past the gates must be matched by exactly one rule",
+                name,
+                second.line,
             )
-        )
-    return tuple(masks)
-
-
-def _positions(mask: int) -> list[int]:
-    return [i for i in range(mask.bit_length()) if mask >> i & 1]
-
-
-class _Coverage:
-    """The recursive split behind :func:`_check_coverage` (see the module docstring)."""
-
-    def __init__(self, rules: tuple[Rule, ...], name: str) -> None:
-        self.rules = rules
-        self.name = name
-        self.masks = [_rule_masks(rule) for rule in rules]
-        self.sizes = [len(dim.values) for dim in DIMENSIONS.values()]
-        self.full = [(1 << size) - 1 for size in self.sizes]
-        self.gaps = 0
-        self.first_gap: str | None = None
-
-    def visit(self, live: list[int], box: list[int], parents: list[int], split_by: int) -> _Index:
-        """The index for the points of ``box`` (a value mask per dimension), which exactly the
-        rules ``live`` (file order) contain on every dimension split so far; ``parents`` are
-        the rules of the box before its last split, on dimension ``split_by``."""
-        if not live:
-            self._gap(box, parents, split_by)
-            return None
-        best: tuple[int, int, list[tuple[int, list[int]]]] | None = None
-        for d, size in enumerate(self.sizes):
-            if box[d] != self.full[d]:
-                continue  # split already: every live rule contains the box's values here
-            by_mask: dict[int, list[int]] = {}
-            for r in live:
-                by_mask.setdefault(self.masks[r][d], []).append(r)
-            if len(by_mask) == 1 and self.full[d] in by_mask:
-                continue  # every live rule takes every value: nothing to split
-            classes = self._classes(by_mask, size)
-            # Split where the fewest rules land in several classes: a rule that takes every
-            # value of the dimension is copied into each class, so a dimension most rules name
-            # ends the copying soonest (features before the core, in the shipped table).
-            copies = sum(len(rules) for _, rules in classes)
-            if best is None or copies < best[1]:
-                best = (d, copies, classes)
-        if best is None:
-            if len(live) > 1:
-                self._overlap(live[0], live[1], box)
-            return live[0]
-        split, _, classes = best
-        children: list[_Index] = [None] * self.sizes[split]
-        for mask, rules in classes:
-            inner = list(box)
-            inner[split] = mask
-            child = self.visit(rules, inner, live, split)
-            for value in _positions(mask):
-                children[value] = child
-        return (split, tuple(children))
-
-    @staticmethod
-    def _classes(by_mask: dict[int, list[int]], size: int) -> list[tuple[int, list[int]]]:
-        """The values of a dimension grouped by the rules containing them: ``(value mask,
-        rules in file order)`` per class, in the order of the classes' first values."""
-        keyed: dict[tuple[int, ...], int] = {}
-        for value in range(size):
-            key = tuple(mask for mask in by_mask if mask >> value & 1)
-            keyed[key] = keyed.get(key, 0) | 1 << value
-        return [
-            (values, sorted(r for mask in key for r in by_mask[mask]))
-            for key, values in keyed.items()
-        ]
-
-    def _first_point(self, box: list[int]) -> dict[str, Any]:
-        return {
-            name: dim.values[(mask & -mask).bit_length() - 1]
-            for (name, dim), mask in zip(DIMENSIONS.items(), box, strict=True)
-        }
-
-    def _gap(self, box: list[int], parents: list[int], split_by: int) -> None:
-        count = 1
-        for mask in box:
-            count *= mask.bit_count()
-        self.gaps += count
-        if self.first_gap is not None:
-            return
-        point = self._first_point(box)
-        self.first_gap = _point_text(point)
-        if parents:
-            dim = _DIMENSION_NAMES[split_by]
-            near = ", ".join(
-                f"{self.rules[r].id!r} (line {self.rules[r].line})" for r in parents[:3]
-            )
-            self.first_gap += f" (the rules nearest to it leave out {dim}="
-            self.first_gap += f"{value_text(point[dim])}: {near})"
-
-    def _overlap(self, first_index: int, second_index: int, box: list[int]) -> None:
-        first, second = self.rules[first_index], self.rules[second_index]
+    gaps = [p for leaf in coverage.leaves if leaf.decided_by is None for p in remaining(leaf.box, taken)]
+    if gaps:
+        count = sum(size(box) for box in gaps)
+        more = f" and {count - 1} more" if count > 1 else ""
         raise RulesError(
-            f"rules {first.id!r} (line {first.line}) and {second.id!r} overlap: both "
-            f"match {_point_text(self._first_point(box))}; every combination must be matched "
-            "by exactly one rule",
-            self.name,
-            second.line,
-        )
-
-
-def _check_coverage(rules: tuple[Rule, ...], name: str, rules_line: int) -> _Index:
-    """The lookup tree; a gap or an overlap raises (see the module docstring)."""
-    coverage = _Coverage(rules, name)
-    full = list(coverage.full)
-    index = coverage.visit(list(range(len(rules))), full, [], 0)
-    if coverage.gaps:
-        more = f" and {coverage.gaps - 1} more" if coverage.gaps > 1 else ""
-        raise RulesError(
-            f"{coverage.gaps} combination(s) are matched by no rule: {coverage.first_gap}{more}",
+            f"{count} combination(s) are matched by no gate and no rule: "
+            f"{point_text(first_point(gaps[0]))}{more} (the combinations: {box_text(gaps[0])})",
             name,
             rules_line,
         )
-    return index
+    _check_each_decides(gates, grid, coverage.leaves, taken, name)
+    return index, tuple(coverage.leaves)
 
 
-def _check_precedence(table: RuleTable, name: str) -> None:
-    """No rule is overruled at every point of its box: a rule other than an Error holds at
-    least one core combination whose core point is not an Error (the precedence of the module
-    docstring would otherwise leave it nothing to decide)."""
-    core_errors = {
-        tuple(point[n] for n in CORE_DIMENSIONS)
-        for point in points()
-        if table.core_error(point) is not None
-    }
-    for rule in table.rules:
-        if rule.status == Status.ERROR:
-            continue
-        combinations = itertools.product(*(rule.matched_values(n) for n in CORE_DIMENSIONS))
-        if all(core in core_errors for core in combinations):
+def _check_each_decides(
+    gates: tuple[Rule, ...],
+    grid: tuple[Rule, ...],
+    leaves: list[Leaf],
+    taken: list[Box],
+    name: str,
+) -> None:
+    """Refuse a gate the gates before it cover, and a grid rule the gates cover."""
+    earlier: list[Box] = []
+    for gate in gates:
+        region = gate.region()
+        if all(outside(box, earlier) is None for box in region):
             raise RulesError(
-                f"rule {rule.id!r} decides nothing: at every point of its box the core "
-                "settings are an Error, which decides whatever features are set; narrow its "
-                "core conditions or remove it",
+                f"gate {gate.id!r} decides nothing: the gates before it take every point of its "
+                "box; narrow them or remove it",
+                name,
+                gate.line,
+            )
+        earlier.extend(region)
+    for position, rule in enumerate(grid):
+        mine = [leaf.box for leaf in leaves if leaf.decided_by == position]
+        if all(outside(box, taken) is None for box in mine):
+            covering = [g.id for g in gates if _overlaps(g, rule)]
+            raise RulesError(
+                f"rule {rule.id!r} decides nothing: the gates ({', '.join(covering[:4])}) take "
+                "every point of its box; narrow them or remove it",
                 name,
                 rule.line,
             )
 
 
-def _point_text(point: Point) -> str:
-    return ", ".join(f"{dim}={value_text(point[dim])}" for dim in DIMENSIONS)
+def _overlaps(a: Rule, b: Rule) -> bool:
+    return intersect(a.box(), b.box()) is not None
+
+
+def _check_declarations(table: RuleTable, implementations: Implementations, name: str) -> None:
+    """Every point an OK rule decides (deferred points included) lies inside what its
+    implementations declare they serve (see the module docstring)."""
+    declared = {
+        impl: declaration_boxes(serves) if serves is not None else ()
+        for impl, serves in implementations.items()
+    }
+    taken = [box for gate in table.gates for box in gate.region()]
+    for leaf in table.leaves:
+        if leaf.decided_by is None:
+            continue  # the gates take it all (checked on load)
+        _check_served(table.grid[leaf.decided_by], leaf.box, taken, declared, name)
+    for gate in table.gates:
+        if not gate.decide_as:
+            continue
+        # The points it defers whose deferred point is taken by a gate are decided there.
+        deferred_taken = [
+            with_values(box, {dim: None for dim in gate.decide_as})
+            for box in taken
+            if intersect(box, with_values(FULL, gate.decide_as)) is not None
+        ]
+        for piece in table.decided(gate):
+            target = with_values(piece, gate.decide_as)
+            for base in leaves_within(table.index, target, table.leaves.__getitem__):
+                if base.decided_by is None:
+                    continue
+                widened = with_values(base.box, {dim: None for dim in gate.decide_as})
+                common = intersect(piece, widened)
+                if common is not None:
+                    rule = table.grid[base.decided_by]
+                    _check_served(rule, common, deferred_taken, declared, name, gate)
+
+
+def _check_served(
+    rule: Rule,
+    box: Box,
+    taken: list[Box],
+    declared: Mapping[str, tuple[Box, ...]],
+    name: str,
+    deferring: Rule | None = None,
+) -> None:
+    """The points of ``box`` that ``taken`` leaves to ``rule`` lie in its implementations'
+    declarations."""
+    if rule.status != Status.OK:
+        return
+    for impl in (rule.implementation, rule.single_process_implementation):
+        if impl is None or impl not in declared:
+            continue
+        beyond = outside(box, [*taken, *declared[impl]])
+        if beyond is None:
+            continue
+        via = f" (through gate {deferring.id!r}, line {deferring.line})" if deferring else ""
+        what = "declares nothing it serves" if not declared[impl] else "does not declare"
+        raise RulesError(
+            f"rule {rule.id!r} sends {point_text(first_point(beyond))}{via} to implementation "
+            f"{impl!r}, which {what} that combination: the rule claims more than the code does. "
+            "Narrow the rule (or keep the gate that refused it), or register an implementation "
+            f"whose serves= holds it (the combinations beyond it here: {box_text(beyond)})",
+            name,
+            (deferring or rule).line,
+        )
 
 
 def load_rules(
     path: str | os.PathLike[str] | None = None,
     *,
-    implementations: Collection[str] | None = None,
+    implementations: Implementations | Collection[str] | None = None,
 ) -> RuleTable:
     """Load and check a rules file (the shipped ``precision_rules.yaml`` by default).
 
-    ``implementations``: the registered implementation names an OK rule may name; ``None``
-    skips that check (``dtypeplan.load_rules`` passes the registry's names). Raises
+    ``implementations``: the registered implementations an OK rule may name, each with the
+    boxes it declares it serves (a plain collection of names checks the names only; ``None``
+    skips both checks). ``dtypeplan.load_rules`` passes the registry's declarations. Raises
     :class:`RulesError` naming ``file:line`` for any problem: YAML syntax, a tag, the schema,
-    too many rules, an unknown dimension value, a gap or overlap between rules, an unknown
-    implementation.
+    too many rules, an unknown dimension value, a gap or overlap, a rule that decides nothing,
+    an unknown implementation, an OK rule beyond its implementation's declaration.
     """
     resolved = os.fspath(path) if path is not None else default_rules_path()
-    names = frozenset(implementations) if implementations is not None else None
+    declared: FrozenDict[str, Any] | None = None
+    if isinstance(implementations, Mapping):
+        declared = FrozenDict({k: _freeze_serves(v) for k, v in implementations.items()})
+    elif implementations is not None:
+        declared = FrozenDict({impl: _UNCHECKED for impl in implementations})
     if resolved == default_rules_path():
-        return _load_shipped(names)
-    return _load(resolved, names)
+        return _load_shipped(declared)
+    return _load(resolved, declared)
+
+
+_UNCHECKED: Any = "unchecked"
+"""A name given without its declaration (``implementations=`` as a plain collection)."""
+
+
+def _freeze_serves(serves: Sequence[Mapping[str, Any]] | None) -> Any:
+    if serves is None:
+        return None
+    return tuple(
+        FrozenDict({k: tuple(v) if isinstance(v, list) else v for k, v in box.items()})
+        for box in serves
+    )
 
 
 @cache
-def _load_shipped(implementations: frozenset[str] | None) -> RuleTable:
+def _load_shipped(implementations: FrozenDict[str, Any] | None) -> RuleTable:
     # Only the shipped file is cached: it cannot change under a running program.
     return _load(default_rules_path(), implementations)
 
 
-def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
+def _load(path: str, implementations: FrozenDict[str, Any] | None) -> RuleTable:
     name = os.path.basename(path) if path == default_rules_path() else path
     try:
         text = read_text(path, _RULES_LIMITS)
@@ -764,10 +937,12 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
         raise RulesError(f"cannot read rules file: {exc}", name, exc.line) from None
     document = _parse(text, name)
     if not isinstance(document, _LineMap):
-        raise RulesError("a rules file must be a mapping with version, defaults and rules", name, 1)
+        raise RulesError(
+            "a rules file must be a mapping with version, defaults, gates and rules", name, 1
+        )
     _validate_schema(document, name)
-    rules = _build_rules(document, name, implementations)
-    index = _check_coverage(rules, name, document.key_lines["rules"])
+    gates, grid, sets = _build_rules(document, name, implementations)
+    index, leaves = _check_coverage(gates, grid, name, document.key_lines["rules"])
     raw = document["defaults"]
     defaults = Defaults(
         grad_accum_dtype=FrozenDict(raw["grad_accum_dtype"]),
@@ -775,6 +950,22 @@ def _load(path: str, implementations: frozenset[str] | None) -> RuleTable:
         communication_data_type=raw["communication_data_type"],
         lines=FrozenDict({key: raw.key_lines[key] for key in raw}),
     )
-    table = RuleTable(path=path, defaults=defaults, rules=rules, index=index)
-    _check_precedence(table, name)
+    table = RuleTable(
+        path=path,
+        defaults=defaults,
+        gates=gates,
+        grid=grid,
+        sets=sets,
+        index=index,
+        leaves=leaves,
+    )
+    if implementations is not None:
+        checked = {k: _thaw_serves(v) for k, v in implementations.items() if v != _UNCHECKED}
+        _check_declarations(table, checked, name)
     return table
+
+
+def _thaw_serves(serves: Any) -> Sequence[Mapping[str, Any]] | None:
+    if serves is None:
+        return None
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in box.items()} for box in serves]

@@ -11,7 +11,12 @@ from dtypeplan.optimizers.contract.fp8_compute import (
     fp8_weight_numels,
     precompute_scales,
 )
-from dtypeplan.optimizers.contract.registry import get_implementation, register, registered_names
+from dtypeplan.optimizers.contract.registry import (
+    get_implementation,
+    register,
+    registered_declarations,
+    registered_names,
+)
 
 __all__ = [
     "MXFP8Linear",
@@ -23,5 +28,6 @@ __all__ = [
     "WrapPolicy",
     "get_implementation",
     "register",
+    "registered_declarations",
     "registered_names",
 ]

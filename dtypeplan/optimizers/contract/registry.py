@@ -1,28 +1,43 @@
-"""The registry of optimizer implementations, keyed by the names the rules table uses."""
+"""The registry of optimizer implementations, keyed by the names the rules table uses, each with
+the boxes of combinations it declares it serves (``contract/served.py`` for the built-in ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from dtypeplan.errors import RegistryError
+from dtypeplan.errors import RegistryError, RulesError
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
+from dtypeplan.resolver import declaration_boxes
 
-__all__ = ["get_implementation", "register", "registered_names"]
+__all__ = ["get_implementation", "register", "registered_declarations", "registered_names"]
 
 _REGISTRY: dict[str, type[MixedPrecisionOptimizer]] = {}
+_SERVES: dict[str, tuple[dict[str, Any], ...] | None] = {}
 
 T = TypeVar("T", bound="type[MixedPrecisionOptimizer]")
 
 
-def register(name: str) -> Callable[[T], T]:
+def register(
+    name: str, *, serves: Sequence[Mapping[str, Any]] | None = None
+) -> Callable[[T], T]:
     """Class decorator: make an optimizer class buildable under ``name`` from a rules file.
 
-    Registering a name twice raises :class:`RegistryError` (at import time, for the module that
-    does it).
+    ``serves``: the boxes of combinations the class implements, in the table's dimension
+    language (``{"stage": [1, 2], "master": "*", ...}``: a core dimension left out takes any
+    value, a feature left out is at its "not used" value). The rules loader refuses an OK rule
+    that sends a combination outside them; without ``serves`` no OK rule may name the class.
+    Registering a name twice, or a declaration that is not in the table's language, raises
+    :class:`RegistryError` (at import time, for the module that does it).
     """
     if not isinstance(name, str) or not name:
         raise RegistryError("an implementation name must be a non-empty string")
+    declared = None if serves is None else tuple(dict(box) for box in serves)
+    if declared is not None:
+        try:
+            declaration_boxes(declared)
+        except RulesError as exc:
+            raise RegistryError(f"@register({name!r}, serves=...): {exc.message}") from None
 
     def decorate(cls: T) -> T:
         if not (isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimizer)):
@@ -36,6 +51,7 @@ def register(name: str) -> Callable[[T], T]:
                 f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}"
             )
         _REGISTRY[name] = cls
+        _SERVES[name] = declared
         return cls
 
     return decorate
@@ -55,3 +71,9 @@ def get_implementation(name: str) -> type[MixedPrecisionOptimizer]:
 def registered_names() -> list[str]:
     """Every registered name, sorted (what ``load_rules(implementations=...)`` takes)."""
     return sorted(_REGISTRY)
+
+
+def registered_declarations() -> dict[str, tuple[dict[str, Any], ...] | None]:
+    """Every registered name with the boxes it serves (what ``load_rules(implementations=...)``
+    takes; ``None`` for a class registered without ``serves``)."""
+    return {name: _SERVES[name] for name in sorted(_REGISTRY)}

@@ -10,19 +10,20 @@
 from __future__ import annotations
 
 from dtypeplan.optimizers.contract.registry import register
+from dtypeplan.optimizers.contract.served import REPLICATED, SHARDED
 from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
 
 __all__ = ["FlatMixedPrecisionOptimizer", "ReplicatedOptimizer", "ShardedOptimizer"]
 
 
-@register("replicated")
+@register("replicated", serves=REPLICATED)
 class ReplicatedOptimizer(FlatMixedPrecisionOptimizer):
     """ZeRO stage 0: master weights, optimizer states and the accumulator whole on every rank."""
 
     shard_state = False
 
 
-@register("sharded")
+@register("sharded", serves=SHARDED)
 class ShardedOptimizer(FlatMixedPrecisionOptimizer):
     """ZeRO stages 1 and 2: master weights and optimizer states sharded over the group.
 

@@ -88,6 +88,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
     precompute_scales,
 )
 from dtypeplan.optimizers.contract.registry import register
+from dtypeplan.optimizers.contract.served import FSDP2
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.host_update import HostUpdate, offloads_optimizer_alone
 from dtypeplan.optimizers.fsdp2.shard_update import ShardUpdate
@@ -130,7 +131,7 @@ def _sharded(tensor: torch.Tensor | None) -> DTensor:
     return tensor
 
 
-@register("fsdp2")
+@register("fsdp2", serves=FSDP2)
 class FSDP2Optimizer(FSDP2State):
     """ZeRO-3: master weights, gradients and optimizer states sharded, on FSDP2."""
 
