@@ -1,15 +1,15 @@
 """``dtypeplan lint --prove`` (issue 43, item 3): a rules file proven the way the shipped table is,
 each OK rule's sample point trained against fp32 ``torch.optim`` (dtypeplan/prove.py).
 
-The default run proves two edits of the shipped file, one rule each (a spawned group of 1 rank
-and one of 2 for both): a NotSupported cell turned OK and sent to an implementation that really
-serves it passes; an OK claim the implementation does not compute fails, with its error above
-the bound. The slow run proves the shipped table through the command line.
+The default run proves two edits of the shipped file (a spawned group of 1 rank and one of 2 for
+all their points): a refused combination let through its gate and sent to an implementation
+that really serves it passes; an OK claim whose implementation declares it but does not compute
+it fails, its error above the bound. The slow run proves the shipped table through the command
+line.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,11 @@ import yaml
 import dtypeplan
 from dtypeplan import cli
 from dtypeplan.prove import FLOOR, Outcome, bound, prove
+from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS
 from dtypeplan.resolver._rules import default_rules_path
 
-SERVED = "autocast-optimizer-states-zero1"
-"""torch_autocast with bf16 optimizer states at ZeRO-1: NotSupported in the shipped table (no
-parity test when it was written), computed by the sharded optimizer as any other states cell."""
-OVERCLAIMED = "adafactor-zero1"
-"""Adafactor (a shaped optimizer) at ZeRO-1 sent to the sharded optimizer, which hands it flat
-buffers: it runs unfactored, 0.3% off torch's Adafactor (issue 43)."""
+IMPLEMENTATIONS = "tests.workers.prove_implementations"
+OVERCLAIMED = "user-adafactor-zero1"
 
 
 class _Plain(yaml.SafeDumper):
@@ -36,50 +33,37 @@ class _Plain(yaml.SafeDumper):
         return True
 
 
-def _shipped() -> dict[str, Any]:
-    with open(default_rules_path(), encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
-
-
-def _carve(
-    document: dict[str, Any], refusal: str, new: dict[str, Any], apart: dict[str, Any]
-) -> None:
-    """Give the box ``apart`` (one value per dimension) of the NotSupported rule ``refusal`` to
-    the OK rule ``new``: the refusal keeps the rest of its box, as one rule per dimension of
-    ``apart`` (that dimension's other values, the earlier ones at ``apart``'s)."""
-    rules = document["rules"]
-    (old,) = [r for r in rules if r["id"] == refusal]
-    pieces, fixed = [], {}
-    for name, value in apart.items():
-        values = old["when"].get(name, _all(name))
-        rest = {**copy.deepcopy(old), "id": f"{refusal}-not-{name}"}
-        rest["when"] = {**old["when"], **fixed, name: [v for v in values if v != value]}
-        pieces.append(rest)
-        fixed[name] = value
-    index = rules.index(old)
-    rules[index : index + 1] = [*pieces, {**new, "when": {**old["when"], **apart}}]
-
-
-def _all(name: str) -> list[Any]:
-    from dtypeplan.resolver._dimensions import DIMENSIONS
-
-    return list(DIMENSIONS[name].values)
-
-
 def _edited(tmp_path: Path) -> Path:
-    document = _shipped()
-    _carve(
-        document,
-        "autocast-optimizer-states-bf16",
-        {"id": SERVED, "status": "OK", "implementation": "sharded", "reason": "proven here"},
-        {"stage": 1},
-    )
-    _carve(
-        document,
-        "shaped-optimizer",
-        {"id": OVERCLAIMED, "status": "OK", "implementation": "sharded", "reason": "claimed"},
-        {"params": "fp32", "stage": 1},
-    )
+    """The shipped table with two combinations opened for the user's implementations
+    (tests/workers/prove_implementations.py), as docs/truth-table.md adds one: the gate that
+    refuses each lets it through (``unless``), and a rule of the grid sends it there. bf16
+    states under bf16 autocast at ZeRO-1 go to ``sharded-autocast-states`` with the rest of
+    ZeRO-1; Adafactor at ZeRO-1 (every feature unused) to ``sharded-shaped``, by a new rule."""
+    from tests.workers import prove_implementations as user
+
+    with open(default_rules_path(), encoding="utf-8") as handle:
+        document = yaml.safe_load(handle)
+    gates = {gate["id"]: gate for gate in document["gates"]}
+    gates["autocast-optimizer-states"]["unless"] = {
+        "stage": 1,
+        "autocast": "bf16",
+        "states": "bf16",
+    }
+    (zero1,) = [rule for rule in document["rules"] if rule["id"] == "zero1"]
+    zero1["implementation"] = "sharded-autocast-states"
+    # The new rule's box, every feature but the optimizer unused (fp8's own dimensions mean
+    # nothing without fp8: any value), so that no point past the gate falls in a gap.
+    unused = {
+        name: dim.default_value for name, dim in FEATURE_DIMENSIONS.items() if not dim.requires
+    }
+    gates["shaped-optimizer"]["unless"] = {
+        **{k: v for k, v in unused.items() if k != "optimizer"},
+        **{k: v for k, v in user.SHAPED.items() if k != "optimizer"},
+    }
+    document["rules"].append(
+        {"id": OVERCLAIMED, "when": user.SHAPED, "status": "OK",
+         "implementation": "sharded-shaped", "reason": "Adafactor at ZeRO-1 (claimed)."}
+    )  # fmt: skip
     path = tmp_path / "edited_rules.yaml"
     path.write_text(yaml.dump(document, Dumper=_Plain, sort_keys=False), encoding="utf-8")
     return path
@@ -87,14 +71,17 @@ def _edited(tmp_path: Path) -> Path:
 
 def test_an_added_combination_passes_and_an_overclaim_fails(tmp_path: Path) -> None:
     rules = _edited(tmp_path)
-    assert dtypeplan.load_rules(str(rules))  # well formed: the loader cannot tell them apart
-    outcomes = {o.rule_id: o for o in prove(str(rules), only=[SERVED, OVERCLAIMED])}
-    assert len(outcomes) == 2, "each rule is new: its first point is the one it adds"
-    served, overclaimed = outcomes[SERVED], outcomes[OVERCLAIMED]
-    assert served.added and overclaimed.added
-    print(f"\n{served.line()}\n{overclaimed.line()}")
-    assert served.result == "passed", served.line()
-    assert set(served.runs) == {1, 2} and "autocast=" in served.point and "states=" in served.point
+    # Well formed, every claim inside a declaration: the loader cannot tell the two apart.
+    dtypeplan.load_rules(str(rules))
+    outcomes = prove(str(rules), imports=[IMPLEMENTATIONS], only=["zero1", OVERCLAIMED])
+    print("", *(o.line() for o in outcomes), sep="\n")
+    first, served, overclaimed = outcomes
+    assert (first.rule_id, first.added, first.result) == ("zero1", False, "passed"), first.line()
+    # ZeRO-1's first point is the shipped one; the point it adds is the new combination.
+    assert (served.rule_id, served.added) == ("zero1", True), served.line()
+    assert "autocast=bf16" in served.point and "states=bf16" in served.point, served.line()
+    assert served.result == "passed" and set(served.runs) == {1, 2}, served.line()
+    assert (overclaimed.rule_id, overclaimed.added) == (OVERCLAIMED, True), overclaimed.line()
     assert overclaimed.result == "failed", overclaimed.line()
     assert overclaimed.error is not None and overclaimed.bound is not None
     assert overclaimed.error > 10 * overclaimed.bound, overclaimed.line()

@@ -1,7 +1,8 @@
 """A user's rules file reaches every entry point that makes a plan (issue 43, item 5).
 
-The user's file here is the shipped table with ZeRO-1 refused (NotSupported) under a rule of
-the user's own, ``user-refuses-zero1``; ZeRO-1 fp32 is OK in the shipped table. Each entry point
+The user's file here is the shipped table with ZeRO-1 (its whole accumulator, the default)
+refused by a gate of the user's own, ``user-refuses-zero1``; ZeRO-1 fp32 is OK in the shipped
+table. Each entry point
 is given the file the way a user gives it (``resolve(rules=)``; ``dtypeplan check / table /
 run --rules``; ``DtypeplanTrainer(dtypeplan_rules=)``; ``DtypeplanAccelerator.resolve(config,
 rules=)``; ``DtypeplanStrategy(config, rules=)``) and must refuse a ZeRO-1 config, naming the
@@ -34,16 +35,13 @@ REASON = "This team does not run ZeRO-1 (the user's rules file). Use zero_optimi
 
 
 def refusing_rules(directory: Path) -> Path:
-    """The shipped rules file with ZeRO-1 refused by :data:`USER_RULE`."""
+    """The shipped rules file with ZeRO-1's whole accumulator refused by :data:`USER_RULE`."""
     with open(default_rules_path(), encoding="utf-8") as handle:
         document = yaml.safe_load(handle)
-    if "gates" in document:  # the first gate that matches decides
-        gate = {"id": USER_RULE, "when": {"stage": 1}, "status": "NotSupported"}
-        document["gates"].insert(0, {**gate, "fix": "zero_optimization.stage 2", "reason": REASON})
-    else:
-        (rule,) = [r for r in document["rules"] if r["id"] == "zero1"]
-        rule.update(id=USER_RULE, status="NotSupported", reason=REASON)
-        del rule["implementation"]
+    # The first gate that matches decides; ZeRO-1 with a sharded accumulator stays, so that the
+    # grid's ZeRO-1 rule still decides something (a rule that decides nothing is refused).
+    gate = {"id": USER_RULE, "when": {"stage": 1, "sharded": False}, "status": "NotSupported"}
+    document["gates"].insert(0, {**gate, "fix": "zero_optimization.stage 2", "reason": REASON})
     path = directory / "team_rules.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
     return path
