@@ -47,6 +47,8 @@ RANKS = (1, 2)
 MAX_TRIES = 5000
 """How many points of a rule's box are tried for one that the rule decides (the table's lookup)
 and that the config written for it reaches on this machine."""
+COVER_TRIES = 500
+"""The same, for a point with a given value of one dimension (see :func:`sample`)."""
 
 NEEDS: dict[tuple[str, Any], str] = {
     ("fp8_execution", "native"): "fp8 execution native needs a device with the recipe's fp8 "
@@ -167,9 +169,11 @@ def _decides(rule: Rule, decided_id: str) -> bool:
     return decided_id == rule.id or decided_id.startswith(f"{rule.id}+")
 
 
-def _candidates(rule: Rule) -> Iterator[dict[str, Any]]:
-    """The points of ``rule``'s box, fewest dimensions off their first value first."""
-    choices = [rule.matched_values(name) for name in DIMENSIONS]
+def _candidates(rule: Rule, fixed: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """The points of ``rule``'s box (``fixed``: those with these values), fewest dimensions off
+    their first value first."""
+    fixed = fixed or {}
+    choices = [[fixed[name]] if name in fixed else rule.matched_values(name) for name in DIMENSIONS]
     names = list(DIMENSIONS)
     first = {name: values[0] for name, values in zip(names, choices, strict=True)}
     varied = [i for i, values in enumerate(choices) if len(values) > 1]
@@ -215,23 +219,40 @@ def sample(
     rule: Rule,
     resolve: Callable[[dict[str, Any], bool], PrecisionPlan],
     baseline: RuleTable | None = None,
+    *,
+    each_value: bool = True,
 ) -> list[Sample]:
     """The points of OK ``rule`` to train (``resolve(config, pipeline)`` resolves with the same
-    rules file): the first point the table decides OK by it and whose config resolves to it
-    here; and, given ``baseline`` (the shipped table), the first such point that ``baseline``
-    does not run (a combination the file adds: where a broad rule took over a narrowed
-    refusal, the first point alone would not reach it). A point this machine cannot train
-    comes back skipped with the reason."""
+    rules file), each decided OK by it and with a config that resolves to it here: its first
+    point; with ``each_value``, the first point with each value the rule matches that no
+    point before has (a rule of the grid spans many cells: each master, states, autocast,
+    layout ... value is trained at least once, not each combination of them); and, given
+    ``baseline`` (the shipped table), the first point that ``baseline`` does not run (a
+    combination the file adds: where a broad rule took over a narrowed refusal, its other
+    points would not reach it). A point this machine cannot train comes back skipped with the
+    reason."""
     first = _search(table, rule, resolve)
     assert first is not None, "the first search takes any point"
+    chosen = [first]
+    for name in DIMENSIONS if each_value else ():
+        for value in rule.matched_values(name):
+            if any(one.point.get(name) == value for one in chosen):
+                continue
+            found = _search(
+                table, rule, resolve, lambda p, n=name: _means(n, p), {name: value}, COVER_TRIES
+            )
+            if found is not None and all(found.point != one.point for one in chosen):
+                chosen.append(found)
     if baseline is None:
-        return [first]
+        return chosen
     added = _search(table, rule, resolve, lambda point: baseline.lookup(point).status != Status.OK)
     if added is None:
-        return [first]
-    if added.point == first.point:
-        return [dataclasses.replace(first, added=True)]
-    return [first, dataclasses.replace(added, added=True)]
+        return chosen
+    same = [i for i, one in enumerate(chosen) if one.point == added.point]
+    if same:
+        chosen[same[0]] = dataclasses.replace(chosen[same[0]], added=True)
+        return chosen
+    return [*chosen, dataclasses.replace(added, added=True)]
 
 
 def _search(
@@ -239,14 +260,16 @@ def _search(
     rule: Rule,
     resolve: Callable[[dict[str, Any], bool], PrecisionPlan],
     wanted: Callable[[dict[str, Any]], bool] | None = None,
+    fixed: dict[str, Any] | None = None,
+    tries_at_most: int = MAX_TRIES,
 ) -> Sample | None:
     """The first point of ``rule``'s box (:func:`_candidates`) that is ``wanted``, decided OK
     by the rule and resolved to it here; skipped with the reason where only points this machine
     cannot train are; None where none is ``wanted`` (a search for any point says so, skipped)."""
     reason = None
     first: dict[str, Any] | None = None
-    for tries, point in enumerate(_candidates(rule)):
-        if tries >= MAX_TRIES:
+    for tries, point in enumerate(_candidates(rule, fixed)):
+        if tries >= tries_at_most:
             break
         decided = table.lookup(point)
         if decided.status != Status.OK or not _decides(rule, decided.id):
@@ -457,14 +480,16 @@ def prove(
     *,
     imports: Sequence[str] = (),
     only: Collection[str] | None = None,
+    each_value: bool = True,
     ranks: Sequence[int] = RANKS,
     progress: Callable[[str], None] | None = None,
     timeout_s: float = 3000.0,
 ) -> list[Outcome]:
     """Prove every OK rule of the rules file ``rules`` (None: the shipped one), in the file's
     order (``only``: the OK rules of these ids): one :class:`Outcome` per point of
-    :func:`sample` (a file other than the shipped one is compared with it, so that a
-    combination it adds is trained too). ``imports``: modules that register the
+    :func:`sample` (``each_value``: its points for each value, else the first alone; a file
+    other than the shipped one is compared with it, so that a combination it adds is trained
+    too). ``imports``: modules that register the
     implementations it names (imported here and in every rank); ``progress`` receives a line as
     each stage starts (rank 0 of each group prints one per point)."""
     from dtypeplan import load_rules, resolve
@@ -485,7 +510,9 @@ def prove(
     samples = [
         one
         for rule in ok
-        for one in sample(table, rule, lambda c, p: resolve(c, p, path), baseline)
+        for one in sample(
+            table, rule, lambda c, p: resolve(c, p, path), baseline, each_value=each_value
+        )
     ]
     results = _train(samples, path, imports, ranks, say, progress is not None, timeout_s)
     return [
