@@ -42,12 +42,13 @@ WEIGHT_RMS = 0.3
 WIDTHS = (32, 64, 64, 32)
 """The MLP's layer widths: multiples of 32, so that fp8 compute (MXFP8 too) converts every
 layer."""
-MICRO_BATCHES, PER_MICRO_BATCH = 2, 4
+MICRO_BATCHES, PER_MICRO_BATCH = 2, 32
+"""32 rows a micro-batch: MXFP8 scales the weight gradient per 32 tokens."""
 RANKS = (1, 2)
 MAX_TRIES = 5000
 """How many points of a rule's box are tried for one that the rule decides (the table's lookup)
 and that the config written for it reaches on this machine."""
-COVER_TRIES = 500
+COVER_TRIES = 3000
 """The same, for a point with a given value of one dimension (see :func:`sample`)."""
 
 NEEDS: dict[tuple[str, Any], str] = {
@@ -159,7 +160,8 @@ class Sample:
         shown = [
             f"{name}={value_text(value)}"
             for name, value in self.point.items()
-            if name in CORE_DIMENSIONS or value != DIMENSIONS[name].default_value
+            if _means(name, self.point)
+            and (name in CORE_DIMENSIONS or value != DIMENSIONS[name].default_value)
         ]
         return " ".join(shown)
 
@@ -171,9 +173,15 @@ def _decides(rule: Rule, decided_id: str) -> bool:
 
 def _candidates(rule: Rule, fixed: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """The points of ``rule``'s box (``fixed``: those with these values), fewest dimensions off
-    their first value first."""
+    their first value first (values in the dimension's order, those of :data:`NEEDS` last)."""
     fixed = fixed or {}
-    choices = [[fixed[name]] if name in fixed else rule.matched_values(name) for name in DIMENSIONS]
+    # The values this machine cannot train last (fp8 execution native: emulated first).
+    choices = [
+        [fixed[name]]
+        if name in fixed
+        else sorted(rule.matched_values(name), key=lambda v, n=name: (n, v) in NEEDS)
+        for name in DIMENSIONS
+    ]
     names = list(DIMENSIONS)
     first = {name: values[0] for name, values in zip(names, choices, strict=True)}
     varied = [i for i, values in enumerate(choices) if len(values) > 1]
@@ -198,6 +206,7 @@ def config_of(point: dict[str, Any]) -> dict[str, Any]:
         name: value
         for name, value in point.items()
         if name != "pipeline"
+        and _means(name, point)
         and (name in CORE_DIMENSIONS or value != DIMENSIONS[name].default_value)
     }
     config = config_for(chosen)
