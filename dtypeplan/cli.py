@@ -3,7 +3,8 @@
 
 Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
 (``demo``: the config is not OK; ``lint --prove``: a rule failed its proof), 2 a bad config or
-rules file, an Error combination, or a usage error, 3 a demo rank failed.
+rules file, an Error combination, or a usage error, 3 a demo rank failed, 141 the reader of the
+output closed it early (``check`` exits with its verdict then, and prints no traceback either).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -27,6 +29,9 @@ EXIT_OK = 0
 EXIT_NOT_SUPPORTED = 1
 EXIT_ERROR = 2
 EXIT_RANK_FAILED = 3
+EXIT_READER_GONE = 141
+"""128 + SIGPIPE: what a shell reports for a tool that the closed reader of its output
+stopped (``check`` keeps its verdict instead)."""
 
 DEFAULT_PARAMS = 1_000_000_000
 DEFAULT_WORLD_SIZE = 8
@@ -185,6 +190,9 @@ def _exit_code(plan: PrecisionPlan) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Resolve, print, and exit with the verdict: that of the plan, or with unfilled "auto"
+    precision keys the worst of the choices shown. The verdict stands when the reader of the
+    output closes it early (``check ... | head``): the rest goes nowhere, quietly."""
     from dtypeplan import resolve
 
     fills = dict(args.auto)
@@ -195,24 +203,43 @@ def _cmd_check(args: argparse.Namespace) -> int:
         auto=fills,
         strict=args.strict,
     )
-    choices = _precision_choices(plan, fills)
+    # The precision keys are "auto" and nothing fills them: the run's dtypes are the
+    # launcher's choice, so show the plan of each (the exit code is the worst of them).
+    choices = [
+        (
+            choice,
+            extra,
+            resolve(
+                args.config,
+                pipeline_parallel=args.pipeline,
+                rules=args.rules,
+                auto={**fills, **extra},
+                strict=args.strict,
+            ),
+        )
+        for choice, extra in _precision_choices(plan, fills)
+    ]
+    verdict = max(_exit_code(p) for p in [c[2] for c in choices] or [plan])
+    try:
+        _print_check(plan, choices, args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _output_closed()
+    return verdict
+
+
+def _print_check(
+    plan: PrecisionPlan,
+    choices: list[tuple[str, dict[str, bool], PrecisionPlan]],
+    args: argparse.Namespace,
+) -> None:
     if not choices:
         data = _print_plan(plan, args)
         if args.json:
             print(json.dumps(data, indent=2))
-        return _exit_code(plan)
-    # The precision keys are "auto" and nothing fills them: the run's dtypes are the
-    # launcher's choice, so show the plan of each (the exit code is the HF default's, fp32).
+        return
     results = []
-    worst = EXIT_OK
-    for choice, extra in choices:
-        choice_plan = resolve(
-            args.config,
-            pipeline_parallel=args.pipeline,
-            rules=args.rules,
-            auto={**fills, **extra},
-            strict=args.strict,
-        )
+    for choice, extra, choice_plan in choices:
         setting = " ".join(f"--auto {k}={str(v).lower()}" for k, v in extra.items())
         shown = _shown_precision(choice_plan)
         if not args.json:
@@ -225,7 +252,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 "plan": _print_plan(choice_plan, args),
             }
         )
-        worst = max(worst, _exit_code(choice_plan))
         if not args.json:
             print()
     if args.json:
@@ -235,7 +261,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
             'the precision keys are "auto": each choice is shown above; without --auto, '
             "resolve() takes the HF Trainer default (fp32). The exit code is the worst of them."
         )
-    return worst
+
+
+def _output_closed() -> None:
+    """The reader of stdout went away (``| head``): what is left to print, and the
+    interpreter's flush at exit, go to the null device instead of raising BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file stream
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
@@ -408,8 +445,8 @@ def _parser() -> argparse.ArgumentParser:
         help="resolve a config: explain the plan and predict memory",
         description="Resolve CONFIG, print plan.explain() and the predicted bytes per rank. "
         "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config. When bf16/fp16 "
-        '"enabled" are "auto" and no --auto fills them, the plan of each choice is printed and '
-        "the exit code is that of the HF default (fp32).",
+        '"enabled" are "auto" and no --auto fills them, the plan of each choice (fp32, fp16, '
+        "bf16) is printed and the exit code is the worst of theirs.",
     )
     check.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style .json or .yaml config")
     check.add_argument("--pipeline", action="store_true", help="the run uses pipeline parallelism")
@@ -551,7 +588,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     try:
         _import_modules(args.imports)
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()
+        return code
     except (PrecisionConfigError, RulesError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # the reader of the output left early (`dtypeplan table | head`)
+        _output_closed()
+        return EXIT_READER_GONE

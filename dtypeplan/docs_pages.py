@@ -504,9 +504,16 @@ def stale(root: Path) -> list[str]:
 
 
 def write(root: Path) -> list[str]:
-    """Writes every stale page; returns the paths written."""
+    """Writes every stale page; returns the paths written. The filled files first: the schemas
+    among them are what the rules loader checks the table against when a page renders it."""
+    return _write(filled(root), root) + _write(
+        {path: render() for path, render in PAGES.items()}, root
+    )
+
+
+def _write(pages: dict[str, str], root: Path) -> list[str]:
     written = []
-    for path, text in render_all(root).items():
+    for path, text in pages.items():
         target = root / path
         if target.exists() and target.read_text(encoding="utf-8") == text:
             continue

@@ -140,17 +140,24 @@ def render_rules(table: RuleTable) -> str:
     return "\n".join(lines)
 
 
+def _box_text(box: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={'|'.join(value_text(x) for x in v) if isinstance(v, (list, tuple)) else value_text(v)}"
+        for k, v in box.items()
+    )
+
+
 def render_declarations(declarations: dict[str, Any]) -> str:
     """What each implementation declares it serves, one row per box (features not named are
-    at their "not used" value)."""
+    at their "not used" value); boxes served only without a process group say so."""
     lines = ["| implementation | serves |", "| --- | --- |"]
-    for name, boxes in declarations.items():
-        for box in boxes or ():
-            text = ", ".join(
-                f"{k}={'|'.join(value_text(x) for x in v) if isinstance(v, (list, tuple)) else value_text(v)}"
-                for k, v in box.items()
-            )
-            lines.append(f"| `{name}` | {_cell(text)} |")
+    for name, declared in declarations.items():
+        if declared is None:
+            continue
+        for box in declared.serves:
+            lines.append(f"| `{name}` | {_cell(_box_text(box))} |")
+        for box in declared.alone:
+            lines.append(f"| `{name}` | {_cell(_box_text(box))} (one process only) |")
     return "\n".join(lines)
 
 

@@ -661,3 +661,59 @@ def test_help_answers_without_importing_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+# --- output into a closed pipe (issue 47: `check ... | head`) ---------------------------------
+def _run_into_closed_pipe(*argv: str) -> subprocess.CompletedProcess[bytes]:
+    """``python -m dtypeplan ARGV`` writing into a pipe whose reader is gone already, as
+    ``| head`` leaves it once it has its lines: every write fails with EPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dtypeplan", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_check_into_a_closed_pipe_exits_quietly_with_its_verdict(tmp_path: Path) -> None:
+    ok = _write(tmp_path / "ok.json", {"bf16": {"enabled": True}})
+    error = _write(tmp_path / "error.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    refused = _write(
+        tmp_path / "auto.json",
+        {**HF_AUTO, "master_weights": {"dtype": "bf16", "rounding": "stochastic"}},
+    )
+    for argv, verdict in (
+        (["check", str(ok)], 0),
+        (["check", str(ok), "--json"], 0),
+        (["check", str(error)], 2),
+        (["check", str(refused)], 2),  # "auto" precision: a plan per choice, the worst
+        (["table"], 141),  # 128 + SIGPIPE, as a shell reports a tool the reader stopped
+    ):
+        result = _run_into_closed_pipe(*argv)
+        assert result.stderr == b"", (argv, result.stderr.decode()[-2000:])
+        assert result.returncode == verdict, argv
+
+
+def test_check_help_states_the_exit_codes_the_code_returns(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The exit codes /work/shared/API.md gives (0 OK, 1 NotSupported, 2 Error), and for
+    unfilled "auto" precision keys the worst of the choices shown (as
+    test_check_exits_non_zero_when_any_shown_choice_is_refused checks)."""
+    assert main(["check", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config" in text
+    assert "the exit code is the worst of theirs" in text
+    assert "HF default" not in text

@@ -3,8 +3,9 @@ builds and trains with parity against fp32 ``torch.optim``, whichever elementwis
 in (the config's optimizer block, ``build(optimizer=...)``, ``wrap(...)``); a point it refuses
 is refused at ``resolve`` with a reason that names a setting of the rule, and ``build`` raises.
 
-Points are drawn from every rule of the loaded table (each dimension a value the rule matches;
-the optimizer's ``state_kind`` is its class's), crossed with the optimizers of
+Points are drawn from what every gate and rule of the loaded table decides (``RuleTable.
+decided``: each dimension a value of one of its boxes; the optimizer's ``state_kind`` is its
+class's), :data:`OK_DRAWS` of them from each OK rule, crossed with the optimizers of
 :data:`OPTIMIZERS` and the three ways in.
 
 Bounds: a point whose parameters, accumulator, wire, masters and states are all fp32 does
@@ -24,6 +25,7 @@ on two ranks, and prints the counts.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import zlib
@@ -72,13 +74,28 @@ STEPS = 3
 _SINGLE_PROCESS_FIXED = {"shard_groups": "flat"}
 
 
+@functools.cache
+def _decided(rule: Rule) -> list[tuple[int, ...]]:
+    return TABLE.decided(rule)
+
+
 def _rule_point(rule: Rule, name: str, rng: random.Random) -> dict[str, Any] | None:
-    """A point of ``rule`` for optimizer class ``name`` (None: the rule has none): each
-    dimension a value the rule matches, the default where it does for the features that one
-    process cannot run otherwise."""
+    """A point ``rule`` decides (a box of ``RuleTable.decided``: past the gates before it) for
+    optimizer class ``name`` (None: the rule decides none): each dimension a value of the
+    box, the default where it is one for the features that one process cannot run
+    otherwise."""
+    boxes = _decided(rule)
+    for box in rng.sample(boxes, len(boxes)):
+        point = _box_point(box, name, rng)
+        if point is not None:
+            return point
+    return None
+
+
+def _box_point(box: tuple[int, ...], name: str, rng: random.Random) -> dict[str, Any] | None:
     point: dict[str, Any] = {}
-    for dim_name in DIMENSIONS:
-        values = rule.matched_values(dim_name)
+    for position, (dim_name, dim) in enumerate(DIMENSIONS.items()):
+        values = [v for i, v in enumerate(dim.values) if box[position] >> i & 1]
         if dim_name == "optimizer":
             want: Any = "elementwise"
         elif dim_name == "state_kind":
@@ -228,15 +245,22 @@ def check(case: dict[str, Any], result: dict[str, Any]) -> str:
     return "parity"
 
 
+OK_DRAWS = 6
+"""Points drawn from each OK rule of the grid per optimizer and way: a grid rule spans many
+cells (masters, states, autocast, offload, shard groups), a gate one refusal."""
+
+
 def _all_cases(ways: tuple[str, ...] = WAYS, ok_only: bool = False) -> list[dict[str, Any]]:
     cases = []
     for rule in TABLE.rules:
+        draws = OK_DRAWS if rule.status == "OK" and not rule.gate else 1
         for label in OPTIMIZERS:
             for way in ways:
-                seed = zlib.crc32(f"{rule.id}/{label}/{way}".encode())
-                case = case_for(rule, label, way, seed)
-                if case is not None and (not ok_only or case["expect"] == "OK"):
-                    cases.append(case)
+                for draw in range(draws):
+                    seed = zlib.crc32(f"{rule.id}/{label}/{way}/{draw}".encode())
+                    case = case_for(rule, label, way, seed)
+                    if case is not None and (not ok_only or case["expect"] == "OK"):
+                        cases.append(case)
     return cases
 
 

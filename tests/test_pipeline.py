@@ -455,3 +455,105 @@ def test_explain_says_a_pipeline_needs_its_group_to_clip_or_scale() -> None:
     plain = dtypeplan.resolve({}, pipeline_parallel=True)
     assert "nothing in the step depends on the other stages" in plain.explain()
     assert "pipeline_group" not in dtypeplan.resolve({"gradient_clipping": 1.0}).explain()
+
+
+# --- issue 47: what a pipeline run can get wrong about its own shape, on 2 ranks (pp=2, dp=1)
+def _edge_case(name: str, stage: int, schedule: str, linking: str | None, **extra: object) -> dict:
+    config: dict = {
+        "zero_optimization": {"stage": stage},
+        "optimizer": _ADAMW,
+        **extra.pop("config", {}),  # type: ignore[dict-item]
+    }
+    return {
+        "name": f"{name}-stage{stage}-{schedule}-{linking}",
+        "config": config,
+        "micro_batches": 4,
+        "schedule": schedule,
+        "steps": 2,
+        "pipeline_group": linking,
+        **extra,
+    }
+
+
+_ACCUMULATE_4 = {"gradient_accumulation_steps": 4}
+
+
+def _pipeline_edge_cases() -> list[dict]:
+    """Interleaved schedules (2 stage modules per rank) with DeepSpeed's
+    gradient_accumulation_steps, every way of giving the group and none; a schedule whose
+    micro-batches do not divide the steps; pipelines resolved without pipeline_parallel; the
+    schedule's default scale_grads."""
+    clip = {**_ACCUMULATE_4, "gradient_clipping": _CLIP}
+    return [
+        _edge_case("interleaved", 0, "interleaved", "prepare", config=clip),
+        _edge_case("interleaved", 1, "interleaved", "schedule", config=clip),
+        _edge_case("interleaved", 2, "interleaved", None, config=_ACCUMULATE_4),
+        _edge_case("interleaved", 1, "interleaved", "build", config=clip),
+        _edge_case("interleaved", 3, "interleaved", "prepare", config=clip),
+        _edge_case(
+            "steps-not-a-multiple",
+            1,
+            "1f1b",
+            "schedule",
+            config={"gradient_accumulation_steps": 2, "gradient_clipping": _CLIP},
+        ),
+        _edge_case(
+            "unannounced-at-build",
+            1,
+            "gpipe",
+            None,
+            config={"fp16": {"enabled": True, "loss_scale": 128}},
+            pipeline_parallel=False,
+            stages_first=True,
+        ),
+        _edge_case(
+            "unannounced-at-step",
+            2,
+            "1f1b",
+            None,
+            config={"gradient_clipping": _CLIP},
+            pipeline_parallel=False,
+        ),
+        _edge_case("scale-grads", 1, "gpipe", "prepare", scale_grads=True),
+    ]
+
+
+def _run_edge_cases(cases: list[dict]) -> list[dict[str, dict]]:
+    """Per rank, the results by case name. A short group timeout: a rank that raises inside
+    the schedule leaves the other waiting."""
+    per_rank = spawn(run_pipeline_cases, 2, cases, 2, timeout_s=400, group_timeout_s=60)
+    return [{r["name"]: r for r in results} for results in per_rank]
+
+
+def test_interleaved_schedule_counts_each_stage_modules_backward_pp2() -> None:
+    """Before: the rank's 4th backward (of 8) was taken for the last, the 5th raised inside
+    the schedule on one rank and the other waited until the group's timeout."""
+    cases = _pipeline_edge_cases()[:6]
+    for by_name in _run_edge_cases(cases):
+        for case in cases[:5]:
+            result = by_name[case["name"]]
+            assert "error" not in result, result.get("error")
+            result["param_dtype_ok"] = True
+            assert_parity(result, 1e-5, 1e-5)
+            for mine, ref in zip(result["grad_norms"], result["ref_norms"], strict=True):
+                # Without the group (no clipping) the norm reported is the stage's own.
+                assert case["pipeline_group"] is None or abs(mine - ref) <= 1e-5 * ref, case
+            # 4 micro-batches x 2 stage modules: the boundary is the rank's 8th backward.
+            assert result["backward_passes_per_step"] == 8, result
+        error = by_name[cases[5]["name"]]["error"]
+        assert "OptimizerUsageError" in error and "n_microbatches 4" in error, error
+
+
+def test_pipeline_without_pipeline_parallel_and_default_scale_grads_pp2() -> None:
+    """Before: the unannounced pipelines trained, each stage clipping by its own norm (fp16:
+    deciding its overflow alone); scale_grads=True got the clip_grad_norm_ message."""
+    cases = _pipeline_edge_cases()[6:]
+    for by_name in _run_edge_cases(cases):
+        for case in cases[:2]:
+            error = by_name[case["name"]].get("error", "trained")
+            assert "OptimizerUsageError" in error, error
+            assert "pipeline_parallel=True" in error and "pipeline_group" in error, error
+        assert "build: " in by_name[cases[0]["name"]]["error"]
+        assert "step(): " in by_name[cases[1]["name"]]["error"]
+        error = by_name[cases[2]["name"]]["error"]
+        assert "scale_grads=False" in error, error

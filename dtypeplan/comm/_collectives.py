@@ -119,14 +119,24 @@ class Communicator:
     def _guard(
         self, op: str, numel: int | None = None, dtype: torch.dtype | None = None
     ) -> Iterator[None]:
-        """Re-raise a failure of the collective inside as a CollectiveError that names it."""
+        """Re-raise a failure of the collective inside as a CollectiveError that names it.
+
+        A NotImplementedError is this rank's own: torch has no such collective for its
+        tensors (a DTensor, sharded by FSDP2, where whole tensors belong), and no peer failed.
+        """
+        what = op
+        if numel is not None:
+            kind = f" {dtype_name(dtype)}" if dtype is not None else ""
+            what += f" of {numel}{kind} elements"
         try:
             yield
+        except NotImplementedError as exc:
+            raise CollectiveError(
+                f"{what} could not start on {self.description}: {type(exc).__name__}: {exc}. "
+                "This rank's tensors cannot go through it (no peer failed): a DTensor, "
+                "sharded by FSDP2, handed to an optimizer that takes whole tensors?"
+            ) from exc
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's RuntimeError
-            what = op
-            if numel is not None:
-                kind = f" {dtype_name(dtype)}" if dtype is not None else ""
-                what += f" of {numel}{kind} elements"
             raise CollectiveError(
                 f"{what} failed on {self.description}: {type(exc).__name__}: {exc}. "
                 "A peer rank probably died or stalled longer than the group's timeout "

@@ -33,10 +33,13 @@ from dtypeplan.optimizers.contract import (
 )
 from dtypeplan.optimizers.grads import (
     PipelineLink,
+    note_stages,
     pipeline_group_of,
     remember,
     remembered,
+    schedule_refusal,
     stage_local_refusal,
+    unannounced_pipeline,
 )
 from dtypeplan.resolver import PrecisionPlan, Status
 
@@ -121,8 +124,10 @@ def prepare_model(
     )
     prepared = cls.prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
     forward_under_autocast(prepared, plan.autocast_dtype)
-    if pipeline_group is not None:
-        remember(prepared, pipeline_group_of(pipeline_group)[0])
+    if pipeline_group is not None or plan.pipeline_parallel:
+        # One stage module per call: build counts them (grads/pipeline.py).
+        group = None if pipeline_group is None else pipeline_group_of(pipeline_group)[0]
+        remember(prepared, group)
     return prepared
 
 
@@ -144,9 +149,14 @@ def build_optimizer(
     """
     _refuse_missing_group(process_group, "plan.build(...)")
     cls = implementation_class(plan, process_group)
+    linked = None if pipeline_group is None else pipeline_group_of(pipeline_group)
+    if linked is not None and plan.pipeline_parallel:
+        # Each stage module of the schedule runs its own backward per micro-batch: the
+        # optimizer counts them (grads/pipeline.py).
+        note_stages(linked[1])
     optimizer = cls(params, plan=plan, process_group=process_group)
     try:
-        _link_pipeline(optimizer, plan, process_group, pipeline_group)
+        _link_pipeline(optimizer, plan, process_group, pipeline_group, linked)
     except BaseException:
         optimizer.close()
         raise
@@ -159,18 +169,26 @@ def _link_pipeline(
     plan: PrecisionPlan,
     process_group: dist.ProcessGroup | None,
     pipeline_group: Any,
+    linked: tuple[dist.ProcessGroup, list[torch.nn.Module]] | None,
 ) -> None:
-    """Give ``optimizer`` the other stages, or refuse what would decide per stage without."""
+    """Give ``optimizer`` the other stages, or refuse what would decide per stage without.
+
+    ``linked``: ``pipeline_group_of(pipeline_group)``, None without a ``pipeline_group``."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    stages: list[torch.nn.Module] = []
-    if pipeline_group is None:
-        group = remembered(params)
-    else:
-        group, stages = pipeline_group_of(pipeline_group)
+    group, stages = (remembered(params), []) if linked is None else linked
+    if plan.pipeline_parallel:
+        ranks = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        steps = plan.accumulation_steps(ranks)
+        refusal = schedule_refusal(pipeline_group, None if steps is None else steps.micro_batches)
+        if refusal is not None:
+            raise OptimizerUsageError(refusal)
     if group is None:
         reason = stage_local_refusal(plan, process_group, "build")
         if reason is not None:
             raise NotSupportedError(reason)
+        unannounced = unannounced_pipeline(plan, process_group, params, "build")
+        if unannounced is not None:
+            raise OptimizerUsageError(unannounced)
         return
     optimizer.pipeline = PipelineLink(
         group, plan=plan, data_parallel=process_group, params=params, stage_modules=stages

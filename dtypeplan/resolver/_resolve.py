@@ -95,7 +95,7 @@ def _plan(
         else None,
         rule_id=rule.id,
         rule_location=table.location(rule),
-        reason=rule.reason,
+        reason=rule.explanation,
         point=FrozenDict(point),
         hpz_partition_size=config.hpz_partition_size,
         shard_group_size=config.shard_group_size,

@@ -86,6 +86,7 @@ from dtypeplan.resolver._input import InputError, InputLimits, check_yaml_events
 __all__ = [
     "DIMENSIONS",
     "MAX_RULES",
+    "Declaration",
     "Defaults",
     "Point",
     "Rule",
@@ -101,9 +102,19 @@ __all__ = [
 MAX_RULES = COMBINATIONS
 """A valid table has at most one rule per point: every rule decides at least one."""
 
-Implementations = Mapping[str, "Sequence[Mapping[str, Any]] | None"]
-"""Registered implementation names, each with the boxes it declares it serves (``None``: it
-declares nothing, so no OK rule may send a combination to it)."""
+@dataclass(frozen=True)
+class Declaration:
+    """What an implementation declares it serves, as boxes in the grid's language."""
+
+    serves: Sequence[Mapping[str, Any]] = ()
+    alone: Sequence[Mapping[str, Any]] = ()
+    """Boxes it serves only without a process group: what a rule's
+    ``single_process_implementation`` sends it (ZeRO-3's plan in one process)."""
+
+
+Implementations = Mapping[str, "Declaration | Sequence[Mapping[str, Any]] | None"]
+"""Registered implementation names, each with what it declares it serves (a sequence: the
+boxes it serves; ``None``: it declares nothing, so no OK rule may send a combination to it)."""
 
 
 class Status(str, enum.Enum):
@@ -149,6 +160,11 @@ class Rule:
     """Deferring gates only: the values whose point decides (see the module docstring)."""
     decided_by: tuple[str, ...] = ()
     """A deferral as looked up: the ids of the deferring gate and of the rule deciding."""
+
+    @property
+    def explanation(self) -> str:
+        """The reason, and for a refusal the setting that lifts it: what a plan says."""
+        return f"{self.reason} To change it: {self.fix}." if self.fix else self.reason
 
     def when_text(self) -> str:
         """The match condition as ``dim=value`` pairs, as the file names them."""
@@ -819,13 +835,12 @@ def _overlaps(a: Rule, b: Rule) -> bool:
     return intersect(a.box(), b.box()) is not None
 
 
-def _check_declarations(table: RuleTable, implementations: Implementations, name: str) -> None:
+def _check_declarations(
+    table: RuleTable, implementations: Mapping[str, _Boxes], name: str
+) -> None:
     """Every point an OK rule decides (deferred points included) lies inside what its
     implementations declare they serve (see the module docstring)."""
-    declared = {
-        impl: declaration_boxes(serves) if serves is not None else ()
-        for impl, serves in implementations.items()
-    }
+    declared = implementations
     taken = [box for gate in table.gates for box in gate.region()]
     for leaf in table.leaves:
         if leaf.decided_by is None:
@@ -856,7 +871,7 @@ def _check_served(
     rule: Rule,
     box: Box,
     taken: list[Box],
-    declared: Mapping[str, tuple[Box, ...]],
+    declared: Mapping[str, _Boxes],
     name: str,
     deferring: Rule | None = None,
 ) -> None:
@@ -864,14 +879,18 @@ def _check_served(
     declarations."""
     if rule.status != Status.OK:
         return
-    for impl in (rule.implementation, rule.single_process_implementation):
+    for impl, alone in ((rule.implementation, False), (rule.single_process_implementation, True)):
         if impl is None or impl not in declared:
             continue
-        beyond = outside(box, [*taken, *declared[impl]])
+        serves, serves_alone = declared[impl] or ((), ())
+        boxes = (*serves, *serves_alone) if alone else serves
+        beyond = outside(box, [*taken, *boxes])
         if beyond is None:
             continue
         via = f" (through gate {deferring.id!r}, line {deferring.line})" if deferring else ""
-        what = "declares nothing it serves" if not declared[impl] else "does not declare"
+        what = "declares nothing it serves" if not boxes else "does not declare"
+        if not alone and outside(box, [*taken, *serves, *serves_alone]) is None:
+            what = "serves only without a process group, not"
         raise RulesError(
             f"rule {rule.id!r} sends {point_text(first_point(beyond))}{via} to implementation "
             f"{impl!r}, which {what} that combination: the rule claims more than the code does. "
@@ -899,7 +918,7 @@ def load_rules(
     resolved = os.fspath(path) if path is not None else default_rules_path()
     declared: FrozenDict[str, Any] | None = None
     if isinstance(implementations, Mapping):
-        declared = FrozenDict({k: _freeze_serves(v) for k, v in implementations.items()})
+        declared = FrozenDict({k: _declared_boxes(v) for k, v in implementations.items()})
     elif implementations is not None:
         declared = FrozenDict({impl: _UNCHECKED for impl in implementations})
     if resolved == default_rules_path():
@@ -907,17 +926,19 @@ def load_rules(
     return _load(resolved, declared)
 
 
+_Boxes = tuple[tuple[Box, ...], tuple[Box, ...]] | None
+"""A declaration as boxes: (served, served only without a process group); None: nothing."""
+
 _UNCHECKED: Any = "unchecked"
 """A name given without its declaration (``implementations=`` as a plain collection)."""
 
 
-def _freeze_serves(serves: Sequence[Mapping[str, Any]] | None) -> Any:
-    if serves is None:
+def _declared_boxes(declared: Declaration | Sequence[Mapping[str, Any]] | None) -> _Boxes:
+    if declared is None:
         return None
-    return tuple(
-        FrozenDict({k: tuple(v) if isinstance(v, list) else v for k, v in box.items()})
-        for box in serves
-    )
+    if not isinstance(declared, Declaration):
+        declared = Declaration(serves=declared)
+    return declaration_boxes(declared.serves), declaration_boxes(declared.alone)
 
 
 @cache
@@ -960,12 +981,6 @@ def _load(path: str, implementations: FrozenDict[str, Any] | None) -> RuleTable:
         leaves=leaves,
     )
     if implementations is not None:
-        checked = {k: _thaw_serves(v) for k, v in implementations.items() if v != _UNCHECKED}
+        checked = {k: v for k, v in implementations.items() if v is not _UNCHECKED}
         _check_declarations(table, checked, name)
     return table
-
-
-def _thaw_serves(serves: Any) -> Sequence[Mapping[str, Any]] | None:
-    if serves is None:
-        return None
-    return [{k: list(v) if isinstance(v, tuple) else v for k, v in box.items()} for box in serves]

@@ -12,6 +12,7 @@ from dtypeplan.optimizers.fsdp2.sharding import NamedAllGather
 from tests._helpers import make_model, memory_mlp
 from tests.workers import checkpoint as ckpt
 from tests.workers.parity import run_cases
+from tests.workers.zero3_caches import run_programs
 
 
 def _without_hpz(config: dict[str, Any]) -> dict[str, Any]:
@@ -87,9 +88,12 @@ def hpz_group(
     compare_configs: list[dict[str, Any]],
     traffic_config: dict[str, Any],
     width: int,
+    programs: list[tuple[dict[str, Any], list[tuple[Any, ...]]]],
 ) -> dict[str, Any]:
     return {
         "parity": run_cases(rank, world_size, parity_cases),
         "same_bits": [ckpt.capture(lambda c=c: same_bits(c)) for c in compare_configs],
         "traffic": ckpt.capture(lambda: measured_traffic(rank, traffic_config, width)),
+        # Training-loop programs against torch (tests/workers/zero3_caches.py).
+        "programs": run_programs(rank, world_size, programs),
     }

@@ -50,13 +50,15 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     stages per rank, stage ``s`` on pipeline rank ``s % pp``), ``pipeline_group`` (how the
     optimizer learns the other stages: ``"prepare"``, the default, ``"build"``, ``"schedule"``
     or None for not at all), ``overflow_step`` (an inf in stage 0's gradients at that step: the
-    reference skips it). With ``gradient_clipping`` the reference clips with torch's
-    ``clip_grad_norm_`` over the whole model.
+    reference skips it), ``pipeline_parallel`` (False: resolved without it), ``stages_first``
+    (the pipeline stages are made before the optimizer is built), ``scale_grads`` (the
+    schedule's own, off unless given). With ``gradient_clipping`` the reference clips with
+    torch's ``clip_grad_norm_`` over the whole model.
     """
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_size, dp_size = mesh["pp"].size(), mesh["dp"].size()
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
-    plan = dtypeplan.resolve(case["config"], pipeline_parallel=True)
+    plan = dtypeplan.resolve(case["config"], pipeline_parallel=case.get("pipeline_parallel", True))
     assert plan.status == "OK", plan.explain()
     micro, per_micro, steps, seed = (
         case["micro_batches"],
@@ -87,7 +89,7 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         return plan.build(params, process_group=dp_group, pipeline_group=where[linking])
 
     schedule: Any = None
-    optimizer = None if linking == "schedule" else build()
+    optimizer = None if linking == "schedule" or case.get("stages_first") else build()
     # What the schedule's calls of the stage computed in (torch_autocast: the autocast dtype,
     # which only prepare_model can have installed: the schedule calls the module itself).
     output_dtypes: set[str] = set()
@@ -112,14 +114,15 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         assert optimizer is not None
         return loss * optimizer.loss_scale
 
+    scale_grads = case.get("scale_grads", False)
     if per_rank > 1:
         schedule = ScheduleInterleaved1F1B(
-            stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False
+            stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=scale_grads
         )
     else:
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case["schedule"]]
         schedule = schedule_class(
-            stages[0], n_microbatches=micro, loss_fn=loss_fn, scale_grads=False
+            stages[0], n_microbatches=micro, loss_fn=loss_fn, scale_grads=scale_grads
         )
     if optimizer is None:
         optimizer = build()
@@ -191,6 +194,9 @@ def run_pipeline_case(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         "master_rel_error": master_error,
         "skipped_steps": optimizer.skipped_steps,
         "output_dtypes": sorted(output_dtypes),
+        "backward_passes_per_step": (
+            None if optimizer.accumulation is None else optimizer.accumulation.micro_batches
+        ),
     }
 
 

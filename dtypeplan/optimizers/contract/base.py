@@ -31,11 +31,20 @@ from dtypeplan.optimizers.contract.model import (
     restore_cast_values,
 )
 from dtypeplan.optimizers.contract.optimizer_state import OptimizerState
-from dtypeplan.optimizers.contract.param_groups import IMPLEMENTATION_SWITCHES, checked_param_groups
+from dtypeplan.optimizers.contract.param_groups import (
+    IMPLEMENTATION_SWITCHES,
+    checked_param_groups,
+    refuse_sharded_parameters,
+)
 from dtypeplan.optimizers.grads.factor import NormProbe, device_gradient_factor
 from dtypeplan.optimizers.grads.loss_scaler import LossScaler
 from dtypeplan.optimizers.grads.ownership import HookSet, claim, release, user_stacklevel
-from dtypeplan.optimizers.grads.pipeline import PipelineLink, stage_local_refusal
+from dtypeplan.optimizers.grads.pipeline import (
+    PipelineLink,
+    backward_passes_per_step,
+    stage_local_refusal,
+    unannounced_pipeline,
+)
 from dtypeplan.optimizers.kernels.torch_adam import unit_factor
 from dtypeplan.optimizers.state.held import HeldTensors
 
@@ -104,12 +113,43 @@ def inner_optimizer(
     ``__init__`` from them (Adagrad fills ``state["sum"]`` with its constructor's
     ``initial_accumulator_value``, for every param group alike). Of the elementwise classes
     only Adagrad does; the others create their state at a parameter's first gradient.
+    Made like a 16-bit master, that state would hold the argument rounded (0.1 as
+    0.10009765625 in bf16) whatever dtype the plan stores it in: it is made in fp32, as torch
+    holds it for an fp32 parameter (the optimizer stores it in its state dtype afterwards).
     """
     torch_class = plan.optimizer.torch_class
     arguments = constructor_arguments(plan)
     if fused and "fused" in inspect.signature(torch_class.__init__).parameters:
         arguments["fused"] = True
-    return torch_class(groups, **arguments)
+    optimizer = torch_class(groups, **arguments)
+    _constructor_states_in_fp32(optimizer, torch_class, arguments)
+    return optimizer
+
+
+@torch.no_grad()
+def _constructor_states_in_fp32(
+    optimizer: torch.optim.Optimizer,
+    torch_class: type[torch.optim.Optimizer],
+    arguments: dict[str, Any],
+) -> None:
+    """Remake the per-element states that ``optimizer``'s constructor made for 16-bit masters
+    as the same constructor makes them for an fp32 stand-in of each (one master at a time)."""
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for master in group["params"]:
+            slot = optimizer.state.get(master)
+            if not slot or master.dtype == torch.float32:
+                continue
+            stand_in = torch.empty_like(master, dtype=torch.float32)
+            made = torch_class([{**hyper, "params": [stand_in]}], **arguments).state[stand_in]
+            for name, value in made.items():
+                held = slot.get(name)
+                if (
+                    torch.is_tensor(held)
+                    and held.shape == master.shape
+                    and held.dtype != value.dtype
+                ):
+                    slot[name] = value
 
 
 def constructor_arguments(plan: PrecisionPlan) -> dict[str, Any]:
@@ -159,6 +199,10 @@ class MixedPrecisionOptimizer(OptimizerState):
     ``_check_open("step()")`` first in :meth:`step`.
     """
 
+    takes_sharded_parameters = False
+    """Whether the class is built on parameters FSDP2 sharded (DTensors); the others refuse
+    them (``contract/param_groups.py``)."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -168,6 +212,8 @@ class MixedPrecisionOptimizer(OptimizerState):
     ) -> None:
         groups = checked_param_groups(params, plan)
         super().__init__(groups, hyperparameter_defaults(plan))
+        if not self.takes_sharded_parameters:
+            refuse_sharded_parameters(self.param_groups, plan, type(self).__name__)
         # Masters start from the values plan.prepare_model cast down, not from their 16 bits.
         restore_cast_values(p for g in self.param_groups for p in g["params"])
         self.plan = plan
@@ -190,10 +236,15 @@ class MixedPrecisionOptimizer(OptimizerState):
         self.check_nonfinite = plan.check_nonfinite
         distributed = dist.is_available() and dist.is_initialized()
         ranks = dist.get_world_size(process_group) if distributed else 1
-        self.accumulation = plan.accumulation_steps(ranks)
-        """Micro-batches per step where known (``gradient_accumulation_steps``, or DeepSpeed's
-        batch arithmetic on this group's ranks): the flat engine counts backward passes and
-        treats the last one as the boundary."""
+        self.accumulation = backward_passes_per_step(
+            plan,
+            plan.accumulation_steps(ranks),
+            [p for g in self.param_groups for p in g["params"]],
+        )
+        """Backward passes per step where known (``gradient_accumulation_steps``, or DeepSpeed's
+        batch arithmetic on this group's ranks; under a pipeline times this rank's stage
+        modules): the flat engine counts backward passes and treats the last one as the
+        boundary."""
         mismatch = plan.batch_size_mismatch(ranks)
         if mismatch is not None:
             warnings.warn(mismatch, UserWarning, stacklevel=user_stacklevel())
@@ -202,6 +253,8 @@ class MixedPrecisionOptimizer(OptimizerState):
         """The other pipeline stages (``build(pipeline_group=...)``): the step's squared norm
         is summed over them too (``grads/pipeline.py``). None: this optimizer's group holds the
         whole model."""
+        self._looked_for_stages = False
+        """Whether the first step looked for a pipeline stage of a plan without one."""
         self.hooks = HookSet()
         """The optimizer's gradient hooks; removed by :meth:`close` or when it is collected."""
         self.hooks.finalize_with(self)
@@ -290,7 +343,18 @@ class MixedPrecisionOptimizer(OptimizerState):
 
     @abc.abstractmethod
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce, check, clip, update the master weights and write them to the parameters."""
+        """Reduce, check, clip, update the master weights and write them to the parameters.
+
+        The gradients after it, at every stage and on every update path: what torch would
+        keep, or refused. ZeRO-3 keeps them as ``torch.optim`` keeps ``.grad`` (the next
+        backward adds to them, a ``step()`` without backward applies them again): the sum
+        since ``zero_grad`` times the step's clip coefficient (``clip_grad_norm_`` and
+        ``gradient_clipping`` clip them as torch's ``clip_grad_norm_`` clips ``.grad`` in
+        place; unclipped, the step leaves them untouched), under fp16 in the units of the loss
+        scale after the step. ZeRO 0-2 use them up: a backward, ``step()`` or
+        ``clip_grad_norm_`` after a step without ``zero_grad()`` raises. A skipped step (fp16
+        overflow, ``check_nonfinite``) applies nothing and keeps them (rescaled under fp16).
+        """
 
     @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -373,11 +437,21 @@ class MixedPrecisionOptimizer(OptimizerState):
             reason = stage_local_refusal(self.plan, self.process_group, call)
             if reason is not None:
                 raise NotSupportedError(reason)
+            params = [p for g in self.param_groups for p in g["params"]]
+            unannounced = unannounced_pipeline(self.plan, self.process_group, params, call)
+            if unannounced is not None:
+                raise OptimizerUsageError(unannounced)
 
     def _across_pipeline(self, sq_norm: torch.Tensor, divisor: float) -> torch.Tensor:
         """The step's squared norm over the whole model: summed over the other pipeline
-        stages where there are any (``sq_norm`` and the result scaled by ``divisor``)."""
+        stages where there are any (``sq_norm`` and the result scaled by ``divisor``).
+
+        Without them, the first step looks once for a pipeline stage built after the
+        optimizer (``grads/pipeline.py``): every rank raises there alike."""
         if self.pipeline is None:
+            if not self._looked_for_stages:
+                self._looked_for_stages = True
+                self._refuse_stage_local("step()")
             return sq_norm
         return self.pipeline.whole_model_sq_norm(sq_norm, divisor)
 

@@ -292,6 +292,7 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
             "param_groups": param_groups,
             "dtypeplan": {
                 "format": self.STATE_FORMAT,
+                "optimizer": self.optimizer_class_name(),
                 "layout": self._layout_facts(),
                 "state_names": [n for n in self.state_names() if n != keys.MASTER],
                 "step": self.step_count(),
@@ -319,6 +320,7 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
                 f", but this optimizer is {self.STATE_FORMAT} with {self._layout_facts()}; use "
                 "dtypeplan.checkpoint to load across world sizes or ZeRO stages"
             )
+        self._refuse_other_class(extra.get("optimizer"))
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         index_of = self._torch_indices()
@@ -331,6 +333,27 @@ class OptimizerState(torch.optim.Optimizer, abc.ABC):
         self._load_param_state(state_dict["state"], index_of)
         self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra["skipped_steps"])
+
+    def optimizer_class_name(self) -> str:
+        """The ``torch.optim`` class that updates the masters (``AdamW``, ``SGD``...): what
+        :meth:`state_dict` records, and the class a state dict loads into."""
+        return type(self.inner).__name__
+
+    def _refuse_other_class(self, saved: str | None) -> None:
+        """Refuse a state dict that another optimizer class saved (``dtypeplan.checkpoint.load``
+        refuses the same move): its hyperparameters would replace this one's (an SGD trained
+        with AdamW's lr and decay) and its states would be dropped or misread without a word.
+        A state dict from before the class was recorded (None) is taken as it was."""
+        mine = self.optimizer_class_name()
+        if saved is None or saved == mine:
+            return
+        raise OptimizerUsageError(
+            f"load_state_dict: the state dict was saved by a {saved} optimizer, but this "
+            f"optimizer is {mine}; its hyperparameters and states are {saved}'s. Build the "
+            f"optimizer as {saved} (the config's optimizer.type) to resume it, or to switch "
+            f"to {mine} keep this optimizer's fresh state and load only the model's weights "
+            "(model.load_state_dict)"
+        )
 
     def _entry_scalars(
         self, state: Mapping[int, Mapping[str, Any]], index_of: dict[int, int]

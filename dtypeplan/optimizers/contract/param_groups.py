@@ -20,7 +20,7 @@ from dtypeplan.optimizers.grads.ownership import user_stacklevel
 if TYPE_CHECKING:
     from dtypeplan.resolver._plan import PrecisionPlan
 
-__all__ = ["IMPLEMENTATION_SWITCHES", "checked_param_groups"]
+__all__ = ["IMPLEMENTATION_SWITCHES", "checked_param_groups", "refuse_sharded_parameters"]
 
 
 IMPLEMENTATION_SWITCHES = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -136,3 +136,30 @@ def _refuse_duplicates(groups: list[dict[str, Any]]) -> None:
                     "it twice)"
                 )
             seen[id(tensor)] = (group_index, position)
+
+
+def refuse_sharded_parameters(
+    groups: list[dict[str, Any]], plan: PrecisionPlan, implementation: str
+) -> None:
+    """Refuse parameters FSDP2 sharded (DTensors) for an ``implementation`` of whole tensors.
+
+    They come from a ZeRO-3 plan's ``prepare_model``: the model was readied by one plan and
+    built by another (another stage, or a rules file whose implementation takes whole tensors;
+    the rules loader refuses a built-in one that does not declare ZeRO-3, a user's
+    registration may declare more than it serves), and the first collective over them would
+    fail on every rank with no word of why.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = sum(isinstance(p, DTensor) for g in groups for p in g["params"])
+    if not sharded:
+        return
+    raise OptimizerUsageError(
+        f"{sharded} parameters are DTensors (sharded, as ZeRO-3's prepare_model leaves them "
+        f"on FSDP2), but this plan builds {implementation} (rule {plan.rule_id!r} at "
+        f"{plan.rule_location}), which takes whole tensors. A model prepared with one plan "
+        "(ZeRO-3 on fsdp2) and built with another (another stage, or rules that send ZeRO-3 "
+        "to an implementation that does not serve sharded parameters) gets here: prepare and "
+        "build with the same plan, or point the rules file's ZeRO-3 rule at implementation: "
+        "fsdp2"
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["PRECISION_CELLS", "REPLICATED", "SHARDED", "FSDP2", "with_fp8"]
+__all__ = ["FSDP2", "PRECISION_CELLS", "REPLICATED", "SHARDED", "SHARDED_ALONE", "with_fp8"]
 
 Box = dict[str, Any]
 
@@ -97,13 +97,12 @@ SHARDED: list[Box] = [
          "state_kind": "*"},
         *with_fp8(_each(_NO_AUTOCAST, **stage), **_FP8_WEIGHTS_IN_PARAM_DTYPE),
     )
-] + [
-    # ZeRO-3's plan in one process (no group to shard over): the flat sharded engine.
-    *_ZERO3_CELLS,
-    *_ZERO3_FP8,
-    _ZERO3_OFFLOAD_OPTIMIZER,
 ]
-"""ZeRO-1/2 (``flat/``), and ZeRO-3's plan without a process group."""
+"""ZeRO-1/2 (``flat/``)."""
+
+SHARDED_ALONE: list[Box] = [*_ZERO3_CELLS, *_ZERO3_FP8, _ZERO3_OFFLOAD_OPTIMIZER]
+"""ZeRO-3's plan without a process group (nothing to shard over): the flat sharded engine runs
+it in one process."""
 
 FSDP2: list[Box] = [
     *_ZERO3_CELLS,

@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
 )
 from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.contract.served import FSDP2
+from dtypeplan.optimizers.fsdp2.caches import copies_of
 from dtypeplan.optimizers.fsdp2.checkpoint_state import FSDP2State
 from dtypeplan.optimizers.fsdp2.host_update import HostUpdate, offloads_optimizer_alone
 from dtypeplan.optimizers.fsdp2.shard_update import ShardUpdate
@@ -107,7 +108,7 @@ from dtypeplan.optimizers.grads.owned import (
     is_owned_gradient,
     owned_sharded_gradient,
 )
-from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads
+from dtypeplan.optimizers.kernels.torch_adam import inner_step_grads, is_unit_factor
 from dtypeplan.optimizers.state.low_precision import held_compensations, held_states
 from dtypeplan.optimizers.update.pieces import LowPrecisionAdamUpdate
 
@@ -119,6 +120,15 @@ __all__ = ["FSDP2Optimizer"]
 HOST_RESIDENT = frozenset({"params", "accumulator", "master", "optimizer_states"})
 """What CPUOffloadPolicy (``offload_param: cpu``) keeps in host memory: the shards, the gradient
 shards and every tensor made like them (16-bit accumulators, Kahan compensations, states)."""
+
+
+class Applied(NamedTuple):
+    """What a step's update did: the factor it applied the gradients with (it unscales and
+    clips them: times the loss scale, the clip coefficient), and per gradient (in the order of
+    the parameters) whether the update left ``grad * factor`` in the kept gradient."""
+
+    factor: torch.Tensor
+    scaled: list[bool]
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -134,6 +144,8 @@ def _sharded(tensor: torch.Tensor | None) -> DTensor:
 @register("fsdp2", serves=FSDP2)
 class FSDP2Optimizer(FSDP2State):
     """ZeRO-3: master weights, gradients and optimizer states sharded, on FSDP2."""
+
+    takes_sharded_parameters = True
 
     @classmethod
     def prepare_model(
@@ -244,11 +256,11 @@ class FSDP2Optimizer(FSDP2State):
         self._filled: list[torch.Tensor] = []
         """Parameters whose missing ``.grad`` the step filled with zeros (set back to None)."""
         self._in_backward = False
-        # fp8 all-gather: the next gather casts each weight with the scale of its updated
-        # shards, computed once per step (torchao's precompute, one all-reduce).
+        # What holds the weights besides the shards (fsdp2/caches.py): every step and load
+        # drops the gathered units and secondary partitions of the parameters' models, and
+        # computes the fp8 all-gather's scales from the shards it wrote (one all-reduce).
+        self._copies = copies_of(self._params())
         self._fp8_layers = fp8_all_gather_weights(p for group in self.sharded for p in group)
-        if self._fp8_layers:
-            self.register_step_post_hook(lambda *_: precompute_scales(self._fp8_layers))
         refusal = bare_backward_refusal(plan)
         if refusal is not None:
             for param in self._params():
@@ -262,11 +274,18 @@ class FSDP2Optimizer(FSDP2State):
         return self.host_update.offload if self.host_update is not None else None
 
     def refresh_params(self) -> None:
-        """After a load wrote the master weights: the device shards (offload_optimizer alone)
-        and the fp8 all-gather's scales follow them."""
+        """After a load wrote the master weights: the device shards (offload_optimizer alone),
+        and what holds the weights besides them, follow them."""
         super().refresh_params()
         if self.host_update is not None:
             self.host_update.upload(self.shards)
+        self._shards_changed()
+
+    def _shards_changed(self) -> None:
+        """The shards were written (a step, a load): no unit keeps an older gather or
+        secondary partition, and the fp8 all-gather's scales are theirs (collective)."""
+        for copies in self._copies:
+            copies.reshard()
         precompute_scales(self._fp8_layers)
 
     def _mesh(self) -> Any:
@@ -366,12 +385,17 @@ class FSDP2Optimizer(FSDP2State):
                 loss = closure()
         self._check_grads()
         scale = self.scaler.scale
+        applied: list[Applied] = []
         try:
-            return self._step(loss)
+            self._step(applied)
         finally:
-            self._keep_gradients(scale)
+            self._keep_gradients(scale, applied[0] if applied else None)
+        self._shards_changed()
+        return loss
 
-    def _step(self, loss: Any) -> Any:
+    def _step(self, applied: list[Applied]) -> None:
+        """Reduce, check, clip and update; on an update, append to ``applied`` the factor the
+        gradients were applied with and which kept gradients the update scaled by it."""
         if self._pending is not None:
             (sq_norm, touched), self._pending = self._pending, None
             local_grads = self._local_gradients()
@@ -382,21 +406,34 @@ class FSDP2Optimizer(FSDP2State):
         # FSDP2 already divided by the world size; only the loss scale is left.
         factor = self._check_and_clip(sq_norm, self.scaler.scale)
         if factor is None:
-            return loss
+            return
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self._low_precision is not None:
             self._low_precision.check_still_serves(self.plan)
             assert self._shard_update is not None
-            self._shard_update.step(
+            scaled = self._shard_update.step(
                 self.inner.param_groups, self.locals, local_grads, touched, factor[1]
             )
-            self.scaler.update(overflow=False)
-            return loss
-        if self.host_update is not None:
+            applied.append(Applied(factor[0], scaled))
+        elif self.host_update is not None:
+            # The host steps staged copies of the gradients: the kept ones stay as they are.
             self.host_update.step(self.inner, self.shards, local_grads, touched, factor)
-            self.scaler.update(overflow=False)
-            return loss
+            applied.append(Applied(factor[0], [False] * len(local_grads)))
+        else:
+            applied.append(Applied(factor[0], self._inner_step(local_grads, touched, factor)))
+        self.scaler.update(overflow=False)
+
+    def _inner_step(
+        self,
+        local_grads: list[torch.Tensor],
+        touched: list[bool],
+        factor: tuple[torch.Tensor, torch.Tensor],
+    ) -> list[bool]:
+        """The fused ``torch.optim`` step of the local shards that got a gradient; returns per
+        gradient whether it now holds ``grad * factor`` (``inner_step_grads`` hands an fp32
+        gradient to the step as it is, scaled in place, by torch's fused kernel or a multiply,
+        unless the factor is exactly 1; a 16-bit one is stepped from an fp32 copy)."""
         # torch.optim skips a parameter without a gradient: one no rank gave a gradient keeps
         # its weights and states, as in torch (DeepSpeed would treat the gradient as zero).
         stepped = [
@@ -413,14 +450,25 @@ class FSDP2Optimizer(FSDP2State):
             locals_, grads = [local for local, _ in part], [grad for _, grad in part]
             with inner_step_grads(self.inner, locals_, grads, *factor):
                 self.inner.step()
-        self.scaler.update(overflow=False)
-        return loss
+        unit = is_unit_factor(factor[0])
+        return [
+            got_one and grad.dtype == torch.float32 and not unit
+            for grad, got_one in zip(local_grads, touched, strict=True)
+        ]
 
-    def _keep_gradients(self, scale_before: float) -> None:
-        """After the step, the gradients stay until ``zero_grad``, as torch keeps ``.grad``:
-        the next backward adds to them (FSDP2 into the sharded ``.grad``, the fold into the
-        16-bit accumulator), a step without backward applies them again. Kept scaled, they
-        follow a loss scale the step changed (fp16)."""
+    def _keep_gradients(self, scale_before: float, applied: Applied | None) -> None:
+        """After the step the gradients stay until ``zero_grad``, as torch keeps ``.grad``: the
+        next backward adds to them (FSDP2 into the sharded ``.grad``, the fold into the
+        16-bit accumulator), a step without backward applies them again.
+
+        What stays is what torch would keep (the contract of ``step()``, ``contract/base.py``):
+        the summed gradient times the step's clip coefficient (``clip_grad_norm_`` and
+        ``gradient_clipping``: torch's ``clip_grad_norm_`` clips ``.grad`` in place), in the
+        units of the loss scale after the step (fp16). Whatever the update path did to them:
+        torch's fused kernel leaves ``grad * factor`` in a gradient it was handed (the factor
+        unscales and clips: ``factor * scale`` is the clip coefficient), a path that stepped
+        a copy left them as they were. A skipped step changes no gradient, only their scale.
+        """
         for param in self._filled:
             param.grad = None
         self._filled = []
@@ -428,15 +476,31 @@ class FSDP2Optimizer(FSDP2State):
             reduce_scatter = REDUCE_SCATTER_OF.get(param)
             if reduce_scatter is not None:
                 reduce_scatter.release()
-        ratio = self.scaler.scale / scale_before
-        if ratio != 1.0:
-            kept = (
-                self.accumulators
-                if self.accumulators is not None
-                else [_local(p.grad) for p in self._params() if p.grad is not None]
-            )
-            if kept:
-                torch._foreach_mul_(kept, ratio)
+        kept: list[torch.Tensor | None] = (
+            list(self.accumulators)
+            if self.accumulators is not None
+            else [_local(p.grad) if p.grad is not None else None for p in self._params()]
+        )
+        scale = self.scaler.scale
+        if applied is None:
+            ratio = scale / scale_before
+            held = [t for t in kept if t is not None]
+            if ratio != 1.0 and held:
+                torch._foreach_mul_(held, ratio)
+            return
+        scaled = [t for t, s in zip(kept, applied.scaled, strict=True) if t is not None and s]
+        if scaled and scale != 1.0:
+            torch._foreach_mul_(scaled, scale)
+        as_summed = [
+            t for t, s in zip(kept, applied.scaled, strict=True) if t is not None and not s
+        ]
+        if as_summed and not (is_unit_factor(applied.factor) and scale == scale_before):
+            multiplier = applied.factor * scale
+            for device in {t.device for t in as_summed}:
+                torch._foreach_mul_(
+                    [t for t in as_summed if t.device == device],
+                    multiplier.to(device, non_blocking=True),
+                )
 
     def _check_grads(self) -> None:
         """16-bit accumulation: what the loop did to the placeholders since the last backward

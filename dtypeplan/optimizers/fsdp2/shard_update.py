@@ -53,14 +53,18 @@ class ShardUpdate:
         grads: list[torch.Tensor],
         touched: list[bool],
         grad_scale: torch.Tensor,
-    ) -> None:
+    ) -> list[bool]:
         """Update each local shard that got a gradient (``grads`` and ``touched`` in the order
-        of the groups' shards); the others keep their weights and states."""
+        of the groups' shards); the others keep their weights and states. Returns per gradient
+        whether the update left ``grad / grad_scale`` in it (torch's fused kernel unscales
+        the gradient it is handed in place; the Triton launch only reads them)."""
         pending = iter(zip(grads, touched, strict=True))
+        scaled: list[bool] = []
         try:
             for group, locals_ in zip(param_groups, locals_by_group, strict=True):
+                mine = [next(pending) for _ in locals_]
                 stepped = [(local, grad) for local, (grad, got_one) in zip(
-                    locals_, [next(pending) for _ in locals_], strict=True
+                    locals_, mine, strict=True
                 ) if got_one]  # fmt: skip
                 masters = [local for local, _ in stepped]
                 shard_grads = [grad for _, grad in stepped]
@@ -70,12 +74,18 @@ class ShardUpdate:
                     and shards_dtypes_served(self.update, masters, shard_grads)
                 ):
                     self._launch_by_count(group, masters, shard_grads, grad_scale)
+                    scaled += [False] * len(locals_)
                     continue
                 for master, grad in stepped:
                     self.update.bucket(group, master, grad, None, grad_scale)
+                scaled += [
+                    got_one and self.update.unscales_in_place(local, grad, grad_scale)
+                    for local, (grad, got_one) in zip(locals_, mine, strict=True)
+                ]
         finally:
             # Working copies live only inside the step (plan.memory() counts between steps).
             self.update.release_scratch()
+        return scaled
 
     def _launch_by_count(
         self,

@@ -37,6 +37,7 @@ from dtypeplan.comm._quantized_wire import WIRE_FORMATS
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.optimizers.contract.base import WrapPolicy, make_replicas_equal
 from dtypeplan.optimizers.contract.model import cast_floating_buffers
+from dtypeplan.optimizers.fsdp2.caches import follow_the_shards
 from dtypeplan.optimizers.fsdp2.units import choose_units, uncovered_parameters
 from dtypeplan.optimizers.grads.ownership import ParamWeakMap
 
@@ -156,6 +157,9 @@ def shard_model(
             module.set_custom_all_gather(NamedAllGather(comm))
             module.set_custom_reduce_scatter(reduce_scatter)
             clear_owned_before_reduce(module)
+    # A forward under no_grad reshards every unit, the fp8 scales follow the shards at each
+    # forward (fsdp2/caches.py).
+    follow_the_shards(model)
     # Frameworks wrap the models they receive in DDP, which would broadcast and all-reduce
     # DTensors it has no rule for. DDP reads its ignore list first thing: reading this one
     # refuses the wrap with what to use instead (FSDP2 reduces the gradients already).
@@ -509,21 +513,43 @@ def gatherable(value: DTensor) -> DTensor:
 
 def _cast_frozen_and_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Frozen parameters and floating buffers to ``dtype`` (they have no fp32 masters)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
+    _cast_parameters(model, dtype, trainable=False)
     cast_floating_buffers(model, dtype)
 
 
 def _masters_to(unit: torch.nn.Module, dtype: torch.dtype) -> None:
     """The trainable parameters of ``unit`` not sharded yet to the master dtype, just before
     sharding (fp32; bf16 master weights round to nearest, as at stages 0-2)."""
+    _cast_parameters(unit, dtype, trainable=True)
+
+
+def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype, *, trainable: bool) -> None:
+    """``module``'s floating parameters that train (or are frozen) and are not sharded yet, to
+    ``dtype``, in place; a parameter held by several modules stays one.
+
+    A plain tensor changes its ``.data``. A tensor subclass that wraps another (torchao's
+    ``WeightWithDynamicFloat8CastTensor``, the weight FSDP2 gathers in fp8) would keep its
+    inner tensor's dtype under ``.data =``: it is cast through its own dispatch (which wraps
+    the cast inner tensor anew) and put in a new parameter, in every module that holds it.
+    """
+    replaced: dict[int, torch.nn.Parameter] = {}
     with torch.no_grad():
-        for param in unit.parameters():
-            if param.requires_grad and not isinstance(param, DTensor):
-                if param.is_floating_point() and param.dtype != dtype:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is None or isinstance(param, DTensor):
+                    continue
+                if param.requires_grad != trainable or not param.is_floating_point():
+                    continue
+                if id(param) in replaced:
+                    owner._parameters[name] = replaced[id(param)]
+                elif param.dtype == dtype:
+                    continue
+                elif type(param.data) is torch.Tensor:
                     param.data = param.data.to(dtype)
+                else:
+                    cast = torch.nn.Parameter(param.detach().to(dtype), param.requires_grad)
+                    replaced[id(param)] = cast
+                    owner._parameters[name] = cast
 
 
 class NamedAllGather(DefaultAllGather):

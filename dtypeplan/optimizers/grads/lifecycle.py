@@ -55,7 +55,16 @@ def look_at_grads(
     partial discards itself, refuses ``call`` where torch would reuse a step's gradients.
     ``zero_grads``: ``zero_grad(set_to_none=False)``'s zeros, still gradients of zero."""
     if reductions.after_step:
-        if any(is_owned_gradient(p.grad) for s in groups for p in s.flat.params):
+        used_up: list[torch.Tensor] = [
+            p for s in groups for p in s.flat.params if is_owned_gradient(p.grad)
+        ]
+        zeroed_all = [p for p in used_up if type(p.grad) is OwnedGradient and p.grad.zeroed]
+        if used_up and len(zeroed_all) == len(used_up):
+            # model.zero_grad(set_to_none=False) after the step: torch's .grad are zeros now,
+            # as optimizer.zero_grad(set_to_none=False) leaves them.
+            reductions.after_step = False
+            return GradsLook(zeroed_all, True)
+        if used_up:
             raise OptimizerUsageError(
                 f"{call} after step() without zero_grad(): dtypeplan's step() uses the "
                 "gradients up at ZeRO 0-2 (as DeepSpeed's), where torch.optim keeps them in "

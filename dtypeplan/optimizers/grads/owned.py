@@ -29,6 +29,8 @@ parameters right before the unit's next reduce-scatter.
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -36,7 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from dtypeplan.errors import OptimizerUsageError
 
-__all__ = ["OWNED_MESSAGE", "OwnedGradient", "is_owned_gradient", "owned_sharded_gradient"]
+__all__ = [
+    "OWNED_MESSAGE",
+    "SCALE_GRADS_MESSAGE",
+    "OwnedGradient",
+    "is_owned_gradient",
+    "owned_sharded_gradient",
+]
 
 OWNED_MESSAGE = (
     "this parameter's gradient is held by a dtypeplan optimizer (summed in its accumulator, "
@@ -51,6 +59,26 @@ OWNED_MESSAGE = (
     "unedited script with `dtypeplan run [torchrun options] script.py --deepspeed CONFIG`), "
     "DtypeplanAccelerator for Accelerate, DtypeplanStrategy for Lightning"
 )
+
+SCALE_GRADS_MESSAGE = (
+    "a torch.distributed.pipelining schedule built with scale_grads=True (its default) "
+    "divides each .grad by n_microbatches after the backward passes, but this parameter's "
+    "gradient is held by a dtypeplan optimizer (summed in its accumulator), not in .grad. "
+    "Build the schedule with scale_grads=False and divide the loss by the number of "
+    "micro-batches in its loss_fn instead (the same gradients)"
+)
+
+
+def _in_pipeline_scale_grads() -> bool:
+    """Whether the operation comes from a pipelining stage's ``scale_grads`` (the schedule
+    calls it from Python, so its frame is on this thread's stack)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "scale_grads" and "pipelining" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class OwnedGradient(torch.Tensor):
@@ -85,6 +113,8 @@ class OwnedGradient(torch.Tensor):
                 else:
                     tensor.zero_()
             return None
+        if _in_pipeline_scale_grads():
+            raise OptimizerUsageError(f"{func}: {SCALE_GRADS_MESSAGE}")
         raise OptimizerUsageError(f"{func}: {OWNED_MESSAGE}")
 
     def __repr__(self) -> str:  # type: ignore[override]

@@ -17,10 +17,28 @@ like terms. It stays a 0-dim device tensor: no host sync beyond the one fp16 alr
 ``DeviceMesh``, a ``torch.distributed.pipelining`` stage, or a schedule (its stages, which must
 then all be among the optimizer's parameters). :func:`remember` / :func:`remembered` carry the
 group from ``prepare_model`` to ``build``.
+
+Counting backward passes (DeepSpeed's ``gradient_accumulation_steps``): a schedule runs one
+backward per stage module and micro-batch, so a rank that holds several stages (an interleaved
+schedule) runs several per micro-batch, and the step's boundary is the last of them.
+:func:`backward_passes_per_step` multiplies the micro-batches by the stage modules: the
+schedule's stages where it was given to ``build`` (:func:`note_stages`), else the modules
+``prepare_model`` readied (each stage module is prepared on its own). Where some parameter is
+in none, the passes are not counted: the boundary is then ``step()`` itself, the same numbers
+without the overlap. A schedule whose micro-batches do not divide the accumulation
+steps is refused at build, on every rank, not inside the schedule on one of them.
+
+A pipeline run that says so nowhere (a plan resolved without ``pipeline_parallel=True`` and
+no ``pipeline_group``) would clip and skip by its stage alone: :func:`unannounced_pipeline`
+finds a ``torch.distributed.pipelining`` stage holding the optimizer's parameters where the
+data-parallel group is not the whole world, at build and at the first step.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -32,25 +50,38 @@ from dtypeplan.comm import Communicator
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError
 
 if TYPE_CHECKING:
+    from dtypeplan.resolver._batch import AccumulationSteps
     from dtypeplan.resolver._plan import PrecisionPlan
 
 __all__ = [
     "PipelineLink",
+    "backward_passes_per_step",
+    "note_stages",
     "pipeline_group_of",
     "remember",
     "remembered",
+    "schedule_refusal",
     "stage_local_refusal",
+    "stage_modules_on_rank",
+    "unannounced_pipeline",
 ]
 
-_GROUP_OF_PARAM: dict[int, tuple[weakref.ref[torch.Tensor], dist.ProcessGroup]] = {}
-"""The pipeline group ``prepare_model`` was given, by ``id`` of each prepared parameter (a
-weak reference beside it: a tensor cannot be a ``WeakKeyDictionary`` key, its ``==`` is
-elementwise)."""
+_PREPARED: dict[int, tuple[weakref.ref[torch.Tensor], dist.ProcessGroup | None, int]] = {}
+"""Per ``id`` of each parameter ``prepare_model`` readied under a pipeline plan: a weak
+reference to it (a tensor cannot be a ``WeakKeyDictionary`` key, its ``==`` is elementwise),
+the pipeline group it was given (None: none) and which ``prepare_model`` call it was (one per
+stage module)."""
+_PREPARE_CALLS = itertools.count()
+
+
+def _record(param: torch.Tensor) -> tuple[dist.ProcessGroup | None, int] | None:
+    entry = _PREPARED.get(id(param))
+    return (entry[1], entry[2]) if entry is not None and entry[0]() is param else None
 
 
 def _noted(param: torch.Tensor) -> dist.ProcessGroup | None:
-    entry = _GROUP_OF_PARAM.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    record = _record(param)
+    return None if record is None else record[0]
 
 
 def pipeline_group_of(source: Any) -> tuple[dist.ProcessGroup, list[torch.nn.Module]]:
@@ -85,16 +116,22 @@ def pipeline_group_of(source: Any) -> tuple[dist.ProcessGroup, list[torch.nn.Mod
     )
 
 
-def remember(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Note ``group`` for the parameters of ``model`` (``prepare_model(pipeline_group=...)``)."""
+def remember(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Note the parameters of ``model`` as one stage module, with ``group`` (the
+    ``pipeline_group`` given to ``prepare_model``; None: none)."""
+    call = next(_PREPARE_CALLS)
     for param in model.parameters():
-        key = id(param)
+        _store(param, group, call)
 
-        def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
-            if _GROUP_OF_PARAM.get(key, (None,))[0] is ref:
-                del _GROUP_OF_PARAM[key]
 
-        _GROUP_OF_PARAM[key] = (weakref.ref(param, forget), group)
+def _store(param: torch.Tensor, group: dist.ProcessGroup | None, call: int) -> None:
+    key = id(param)
+
+    def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+        if _PREPARED.get(key, (None,))[0] is ref:
+            del _PREPARED[key]
+
+    _PREPARED[key] = (weakref.ref(param, forget), group, call)
 
 
 def remembered(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | None:
@@ -114,6 +151,104 @@ def remembered(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | None:
             "rank's stages, or to build"
         )
     return next(iter(groups.values()))
+
+
+def note_stages(modules: list[torch.nn.Module]) -> None:
+    """Note each of a schedule's stage ``modules`` as one stage module (the pipeline group
+    each parameter was prepared with stays noted)."""
+    for module in modules:
+        call = next(_PREPARE_CALLS)
+        for param in module.parameters():
+            _store(param, _noted(param), call)
+
+
+def stage_modules_on_rank(params: Iterable[torch.Tensor]) -> int | None:
+    """How many stage modules hold the trainable ``params`` (each runs its own backward per
+    micro-batch): the ``prepare_model`` calls that readied them or the schedule's stages
+    (:func:`note_stages`); None where some parameter is in none."""
+    records = [_record(p) for p in params if p.requires_grad]
+    if not records or any(r is None for r in records):
+        return None
+    return len({r[1] for r in records if r is not None})
+
+
+def backward_passes_per_step(
+    plan: PrecisionPlan, steps: AccumulationSteps | None, params: Iterable[torch.Tensor]
+) -> AccumulationSteps | None:
+    """``steps`` (micro-batches per step) as backward passes per step on this rank: under a
+    pipeline, times the stage modules it holds; None where those are not known."""
+    if steps is None or not plan.pipeline_parallel:
+        return steps
+    stages = stage_modules_on_rank(params)
+    if stages is None or stages == 1:
+        return None if stages is None else steps
+    return steps._replace(
+        micro_batches=steps.micro_batches * stages,
+        source=f"{steps.micro_batches} micro-batches x {stages} pipeline stage modules on "
+        f"this rank, each its own backward pass ({steps.source})",
+    )
+
+
+def schedule_refusal(source: Any, accumulation_steps: int | None) -> str | None:
+    """Why the schedule ``source`` (None where ``source`` is no schedule) cannot run with
+    ``accumulation_steps`` micro-batches per step: they are not a whole number of its steps,
+    so the counted boundary would fall inside a schedule step, whose next backward on one
+    rank would then be refused while the other stages wait for it."""
+    micro_batches = getattr(source, "_n_microbatches", None)
+    if accumulation_steps is None or not isinstance(micro_batches, int) or micro_batches < 1:
+        return None
+    if accumulation_steps % micro_batches == 0:
+        return None
+    return (
+        f"gradient_accumulation_steps {accumulation_steps} is not a multiple of the pipeline "
+        f"schedule's n_microbatches {micro_batches}: a step must end where a schedule step "
+        "ends (DeepSpeed's pipeline runs gradient_accumulation_steps micro-batches per step). "
+        f"Set gradient_accumulation_steps to {micro_batches} (or a multiple, for several "
+        "schedule.step() calls per optimizer step), or n_microbatches to match"
+    )
+
+
+def unannounced_pipeline(
+    plan: PrecisionPlan,
+    process_group: dist.ProcessGroup | None,
+    params: Iterable[torch.Tensor],
+    call: str,
+) -> str | None:
+    """Why ``call`` is refused for a pipeline stage whose plan was resolved without
+    ``pipeline_parallel=True``, or None (not a pipeline stage as far as can be seen).
+
+    Looked for only where it would change numbers (the step decides from the norm, or
+    ``call`` is ``clip_grad_norm_``) and the data-parallel group leaves other ranks out
+    (else no other rank can hold another stage): then a ``torch.distributed.pipelining``
+    stage holding these parameters, among the live objects (a schedule holds its stages).
+    """
+    if plan.pipeline_parallel or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size(process_group) == dist.get_world_size():
+        return None
+    decides = plan.gradient_clipping > 0 or plan.loss_scaling is not None or plan.check_nonfinite
+    if not decides and not call.startswith("clip_grad_norm_"):
+        return None
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage_module is None:  # nothing made a stage: the module was never imported
+        return None
+    mine = {id(p) for p in params}
+    stage_class = stage_module._PipelineStageBase
+    for obj in gc.get_objects():
+        if isinstance(obj, stage_class) and any(id(p) in mine for p in obj.submod.parameters()):
+            return (
+                f"{call}: this optimizer's parameters are those of pipeline stage "
+                f"{obj.stage_index} (a torch.distributed.pipelining stage), but the plan was "
+                "resolved without pipeline_parallel=True and built without pipeline_group: "
+                "each stage would clip by its own gradient norm and decide an fp16 overflow "
+                "alone, where the whole model's decides. Resolve with dtypeplan.resolve(config, "
+                "pipeline_parallel=True) and pass the group of the other stages: "
+                "plan.prepare_model(stage_module, process_group=dp_group, pipeline_group="
+                "pp_group) or plan.build(params, process_group=dp_group, pipeline_group=...) "
+                "with a ProcessGroup, mesh['pp'], the PipelineStage or the schedule (README: "
+                "Pipeline parallelism)"
+            )
+    return None
 
 
 def stage_local_refusal(

@@ -752,7 +752,16 @@ def _make_clear_placeholder(
         if owner is not None and not owner._grads_checked:
             owner._grads_checked = True
             if owner.check_grads is not None:
-                owner.check_grads()
+                try:
+                    owner.check_grads()
+                except BaseException:
+                    owner._grads_checked = False  # nothing was taken in: the next one looks
+                    raise
+                # Checked for this whole backward, even where the check restarted the window
+                # (model.zero_grad() before a bare loss.backward()): looking again at a later
+                # parameter's pre-hook would take the gradients this backward has already
+                # taken in (their .grad freed) for dropped ones and restart mid-pass.
+                owner._grads_checked = True
         param = param_ref()
         if param is not None and type(param.grad) is OwnedGradient:
             param.grad = None

@@ -56,6 +56,7 @@ from dtypeplan.optimizers.kernels.torch_adam import (
     FlatAdamUpdate,
     decoupled_weight_decay,
     fused_adam_kernel,
+    kernel_grad_scale,
 )
 from dtypeplan.optimizers.state import storage
 from dtypeplan.optimizers.state.keys import (
@@ -311,6 +312,20 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
                 rounding=self.rounding,
             )
 
+    def unscales_in_place(
+        self, master: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor
+    ) -> bool:
+        """Whether :meth:`bucket` of ``master`` (stepped already) left ``grad / grad_scale``
+        in ``grad``: torch's fused kernel unscales the gradient it is handed in place, which
+        is ``grad`` itself where torch runs the update or a piece of fp32 ``grad`` is stepped
+        as it is; the one-pass update reads it. ZeRO-3 keeps the gradient after the step."""
+        if kernel_grad_scale(grad_scale) is None:
+            return False
+        slot = self.inner.state[master]
+        if self._torch_runs_it(master, grad, slot):
+            return True
+        return grad.dtype == torch.float32 and not self.one_pass(master, slot)
+
     def _torch_runs_it(
         self, master: torch.Tensor, grad: torch.Tensor, slot: dict[str, Any]
     ) -> bool:
@@ -406,6 +421,12 @@ class TorchClassUpdate(LowPrecisionAdamUpdate):
     def refusal(self, plan: PrecisionPlan) -> str | None:
         """None: torch's own step of the class serves whatever the param groups say now."""
         return None
+
+    def unscales_in_place(
+        self, master: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor
+    ) -> bool:
+        """Never: the step reads an fp32 copy of the gradient, divided by ``grad_scale``."""
+        return False
 
     def _step_fp32(
         self, group: dict[str, Any], weights: torch.Tensor, state: dict[str, Any]
