@@ -506,17 +506,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Check that every combination past the gates is matched by exactly one "
         "rule, that every gate and rule decides something, that every implementation is "
         "registered, and that every OK rule stays inside what its implementation declares it "
-        "serves. Exit 0 if so, else 2 with file:line. With --prove, also train a point of "
-        "every OK rule (and the first it adds to the shipped table) against fp32 torch.optim "
-        "(exit 1 if one fails).",
+        "serves. Exit 0 if so, else 2 with file:line. With --prove, also train points of "
+        "every OK rule against fp32 torch.optim (exit 1 if one fails).",
     )
     lint.add_argument("rules", nargs="?", metavar="RULES", help="default: the shipped rules file")
     lint.add_argument(
         "--prove",
         action="store_true",
-        help="train a sample point of every OK rule (3 steps of a small MLP, on one process and "
-        "on 2 gloo CPU ranks) against fp32 torch.optim, within the bound of the plan's dtypes: "
-        "one line per rule (passed, failed, or skipped where this machine cannot run it)",
+        help="train sample points of every OK rule (one for each value it matches, and for a "
+        "file other than the shipped one the first point it adds; 3 steps of a small MLP, on "
+        "one process and on 2 gloo CPU ranks) against fp32 torch.optim, within the bound of "
+        "the plan's dtypes: one line per point (passed, failed, or skipped where this machine "
+        "cannot run it), then a summary. DTYPEPLAN_EAGER_UPDATE=1 skips compiling the update",
     )
     add_import(lint)
     lint.set_defaults(handler=_cmd_lint)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import itertools
 import math
@@ -177,9 +178,7 @@ def _candidates(rule: Rule, fixed: dict[str, Any] | None = None) -> Iterator[dic
     fixed = fixed or {}
     # The values this machine cannot train last (fp8 execution native: emulated first).
     choices = [
-        [fixed[name]]
-        if name in fixed
-        else sorted(rule.matched_values(name), key=lambda v, n=name: (n, v) in NEEDS)
+        [fixed[name]] if name in fixed else _runnable_first(name, rule.matched_values(name))
         for name in DIMENSIONS
     ]
     names = list(DIMENSIONS)
@@ -189,6 +188,10 @@ def _candidates(rule: Rule, fixed: dict[str, Any] | None = None) -> Iterator[dic
         for positions in itertools.combinations(varied, count):
             for values in itertools.product(*(choices[i][1:] for i in positions)):
                 yield {**first, **{names[i]: v for i, v in zip(positions, values, strict=True)}}
+
+
+def _runnable_first(name: str, values: list[Any]) -> list[Any]:
+    return sorted(values, key=lambda value: (name, value) in NEEDS)
 
 
 def _means(name: str, point: dict[str, Any]) -> bool:
@@ -248,7 +251,7 @@ def sample(
             if any(one.point.get(name) == value for one in chosen):
                 continue
             found = _search(
-                table, rule, resolve, lambda p, n=name: _means(n, p), {name: value}, COVER_TRIES
+                table, rule, resolve, functools.partial(_means, name), {name: value}, COVER_TRIES
             )
             if found is not None and all(found.point != one.point for one in chosen):
                 chosen.append(found)
