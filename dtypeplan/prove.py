@@ -2,13 +2,14 @@
 
 The loader proves a rules file well formed: every point decided by one rule, every
 implementation registered. It cannot prove that an OK rule's implementation computes what the
-rule claims. :func:`prove` does, by training: for each OK rule it finds a point the rule decides
-(:func:`sample`), resolves the config written for that point with the rules file, builds the
-plan's optimizer and trains a small model :data:`STEPS` steps on one process and on 2 gloo ranks
-(CPU), against plain fp32 ``torch.optim`` (the plan's optimizer class and hyperparameters) on
-the whole batch. The rule passes when every step's loss and the final master weights are within
-the bound of the plan's dtypes (:func:`bound`) on both; it is skipped, not passed, where this
-machine cannot run its point (:data:`NEEDS`).
+rule claims. :func:`prove` does, by training: for each OK rule it finds points the rule decides
+(:func:`sample`: its first point, one for each value it matches, and in a file other than the
+shipped one the first point the file adds), resolves the config written for each with the
+rules file, builds the plan's optimizer and trains a small model :data:`STEPS` steps on one
+process and on 2 gloo ranks (CPU), against plain fp32 ``torch.optim`` (the plan's optimizer
+class and hyperparameters) on the whole batch. A point passes when every step's loss and the
+final master weights are within the bound of the plan's dtypes (:func:`bound`) on both; it is
+skipped, not passed, where this machine cannot run it (:data:`NEEDS`).
 
 Both runs are spawned process groups (``dtypeplan.launch.spawn``, one of 1 rank, one of 2), so
 that implementations which need a process group (FSDP2) run in "one process" too; the modules
