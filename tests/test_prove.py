@@ -124,10 +124,13 @@ def test_lint_prove_reports_each_rule_and_fails_on_a_failed_proof(
 
 @pytest.mark.slow
 def test_lint_prove_on_the_shipped_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every OK rule of the shipped table, a point for each value it matches: none fails (on
+    this CPU machine fp8's native execution is the one skipped)."""
     assert cli.main(["lint", "--prove"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     print(out)
     lines = [line for line in out.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED"))]
-    ok = [r for r in dtypeplan.load_rules().rules if r.status == "OK"]
-    assert len(lines) == len(ok)
+    ok = {rule.id for rule in dtypeplan.load_rules().rules if rule.status == "OK"}
+    assert {line.split()[1] for line in lines} == ok
+    assert len(lines) > 5 * len(ok), "a point for each value each rule matches"
     assert not [line for line in lines if line.startswith("FAILED")]
