@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         RulesError,
     )
     from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
+    from dtypeplan.planner import plan_for
     from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ _HOMES = {
     "Status": "dtypeplan.resolver",
     "auto_values_from": "dtypeplan.resolver",
     "load_rules": "dtypeplan._api",
+    "plan_for": "dtypeplan.planner",
     "register": "dtypeplan.optimizers",
     "registered_names": "dtypeplan.optimizers",
     "resolve": "dtypeplan._api",
@@ -57,6 +59,7 @@ __all__ = [
     "auto_values_from",
     "checkpoint",
     "load_rules",
+    "plan_for",
     "register",
     "registered_names",
     "resolve",

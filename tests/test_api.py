@@ -9,7 +9,14 @@ import torch
 
 import dtypeplan
 
-API_NAMES = ["resolve", "PrecisionConfigError", "RulesError", "NotSupportedError", "register"]
+API_NAMES = [
+    "resolve",
+    "PrecisionConfigError",
+    "RulesError",
+    "NotSupportedError",
+    "register",
+    "plan_for",
+]
 PLAN_DTYPES = ["param_dtype", "grad_accum_dtype", "comm_dtype", "master_dtype"]
 OPTIMIZER_CALLS = [
     "backward",

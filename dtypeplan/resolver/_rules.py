@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 import json
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -101,6 +100,7 @@ __all__ = [
 
 MAX_RULES = COMBINATIONS
 """A valid table has at most one rule per point: every rule decides at least one."""
+
 
 @dataclass(frozen=True)
 class Declaration:
@@ -609,14 +609,16 @@ def _check_implementation(
 
 def _sets(document: _LineMap, name: str) -> FrozenDict[str, tuple[Any, ...]]:
     """The file's named value sets; a name that is also a value would be ambiguous."""
-    raw = document.get("sets") or {}
+    raw = document.get("sets")
+    if raw is None:
+        return FrozenDict()
     every_value = {v for dim in DIMENSIONS.values() for v in dim.values if isinstance(v, str)}
     for set_name in raw:
         if set_name in every_value or set_name == "*":
             raise RulesError(
                 f"set name {set_name!r} is also a dimension value: name the set otherwise",
                 name,
-                raw.key_lines[set_name],
+                raw.key_lines.get(set_name, raw.line),
             )
     return FrozenDict({k: tuple(v) for k, v in raw.items()})
 
@@ -685,16 +687,19 @@ def _unless(
         return None
     line = raw.key_lines["unless"]
     unless = FrozenDict(
-        {dim: _matcher(dim, m, name, spec.key_lines.get(dim, line), sets) for dim, m in spec.items()}
+        {
+            dim: _matcher(dim, m, name, spec.key_lines.get(dim, line), sets)
+            for dim, m in spec.items()
+        }
     )
     box, cut = _mask(when), _mask(unless)
-    if intersect(box, cut) is None or not subtract(box, cut):
-        raise RulesError(
-            f"gate {raw['id']!r}: its unless {'holds its whole when' if intersect(box, cut) else 'shares no combination with its when'}",
-            name,
-            line,
-        )
-    return unless
+    if intersect(box, cut) is None:
+        problem = "shares no combination with its when: it excepts nothing"
+    elif not subtract(box, cut):
+        problem = "holds its whole when: the gate would refuse nothing"
+    else:
+        return unless
+    raise RulesError(f"gate {raw['id']!r}: its unless {problem}", name, line)
 
 
 def _build_rules(
@@ -786,7 +791,9 @@ def _check_coverage(
                 name,
                 second.line,
             )
-    gaps = [p for leaf in coverage.leaves if leaf.decided_by is None for p in remaining(leaf.box, taken)]
+    gaps = [
+        p for leaf in coverage.leaves if leaf.decided_by is None for p in remaining(leaf.box, taken)
+    ]
     if gaps:
         count = sum(size(box) for box in gaps)
         more = f" and {count - 1} more" if count > 1 else ""
@@ -835,9 +842,7 @@ def _overlaps(a: Rule, b: Rule) -> bool:
     return intersect(a.box(), b.box()) is not None
 
 
-def _check_declarations(
-    table: RuleTable, implementations: Mapping[str, _Boxes], name: str
-) -> None:
+def _check_declarations(table: RuleTable, implementations: Mapping[str, _Boxes], name: str) -> None:
     """Every point an OK rule decides (deferred points included) lies inside what its
     implementations declare they serve (see the module docstring)."""
     declared = implementations

@@ -61,7 +61,12 @@ def with_fp8(boxes: Iterable[Mapping[str, Any]], **where: Any) -> list[Box]:
 
 _STAGE0 = {"stage": 0, "sharded": False}
 _STAGE1_2 = ({"stage": 1}, {"stage": 2, "sharded": True})
-_ZERO3 = {"stage": 3, "sharded": True, "reduction": "collective", "shard_groups": ["flat", "hybrid"]}
+_ZERO3 = {
+    "stage": 3,
+    "sharded": True,
+    "reduction": "collective",
+    "shard_groups": ["flat", "hybrid"],
+}
 _FP8_WEIGHTS_IN_PARAM_DTYPE = {"fp8_all_gather": "param_dtype"}
 
 REPLICATED: list[Box] = [
@@ -73,12 +78,20 @@ REPLICATED: list[Box] = [
 _ZERO3_CELLS = [
     *_each(PRECISION_CELLS, **_ZERO3),
     # hpZ: FSDP2's reshard_after_forward=H, fp32 masters and states, no pipeline.
-    {**_ZERO3, "shard_groups": "flat", "hierarchical_partitioning": True, "pipeline": False,
-     "state_kind": "*"},
+    {
+        **_ZERO3,
+        "shard_groups": "flat",
+        "hierarchical_partitioning": True,
+        "pipeline": False,
+        "state_kind": "*",
+    },
 ]
 # offload_optimizer alone: fp32 masters and states on the host, the device shards fp32.
 _ZERO3_OFFLOAD_OPTIMIZER = {
-    **_ZERO3, "offload_optimizer": "cpu", "pipeline": False, "state_kind": "*"
+    **_ZERO3,
+    "offload_optimizer": "cpu",
+    "pipeline": False,
+    "state_kind": "*",
 }
 _ZERO3_FLAT = {**_ZERO3, "shard_groups": "flat"}
 _ZERO3_FP8 = [
@@ -93,8 +106,13 @@ SHARDED: list[Box] = [
     for box in (
         *_each(PRECISION_CELLS, shard_groups="*", **stage),
         # Optimizer offload: fp32 masters and states in host memory, the CPU step.
-        {**stage, "shard_groups": "*", "offload_optimizer": "cpu", "pipeline": False,
-         "state_kind": "*"},
+        {
+            **stage,
+            "shard_groups": "*",
+            "offload_optimizer": "cpu",
+            "pipeline": False,
+            "state_kind": "*",
+        },
         *with_fp8(_each(_NO_AUTOCAST, **stage), **_FP8_WEIGHTS_IN_PARAM_DTYPE),
     )
 ]
