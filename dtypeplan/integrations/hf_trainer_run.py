@@ -5,9 +5,10 @@
 other launchers (``srun``, ``mpirun``, a cluster's own) can start it directly. It calls
 :func:`dtypeplan.integrations.hf_trainer.use_for_unedited_scripts` (``transformers.Trainer``
 is ``DtypeplanTrainer``; ``--deepspeed CONFIG`` is the dtypeplan config, DeepSpeed is not
-enabled; ``--rules RULES``: the rules file the config is resolved with), then runs SCRIPT as ``python SCRIPT ARGS...`` would (``runpy``, ``__name__`` is
-``"__main__"``, ``sys.argv`` is ``[SCRIPT, *ARGS]``, the script's folder first on
-``sys.path``); with ``-m``, SCRIPT is a module name, run as ``python -m``.
+enabled; ``--rules RULES``: the rules file the config is resolved with), then runs SCRIPT as
+``python SCRIPT ARGS...`` would (``runpy``, ``__name__`` is ``"__main__"``, ``sys.argv`` is
+``[SCRIPT, *ARGS]``, the script's folder first on ``sys.path``); with ``-m``, SCRIPT is a
+module name, run as ``python -m``.
 """
 
 from __future__ import annotations
