@@ -369,13 +369,19 @@ def _implementation_cell(rule: Rule) -> str:
     return f"{rule.implementation} ({single} without torch.distributed)"
 
 
-def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[str]) -> None:
+def test_table_has_one_row_per_gate_and_rule_in_file_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["table"]) == 0
     out = capsys.readouterr().out
     table = dtypeplan.load_rules()
+    gates = _table_rows(out, "| # | id |")
+    assert [row[1] for row in gates] == [f"`{gate.id}`" for gate in table.gates]
+    for row, gate in zip(gates, table.gates, strict=True):
+        assert row[2] == condition_text(gate) and row[-1] == gate.reason
     rows = _table_rows(out, "| id |")
-    assert len(rows) == len(table.rules)
-    for row, rule in zip(rows, table.rules, strict=True):
+    assert len(rows) == len(table.grid)
+    for row, rule in zip(rows, table.grid, strict=True):
         assert row == [
             f"`{rule.id}`",
             condition_text(rule),
@@ -480,9 +486,11 @@ def test_table_has_no_readme_option(capsys: pytest.CaptureFixture[str]) -> None:
 def test_lint_shipped_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lint"]) == 0
     combinations = math.prod(len(dim.values) for dim in DIMENSIONS.values())
+    table = dtypeplan.load_rules()
     assert capsys.readouterr().out == (
-        f"ok: {len(dtypeplan.load_rules().rules)} rules, {combinations} combinations, "
-        "each matched by exactly one rule\n"
+        f"ok: {len(table.gates)} gates and {len(table.grid)} rules decide each of "
+        f"{combinations} combinations once; every OK rule stays inside what its "
+        "implementation declares it serves\n"
     )
 
 
@@ -751,3 +759,24 @@ def test_check_help_states_the_exit_codes_the_code_returns(
     assert "Exit 0 for OK, 1 for NotSupported, 2 for Error or an invalid config" in text
     assert "the exit code is the worst of theirs" in text
     assert "HF default" not in text
+
+
+def test_diff_names_the_combinations_an_edit_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["diff", "shipped", "shipped"]) == 0
+    assert capsys.readouterr().out == "same\n"
+    shipped = Path(default_rules_path()).read_text()
+    start = shipped.index("  - id: zero3-wire-across")
+    end = shipped.index("  - id: zero3-fp32-sum")
+    edited = tmp_path / "edited.yaml"
+    # Refuse ZeRO-2 with bf16 states too: a gate added in the place of another one's.
+    edited.write_text(
+        shipped[:start]
+        + shipped[start:end].replace("{stage: 3, shard_groups: wire_across}", "{stage: 3}")
+        + shipped[end:]
+    )
+    assert main(["diff", "shipped", str(edited)]) == 1
+    out = capsys.readouterr().out
+    assert "-> NotSupported [zero3-wire-across]" in out and "OK fsdp2" in out, out
+    assert out.splitlines()[-1].endswith("combinations decided otherwise"), out

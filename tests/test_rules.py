@@ -1196,11 +1196,6 @@ def test_a_set_named_as_a_value_is_refused(tmp_path: Path, name: str) -> None:
     assert f"set name {name!r} is also a dimension value" in str(error)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: _values() drops a set's values that are not the dimension's in "
-    "silence, so a typo narrows the matcher (here a declaration error names another point)",
-)
 def test_a_set_value_of_no_dimension_is_refused(tmp_path: Path) -> None:
     """A typo in a set (bf16_kahn) must not narrow every matcher that uses it in silence."""
     line = line_of(SHIPPED, "  bf16_masters:")

@@ -612,13 +612,21 @@ def _sets(document: _LineMap, name: str) -> FrozenDict[str, tuple[Any, ...]]:
     raw = document.get("sets")
     if raw is None:
         return FrozenDict()
-    every_value = {v for dim in DIMENSIONS.values() for v in dim.values if isinstance(v, str)}
-    for set_name in raw:
-        if set_name in every_value or set_name == "*":
+    every_value = {(type(v), v) for dim in DIMENSIONS.values() for v in dim.values}
+    for set_name, values in raw.items():
+        line = raw.key_lines.get(set_name, raw.line)
+        if (str, set_name) in every_value or set_name == "*":
             raise RulesError(
                 f"set name {set_name!r} is also a dimension value: name the set otherwise",
                 name,
-                raw.key_lines.get(set_name, raw.line),
+                line,
+            )
+        unknown = [v for v in values if (type(v), v) not in every_value]
+        if unknown:
+            raise RulesError(
+                f"set {set_name!r}: {value_text(unknown[0])!r} is a value of no dimension",
+                name,
+                line,
             )
     return FrozenDict({k: tuple(v) for k, v in raw.items()})
 
@@ -826,9 +834,11 @@ def _check_each_decides(
                 gate.line,
             )
         earlier.extend(region)
+    by_rule: dict[int | None, list[Box]] = {}
+    for leaf in leaves:
+        by_rule.setdefault(leaf.decided_by, []).append(leaf.box)
     for position, rule in enumerate(grid):
-        mine = [leaf.box for leaf in leaves if leaf.decided_by == position]
-        if all(outside(box, taken) is None for box in mine):
+        if all(outside(box, taken) is None for box in by_rule.get(position, [])):
             covering = [g.id for g in gates if _overlaps(g, rule)]
             raise RulesError(
                 f"rule {rule.id!r} decides nothing: the gates ({', '.join(covering[:4])}) take "
