@@ -1,10 +1,10 @@
-"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint``, ``demo``, ``docs`` and
-``run``.
+"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint``, ``demo``, ``docs``,
+``run`` and ``plan``.
 
 Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
-(``demo``: the config is not OK), 2 a bad config or rules file, an Error combination, or a
-usage error, 3 a demo rank failed, 141 the reader of the output closed it early (``check``
-exits with its verdict then, and prints no traceback either).
+(``demo``: the config is not OK; ``lint --prove``: a rule failed its proof), 2 a bad config or
+rules file, an Error combination, or a usage error, 3 a demo rank failed, 141 the reader of the
+output closed it early (``check`` exits with its verdict then, and prints no traceback either).
 """
 
 from __future__ import annotations
@@ -293,7 +293,25 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         f"{COMBINATIONS} combinations once; every OK rule stays inside what its "
         "implementation declares it serves"
     )
-    return EXIT_OK
+    if not args.prove:
+        return EXIT_OK
+    return _prove(args)
+
+
+def _prove(args: argparse.Namespace) -> int:
+    """``lint --prove``: each OK rule trained against fp32 torch.optim (dtypeplan.prove)."""
+    from dtypeplan.prove import prove, summary
+
+    outcomes = prove(
+        args.rules,
+        imports=args.imports,
+        progress=lambda line: print(f"prove: {line}", flush=True),
+    )
+    for outcome in outcomes:
+        print(outcome.line())
+    print(summary(outcomes))
+    failed = any(outcome.result == "failed" for outcome in outcomes)
+    return EXIT_NOT_SUPPORTED if failed else EXIT_OK
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -329,10 +347,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _RANK_MODULE = "dtypeplan.integrations.hf_trainer_run"
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dtypeplan.planner.command import run
+
+    return run(args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    """``dtypeplan run [torchrun options] SCRIPT [ARGS]``: torchrun, each rank running SCRIPT
-    unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG`` its config).
-    The exit code is torchrun's."""
+    """``dtypeplan run [--rules RULES] [torchrun options] SCRIPT [ARGS]``: torchrun, each rank
+    running SCRIPT unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG``
+    its config, RULES its rules file). The exit code is torchrun's."""
+    import os
     import subprocess
 
     from torch.distributed.run import get_args_parser
@@ -340,12 +365,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     argv = list(args.torchrun_argv)
     parser = get_args_parser()
     parser.prog = "dtypeplan run"
-    parser.usage = "dtypeplan run [torchrun options] SCRIPT [SCRIPT ARGS, e.g. --deepspeed ds.json]"
+    parser.usage = (
+        "dtypeplan run [--rules RULES] [torchrun options] SCRIPT [SCRIPT ARGS, e.g. "
+        "--deepspeed ds.json]"
+    )
+    parser.add_argument(
+        "--rules",
+        metavar="RULES",
+        help="dtypeplan's: the rules file the config is resolved with, instead of the shipped "
+        "one (a path; each rank reads it)",
+    )
     parser.description = (
         "torchrun with these options, each rank running SCRIPT (or -m MODULE) unedited with "
         "transformers.Trainer as dtypeplan's DtypeplanTrainer and TrainingArguments' "
-        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled). The exit code "
-        "is torchrun's. torchrun's options:"
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled), resolved with "
+        "--rules RULES (default: the shipped rules file). The exit code is torchrun's. "
+        "torchrun's options:"
     )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -358,13 +393,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("error: dtypeplan run: --no-python runs no Python script to start", file=sys.stderr)
         return EXIT_ERROR
     script_at = len(argv) - 1 - len(parsed.training_script_args)
-    options = [a for a in argv[:script_at] if a not in ("-m", "--module")]
-    rank = ["-m", _RANK_MODULE, *(["-m"] if parsed.module else []), parsed.training_script]
+    options = [a for a in _without_rules(argv[:script_at]) if a not in ("-m", "--module")]
+    rules = []
+    if parsed.rules is not None:
+        from dtypeplan.resolver import load_rules
+
+        # Checked here, once, before any rank starts; the implementations it names may be
+        # registered by the script's imports, so the ranks check those.
+        load_rules(parsed.rules, implementations=None)
+        # An absolute path: a launcher may start the ranks in another directory.
+        rules = ["--rules", os.path.abspath(parsed.rules)]
+    module = ["-m"] if parsed.module else []
+    rank = ["-m", _RANK_MODULE, *rules, *module, parsed.training_script]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *rank]
     try:
         return subprocess.call([*command, *parsed.training_script_args])
     except KeyboardInterrupt:
         return 130
+
+
+def _without_rules(options: list[str]) -> list[str]:
+    """torchrun's options without ``--rules RULES`` / ``--rules=RULES`` (dtypeplan's own)."""
+    kept: list[str] = []
+    skip = False
+    for option in options:
+        if skip:
+            skip = False
+        elif option == "--rules":
+            skip = True
+        elif not option.startswith("--rules="):
+            kept.append(option)
+    return kept
 
 
 # --- parser ------------------------------------------------------------------------------------
@@ -453,9 +512,19 @@ def _parser() -> argparse.ArgumentParser:
         description="Check that every combination past the gates is matched by exactly one "
         "rule, that every gate and rule decides something, that every implementation is "
         "registered, and that every OK rule stays inside what its implementation declares it "
-        "serves. Exit 0 if so, else 2 with file:line.",
+        "serves. Exit 0 if so, else 2 with file:line. With --prove, also train points of "
+        "every OK rule against fp32 torch.optim (exit 1 if one fails).",
     )
     lint.add_argument("rules", nargs="?", metavar="RULES", help="default: the shipped rules file")
+    lint.add_argument(
+        "--prove",
+        action="store_true",
+        help="train sample points of every OK rule (one for each value it matches, and for a "
+        "file other than the shipped one the first point it adds; 3 steps of a small MLP, on "
+        "one process and on 2 gloo CPU ranks) against fp32 torch.optim, within the bound of "
+        "the plan's dtypes: one line per point (passed, failed, or skipped where this machine "
+        "cannot run it), then a summary. DTYPEPLAN_EAGER_UPDATE=1 skips compiling the update",
+    )
     add_import(lint)
     lint.set_defaults(handler=_cmd_lint)
 
@@ -504,16 +573,124 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="torchrun an HF Trainer script, unedited, on dtypeplan (--deepspeed CONFIG)",
-        description="dtypeplan run [torchrun options] SCRIPT [ARGS]: torchrun with the same "
-        "options, each rank running SCRIPT (or -m MODULE) unedited with transformers.Trainer "
-        "as dtypeplan.integrations.DtypeplanTrainer and TrainingArguments' --deepspeed CONFIG "
-        "as its dtypeplan config (DeepSpeed is not enabled). The exit code is torchrun's.",
+        description="dtypeplan run [--rules RULES] [torchrun options] SCRIPT [ARGS]: torchrun "
+        "with the same options, each rank running SCRIPT (or -m MODULE) unedited with "
+        "transformers.Trainer as dtypeplan.integrations.DtypeplanTrainer and TrainingArguments' "
+        "--deepspeed CONFIG as its dtypeplan config (DeepSpeed is not enabled), resolved with "
+        "the rules file RULES (default: the shipped one). The exit code is torchrun's.",
         prefix_chars="\0",  # every argument is torchrun's or the script's
         add_help=False,
     )
     run.add_argument("torchrun_argv", nargs=argparse.REMAINDER)
     run.set_defaults(handler=_cmd_run, imports=[])
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="the table's OK combinations that fit a model on a fleet, ranked",
+        description="List every OK combination of the table that fits MODEL on the fleet, "
+        "with device and host bytes per GPU, traffic within and across nodes, modelled step "
+        "time and expected drift, ranked by --objective with the Pareto front marked. Exit 0 "
+        "when some combination fits, 1 when none does (the closest are shown), 2 on bad input.",
+    )
+    plan.add_argument(
+        "--model", metavar="CONFIG", help="a transformers config.json or its directory"
+    )
+    plan.add_argument(
+        "--params",
+        type=_positive,
+        metavar="N",
+        help="a parameter count instead of --model (no activations)",
+    )
+    plan.add_argument("--gpus", type=_positive, required=True, metavar="N")
+    plan.add_argument("--gpus-per-node", type=_positive, default=8, metavar="G", help="default 8")
+    plan.add_argument("--gpu-memory", required=True, metavar="SIZE", help="e.g. 80GB")
+    plan.add_argument(
+        "--host-memory", metavar="SIZE", help="per node, e.g. 2TB (default: not checked)"
+    )
+    plan.add_argument(
+        "--intra-node",
+        default="450GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 450GB/s: H100 NVLink)",
+    )
+    plan.add_argument(
+        "--inter-node",
+        default="50GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 50GB/s: a 400Gb/s NIC per GPU)",
+    )
+    plan.add_argument(
+        "--host-link",
+        default="25GB/s",
+        metavar="BW",
+        help="GPU to host memory (default 25GB/s: PCIe 4 x16)",
+    )
+    plan.add_argument(
+        "--gpu-flops",
+        default="400e12",
+        metavar="FLOPS",
+        help="sustained 16-bit matmul flops per GPU (default 400e12)",
+    )
+    plan.add_argument(
+        "--mxfp8",
+        action="store_true",
+        help="the GPUs run MXFP8 natively (SM100+); without it the mxfp8 recipe is left out",
+    )
+    plan.add_argument(
+        "--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)"
+    )
+    plan.add_argument(
+        "--batch",
+        type=_positive,
+        default=1,
+        metavar="B",
+        help="sequences per micro-batch per GPU (default 1)",
+    )
+    plan.add_argument(
+        "--seq",
+        type=_positive,
+        default=2048,
+        metavar="S",
+        help="tokens per sequence (default 2048)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="micro-batches per step (default 1)",
+    )
+    plan.add_argument(
+        "--recompute",
+        choices=("auto", "none", "selective", "full"),
+        default="auto",
+        help="activation recomputation (default auto: the least that fits, per combination)",
+    )
+    plan.add_argument(
+        "--objective",
+        choices=("memory", "time", "fidelity"),
+        default="time",
+        help="what to rank by (default time)",
+    )
+    plan.add_argument(
+        "--max-drift",
+        type=float,
+        metavar="X",
+        help="the largest expected relative loss deviation accepted (e.g. 1e-3)",
+    )
+    plan.add_argument(
+        "--top", type=_positive, default=10, metavar="K", help="rows shown (default 10)"
+    )
+    plan.add_argument("--write", metavar="CONFIG.json", help="write #1's ds_config here")
+    plan.add_argument("--plot", metavar="FRONT.png", help="draw the Pareto front (matplotlib)")
+    plan.add_argument("--json", action="store_true", help="print the top rows as JSON")
+    plan.add_argument("--quiet", action="store_true", help="no progress line")
+    plan.add_argument("--rules", metavar="RULES", help="a rules file instead of the shipped one")
+    plan.set_defaults(handler=_cmd_plan, imports=[])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -135,6 +135,25 @@ def test_the_resolver_imports_nothing_of_the_optimizers() -> None:
     assert not any(offending.values()), offending
 
 
+LOW_MODULES = {
+    "dtypeplan._dtypes",
+    "dtypeplan._formats",
+    "dtypeplan._int8_codes",
+    "dtypeplan._quiet_imports",
+}
+"""The shared facts below everything: dtype names, the optimizer-state formats (records, their
+codes, torchao's import). The resolver, the communicator, the optimizers and the checkpointer
+all import them, so they import nothing of the package but one another."""
+
+
+def test_the_low_shared_modules_import_only_one_another() -> None:
+    for module in LOW_MODULES:
+        assert module in GRAPH, module
+        assert GRAPH[module] <= LOW_MODULES, (module, sorted(GRAPH[module] - LOW_MODULES))
+    assert "dtypeplan._formats" in GRAPH["dtypeplan.resolver._memory"]
+    assert "dtypeplan._formats" in GRAPH["dtypeplan.optimizers.state.storage"]
+
+
 def test_the_demo_does_not_import_the_command_line() -> None:
     """``dtypeplan demo`` runs the demo; both print through ``dtypeplan.report``."""
     assert "dtypeplan.cli" not in GRAPH["dtypeplan.demo"]

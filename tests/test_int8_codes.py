@@ -1,4 +1,4 @@
-"""The two-table int8 quantizer gives torchao's codes bit for bit (``int8_codes.py``).
+"""The two-table int8 quantizer gives torchao's codes bit for bit (``_int8_codes.py``).
 
 torchao's own ``quantize_8bit_with_qmap`` is the oracle, on the values a block scaling can
 produce: every code value and its float neighbours, every rounding step (found from torchao's
@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from dtypeplan.optimizers.kernels import int8_codes
+from dtypeplan import _formats
+from dtypeplan import _int8_codes as int8_codes
+from dtypeplan._formats import INT8
 from dtypeplan.optimizers.state import storage
 
 
 def _torchao_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
-    _, _, quant_utils = storage._torchao()
-    qmap = storage._code_table(torch.device("cpu"), signed)
+    _, _, quant_utils = _formats.torchao()
+    qmap = INT8.table(torch.device("cpu"), signed)
     return quant_utils.quantize_8bit_with_qmap(values, qmap)
 
 
@@ -36,7 +38,7 @@ def _neighbours(values: torch.Tensor, ulps: int = 3) -> torch.Tensor:
 
 def _cases(signed: bool) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
-    qmap = storage._code_table(torch.device("cpu"), signed)
+    qmap = INT8.table(torch.device("cpu"), signed)
     low = -1.0 if signed else 0.0
     grid = torch.linspace(low, 1.0, 1 << 21)
     codes = _torchao_codes(grid, signed)
@@ -64,7 +66,8 @@ def _cases(signed: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_codes_equal_torchao(signed: bool) -> None:
-    tables = storage._int8_tables(torch.device("cpu"), signed)
+    tables = _formats._fast_tables(INT8, torch.device("cpu"), signed)
+    assert tables is not None
     for name, values in _cases(signed).items():
         values = values.clamp(-1.0, 1.0) if name != "special" else values
         expected = _torchao_codes(values, signed)
@@ -91,7 +94,7 @@ def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
     values = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e-2
     for signed, data in ((True, values), (False, values.abs())):
         stored: object = storage.to_storage(data, "int8", signed=signed)
-        _, _, quant_utils = storage._torchao()
+        _, _, quant_utils = _formats.torchao()
         scaled, _ = quant_utils.scale_tensor(data, 256)
         expected = _torchao_codes(scaled, signed)
         assert torch.equal(stored.codes, expected)  # type: ignore[attr-defined]
@@ -99,7 +102,7 @@ def test_quantized_state_uses_the_tables_and_keeps_torchao_codes() -> None:
 
 def test_dequantized_values_equal_torchao() -> None:
     """Reading an int8 state back gives torchao's own dequantization, bit for bit."""
-    _, _, quant_utils = storage._torchao()
+    _, _, quant_utils = _formats.torchao()
     values = torch.randn(8192, generator=torch.Generator().manual_seed(5)) * 1e-3
     for signed, data in ((True, values), (False, values.abs())):
         stored: Any = storage.to_storage(data, "int8", signed=signed)
@@ -110,7 +113,7 @@ def test_dequantized_values_equal_torchao() -> None:
 def test_fp8_state_reads_back_as_torch_converts_it() -> None:
     """The e4m3 lookup table gives torch's conversion of every code, NaN included."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    table = storage._fp8_values(torch.device("cpu"))
+    table = _formats._e4m3_values(torch.device("cpu"))
     assert torch.equal(table.isnan(), codes.float().isnan())
     assert torch.equal(table.nan_to_num(), codes.float().nan_to_num())
     values = torch.randn(8192, generator=torch.Generator().manual_seed(6)) * 1e-3

@@ -69,8 +69,8 @@ def test_the_integrations_import_without_log_noise() -> None:
     code = (
         "from dtypeplan.integrations import DtypeplanTrainer, DtypeplanAccelerator\n"
         "DtypeplanTrainer, DtypeplanAccelerator\n"
-        "from dtypeplan.optimizers.state.storage import _torchao\n"
-        "_torchao()\n"
+        "from dtypeplan._formats import torchao\n"
+        "torchao()\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True

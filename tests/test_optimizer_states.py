@@ -308,7 +308,7 @@ def test_blocks_never_span_two_parameters() -> None:
     segment after a large one is quantized against its own absmax, not its neighbour's."""
     large, small = torch.full((200,), 1000.0), torch.linspace(0.5, 1.0, 40)
     values = torch.cat([large, small, torch.zeros(3)])  # + 3 values of bucket padding
-    layout = storage.BlockLayout([200, 40, 3])
+    layout = storage.BlockLayout([200, 40, 3], block=256)
     assert layout.stored_numel == 3 * 256 and layout.stored_starts == [0, 256, 512]
     for dtype in ("int8", "fp8"):
         stored = storage.to_storage(values, dtype, signed=False, layout=layout)
@@ -319,7 +319,7 @@ def test_blocks_never_span_two_parameters() -> None:
         assert torch.equal(back[240:], torch.zeros(3)), dtype
     # Pieces: short segments together under the limit, one over a quarter of it alone (in
     # parts of at most the limit).
-    layout = storage.BlockLayout([100, 600, 30, 40, 5000])
+    layout = storage.BlockLayout([100, 600, 30, 40, 5000], block=256)
     pieces = layout.pieces(2048)
     assert [(p.begin, p.end, p.stored_begin, p.stored_end, p.splits) for p in pieces] == [
         (0, 100, 0, 256, None),

@@ -32,9 +32,11 @@ bf16 moments exactly, int8 / fp8 moments (torchao's blockwise codes) dequantized
 ``optimizer.fp32_states()`` (which gives the codes back untouched after a save). So a
 checkpoint loads into any state dtype: into fp32 exactly, into bf16 rounded to nearest (2**-9
 relative). int8 / fp8 moments are saved besides as their codes and block scales, one pair of
-tensors per parameter piece (``codes.{i}.{name}.{begin}-{end}.{dtype}.codes`` / ``.scales``,
-listed in the manifest's ``codes``): a load whose piece of that parameter is the same and whose
-moment has the same dtype restores them bit for bit. Quantizing values anew is not idempotent
+tensors per parameter piece (``codes.{i}.{name}.{begin}-{end}.{tag}.codes`` / ``.scales``,
+``tag`` the state format's own, ``dtypeplan/_formats.py``; listed in the manifest's ``codes``):
+a load whose piece of that parameter is the same and whose moment is stored in the format of
+that tag restores them bit for bit (two formats may share a codes dtype; the tag tells them
+apart). Quantizing values anew is not idempotent
 (torchao's signed map ends at -0.993: a block's absmax moves, and every code with it), so it is
 for another layout only (resharding), in the loading layout's blocks of 256: each value within
 the format's error of its block's largest value (12.3% relative for signed int8's dynamic-tree

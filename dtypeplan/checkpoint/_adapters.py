@@ -33,9 +33,9 @@ from dtypeplan.optimizers.state import (
     KAHAN_COMPENSATION,
     LOSS_SCALE,
     MASTER,
-    QUANTIZED,
     SKIPPED_STEPS,
     STEP,
+    SavedCodes,
     ShardPiece,
     param_index,
     param_key,
@@ -69,10 +69,12 @@ __all__ = [
 
 CODES_PREFIX = "codes."
 """The keys of quantized moments stored as they are, beside their fp32 values:
-``codes.{i}.{name}.{begin}-{end}.{dtype}.codes`` (the 8-bit codes, as uint8) and ``...scales``
-(fp32, one per block of 256) for the piece ``[begin, end)`` of parameter ``i``. The manifest's
-``codes`` lists them. A load whose piece of that parameter is the same and whose moment has
-the same dtype restores them bit for bit; any other load quantizes the fp32 values anew."""
+``codes.{i}.{name}.{begin}-{end}.{tag}.codes`` (the codes' bytes, as uint8) and ``...scales``
+(one per block) for the piece ``[begin, end)`` of parameter ``i``, ``tag`` the state format's
+own (``StateFormat.tag``: ``int8``, ``fp8``), never read off the codes' dtype (two formats may
+share one). The manifest's ``codes`` lists them. A load whose piece of that parameter is the
+same and whose moment is stored in the format of the same tag restores them bit for bit; any
+other load quantizes the fp32 values anew in its own format."""
 
 GROUP_STATES = "group_states"
 """The manifest's ``scalars`` entry holding the inner optimizer's per-group scalar states."""
@@ -185,8 +187,8 @@ class FlatAdapter:
 
     def __init__(self, opt: ShardedOptimizer) -> None:
         self.opt = opt
-        self._codes: list[tuple[ShardPiece, str, torch.Tensor, torch.Tensor]] = []
-        """The saved codes staged by :meth:`load_targets`: piece, moment, codes, scales."""
+        self._codes: list[tuple[ShardPiece, str, SavedCodes]] = []
+        """The saved codes staged by :meth:`load_targets`: piece, moment, codes."""
 
     def shapes(self) -> list[list[int]]:
         return [list(p.shape) for p in self.opt.trainable_parameters()]
@@ -209,8 +211,9 @@ class FlatAdapter:
         return opt.shard_pieces()
 
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
-        # Quantized (int8 / fp8) moments are saved as the fp32 values they stand for, and as
-        # their codes and scales besides (for a load into the same layout).
+        # Quantized moments are saved as the fp32 values they stand for, and as their codes
+        # and scales besides, tagged with their format (for a load into the same layout and
+        # format).
         with self.opt.fp32_states():
             flats = self._save_pieces(names)
             flats.update(self._code_pieces(names))
@@ -230,10 +233,10 @@ class FlatAdapter:
                 )
                 if found is None:
                     continue
-                codes, scales = found
-                key = _codes_key(piece, name, _codes_dtype(codes))
-                flats[key + ".codes"] = Flat(codes.numel(), [(0, codes.view(torch.uint8))])
-                flats[key + ".scales"] = Flat(scales.numel(), [(0, scales)])
+                key = _codes_key(piece, name, found.tag)
+                codes = found.codes.view(torch.uint8)
+                flats[key + ".codes"] = Flat(codes.numel(), [(0, codes)])
+                flats[key + ".scales"] = Flat(found.scales.numel(), [(0, found.scales)])
         return flats
 
     def _save_pieces(self, names: list[str]) -> dict[str, Flat]:
@@ -279,7 +282,7 @@ class FlatAdapter:
         self, names: list[str], shapes: list[list[int]], codes: Sequence[str] = ()
     ) -> dict[str, Flat]:
         """Staging for ``names`` of this rank's pieces, and for the saved ``codes`` (the
-        manifest's) of pieces that are this rank's own and stored in the same dtype."""
+        manifest's) of pieces that are this rank's own and stored in the same format."""
         flats = _empty_flats(names, shapes)
         for piece in self.opt.shard_pieces():
             for name in names:
@@ -299,13 +302,13 @@ class FlatAdapter:
                 )
                 if staged is None:
                     continue
-                key = _codes_key(piece, name, _codes_dtype(staged[0]))
+                key = _codes_key(piece, name, staged.tag)
                 if key + ".codes" not in saved or key + ".scales" not in saved:
                     continue
-                codes_bytes = staged[0].view(torch.uint8)
-                flats[key + ".codes"] = Flat(staged[0].numel(), [(0, codes_bytes)])
-                flats[key + ".scales"] = Flat(staged[1].numel(), [(0, staged[1])])
-                self._codes.append((piece, name, *staged))
+                codes_bytes = staged.codes.view(torch.uint8)
+                flats[key + ".codes"] = Flat(codes_bytes.numel(), [(0, codes_bytes)])
+                flats[key + ".scales"] = Flat(staged.scales.numel(), [(0, staged.scales)])
+                self._codes.append((piece, name, staged))
         return flats
 
     @torch.no_grad()
@@ -352,11 +355,11 @@ class FlatAdapter:
                 _piece_of(piece, target).copy_(pieces[param_key(piece.index, name)][piece.begin])
         for key, (master, values) in masters.items():
             opt.load_master_(master, values, compensations.get(key))
-        for piece, name, codes, scales in self._codes:
+        for piece, name, staged in self._codes:
             assert update is not None  # staged only where there is one
             # Applied once the fp32 values are stored back (quantized anew) at the end.
             update.load_segment_codes(
-                piece.master, name, piece.offset, piece.end - piece.begin, codes, scales
+                piece.master, name, piece.offset, piece.end - piece.begin, staged
             )
         opt.skipped_steps = int(scalars["skipped_steps"])
         if opt.scaler.enabled and scalars.get("scaler_enabled"):
@@ -436,15 +439,9 @@ class FullStateAdapter:
         self.opt.load_full_state(state)
 
 
-def _codes_key(piece: ShardPiece, name: str, dtype: str) -> str:
-    return f"{CODES_PREFIX}{piece.index}.{name}.{piece.begin}-{piece.end}.{dtype}"
-
-
-def _codes_dtype(codes: torch.Tensor) -> str:
-    """The ``states`` dtype whose codes ``codes`` are: int8 (uint8 codes) or fp8 (e4m3)."""
-    name = "int8" if codes.dtype == torch.uint8 else "fp8"
-    assert name in QUANTIZED
-    return name
+def _codes_key(piece: ShardPiece, name: str, tag: str) -> str:
+    """The key of a piece's codes in the format tagged ``tag`` (``StateFormat.tag``)."""
+    return f"{CODES_PREFIX}{piece.index}.{name}.{piece.begin}-{piece.end}.{tag}"
 
 
 def _scalar_entries(scalars: dict[str, Any]) -> dict[str, Any]:

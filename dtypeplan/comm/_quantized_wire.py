@@ -48,14 +48,23 @@ __all__ = [
 ]
 
 BLOCK = 256
-"""Elements per block; each block has one fp32 scale."""
+"""Elements per block; each block has one fp32 scale. The wire's own: not the state formats'
+block (``dtypeplan/_formats.py``), which is the same number by coincidence of defaults."""
 
 _SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
 class WireFormat:
-    """One block-quantized wire format."""
+    """One block-quantized wire format: a symmetric linear code, ``absmax / max_code`` a step.
+
+    Not a state format (``dtypeplan/_formats.py``), though ``int8`` names one of each: the
+    wire's is signed int8 codes on a linear grid of 255 steps, rounded to nearest, for one
+    collective's contributions; the state's is torchao's dynamic-tree map in uint8, a
+    nonlinear code for values that span decades (Adam's moments), kept between steps and
+    saved by checkpoints under its record's tag. They share the config's spelling only, never
+    a record, a block constant or a tag: wire codes are never stored.
+    """
 
     name: str
     code_dtype: torch.dtype

@@ -154,7 +154,8 @@ class DtypeplanAccelerator(Accelerator):
         as ``"bf16"`` does and gives the config its ``fp8`` block from torchao's recipe
         (``AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(...))``, or Accelerate's
         default: tensorwise, the fp8 all-gather at ZeRO-3), keys the config's own block sets
-        kept where they agree. Keyword arguments are :func:`dtypeplan.resolve`'s."""
+        kept where they agree. Keyword arguments are :func:`dtypeplan.resolve`'s (``rules=``:
+        a rules file instead of the shipped table)."""
         document = dict(config) if isinstance(config, Mapping) else config
         if self.dtypeplan_fp8_config is not None:
             source = "DtypeplanAccelerator(mixed_precision='fp8')"

@@ -55,20 +55,24 @@ unedited with::
 ``dtypeplan run`` is torchrun with the same options (``python -m torch.distributed.run``, its
 exit code), each rank starting :mod:`dtypeplan.integrations.hf_trainer_run`, which calls
 :func:`use_for_unedited_scripts` and then runs the script as ``python script.py ARGS`` would
-(``runpy``; ``-m module`` works too). So, in every rank, before the script's first line:
+(``runpy``; ``-m module`` works too). ``dtypeplan run --rules RULES ...`` resolves the config
+with the rules file RULES instead of the shipped table. So, in every rank, before the
+script's first line:
 
 * ``TrainingArguments`` (and subclasses) take ``deepspeed`` (``--deepspeed``, or
   ``deepspeed=`` in code, a path or a dict) as the dtypeplan config: the value moves to
   ``args.dtypeplan_config`` and ``args.deepspeed`` is None, so DeepSpeed is neither imported
-  nor enabled (it need not be installed);
+  nor enabled (it need not be installed); ``--rules RULES`` is ``args.dtypeplan_rules``;
 * ``transformers.Trainer`` is :class:`DtypeplanTrainer` (which reads
-  ``args.dtypeplan_config`` when no ``dtypeplan_config=`` is given), and
+  ``args.dtypeplan_config`` and ``args.dtypeplan_rules`` when no ``dtypeplan_config=`` and
+  ``dtypeplan_rules=`` are given), and
   ``transformers.Seq2SeqTrainer`` a subclass of both; Trainer subclasses defined after that
   (the script's own, or a library's imported by the script) inherit from it.
 
 The same config file works with both launchers; what dtypeplan does with DeepSpeed's keys is
 in the config's ``dtypeplan check`` output. Other launchers (``srun``, ``mpirun``) start
-``python -m dtypeplan.integrations.hf_trainer_run script.py ARGS`` in each rank themselves.
+``python -m dtypeplan.integrations.hf_trainer_run [--rules RULES] script.py ARGS`` in each
+rank themselves.
 
 A plain ``transformers.Trainer`` given a dtypeplan optimizer (``optimizers=(opt, sched)``)
 does not work: it wraps the model in DDP and clips with ``torch.nn.utils.clip_grad_norm_``,
@@ -118,6 +122,10 @@ SCHEDULER_FILE = "scheduler.pt"
 ARGS_CONFIG = "dtypeplan_config"
 """The ``TrainingArguments`` attribute that holds the config under ``dtypeplan run`` (the value
 of ``--deepspeed``, taken by :func:`use_for_unedited_scripts`)."""
+
+ARGS_RULES = "dtypeplan_rules"
+"""The ``TrainingArguments`` attribute that holds the rules file under ``dtypeplan run --rules
+RULES`` (:func:`use_for_unedited_scripts`' ``rules``)."""
 
 
 def trainer_dtype(args: Any) -> torch.dtype:
@@ -184,7 +192,8 @@ def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
 
 class DtypeplanTrainer(Trainer):
     """A ``transformers.Trainer`` whose optimizer is dtypeplan's, from ``dtypeplan_config``
-    (a DeepSpeed-style config: dict or ``.json`` / ``.yaml`` path, ``"auto"`` values allowed).
+    (a DeepSpeed-style config: dict or ``.json`` / ``.yaml`` path, ``"auto"`` values allowed),
+    resolved with the rules file ``dtypeplan_rules`` (a path; None: the shipped table).
 
     After ``train()`` starts, ``trainer.plan`` is the resolved plan and
     ``trainer.dtypeplan_optimizer`` the optimizer (``trainer.optimizer`` is Accelerate's
@@ -195,6 +204,7 @@ class DtypeplanTrainer(Trainer):
         self,
         *args: Any,
         dtypeplan_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        dtypeplan_rules: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         self.plan: PrecisionPlan | None = None
@@ -213,6 +223,11 @@ class DtypeplanTrainer(Trainer):
         self.dtypeplan_config: dict[str, Any] | str | os.PathLike[str] = (
             dict(dtypeplan_config) if isinstance(dtypeplan_config, Mapping) else dtypeplan_config
         )
+        if dtypeplan_rules is None:
+            # Under ``dtypeplan run --rules RULES`` TrainingArguments hold the rules file.
+            dtypeplan_rules = getattr(self.args, ARGS_RULES, None)
+        self.dtypeplan_rules = dtypeplan_rules
+        """The rules file the plan is resolved with (None: the shipped one)."""
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "DtypeplanTrainer: TrainingArguments also enable "
@@ -232,7 +247,7 @@ class DtypeplanTrainer(Trainer):
         DeepSpeed integration fills them."""
         auto = trainer_auto_values(self.args, num_training_steps)
         config = trainer_precision_config(self.dtypeplan_config, self.args)
-        plan = dtypeplan.resolve(config, auto=auto)
+        plan = dtypeplan.resolve(config, auto=auto, rules=self.dtypeplan_rules)
         check_trainer_precision(plan, self.args)
         return plan
 
@@ -349,15 +364,21 @@ def _config_value(value: Any) -> Any:
     return value
 
 
-def use_for_unedited_scripts() -> None:
+_unedited_rules: str | None = None
+"""The rules file of :func:`use_for_unedited_scripts` (``dtypeplan run --rules RULES``)."""
+
+
+def use_for_unedited_scripts(rules: str | os.PathLike[str] | None = None) -> None:
     """Make this process's HF Trainer scripts train with dtypeplan, unedited: what
-    ``dtypeplan run`` does in each rank before the script starts (idempotent).
+    ``dtypeplan run`` does in each rank before the script starts (idempotent; ``rules``, a
+    rules file, replaces an earlier call's).
 
     * ``TrainingArguments`` (and every subclass: ``Seq2SeqTrainingArguments``, TRL's configs)
       take their ``deepspeed`` value (``--deepspeed ds_config.json``, or
       ``deepspeed=`` in code) as the dtypeplan config: it moves to ``args.dtypeplan_config``
       and ``args.deepspeed`` becomes None before ``__post_init__`` runs, so DeepSpeed is
-      neither imported nor enabled;
+      neither imported nor enabled; ``rules`` (``dtypeplan run --rules RULES``) goes to
+      ``args.dtypeplan_rules``, the rules file the Trainer resolves the config with;
     * ``transformers.Trainer`` (also ``transformers.trainer.Trainer``) is
       :class:`DtypeplanTrainer`, and ``transformers.Seq2SeqTrainer`` a subclass of both;
       classes defined after this (a script's own ``class MyTrainer(Trainer)``, libraries
@@ -369,6 +390,8 @@ def use_for_unedited_scripts() -> None:
     import transformers.trainer_seq2seq
     from transformers.training_args import TrainingArguments
 
+    global _unedited_rules
+    _unedited_rules = None if rules is None else os.fspath(rules)
     original = TrainingArguments.__post_init__
     if not getattr(original, _PATCHED, False):
 
@@ -376,6 +399,8 @@ def use_for_unedited_scripts() -> None:
             if self.deepspeed:
                 setattr(self, ARGS_CONFIG, _config_value(self.deepspeed))
                 self.deepspeed = None
+            if _unedited_rules is not None:
+                setattr(self, ARGS_RULES, _unedited_rules)
             original(self)
 
         setattr(__post_init__, _PATCHED, True)

@@ -107,8 +107,9 @@ class DtypeplanStrategy(DDPStrategy):
     """Lightning's DDP strategy with a dtypeplan optimizer (see the module docstring).
 
     ``config`` is a DeepSpeed-style config (dict or path); ``auto`` fills its ``"auto"``
-    values (see :func:`dtypeplan.resolve`); other keyword arguments go to ``DDPStrategy``.
-    After setup ``strategy.plan`` is the resolved plan.
+    values and ``rules`` is the rules file it is resolved with (see :func:`dtypeplan.resolve`;
+    None: the shipped table); other keyword arguments go to ``DDPStrategy``. After setup
+    ``strategy.plan`` is the resolved plan.
     """
 
     strategy_name = "dtypeplan"
@@ -118,6 +119,7 @@ class DtypeplanStrategy(DDPStrategy):
         config: Mapping[str, Any] | str | os.PathLike[str],
         *,
         auto: Mapping[str, Any] | None = None,
+        rules: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("precision_plugin", DtypeplanPrecision())
@@ -126,6 +128,7 @@ class DtypeplanStrategy(DDPStrategy):
             dict(config) if isinstance(config, Mapping) else config
         )
         self.dtypeplan_auto = dict(auto or {})
+        self.dtypeplan_rules = rules
         self.plan: PrecisionPlan | None = None
         self._checkpoint_path: str | None = None
 
@@ -137,7 +140,9 @@ class DtypeplanStrategy(DDPStrategy):
         told_fills = fills_for_auto(self.dtypeplan_config, _PRECISION_FILLS[told])
         auto = {**told_fills, **self.dtypeplan_auto}
         assert self.model is not None
-        self.plan = dtypeplan.resolve(self._config_with_fp8_of(self.model), auto=auto)
+        self.plan = dtypeplan.resolve(
+            self._config_with_fp8_of(self.model), auto=auto, rules=self.dtypeplan_rules
+        )
         shown = dtype_name(self.plan.param_dtype)
         if told != "fp32" and shown != told:
             raise PrecisionConfigError(

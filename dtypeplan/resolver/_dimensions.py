@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtypeplan._dtypes import DTYPES
+from dtypeplan._formats import FORMATS
 from dtypeplan.resolver._fp8_device import fp8_execution
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 
@@ -398,7 +399,7 @@ MASTER_ROUNDING: FrozenDict[str, tuple[str, str]] = FrozenDict(
     }
 )
 """Each master value as (dtype name, rounding of the fp32 update into that dtype)."""
-STATE_DTYPES = ("fp32", "bf16", "int8", "fp8")
+STATE_DTYPES = tuple(FORMATS)
 """How one optimizer state (a moment) can be stored: fp32; bf16 rounded to nearest; torchao's
 8-bit blockwise dynamic-tree codes or fp8 e4m3 codes, each with one fp32 scale per block."""
 

@@ -16,13 +16,13 @@ master        ``4 * N / D``, ``D = W`` from ZeRO-1 on, else 1; ``0`` for fp32 pa
               at stage 3, and for bf16 master weights, where the master weights are the
               parameters themselves; bf16 masters with Kahan rounding hold a bf16
               compensation buffer, ``2 * N / D``
-states        ``S * N / D`` with fp32 moments; each moment counts its own dtype:
-              4 bytes a value in fp32, 2 in bf16, and for int8 / fp8 (torchao's
-              blockwise codes) 1 byte a value plus one fp32 scale per 256 values
-              (``1 + 4/256``), and 1 KiB per int8 moment for its code table; see
-              ``state_bytes``. Quantized blocks never span two parameters: each
-              parameter's values are padded to whole blocks (up to 255 zero values each),
-              counted when ``param_numels`` gives the parameter sizes
+states        ``S * N / D`` with fp32 moments; each moment counts its own format's bytes
+              (``StateFormat.stored_bytes``, ``dtypeplan/_formats.py``): 4 bytes a value
+              in fp32, 2 in bf16, and for int8 / fp8 (torchao's blockwise codes) 1 byte a
+              value plus one fp32 scale per 256 values (``1 + 4/256``), and the format's
+              code table (1 KiB per int8 moment). Quantized blocks never span two
+              parameters: each parameter's values are padded to whole blocks (up to 255
+              zero values each), counted when ``param_numels`` gives the parameter sizes
 ============  =====================================================================
 
 ZeRO-3 with the fp8 all-gather (``fp8.all_gather: fp8``): ``params`` adds 4 bytes for each
@@ -68,18 +68,17 @@ FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
+from dtypeplan._formats import state_format
+
 __all__ = [
     "HOST_MEMORY_KEYS",
-    "INT8_CODE_TABLE_BYTES",
     "MEMORY_KEYS",
-    "QUANTIZED",
-    "QUANTIZED_BLOCK",
     "memory_model",
-    "state_bytes",
 ]
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
@@ -94,31 +93,6 @@ HOST_MEMORY_KEYS = (
 """Host bytes of an offloaded optimizer (and, at ZeRO-3 with ``offload_param``, of the shards
 and their gradients); 0 without offload."""
 
-QUANTIZED_BLOCK = 256
-"""Values per fp32 scale in int8 and fp8 states (torchao's default block for both)."""
-
-INT8_CODE_TABLE_BYTES = 256 * 4
-"""torchao's 8-bit dynamic-tree map: 256 fp32 values, one table per sign, shared by chunks."""
-
-QUANTIZED = ("int8", "fp8")
-"""The ``states`` dtypes stored as blockwise codes."""
-
-
-def state_bytes(dtype: str, numel: int) -> int:
-    """Bytes of one optimizer state of ``numel`` values stored as ``dtype`` (a ``states`` name).
-
-    int8 and fp8 states are torchao tensors over ``numel`` padded to whole blocks: one code
-    byte a value and one fp32 scale a block. Each parameter's values start a block of their
-    own (``optimizers/state/storage.BlockLayout``), so a state of several parameters is the sum
-    of this over their sizes; ``memory_model`` adds the int8 code tables (1 KiB per moment).
-    """
-    if dtype == "fp32":
-        return 4 * numel
-    if dtype == "bf16":
-        return 2 * numel
-    blocks = -(-numel // QUANTIZED_BLOCK)
-    return blocks * QUANTIZED_BLOCK + 4 * blocks
-
 
 def _moment_bytes(
     dtype: str, shard: int, param_numels: Sequence[int] | None, zero_stage: int, w: int
@@ -127,12 +101,16 @@ def _moment_bytes(
     quantized moment pads each parameter to whole blocks: at ZeRO-3 every parameter's local
     shard (``numel / W``, one state each); else each parameter's share of the flat chunks
     (exact on one rank; on ``W`` ranks a parameter split between ranks is padded on each, which
-    adds under 256 values per split)."""
-    if dtype not in QUANTIZED or param_numels is None:
-        return state_bytes(dtype, shard)
+    adds under a block per split). Each parameter's values start a block of their own
+    (``optimizers/state/storage.BlockLayout``), so a state of several is the sum over them."""
+    fmt = state_format(dtype)
+    if not fmt.quantized or param_numels is None:
+        return fmt.stored_bytes(shard)
+    # A model's parameters come in a few sizes: each size is counted once.
+    sizes = Counter(param_numels)
     if zero_stage >= 3:
-        return sum(state_bytes(dtype, -(-n // w)) for n in param_numels)
-    total = sum(state_bytes(dtype, n) for n in param_numels)
+        return sum(count * fmt.stored_bytes(-(-n // w)) for n, count in sizes.items())
+    total = sum(count * fmt.stored_bytes(n) for n, count in sizes.items())
     return total * shard // max(sum(param_numels), 1)
 
 
@@ -191,8 +169,8 @@ def memory_model(
     shard = n // state_divisor
     moments = (exp_avg_dtype, exp_avg_sq_dtype)[: min(state_bytes_per_param // 4, 2)]
     states = sum(_moment_bytes(dtype, shard, param_numels, zero_stage, w) for dtype in moments)
-    # One int8 code table per moment's sign (the first moment's is signed), shared by chunks.
-    states += INT8_CODE_TABLE_BYTES * sum(dtype == "int8" for dtype in moments)
+    # A code table per quantized moment (int8: one per sign), shared by its chunks.
+    states += sum(state_format(dtype).codebook_bytes for dtype in moments)
     states += max(state_bytes_per_param - 4 * len(moments), 0) * shard
     # The fp8 all-gather: one fp32 scale per weight gathered in fp8, precomputed after each
     # step for the next gather (torchao's precompute_float8_dynamic_scale_for_fsdp).

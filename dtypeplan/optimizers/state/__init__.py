@@ -1,7 +1,7 @@
 """What the optimizer state holds, how it is named, stored and counted, apart from any layout:
 the ``param.{i}.{name}`` / ``scalar.{name}`` keys, per-element and scalar values, one moment
-stored as fp32, bf16, int8 or fp8 blocks, bf16 masters and low-precision moments, and the
-tensors a rank holds by ``plan.memory()`` component."""
+stored in its format (``dtypeplan/_formats.py``: fp32, bf16, int8 or fp8 blocks), bf16 masters
+and low-precision moments, and the tensors a rank holds by ``plan.memory()`` component."""
 
 from dtypeplan.optimizers.state.held import HeldTensors
 from dtypeplan.optimizers.state.keys import (
@@ -22,7 +22,7 @@ from dtypeplan.optimizers.state.keys import (
     scaler_key,
     scaler_state,
 )
-from dtypeplan.optimizers.state.storage import QUANTIZED
+from dtypeplan.optimizers.state.low_precision import SavedCodes
 from dtypeplan.optimizers.state.values import ShardPiece
 
 __all__ = [
@@ -31,10 +31,10 @@ __all__ = [
     "MASTER",
     "MOMENTS",
     "NO_STATE",
-    "QUANTIZED",
     "SKIPPED_STEPS",
     "STEP",
     "HeldTensors",
+    "SavedCodes",
     "ShardPiece",
     "param_index",
     "param_key",

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from dtypeplan._formats import QuantizedFormat, state_format
 from dtypeplan.optimizers.kernels.rounding import kahan_store
 from dtypeplan.optimizers.state import storage
 from dtypeplan.optimizers.state.keys import (
@@ -46,8 +47,10 @@ from dtypeplan.optimizers.state.keys import (
 
 __all__ = [
     "CODES",
-    "LowPrecisionState",
     "SCALES",
+    "LowPrecisionState",
+    "SavedCodes",
+    "codes_keys",
     "held_compensations",
     "held_states",
 ]
@@ -55,7 +58,23 @@ __all__ = [
 
 CODES, SCALES = ".codes", ".scales"
 """Suffixes of a state dict entry's quantized moment, stored as is beside its fp32 values
-(``exp_avg.codes``, ``exp_avg.scales``): a same-layout load restores them bit for bit."""
+under its format's tag (``exp_avg.int8.codes``, ``exp_avg.int8.scales``): a same-layout load
+into a state of the same format restores them bit for bit."""
+
+
+def codes_keys(name: str, tag: str) -> tuple[str, str]:
+    """The state dict entry's keys of state ``name``'s codes and scales in the format tagged
+    ``tag``."""
+    return f"{name}.{tag}{CODES}", f"{name}.{tag}{SCALES}"
+
+
+class SavedCodes(NamedTuple):
+    """A piece's codes and block scales as stored, and the tag of the format they are codes
+    of (``StateFormat.tag``): they load only into a state of that format."""
+
+    tag: str
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 def held_compensations(inner: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
@@ -99,6 +118,9 @@ class LowPrecisionState:
         """The per-element states stored as ``exp_avg_dtype`` says (signed codes)."""
         """The per-element states this update stores in their dtypes (Adam's moments, or
         every per-element state of the ``torch.optim`` classes: ``keys.ELEMENT_STATES``)."""
+        self.block = storage.layout_block((exp_avg_dtype, exp_avg_sq_dtype))
+        """The block the quantized moments' layouts pad each segment to (a multiple of each
+        format's own)."""
         self._fp32_depth = 0
         self._layouts: dict[int, storage.BlockLayout] = {}
         """Each master's block layout for quantized moments, by ``id(master)`` (the masters
@@ -106,8 +128,7 @@ class LowPrecisionState:
         self._viewed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
         """Inside :meth:`fp32_view`: each quantized moment, the fp32 tensor that stands in for
         it, and that tensor's version counter when made (to tell whether it was written)."""
-        self._pending_codes: list[tuple[torch.Tensor, str, int, int, torch.Tensor, torch.Tensor]]
-        self._pending_codes = []
+        self._pending_codes: list[tuple[torch.Tensor, str, int, int, SavedCodes]] = []
         """Saved codes to restore once :meth:`fp32_view` has stored the moments back
         (:meth:`load_segment_codes`)."""
 
@@ -120,8 +141,8 @@ class LowPrecisionState:
 
     @property
     def quantized(self) -> bool:
-        """Whether a state is stored as torchao codes (then :meth:`fp32_view` matters)."""
-        return any(self.dtype_of(name) in storage.QUANTIZED for name in self.names)
+        """Whether a state is stored as codes (then :meth:`fp32_view` matters)."""
+        return any(state_format(self.dtype_of(name)).quantized for name in self.names)
 
     def set_segments(
         self, masters: Sequence[torch.Tensor], segments: Sequence[Sequence[int]]
@@ -130,7 +151,7 @@ class LowPrecisionState:
         parameter pieces and bucket padding, in order): each starts on a block boundary, so no
         block's absmax mixes two parameters. Before any state is made."""
         for master, lengths in zip(masters, segments, strict=True):
-            layout = storage.BlockLayout(lengths)
+            layout = storage.BlockLayout(lengths, block=self.block)
             if layout.numel != master.numel():
                 raise ValueError(
                     f"segments of {layout.numel} values for a master of {master.numel()}"
@@ -141,7 +162,7 @@ class LowPrecisionState:
         """``master``'s block layout: its segments, or one segment."""
         layout = self._layouts.get(id(master))
         if layout is None or layout.numel != master.numel():
-            layout = storage.BlockLayout.whole(master.numel())
+            layout = storage.BlockLayout.whole(master.numel(), block=self.block)
             self._layouts[id(master)] = layout
         return layout
 
@@ -149,7 +170,7 @@ class LowPrecisionState:
         """A plain (fp32 or bf16) state in ``name``'s storage dtype, or in fp32 inside
         :meth:`fp32_view`; plain results keep ``values``' shape."""
         want = "fp32" if self._fp32_depth else self.dtype_of(name)
-        if storage.state_dtype_name(values) == want:
+        if state_format(want).holds(values):
             return values
         stored = storage.to_storage(
             values.reshape(-1), want, signed=name in self.signed, layout=self.layout(master)
@@ -248,8 +269,8 @@ class LowPrecisionState:
         if not self._fp32_depth:
             self._viewed.clear()
             pending, self._pending_codes = self._pending_codes, []
-            for master, name, offset, numel, codes, scale in pending:
-                self._restore_codes(master, name, offset, numel, codes, scale)
+            for master, name, offset, numel, saved in pending:
+                self._restore_codes(master, name, offset, numel, saved)
 
     def _segment(self, master: torch.Tensor, offset: int, numel: int) -> tuple[int, int] | None:
         """The stored span ``[begin, end)`` of the segment of ``master`` at ``offset`` of
@@ -259,7 +280,7 @@ class LowPrecisionState:
             layout.starts, layout.stored_starts, layout.lengths, strict=True
         ):
             if begin == offset and n == numel:
-                return stored, stored + storage.padded(n)
+                return stored, stored + layout.padded(n)
         return None
 
     def _quantized_state(self, master: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -276,103 +297,110 @@ class LowPrecisionState:
             return kept[0]
         return None
 
+    def _format(self, name: str) -> QuantizedFormat | None:
+        fmt = state_format(self.dtype_of(name))
+        return fmt if isinstance(fmt, QuantizedFormat) else None
+
     def codes_like(
         self, master: torch.Tensor, name: str, offset: int, numel: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> SavedCodes | None:
         """Empty codes and scales of the shapes and dtypes :meth:`segment_codes` gives for
-        that piece in this update's layout and moment dtype, or None (not quantized, or not
-        one segment): what a load stages saved codes in."""
-        dtype = self.dtype_of(name)
-        span = self._segment(master, offset, numel) if dtype in storage.QUANTIZED else None
-        if span is None:
+        that piece in this update's layout and moment format, with its tag, or None (not
+        quantized, or not one segment): what a load stages saved codes in."""
+        fmt = self._format(name)
+        span = self._segment(master, offset, numel) if fmt is not None else None
+        if fmt is None or span is None or fmt.scale_dtype is None:
             return None
-        begin, end = span
-        codes_dtype = torch.uint8 if dtype == "int8" else torch.float8_e4m3fn
-        return (
-            torch.empty(end - begin, dtype=codes_dtype, device=master.device),
-            torch.empty(
-                (end - begin) // storage.QUANTIZED_BLOCK, dtype=torch.float32, device=master.device
-            ),
+        at_codes, at_scales = fmt.spans(*span)
+        device = master.device
+        return SavedCodes(
+            fmt.tag,
+            torch.empty(at_codes.stop - at_codes.start, dtype=fmt.storage_dtype, device=device),
+            torch.empty(at_scales.stop - at_scales.start, dtype=fmt.scale_dtype, device=device),
         )
 
     def segment_codes(
         self, master: torch.Tensor, name: str, offset: int, numel: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> SavedCodes | None:
         """Copies of the codes and block scales that hold moment ``name`` of the parameter
-        piece at ``offset`` (``numel`` values) of ``master``, or None where that moment is not
-        quantized. What a same-layout load restores bit for bit (:meth:`load_segment_codes`),
-        where loading the values would quantize them anew, which is not idempotent (torchao's
-        signed map ends at -0.993, so a block's absmax, and with it every code, moves)."""
+        piece at ``offset`` (``numel`` values) of ``master``, with its format's tag, or None
+        where that moment is not quantized. What a same-layout load restores bit for bit
+        (:meth:`load_segment_codes`), where loading the values would quantize them anew,
+        which is not idempotent (torchao's signed map ends at -0.993, so a block's absmax, and
+        with it every code, moves)."""
         value = self._quantized_state(master, name)
+        fmt = self._format(name)
         span = self._segment(master, offset, numel) if value is not None else None
-        if value is None or span is None:
+        if value is None or span is None or fmt is None:
             return None
-        quantized: Any = value
-        begin, end = span
-        scale = quantized.scale[begin // storage.QUANTIZED_BLOCK : end // storage.QUANTIZED_BLOCK]
-        return quantized.codes[begin:end].clone(), scale.clone()
+        codes, scales, _ = fmt.parts(value)
+        at_codes, at_scales = fmt.spans(*span)
+        return SavedCodes(fmt.tag, codes[at_codes].clone(), scales[at_scales].clone())
 
     def save_codes(
         self, entry: dict[str, Any], master: torch.Tensor, offset: int, numel: int
     ) -> None:
         """Add the quantized moments' codes and scales of a parameter piece to its state dict
-        ``entry`` (:data:`CODES`, :data:`SCALES`)."""
+        ``entry``, under their format's tag (:func:`codes_keys`)."""
         for name in self.names:
             found = self.segment_codes(master, name, offset, numel)
             if found is not None:
-                entry[name + CODES], entry[name + SCALES] = found
+                codes_key, scales_key = codes_keys(name, found.tag)
+                entry[codes_key], entry[scales_key] = found.codes, found.scales
 
     def load_codes(
         self, entry: Mapping[str, Any], master: torch.Tensor, offset: int, numel: int
     ) -> None:
-        """Restore the codes and scales :meth:`save_codes` put in ``entry``, if any."""
+        """Restore the codes and scales :meth:`save_codes` put in ``entry`` where they are
+        codes of the format this update stores that moment in (the same tag); codes of
+        another format are left out (the moment's values, loaded already, are quantized
+        anew). A state dict written before the tags holds ``exp_avg.codes``: int8's codes if
+        uint8, fp8's if e4m3 (``StateFormat.reads_untagged_codes``)."""
         for name in self.names:
-            codes, scales = entry.get(name + CODES), entry.get(name + SCALES)
+            fmt = self._format(name)
+            if fmt is None:
+                continue
+            codes_key, scales_key = codes_keys(name, fmt.tag)
+            codes, scales = entry.get(codes_key), entry.get(scales_key)
+            if codes is None and fmt.reads_untagged_codes:
+                codes, scales = entry.get(name + CODES), entry.get(name + SCALES)
+                if torch.is_tensor(codes) and codes.dtype != fmt.storage_dtype:
+                    continue
             if torch.is_tensor(codes) and torch.is_tensor(scales):
-                self.load_segment_codes(master, name, offset, numel, codes, scales)
+                self.load_segment_codes(
+                    master, name, offset, numel, SavedCodes(fmt.tag, codes, scales)
+                )
 
     def load_segment_codes(
-        self,
-        master: torch.Tensor,
-        name: str,
-        offset: int,
-        numel: int,
-        codes: torch.Tensor,
-        scale: torch.Tensor,
+        self, master: torch.Tensor, name: str, offset: int, numel: int, saved: SavedCodes
     ) -> None:
         """Restore what :meth:`segment_codes` gave, after the piece's values were loaded: at
         once, or inside :meth:`fp32_view` once the moments are stored back. Ignored where the
-        moment is not stored in the codes' dtype or the piece is not one segment of the same
-        size (another layout: the loaded values are quantized anew)."""
+        moment is not stored in the format ``saved`` is tagged with, or the piece is not one
+        segment of the same size (another layout: the loaded values are quantized anew)."""
         if self._fp32_depth:
-            self._pending_codes.append((master, name, offset, numel, codes, scale))
+            self._pending_codes.append((master, name, offset, numel, saved))
         else:
-            self._restore_codes(master, name, offset, numel, codes, scale)
+            self._restore_codes(master, name, offset, numel, saved)
 
     def _restore_codes(
-        self,
-        master: torch.Tensor,
-        name: str,
-        offset: int,
-        numel: int,
-        codes: torch.Tensor,
-        scale: torch.Tensor,
+        self, master: torch.Tensor, name: str, offset: int, numel: int, saved: SavedCodes
     ) -> None:
         value = self._quantized_state(master, name)
+        fmt = self._format(name)
         span = self._segment(master, offset, numel) if value is not None else None
-        if value is None or span is None:
+        if value is None or span is None or fmt is None or saved.tag != fmt.tag:
             return
-        quantized: Any = value
-        begin, end = span
-        first, last = begin // storage.QUANTIZED_BLOCK, end // storage.QUANTIZED_BLOCK
+        codes, scales, _ = fmt.parts(value)
+        at_codes, at_scales = fmt.spans(*span)
         if (
-            codes.dtype != quantized.codes.dtype
-            or codes.numel() != end - begin
-            or scale.numel() != last - first
+            saved.codes.dtype != codes.dtype
+            or saved.codes.numel() != at_codes.stop - at_codes.start
+            or saved.scales.numel() != at_scales.stop - at_scales.start
         ):
             return
-        quantized.codes[begin:end].copy_(codes.reshape(-1))
-        quantized.scale[first:last].copy_(scale.reshape(-1))
+        codes[at_codes].copy_(saved.codes.reshape(-1))
+        scales[at_scales].copy_(saved.scales.reshape(-1))
 
     @contextlib.contextmanager
     def fp32_view(self, masters: list[torch.Tensor]) -> Iterator[None]:

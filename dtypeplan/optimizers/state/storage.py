@@ -1,15 +1,11 @@
-"""How one optimizer state (an Adam moment) is stored between steps: fp32, bf16, int8 or fp8.
+"""How one optimizer state (an Adam moment) is stored between steps, in the format its
+record says (``dtypeplan/_formats.py``: fp32, bf16, torchao's int8 or fp8 blocks).
 
-The update never computes in the storage dtype: each step loads a piece of a state into fp32
+The update never computes in the storage format: each step loads a piece of a state into fp32
 scratch, runs torch's fused Adam/AdamW on it, and stores it back (``update/pieces.py``).
-This module says what "load" and "store" mean for each dtype of the ``states`` dimension:
-
-* ``fp32``: the state itself (no copy);
-* ``bf16``: rounded to nearest (DeepSpeed's ``bf16_optimizer_states``);
-* ``int8``: torchao's ``OptimState8bit`` -- 8-bit codes of a dynamic-tree map (signed for the
-  first moment, unsigned for the second; arXiv 2110.02861) and one fp32 absmax scale per block
-  of 256 values;
-* ``fp8``: torchao's ``OptimStateFp8`` -- e4m3 codes and one fp32 absmax scale per block of 256.
+This module says what "load" and "store" mean for a state, whatever its format: a plain one
+(fp32, bf16) is read and rounded in place; a quantized one is decoded and encoded a block at a
+time by its format's record.
 
 torchao blocks each tensor separately, and its own optimizers keep any tensor with fewer than
 4096 values, or a count that is not a multiple of the block, in fp32 without a word. Here a
@@ -19,33 +15,30 @@ padding) starts on a block boundary and is padded up to whole blocks, so no bloc
 of two parameters (a block's absmax taken from a neighbour with 1000x larger gradients would
 flush a small parameter's second moment toward 0 and make its steps 5x-50x too large), and
 every parameter is quantized whatever its size. The padding values are zero and never updated
-(a zero adds nothing to its block's absmax). The int8 code tables are shared: one per device
-and sign.
+(a zero adds nothing to its block's absmax). A state of no values (a ZeRO-3 rank whose local
+shard of a parameter is empty) holds no codes: it is an empty fp32 tensor, whatever its format
+(torchao cannot hold zero blocks).
 
 torchao is imported only when an int8 or fp8 state is made (importing it costs seconds).
 """
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from dtypeplan._quiet_imports import torchao_import_quiet
-from dtypeplan.optimizers.kernels import int8_codes
-from dtypeplan.resolver._memory import QUANTIZED, QUANTIZED_BLOCK
+from dtypeplan._formats import FORMATS, QuantizedFormat, format_of, state_format
 
 __all__ = [
-    "QUANTIZED",
     "BlockLayout",
     "LayoutPiece",
     "is_quantized",
+    "layout_block",
     "load_piece",
     "new_state",
-    "padded",
-    "state_dtype_name",
     "state_tensors",
     "state_values",
     "scratch_numel",
@@ -53,47 +46,12 @@ __all__ = [
     "to_storage",
 ]
 
-_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-
-@functools.cache
-def _torchao() -> Any:
-    try:
-        with torchao_import_quiet():
-            from torchao.optim import quant_utils, subclass_8bit, subclass_fp8
-    except ImportError as error:  # pragma: no cover - torchao is a dependency
-        raise ImportError(
-            "int8 and fp8 optimizer states are torchao's quantized states: pip install torchao"
-        ) from error
-    return subclass_8bit, subclass_fp8, quant_utils
-
-
-@functools.cache
-def _code_table(device: torch.device, signed: bool) -> torch.Tensor:
-    subclass_8bit, _, quant_utils = _torchao()
-    table = subclass_8bit.get_qmap_signed() if signed else subclass_8bit.get_qmap_unsigned()
-    return torch.tensor(table, dtype=torch.float32, device=device)
-
-
-@functools.cache
-def _fp8_values(device: torch.device) -> torch.Tensor:
-    """The fp32 value of each of the 256 e4m3 codes, by their bits."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    return codes.float().to(device)
-
-
-@functools.cache
-def _int8_tables(device: torch.device, signed: bool) -> int8_codes.CodeTables:
-    """The two-table form of torchao's quantizer for the shared code table (``int8_codes``)."""
-    _, _, quant_utils = _torchao()
-    qmap = _code_table(torch.device("cpu"), signed)
-    tables = int8_codes.build_tables(lambda v: quant_utils.quantize_8bit_with_qmap(v, qmap))
-    return tables.to(device)
-
-
-def padded(numel: int) -> int:
-    """``numel`` rounded up to whole quantization blocks."""
-    return -(-numel // QUANTIZED_BLOCK) * QUANTIZED_BLOCK
+def layout_block(names: Sequence[str]) -> int:
+    """The block a layout shared by states of the formats ``names`` pads to: a multiple of
+    each quantized format's block (their least common multiple; 1 without one)."""
+    blocks = [f.block for f in map(state_format, names) if f.quantized]
+    return math.lcm(*blocks) if blocks else 1
 
 
 class LayoutPiece(NamedTuple):
@@ -115,10 +73,13 @@ class BlockLayout:
 
     ``lengths`` are the master's segments in order (they sum to its numel): the parameter
     pieces of a flat chunk and any bucket padding between them, or one segment for a ZeRO-3
-    local shard. fp32 and bf16 states keep the master's own layout.
+    local shard. ``block``: the values each segment is padded to a multiple of
+    (:func:`layout_block` of the formats stored in it); fp32 and bf16 states keep the master's
+    own layout (a layout of block 1 reads them).
     """
 
-    def __init__(self, lengths: Sequence[int]) -> None:
+    def __init__(self, lengths: Sequence[int], *, block: int) -> None:
+        self.block = block
         self.lengths = tuple(int(n) for n in lengths if n > 0)
         self.starts: list[int] = []
         self.stored_starts: list[int] = []
@@ -127,14 +88,18 @@ class BlockLayout:
             self.starts.append(begin)
             self.stored_starts.append(stored)
             begin += n
-            stored += padded(n)
+            stored += self.padded(n)
         self.numel, self.stored_numel = begin, stored
         self._pieces: dict[int, list[LayoutPiece]] = {}
 
     @classmethod
-    def whole(cls, numel: int) -> BlockLayout:
+    def whole(cls, numel: int, *, block: int) -> BlockLayout:
         """One segment: a master that holds one parameter (a ZeRO-3 local shard)."""
-        return cls([numel])
+        return cls([numel], block=block)
+
+    def padded(self, numel: int) -> int:
+        """``numel`` rounded up to whole blocks."""
+        return -(-numel // self.block) * self.block
 
     def pieces(self, limit: int) -> list[LayoutPiece]:
         """The master in pieces of at most ``limit`` stored values (a multiple of the block):
@@ -155,21 +120,21 @@ class BlockLayout:
             first, last = group[0], group[-1]
             begin, stored_begin = self.starts[first], self.stored_starts[first]
             end = self.starts[last] + self.lengths[last]
-            stored_end = self.stored_starts[last] + padded(self.lengths[last])
+            stored_end = self.stored_starts[last] + self.padded(self.lengths[last])
             if len(group) == 1:
                 out.append(LayoutPiece(begin, end, stored_begin, stored_end, None))
             else:
                 splits = tuple(
                     size
                     for j in group
-                    for size in (self.lengths[j], padded(self.lengths[j]) - self.lengths[j])
+                    for size in (self.lengths[j], self.padded(self.lengths[j]) - self.lengths[j])
                 )
                 out.append(LayoutPiece(begin, end, stored_begin, stored_end, splits))
             group.clear()
 
         stored_in_group = 0
         for j, n in enumerate(self.lengths):
-            if padded(n) > limit // 4:
+            if self.padded(n) > limit // 4:
                 # Alone: read and written in place, where gathering it would cost more than
                 # the extra fused call.
                 flush()
@@ -177,13 +142,13 @@ class BlockLayout:
                 for part in range(0, n, limit):
                     m = min(limit, n - part)
                     begin, stored = self.starts[j] + part, self.stored_starts[j] + part
-                    out.append(LayoutPiece(begin, begin + m, stored, stored + padded(m), None))
+                    out.append(LayoutPiece(begin, begin + m, stored, stored + self.padded(m), None))
                 continue
-            if stored_in_group + padded(n) > limit:
+            if stored_in_group + self.padded(n) > limit:
                 flush()
                 stored_in_group = 0
             group.append(j)
-            stored_in_group += padded(n)
+            stored_in_group += self.padded(n)
         flush()
         return out
 
@@ -206,19 +171,25 @@ class BlockLayout:
 
 
 def is_quantized(value: Any) -> bool:
-    """Whether ``value`` is one of torchao's quantized states (int8 or fp8 codes)."""
+    """Whether ``value`` is a quantized state: held in a quantized format's container (codes
+    and block scales in a torchao tensor), whatever its code table."""
     if not torch.is_tensor(value) or type(value) is torch.Tensor:
         return False
-    subclass_8bit, subclass_fp8, _ = _torchao()
-    return isinstance(value, (subclass_8bit.OptimState8bit, subclass_fp8.OptimStateFp8))
+    for fmt in FORMATS.values():
+        if isinstance(fmt, QuantizedFormat) and isinstance(value, fmt.container()):
+            return True
+    return False
 
 
-def state_dtype_name(value: torch.Tensor) -> str:
-    """The ``states`` dtype name ``value`` is stored in."""
-    if is_quantized(value):
-        _, subclass_fp8, _ = _torchao()
-        return "fp8" if isinstance(value, subclass_fp8.OptimStateFp8) else "int8"
-    return "bf16" if value.dtype == torch.bfloat16 else "fp32"
+def _quantized_format(value: Any) -> QuantizedFormat:
+    """The format of the quantized state ``value``; ValueError for codes of no known format."""
+    fmt = format_of(value)
+    if not isinstance(fmt, QuantizedFormat):
+        raise ValueError(
+            f"a quantized state of {type(value).__name__} in no known state format (its code "
+            "table is none of dtypeplan/_formats.py's)"
+        )
+    return fmt
 
 
 def new_state(
@@ -229,26 +200,25 @@ def new_state(
     signed: bool,
     layout: BlockLayout | None = None,
 ) -> torch.Tensor:
-    """A zero state of ``numel`` values stored as ``dtype``; ``signed``: whether it can be
-    negative (Adam's first moment), which picks the int8 code table. A quantized state holds
-    ``layout``'s stored values (default: one segment of ``numel``)."""
-    if dtype in _PLAIN:
-        return torch.zeros(numel, dtype=_PLAIN[dtype], device=device)
-    subclass_8bit, subclass_fp8, _ = _torchao()
-    layout = layout or BlockLayout.whole(numel)
+    """A zero state of ``numel`` values stored in the format ``dtype``; ``signed``: whether it
+    can be negative (Adam's first moment), which picks the code table of a format with one per
+    sign. A quantized state holds ``layout``'s stored values (default: one segment of
+    ``numel``); a state of no values holds none (an empty fp32 tensor)."""
+    fmt = state_format(dtype)
+    if not isinstance(fmt, QuantizedFormat):
+        return torch.zeros(numel, dtype=fmt.storage_dtype, device=device)
+    layout = layout or BlockLayout.whole(numel, block=fmt.block)
     if layout.numel != numel:
         raise ValueError(f"a block layout of {layout.numel} values for a state of {numel}")
-    length = layout.stored_numel
-    scale = torch.zeros(length // QUANTIZED_BLOCK, dtype=torch.float32, device=device)
-    if dtype == "int8":
-        codes = torch.zeros(length, dtype=torch.uint8, device=device)
-        return subclass_8bit.OptimState8bit(
-            codes, scale, _code_table(torch.device(device), signed), signed
+    if layout.block % fmt.block:
+        raise ValueError(
+            f"a layout padded to {layout.block} values for {fmt.name} blocks of {fmt.block}"
         )
-    if dtype == "fp8":
-        codes = torch.zeros(length, dtype=torch.float8_e4m3fn, device=device)
-        return subclass_fp8.OptimStateFp8(codes, scale)
-    raise ValueError(f"unknown optimizer-state dtype {dtype!r}")
+    if layout.stored_numel == 0:
+        # No values, no codes: torchao cannot hold zero blocks (its block size is codes per
+        # scale), and a state of nothing has nothing to quantize.
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return fmt.new(layout.stored_numel, torch.device(device), signed=signed)
 
 
 def state_tensors(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -267,9 +237,10 @@ def state_values(
     a checkpoint keeps); a quantized ``value`` is laid out as ``layout`` says (default: one
     segment)."""
     if is_quantized(value):
-        layout = layout or BlockLayout.whole(numel)
-        whole = torch.empty(value.numel(), dtype=torch.float32, device=value.device)
-        _dequantize(value, 0, value.numel(), whole)
+        fmt = _quantized_format(value)
+        layout = layout or BlockLayout.whole(numel, block=fmt.block)
+        whole = torch.empty(layout.stored_numel, dtype=torch.float32, device=value.device)
+        _decode(fmt, value, 0, layout.stored_numel, whole)
         return layout.gather(whole)
     return value.to(torch.float32, copy=True)
 
@@ -279,11 +250,13 @@ def to_storage(
 ) -> torch.Tensor:
     """``values`` (1-D, any float dtype, master order) stored as ``dtype``; quantized in
     ``layout``'s blocks (default: one segment)."""
-    layout = layout or BlockLayout.whole(values.numel())
+    fmt = state_format(dtype)
+    layout = layout or BlockLayout.whole(values.numel(), block=fmt.block)
     stored = new_state(dtype, values.numel(), values.device, signed=signed, layout=layout)
     if not is_quantized(stored):
         return stored.copy_(values)
-    _quantize(layout.scatter(values.to(torch.float32)), stored, 0, stored.numel())
+    fmt = _quantized_format(stored)
+    _encode(fmt, layout.scatter(values.to(torch.float32)), stored, 0, layout.stored_numel)
     return stored
 
 
@@ -295,44 +268,27 @@ def scratch_numel(piece: LayoutPiece) -> int:
     return span if piece.splits is None else span + piece.end - piece.begin
 
 
-def _dequantize(stored: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
-    """Values ``[begin, end)`` (whole blocks) of a quantized state into ``out``, with
-    torchao's own dequantization applied to the codes and scales directly (the subclass's
-    dispatch costs more than the arithmetic on small chunks)."""
-    subclass_8bit, _, _ = _torchao()
-    first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
-    quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
-    codes, scale = quantized.codes[begin:end], quantized.scale[first:last]
-    if isinstance(stored, subclass_8bit.OptimState8bit):
-        # torchao's dequant_with_qmap (qmap[codes] * scale), with index_select for the lookup:
-        # the same values, several times faster than tensor[index] on CPU.
-        values = torch.index_select(quantized.qmap, 0, codes.int())
-    else:
-        # Every e4m3 code's fp32 value by lookup: exactly what codes.float() gives, which CPU
-        # torch converts element by element at several times the cost.
-        values = torch.index_select(_fp8_values(codes.device), 0, codes.view(torch.uint8).int())
-    blocks = out.view(-1, QUANTIZED_BLOCK)
-    torch.mul(values.view(-1, QUANTIZED_BLOCK), scale.view(-1, 1), out=blocks)
+def _decode(
+    fmt: QuantizedFormat, stored: torch.Tensor, begin: int, end: int, out: torch.Tensor
+) -> None:
+    """Stored values ``[begin, end)`` (whole blocks) of a quantized state of format ``fmt``
+    into ``out``, by the format's decoding of the codes and scales directly (the torchao
+    subclass's dispatch costs more than the arithmetic on small chunks)."""
+    codes, scales, signed = fmt.parts(stored)
+    at_codes, at_scales = fmt.spans(begin, end)
+    fmt.decode(codes[at_codes], scales[at_scales], out, signed=signed)
 
 
-def _quantize(values: torch.Tensor, stored: torch.Tensor, begin: int, end: int) -> None:
-    """Quantize fp32 ``values`` (whole blocks) into ``[begin, end)`` of a quantized state: the
-    codes of torchao's quantizers (what the subclass's ``copy_`` runs), int8 ones computed
-    without its search (``int8_codes``)."""
-    subclass_8bit, subclass_fp8, quant_utils = _torchao()
-    first, last = begin // QUANTIZED_BLOCK, end // QUANTIZED_BLOCK
-    quantized: Any = stored  # a torchao subclass: codes, scale (and qmap for int8)
-    if isinstance(stored, subclass_8bit.OptimState8bit):
-        scaled, scale = quant_utils.scale_tensor(values, QUANTIZED_BLOCK)
-        if quantized.qmap is _code_table(quantized.qmap.device, quantized.signed):
-            codes = int8_codes.quantize(scaled, _int8_tables(scaled.device, quantized.signed))
-        else:  # a state made elsewhere with its own code table: torchao's search
-            codes = quant_utils.quantize_8bit_with_qmap(scaled, quantized.qmap)
-        quantized.codes[begin:end].copy_(codes)
-    else:
-        codes, scale = subclass_fp8.quantize_fp8(values, QUANTIZED_BLOCK)
-        quantized.codes[begin:end].copy_(codes)
-    quantized.scale[first:last].copy_(scale)
+def _encode(
+    fmt: QuantizedFormat, values: torch.Tensor, stored: torch.Tensor, begin: int, end: int
+) -> None:
+    """Encode fp32 ``values`` (whole blocks) into stored values ``[begin, end)`` of a quantized
+    state of format ``fmt`` (torchao's codes, bit for bit)."""
+    codes, scales, signed = fmt.parts(stored)
+    at_codes, at_scales = fmt.spans(begin, end)
+    new_codes, new_scales = fmt.encode(values, signed=signed)
+    codes[at_codes].copy_(new_codes)
+    scales[at_scales].copy_(new_scales)
 
 
 def load_piece(stored: torch.Tensor, piece: LayoutPiece, scratch: torch.Tensor) -> torch.Tensor:
@@ -346,12 +302,13 @@ def load_piece(stored: torch.Tensor, piece: LayoutPiece, scratch: torch.Tensor) 
             return stored[begin:end]
         scratch[:n].copy_(stored[begin:end])
         return scratch[:n]
+    fmt = _quantized_format(stored)
     span = piece.stored_end - piece.stored_begin
     if piece.splits is None:
-        _dequantize(stored, piece.stored_begin, piece.stored_end, scratch[:span])
+        _decode(fmt, stored, piece.stored_begin, piece.stored_end, scratch[:span])
         return scratch[:n]
     staging = scratch[n : n + span]
-    _dequantize(stored, piece.stored_begin, piece.stored_end, staging)
+    _decode(fmt, stored, piece.stored_begin, piece.stored_end, staging)
     torch.cat(staging.split(piece.splits)[::2], out=scratch[:n])  # one call, no index
     return scratch[:n]
 
@@ -366,14 +323,15 @@ def store_piece(
         if stored.dtype != torch.float32:
             stored[begin:end].copy_(values)
         return  # fp32: updated in place
+    fmt = _quantized_format(stored)
     n, span = end - begin, piece.stored_end - piece.stored_begin
     if piece.splits is None:
         # The padding beyond the segment joins its last block's absmax: it must stay zero.
         scratch[n:span].zero_()
-        _quantize(scratch[:span], stored, piece.stored_begin, piece.stored_end)
+        _encode(fmt, scratch[:span], stored, piece.stored_begin, piece.stored_end)
         return
     parts = scratch[n : n + span].split(piece.splits)  # segment, padding, segment, ...
     # The padding after each segment joins its last block's absmax: it must stay zero.
     torch._foreach_zero_(list(parts[1::2]))
     torch._foreach_copy_(list(parts[::2]), list(values.split(piece.splits[::2])))
-    _quantize(scratch[n : n + span], stored, piece.stored_begin, piece.stored_end)
+    _encode(fmt, scratch[n : n + span], stored, piece.stored_begin, piece.stored_end)
