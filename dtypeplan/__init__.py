@@ -22,14 +22,16 @@ if TYPE_CHECKING:
         RegistryError,
         RulesError,
     )
+    from dtypeplan.lion import Lion
     from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
     from dtypeplan.planner import plan_for
-    from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from
+    from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from, register_optimizer
 
 __version__ = "0.1.0"
 
 _HOMES = {
     "CollectiveError": "dtypeplan.comm",
+    "Lion": "dtypeplan.lion",
     "MixedPrecisionOptimizer": "dtypeplan.optimizers",
     "NotSupportedError": "dtypeplan.errors",
     "PrecisionConfigError": "dtypeplan.errors",
@@ -42,12 +44,14 @@ _HOMES = {
     "load_rules": "dtypeplan._api",
     "plan_for": "dtypeplan.planner",
     "register": "dtypeplan.optimizers",
+    "register_optimizer": "dtypeplan.resolver",
     "registered_names": "dtypeplan.optimizers",
     "resolve": "dtypeplan._api",
 }
 
 __all__ = [
     "CollectiveError",
+    "Lion",
     "MixedPrecisionOptimizer",
     "NotSupportedError",
     "PrecisionConfigError",
@@ -61,6 +65,7 @@ __all__ = [
     "load_rules",
     "plan_for",
     "register",
+    "register_optimizer",
     "registered_names",
     "resolve",
 ]

@@ -15,6 +15,8 @@ API_NAMES = [
     "RulesError",
     "NotSupportedError",
     "register",
+    "register_optimizer",
+    "Lion",
     "plan_for",
 ]
 PLAN_DTYPES = ["param_dtype", "grad_accum_dtype", "comm_dtype", "master_dtype"]

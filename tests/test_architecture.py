@@ -260,6 +260,7 @@ ROOMS = {
     "update": 5,
     "flat": 6,
     "fsdp2": 6,
+    "whole": 7,
 }
 """The rooms of ``dtypeplan/optimizers/``, by level: a module imports modules of its own room or
 of a room of a lower level, never of one of its own level or above (``flat/`` and ``fsdp2/``,
@@ -274,7 +275,8 @@ both 6, never import each other).
 * 4 ``contract/``: the ``torch.optim``-like contract (base class, ``state_dict``, param groups,
   hyperparameters, ``prepare_model``, the registry);
 * 5 ``update/``: the step's update (the kernels and their registry, the piecewise update);
-* 6 ``flat/`` (ZeRO 0-2) and ``fsdp2/`` (ZeRO-3): the implementations.
+* 6 ``flat/`` (ZeRO 0-2) and ``fsdp2/`` (ZeRO-3): the implementations;
+* 7 ``whole/``: optimizers that need each parameter whole (ZeRO-3 through ``fsdp2/``'s sharding).
 
 Above them, at level ``TOP``, ``optimizers/__init__.py`` and ``_build.py`` import the rooms'
 public names only (each room's ``__init__``); nothing outside ``optimizers/`` imports a module

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import dtypeplan
 from dtypeplan.cli import EXIT_ERROR, EXIT_NOT_SUPPORTED, EXIT_OK, main
+from dtypeplan.muon import MuonWithAuxAdamW
 from dtypeplan.resolver import _deepspeed_keys as ds_keys
 from dtypeplan.resolver._config import config_schema
 from dtypeplan.resolver._optimizer_kind import (
@@ -88,7 +89,7 @@ def test_every_deepspeed_optimizer_name_is_read() -> None:
     for name in ds_keys.DEEPSPEED_OPTIMIZERS:
         plan = _resolve(name)
         assert plan.status in ("OK", "NotSupported"), name
-        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad")), name
+        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad", "lion")), name
     assert set(DEEPSPEED_ONLY) <= set(ds_keys.DEEPSPEED_OPTIMIZERS)
 
 
@@ -97,7 +98,8 @@ def test_every_torch_class_by_name(name: str, tmp_path: Path) -> None:
     plan = _resolve(name)
     # "Adam" is DeepSpeed's: AdamW unless adam_w_mode is false (test_config.py).
     expected = "AdamW" if name == "Adam" else name
-    torch_class = getattr(torch.optim, expected)
+    # "Muon" is DeepSpeed's too: its MuonWithAuxAdam (torch.optim.Muon is passed to build).
+    torch_class = MuonWithAuxAdamW if name == "Muon" else getattr(torch.optim, expected)
     assert plan.optimizer.type == expected and plan.optimizer.torch_class is torch_class
     if torch_class in ELEMENTWISE:
         assert plan.status == "OK" and plan.optimizer_kind == "elementwise"

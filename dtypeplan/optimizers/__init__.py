@@ -12,6 +12,7 @@ from dtypeplan.optimizers.flat import ReplicatedOptimizer, ShardedOptimizer
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.grads import LossScaler, MinimumLossScaleError
 from dtypeplan.optimizers.state import HeldTensors
+from dtypeplan.optimizers.whole import WholeTensorOptimizer
 
 __all__ = [
     "FSDP2Optimizer",
@@ -21,6 +22,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "ReplicatedOptimizer",
     "ShardedOptimizer",
+    "WholeTensorOptimizer",
     "build_optimizer",
     "get_implementation",
     "implementation_class",

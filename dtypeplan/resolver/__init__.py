@@ -22,6 +22,7 @@ from dtypeplan.resolver._dimensions import (
 )
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._load import load_config
+from dtypeplan.resolver._optimizer_kind import register_optimizer
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import (
@@ -67,5 +68,6 @@ __all__ = [
     "Declaration",
     "declaration_boxes",
     "load_rules",
+    "register_optimizer",
     "resolve",
 ]

@@ -18,7 +18,7 @@ import torch
 from dtypeplan.errors import PrecisionConfigError
 from dtypeplan.resolver._config import OptimizerConfig
 from dtypeplan.resolver._frozen import freeze
-from dtypeplan.resolver._optimizer_kind import ELEMENTWISE, FAST_PATH_ARGS
+from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS, is_elementwise
 
 __all__ = ["ClientOptimizerConfig", "client_optimizer_config"]
 
@@ -55,7 +55,7 @@ def client_optimizer_config(
             f"{torch_class.__name__}(differentiable=True) differentiates through the update; "
             "dtypeplan's optimizers update master weights outside autograd. Leave it False."
         )
-    if torch_class in ELEMENTWISE:
+    if is_elementwise(torch_class):
         hyper = {k: v for k, v in hyper.items() if k not in FAST_PATH_ARGS}
         accepted = [
             name

@@ -17,8 +17,10 @@ from dtypeplan.resolver._auto import AutoValue
 from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 from dtypeplan.resolver._optimizer_kind import (
+    RegisteredOptimizer,
     optimizer_class,
     optimizer_kind,
+    registered_optimizer,
     shaped_reason,
     state_bytes_per_param,
     state_kind,
@@ -92,6 +94,12 @@ class OptimizerConfig:
         """The table's ``state_kind`` dimension: ``"moments"``, ``"step_sizes"`` (Rprop) or
         ``"averaged_weights"`` (ASGD)."""
         return state_kind(self._class_or_none())
+
+    @property
+    def registered(self) -> RegisteredOptimizer | None:
+        """What ``dtypeplan.register_optimizer`` was told about the class (its declared
+        per-element states), None for a ``torch.optim`` class."""
+        return registered_optimizer(self._class_or_none())
 
     @property
     def kind_reason(self) -> str:

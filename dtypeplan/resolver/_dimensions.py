@@ -621,8 +621,8 @@ OPTIMIZER_KIND = Dimension(
     values=("elementwise", "shaped"),
     doc="whether the optimizer's update of an element depends only on that element "
     "(elementwise: Adam, SGD, ...) or on the parameter's shape (shaped: Adafactor, Muon, "
-    "LBFGS, SparseAdam, any class dtypeplan does not know, DeepSpeed's own Lamb, Lion and mup "
-    "optimizers)",
+    "LBFGS, SparseAdam, any class dtypeplan does not know and nobody registered, DeepSpeed's "
+    "own Lamb and mup optimizers)",
     config_key="optimizer.type / build(optimizer=...) / wrap(...)",
     default="elementwise (AdamW)",
     default_value="elementwise",

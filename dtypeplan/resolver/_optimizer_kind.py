@@ -25,21 +25,29 @@ The JSON schema lists the same names (``test_optimizer_names.py`` keeps them in 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dtypeplan.errors import NotSupportedError, PrecisionConfigError
+from dtypeplan.errors import NotSupportedError, PrecisionConfigError, RegistryError
+from dtypeplan.lion import Lion
+from dtypeplan.muon import MuonWithAuxAdamW
 from dtypeplan.resolver._frozen import FrozenDict
 
 __all__ = [
     "DEEPSPEED_ONLY",
     "ELEMENTWISE",
     "FAST_PATH_ARGS",
+    "RegisteredOptimizer",
     "TORCH_OPTIMIZER_NAMES",
     "any_case_pattern",
     "canonical_name",
+    "is_elementwise",
+    "needs_whole",
+    "registered_optimizer",
+    "register_optimizer",
     "optimizer_class",
     "optimizer_kind",
     "STATE_KINDS",
@@ -83,6 +91,101 @@ clamped to step_sizes) and the last gradient, whose sign picks the next change; 
 ``ax``, the averaged weights. Every other class keeps running averages or sums of gradients
 (``moments``)."""
 
+WHOLE = "whole"
+"""The ``kind`` of a class that needs each parameter whole (its shape): Muon, Adafactor."""
+
+
+@dataclass(frozen=True)
+class RegisteredOptimizer:
+    """What :func:`register_optimizer` was told about a class."""
+
+    kind: str
+    """``"elementwise"`` or :data:`WHOLE`."""
+    signed_states: tuple[str, ...] | None
+    """The per-element states that can be negative (stored as ``exp_avg_dtype`` says); None
+    when the states were not declared."""
+    non_negative_states: tuple[str, ...] | None
+    """The per-element states that never are (stored as ``exp_avg_sq_dtype`` says)."""
+
+    @property
+    def declared(self) -> bool:
+        """Whether the states were declared (else only fp32 states serve the class)."""
+        return self.signed_states is not None
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return (*(self.signed_states or ()), *(self.non_negative_states or ()))
+
+
+_REGISTERED: dict[type, RegisteredOptimizer] = {
+    Lion: RegisteredOptimizer("elementwise", ("exp_avg",), ()),
+}
+"""The classes registered with :func:`register_optimizer`, dtypeplan's own Lion first."""
+
+
+def register_optimizer(
+    cls: type[torch.optim.Optimizer],
+    *,
+    kind: str,
+    signed_states: Iterable[str] | None = None,
+    non_negative_states: Iterable[str] | None = None,
+) -> type[torch.optim.Optimizer]:
+    """Tell the table what the ``torch.optim.Optimizer`` subclass ``cls`` needs; returns ``cls``
+    (so it also serves as a decorator through ``functools.partial``).
+
+    ``kind="elementwise"``: each element's update reads only that element's weight, gradient
+    and per-element states (and scalars every element shares), so the class gets every cell
+    the elementwise ``torch.optim`` classes have. ``signed_states`` and
+    ``non_negative_states`` name its per-element states (the keys of ``optimizer.state[p]``
+    laid out like ``p``): the signed ones are stored as ``exp_avg_dtype`` says, the
+    non-negative ones as ``exp_avg_sq_dtype``. Undeclared, the class runs with fp32 states
+    only (the table says why). ``kind="whole"``: the update needs each parameter whole (as
+    Muon's and Adafactor's do); dtypeplan runs it on whole parameters, each owned by one rank.
+
+    Registering a class twice, or one of dtypeplan's built-in classes, raises
+    :class:`RegistryError`.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise RegistryError(f"register_optimizer needs a torch.optim.Optimizer class, got {cls!r}")
+    if kind not in ("elementwise", WHOLE):
+        raise RegistryError(
+            f"register_optimizer({cls.__name__}, kind={kind!r}): kind is 'elementwise' (each "
+            "element's update reads that element alone) or 'whole' (the update needs each "
+            "parameter whole)"
+        )
+    if cls in ELEMENTWISE or cls in _REGISTERED or cls in _WHOLE_TORCH:
+        raise RegistryError(f"{cls.__module__}.{cls.__qualname__} is already registered")
+    declared = signed_states is not None or non_negative_states is not None
+    signed = tuple(signed_states or ())
+    non_negative = tuple(non_negative_states or ())
+    if declared and kind != "elementwise":
+        raise RegistryError(
+            f"register_optimizer({cls.__name__}, kind={kind!r}): states are declared for the "
+            "elementwise low-precision state cells only"
+        )
+    if set(signed) & set(non_negative):
+        raise RegistryError(
+            f"register_optimizer({cls.__name__}): {sorted(set(signed) & set(non_negative))} "
+            "declared both signed and non-negative"
+        )
+    _REGISTERED[cls] = RegisteredOptimizer(
+        kind, signed if declared else None, non_negative if declared else None
+    )
+    return cls
+
+
+def registered_optimizer(torch_class: type | None) -> RegisteredOptimizer | None:
+    """What :func:`register_optimizer` was told about ``torch_class`` (None: nothing)."""
+    return _REGISTERED.get(torch_class) if torch_class is not None else None
+
+
+def is_elementwise(torch_class: type | None) -> bool:
+    """Whether each element's update reads that element alone: a class of :data:`ELEMENTWISE`
+    or one registered ``kind="elementwise"`` (dtypeplan's Lion included)."""
+    found = registered_optimizer(torch_class)
+    return torch_class in ELEMENTWISE or (found is not None and found.kind == "elementwise")
+
+
 FAST_PATH_ARGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Arguments that choose an implementation of the same update; dtypeplan sets them itself
 (``differentiable=True`` would differentiate through the step, which is refused)."""
@@ -96,6 +199,13 @@ _SHAPED_TORCH: dict[str, str] = {
     "SparseAdam": "needs sparse gradients (nn.Embedding(sparse=True)), which flat buffers "
     "cannot hold",
 }
+_WHOLE_TORCH = frozenset(
+    found
+    for found in (getattr(torch.optim, name, None) for name in ("Adafactor", "Muon"))
+    if found is not None
+) | {MuonWithAuxAdamW}
+"""The shaped classes dtypeplan runs on whole parameters: torch's Adafactor and Muon, and
+DeepSpeed's ``"Muon"`` (``dtypeplan/muon.py``: Muon on the hidden matrices, AdamW on the rest)."""
 TORCH_OPTIMIZER_NAMES: tuple[str, ...] = tuple(
     sorted({c.__name__ for c in ELEMENTWISE} | set(_SHAPED_TORCH), key=str.lower)
 )
@@ -113,11 +223,6 @@ DEEPSPEED_ONLY: FrozenDict[str, tuple[str, str]] = FrozenDict(
             "parameter's weight norm to its update norm, which flat shards of many parameters "
             "cannot compute, and torch.optim has no Lamb",
         ),
-        "lion": (
-            "Lion",
-            "torch.optim has no Lion (DeepSpeed runs its own FusedLion), and dtypeplan runs "
-            "torch.optim's updates on the master weights",
-        ),
         "muadam": ("MuAdam", _MUP),
         "muadamw": ("MuAdamW", _MUP),
         "musgd": ("MuSGD", _MUP),
@@ -127,9 +232,17 @@ DEEPSPEED_ONLY: FrozenDict[str, tuple[str, str]] = FrozenDict(
 class runs: the name a config shows and why dtypeplan does not run it."""
 
 # DeepSpeed's names for torch.optim classes (lowercase), and sgd as dtypeplan read it before.
-# DeepSpeed reads "muon" as its MuonWithAuxAdam (Muon on matrices, Adam on the rest): shaped
-# either way.
-_ANY_CASE = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "muon": "Muon", "sgd": "SGD"}
+# DeepSpeed reads "muon" as its MuonWithAuxAdam (Muon on matrices, Adam on the rest): so does
+# dtypeplan (dtypeplan/muon.py); torch.optim.Muon is passed to build(optimizer=...).
+# DeepSpeed's "lion" is dtypeplan's own Lion (``dtypeplan/lion.py``), elementwise.
+_ANY_CASE = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "adagrad": "Adagrad",
+    "lion": "Lion",
+    "muon": "Muon",
+    "sgd": "SGD",
+}
 _REMOVED_BY_DEEPSPEED = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
@@ -159,14 +272,19 @@ def canonical_name(name: str) -> str:
             "it up in torch.optim); use Adam or AdamW",
             "$.optimizer.type",
         )
-    known = [*TORCH_OPTIMIZER_NAMES, *(shown for shown, _ in DEEPSPEED_ONLY.values())]
+    known = [
+        *TORCH_OPTIMIZER_NAMES,
+        Lion.__name__,
+        *(shown for shown, _ in DEEPSPEED_ONLY.values()),
+    ]
     by_lower = {k.lower(): k for k in known}
     close = difflib.get_close_matches(lower, list(by_lower), n=1, cutoff=0.6)
     hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
     raise PrecisionConfigError(
         f"unknown optimizer.type {name!r} at $.optimizer.type: {hint}dtypeplan reads every "
         f"torch.optim class by its name ({', '.join(TORCH_OPTIMIZER_NAMES)}; exact case, as "
-        "DeepSpeed looks them up in torch.optim) and DeepSpeed's own names in any case "
+        "DeepSpeed looks them up in torch.optim), its own Lion, and DeepSpeed's own names in "
+        "any case "
         f"({', '.join(shown for shown, _ in DEEPSPEED_ONLY.values())}: not run here, each "
         "resolves NotSupported with its reason)",
         "$.optimizer.type",
@@ -179,6 +297,10 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     for shown, reason in DEEPSPEED_ONLY.values():
         if name == shown:
             raise NotSupportedError(f"optimizer {name}: {reason}")
+    if name == Lion.__name__:
+        return Lion
+    if name == "Muon":  # DeepSpeed's "Muon": its MuonWithAuxAdam (torch.optim.Muon via build)
+        return MuonWithAuxAdamW
     found = getattr(torch.optim, name, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         raise NotSupportedError(
@@ -188,9 +310,16 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 def optimizer_kind(torch_class: type | None) -> str:
-    """``"elementwise"`` for the classes of :data:`ELEMENTWISE`, else ``"shaped"`` (None: no
+    """``"elementwise"`` for the classes of :func:`is_elementwise`, else ``"shaped"`` (None: no
     ``torch.optim`` class runs it)."""
-    return "elementwise" if torch_class in ELEMENTWISE else "shaped"
+    return "elementwise" if is_elementwise(torch_class) else "shaped"
+
+
+def needs_whole(torch_class: type | None) -> bool:
+    """Whether the class runs on whole parameters: torch's Muon and Adafactor, and classes
+    registered ``kind="whole"``."""
+    found = registered_optimizer(torch_class)
+    return torch_class in _WHOLE_TORCH or (found is not None and found.kind == WHOLE)
 
 
 def state_kind(torch_class: type | None) -> str:
@@ -205,8 +334,15 @@ def shaped_reason(name: str, torch_class: type | None) -> str:
         if lower in DEEPSPEED_ONLY:
             return DEEPSPEED_ONLY[lower][1]
         return f"torch {torch.__version__} has no torch.optim.{name}"
-    if torch_class in ELEMENTWISE:
+    if is_elementwise(torch_class):
         return "each element's update depends on that element alone"
+    if needs_whole(torch_class) and registered_optimizer(torch_class) is not None:
+        return "registered with kind='whole': its update needs each parameter whole"
+    if torch_class is MuonWithAuxAdamW:
+        return (
+            "DeepSpeed's Muon: torch.optim.Muon orthogonalizes each hidden matrix's update "
+            "(Newton-Schulz iterations over its rows and columns), AdamW updates the rest"
+        )
     name_in_torch = torch_class.__name__
     if getattr(torch.optim, name_in_torch, None) is torch_class and name_in_torch in _SHAPED_TORCH:
         return _SHAPED_TORCH[name_in_torch]
@@ -217,5 +353,15 @@ def shaped_reason(name: str, torch_class: type | None) -> str:
 
 
 def state_bytes_per_param(torch_class: type, hyperparameters: Mapping[str, Any]) -> int:
-    """fp32 optimizer-state bytes per parameter of an elementwise class."""
-    return ELEMENTWISE[torch_class](hyperparameters)
+    """fp32 optimizer-state bytes per parameter of an elementwise class (a registered one
+    without declared states: :class:`NotSupportedError`, its states are not known)."""
+    if torch_class in ELEMENTWISE:
+        return ELEMENTWISE[torch_class](hyperparameters)
+    found = registered_optimizer(torch_class)
+    if found is None or not found.declared:
+        raise NotSupportedError(
+            f"{torch_class.__name__}'s per-element states were not declared "
+            "(dtypeplan.register_optimizer(..., signed_states=..., non_negative_states=...)): "
+            "their bytes are not known"
+        )
+    return 4 * len(found.states)

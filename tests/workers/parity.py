@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     if client is None:
         optimizer = plan.build(groups)
     else:
-        torch_class = getattr(torch.optim, client["optimizer"])
+        torch_class = client_class(client["optimizer"])
         if client["how"] == "wrap":
             optimizer = plan.wrap(torch_class(groups, **client["hyperparameters"]))
         else:
@@ -107,6 +108,15 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         "skipped_steps": optimizer.skipped_steps,
         "params_digest": digest.hexdigest(),
     }
+
+
+def client_class(name: str) -> type[torch.optim.Optimizer]:
+    """A ``torch.optim`` class by name, or ``"module:Class"`` (a test's own class, registered
+    with ``dtypeplan.register_optimizer`` when its module is imported)."""
+    if ":" not in name:
+        return getattr(torch.optim, name)
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _param_groups(model: torch.nn.Module, count: int) -> list[dict[str, Any]]:

@@ -114,6 +114,8 @@ class LowPrecisionState:
         self.rounding = rounding
         self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.names = names
+        self.signed: tuple[str, ...] = SIGNED_STATES
+        """The per-element states stored as ``exp_avg_dtype`` says (signed codes)."""
         """The per-element states this update stores in their dtypes (Adam's moments, or
         every per-element state of the ``torch.optim`` classes: ``keys.ELEMENT_STATES``)."""
         self.block = storage.layout_block((exp_avg_dtype, exp_avg_sq_dtype))
@@ -134,7 +136,7 @@ class LowPrecisionState:
         """The storage dtype of per-element state ``name``: the signed states
         (``keys.SIGNED_STATES``) as ``exp_avg_dtype`` says, the non-negative ones as
         ``exp_avg_sq_dtype``."""
-        role = "exp_avg" if name in SIGNED_STATES else "exp_avg_sq"
+        role = "exp_avg" if name in self.signed else "exp_avg_sq"
         return self.moment_dtypes[role]
 
     @property
@@ -171,7 +173,7 @@ class LowPrecisionState:
         if state_format(want).holds(values):
             return values
         stored = storage.to_storage(
-            values.reshape(-1), want, signed=name in SIGNED_STATES, layout=self.layout(master)
+            values.reshape(-1), want, signed=name in self.signed, layout=self.layout(master)
         )
         return stored if storage.is_quantized(stored) else stored.view(values.shape)
 
@@ -226,7 +228,7 @@ class LowPrecisionState:
                     dtype,
                     master.numel(),
                     master.device,
-                    signed=name in SIGNED_STATES,
+                    signed=name in self.signed,
                     layout=self.layout(master),
                 )
                 # Plain states are laid out like the master (a ZeRO-3 shard has its shape).

@@ -167,6 +167,18 @@ class LowPrecisionAdamUpdate(LowPrecisionState):
             exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
             shard_rank=shard_rank,
         )
+        registered = plan.optimizer.registered
+        if registered is not None and not registered.declared and states != "fp32":
+            raise NotSupportedError(
+                f"{torch_class.__name__} was registered without its per-element states, so "
+                f"dtypeplan cannot store them as {states}: declare them "
+                "(dtypeplan.register_optimizer(cls, kind='elementwise', signed_states=..., "
+                "non_negative_states=...)) or use fp32 states"
+            )
+        if registered is not None and registered.declared and isinstance(update, TorchClassUpdate):
+            # A class registered with dtypeplan.register_optimizer: its declared states too.
+            update.names = (*ELEMENT_STATES, *registered.states)
+            update.signed = (*update.signed, *(registered.signed_states or ()))
         if segments is not None and update.quantized:
             update.set_segments(masters, segments)
         update.conform(masters)
