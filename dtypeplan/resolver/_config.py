@@ -18,6 +18,7 @@ from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 from dtypeplan.resolver._optimizer_kind import (
     RegisteredOptimizer,
+    needs_whole,
     optimizer_class,
     optimizer_kind,
     registered_optimizer,
@@ -94,6 +95,12 @@ class OptimizerConfig:
         """The table's ``state_kind`` dimension: ``"moments"``, ``"step_sizes"`` (Rprop) or
         ``"averaged_weights"`` (ASGD)."""
         return state_kind(self._class_or_none())
+
+    @property
+    def param_access(self) -> str:
+        """The table's ``param_access`` dimension: ``"owner"`` for a class that needs each
+        parameter whole (``_optimizer_kind.needs_whole``), else ``"flat"``."""
+        return "owner" if needs_whole(self._class_or_none()) else "flat"
 
     @property
     def registered(self) -> RegisteredOptimizer | None:
