@@ -117,6 +117,12 @@ class OptimizerConfig:
     def state_bytes_per_param(self) -> int:
         """fp32 optimizer-state bytes per parameter (Adam: m and v; SGD: momentum if any);
         :class:`NotSupportedError` for a shaped optimizer, which dtypeplan does not run."""
+        if self.param_access == "owner":
+            raise NotSupportedError(
+                f"the optimizer {self.type} runs on whole parameters ({self.kind_reason}): "
+                "plan.memory() does not model the owners' whole-tensor layout yet (its states "
+                "depend on each parameter's shape); optimizer.held_tensors() measures it"
+            )
         if self.kind != "elementwise":
             raise NotSupportedError(
                 f"the optimizer {self.type} is shaped ({self.kind_reason}): dtypeplan does not "

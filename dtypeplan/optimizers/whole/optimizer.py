@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from dtypeplan.comm import Communicator
 from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
+from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
@@ -51,6 +52,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     """ZeRO 0-3 for optimizers that need each parameter whole (Muon, Adafactor, DeepSpeed's
     Muon)."""
 
+    takes_sharded_parameters = True
+    """At ZeRO-3 (on a process group) FSDP2's sharded parameters; elsewhere refused."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -62,6 +66,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         self.comm = Communicator(process_group)
         self.fsdp2 = plan.zero_stage == 3 and self.comm.distributed
         """ZeRO-3: the parameters are FSDP2's shards (``sharded.py``)."""
+        if not self.fsdp2:
+            refuse_sharded_parameters(self.param_groups, plan, type(self).__name__)
         if self.comm.active:
             self._check_ranks_agree(self.comm)
             if not self.fsdp2:
