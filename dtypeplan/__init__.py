@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     )
     from dtypeplan.lion import Lion
     from dtypeplan.optimizers import MixedPrecisionOptimizer, register, registered_names
+    from dtypeplan.planner import plan_for
     from dtypeplan.resolver import PrecisionPlan, Status, auto_values_from, register_optimizer
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ _HOMES = {
     "Status": "dtypeplan.resolver",
     "auto_values_from": "dtypeplan.resolver",
     "load_rules": "dtypeplan._api",
+    "plan_for": "dtypeplan.planner",
     "register": "dtypeplan.optimizers",
     "register_optimizer": "dtypeplan.resolver",
     "registered_names": "dtypeplan.optimizers",
@@ -61,6 +63,7 @@ __all__ = [
     "auto_values_from",
     "checkpoint",
     "load_rules",
+    "plan_for",
     "register",
     "register_optimizer",
     "registered_names",

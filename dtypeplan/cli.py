@@ -1,5 +1,5 @@
-"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint``, ``demo``, ``docs`` and
-``run``.
+"""The ``dtypeplan`` command line: ``check``, ``table``, ``lint``, ``demo``, ``docs``,
+``run`` and ``plan``.
 
 Exit codes: 0 the config is OK (or the command succeeded), 1 the combination is NotSupported
 (``demo``: the config is not OK), 2 a bad config or rules file, an Error combination, or a
@@ -329,6 +329,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _RANK_MODULE = "dtypeplan.integrations.hf_trainer_run"
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dtypeplan.planner.command import run
+
+    return run(args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     """``dtypeplan run [torchrun options] SCRIPT [ARGS]``: torchrun, each rank running SCRIPT
     unedited with ``transformers.Trainer`` on dtypeplan (``--deepspeed CONFIG`` its config).
@@ -513,7 +519,114 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("torchrun_argv", nargs=argparse.REMAINDER)
     run.set_defaults(handler=_cmd_run, imports=[])
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="the table's OK combinations that fit a model on a fleet, ranked",
+        description="List every OK combination of the table that fits MODEL on the fleet, "
+        "with device and host bytes per GPU, traffic within and across nodes, modelled step "
+        "time and expected drift, ranked by --objective with the Pareto front marked. Exit 0 "
+        "when some combination fits, 1 when none does (the closest are shown), 2 on bad input.",
+    )
+    plan.add_argument(
+        "--model", metavar="CONFIG", help="a transformers config.json or its directory"
+    )
+    plan.add_argument(
+        "--params",
+        type=_positive,
+        metavar="N",
+        help="a parameter count instead of --model (no activations)",
+    )
+    plan.add_argument("--gpus", type=_positive, required=True, metavar="N")
+    plan.add_argument("--gpus-per-node", type=_positive, default=8, metavar="G", help="default 8")
+    plan.add_argument("--gpu-memory", required=True, metavar="SIZE", help="e.g. 80GB")
+    plan.add_argument(
+        "--host-memory", metavar="SIZE", help="per node, e.g. 2TB (default: not checked)"
+    )
+    plan.add_argument(
+        "--intra-node",
+        default="450GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 450GB/s: H100 NVLink)",
+    )
+    plan.add_argument(
+        "--inter-node",
+        default="50GB/s",
+        metavar="BW",
+        help="per GPU, each way (default 50GB/s: a 400Gb/s NIC per GPU)",
+    )
+    plan.add_argument(
+        "--host-link",
+        default="25GB/s",
+        metavar="BW",
+        help="GPU to host memory (default 25GB/s: PCIe 4 x16)",
+    )
+    plan.add_argument(
+        "--gpu-flops",
+        default="400e12",
+        metavar="FLOPS",
+        help="sustained 16-bit matmul flops per GPU (default 400e12)",
+    )
+    plan.add_argument(
+        "--mxfp8",
+        action="store_true",
+        help="the GPUs run MXFP8 natively (SM100+); without it the mxfp8 recipe is left out",
+    )
+    plan.add_argument(
+        "--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)"
+    )
+    plan.add_argument(
+        "--batch",
+        type=_positive,
+        default=1,
+        metavar="B",
+        help="sequences per micro-batch per GPU (default 1)",
+    )
+    plan.add_argument(
+        "--seq",
+        type=_positive,
+        default=2048,
+        metavar="S",
+        help="tokens per sequence (default 2048)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="micro-batches per step (default 1)",
+    )
+    plan.add_argument(
+        "--recompute",
+        choices=("auto", "none", "selective", "full"),
+        default="auto",
+        help="activation recomputation (default auto: the least that fits, per combination)",
+    )
+    plan.add_argument(
+        "--objective",
+        choices=("memory", "time", "fidelity"),
+        default="time",
+        help="what to rank by (default time)",
+    )
+    plan.add_argument(
+        "--max-drift",
+        type=float,
+        metavar="X",
+        help="the largest expected relative loss deviation accepted (e.g. 1e-3)",
+    )
+    plan.add_argument(
+        "--top", type=_positive, default=10, metavar="K", help="rows shown (default 10)"
+    )
+    plan.add_argument("--write", metavar="CONFIG.json", help="write #1's ds_config here")
+    plan.add_argument("--plot", metavar="FRONT.png", help="draw the Pareto front (matplotlib)")
+    plan.add_argument("--json", action="store_true", help="print the top rows as JSON")
+    plan.add_argument("--quiet", action="store_true", help="no progress line")
+    plan.add_argument("--rules", metavar="RULES", help="a rules file instead of the shipped one")
+    plan.set_defaults(handler=_cmd_plan, imports=[])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

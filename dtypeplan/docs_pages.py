@@ -241,8 +241,9 @@ def render_truth_table() -> str:
         GENERATED.format(source="dtypeplan/precision_rules.yaml")
         + "\n\n# Truth table\n\n"
         + "Every gate and rule of `dtypeplan/precision_rules.yaml`, what each implementation "
-        + "declares it serves, and the status of every combination a reader looks for, as `dtypeplan.resolve` answers it (each cell is resolved from a "
-        + "real config). How the table works and how to add a combination: "
+        + "declares it serves, and the status of every combination a reader looks for, as "
+        + "`dtypeplan.resolve` answers it (each cell is resolved from a real config). How the "
+        + "table works and how to add a combination: "
         + "[The truth table](../truth-table.md). `python3 -m dtypeplan table` prints the same.\n\n"
         + _size_sentence()
         + body

@@ -3,9 +3,9 @@
 Five kinds of table are rendered. The first two list the file as it reads: the gates in their
 order (what each refuses, the exception it leaves, the setting that lifts it), then the grid's
 rules (a feature a rule names at its "not used" value is not shown). With the registry's
-declarations, a third lists what each implementation declares it serves. The next is the status grid a reader looks for: the
-:data:`GRID_ROWS` dimensions (parameter dtype x accumulation dtype) against the
-:data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism), with the other dimensions left to
+declarations, a third lists what each implementation declares it serves. The next is the
+status grid a reader looks for: the :data:`GRID_ROWS` dimensions (parameter dtype x
+accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism), with the other dimensions left to
 the defaults of the rules file and every feature unused. Then one grid per feature dimension
 that has an OK value (master weights, optimizer states, autocast, offload, ...): parameter dtype
 x feature value against the same columns, that feature the only one in use. The last lists each
@@ -140,17 +140,24 @@ def render_rules(table: RuleTable) -> str:
     return "\n".join(lines)
 
 
+def _box_text(box: dict[str, Any]) -> str:
+    def values(v: Any) -> str:
+        return "|".join(value_text(x) for x in v) if isinstance(v, (list, tuple)) else value_text(v)
+
+    return ", ".join(f"{k}={values(v)}" for k, v in box.items())
+
+
 def render_declarations(declarations: dict[str, Any]) -> str:
     """What each implementation declares it serves, one row per box (features not named are
-    at their "not used" value)."""
+    at their "not used" value); boxes served only without a process group say so."""
     lines = ["| implementation | serves |", "| --- | --- |"]
-    for name, boxes in declarations.items():
-        for box in boxes or ():
-            text = ", ".join(
-                f"{k}={'|'.join(value_text(x) for x in v) if isinstance(v, (list, tuple)) else value_text(v)}"
-                for k, v in box.items()
-            )
-            lines.append(f"| `{name}` | {_cell(text)} |")
+    for name, declared in declarations.items():
+        if declared is None:
+            continue
+        for box in declared.serves:
+            lines.append(f"| `{name}` | {_cell(_box_text(box))} |")
+        for box in declared.alone:
+            lines.append(f"| `{name}` | {_cell(_box_text(box))} (one process only) |")
     return "\n".join(lines)
 
 

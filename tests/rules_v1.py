@@ -95,8 +95,7 @@ def v1_regions(rules: list[V1Rule]) -> list:
         and intersect(_mask(r.when), with_values(FULL, FEATURES_UNUSED)) is not None
     ]
     core_boxes = [
-        intersect(box, with_values(_mask(r.when), dict(FEATURES_UNUSED)))
-        for box, r in core_errors
+        intersect(box, with_values(_mask(r.when), dict(FEATURES_UNUSED))) for box, r in core_errors
     ]
     # A core Error rule's region: the core combinations it holds, with any features.
     core = [

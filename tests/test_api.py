@@ -17,6 +17,7 @@ API_NAMES = [
     "register",
     "register_optimizer",
     "Lion",
+    "plan_for",
 ]
 PLAN_DTYPES = ["param_dtype", "grad_accum_dtype", "comm_dtype", "master_dtype"]
 OPTIMIZER_CALLS = [

@@ -1,5 +1,6 @@
-"""A rules file that routes ZeRO-3 to an implementation that does not serve it (issue 47): the
-error says so, and a collective that cannot start on a rank's own tensors blames no peer."""
+"""A rules file that routes ZeRO-3 to an implementation that does not serve it (issue 47) is
+refused on load; a model ZeRO-3 sharded and built by another plan is refused at build, saying
+why; and a collective that cannot start on a rank's own tensors blames no peer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dtypeplan
 from dtypeplan.comm import Communicator
 from dtypeplan.comm._collectives import CollectiveError
 from dtypeplan.launch import spawn
@@ -26,13 +28,20 @@ def _zero3_to_sharded(tmp_path: Path) -> Path:
     return path
 
 
-def test_sharded_parameters_built_by_a_whole_tensor_implementation_say_why(tmp_path: Path) -> None:
-    rules = _zero3_to_sharded(tmp_path)
-    for result in spawn(prepare_with_one_build_with_other, 2, str(rules), timeout_s=300):
+def test_zero3_routed_to_the_flat_engine_is_refused_on_load(tmp_path: Path) -> None:
+    with pytest.raises(dtypeplan.RulesError) as info:
+        dtypeplan.load_rules(_zero3_to_sharded(tmp_path))
+    message = str(info.value)
+    assert "misrouted.yaml:" in message and "rule 'zero3'" in message, message
+    assert "'sharded'" in message and "only without a process group" in message, message
+
+
+def test_sharded_parameters_built_by_a_whole_tensor_implementation_say_why() -> None:
+    for result in spawn(prepare_with_one_build_with_other, 2, 2, timeout_s=300):
         assert result["raised"] == "OptimizerUsageError", result
         message = result["message"]
         assert "DTensors" in message and "ShardedOptimizer" in message, message
-        assert "misrouted.yaml:" in message and "implementation: fsdp2" in message, message
+        assert "precision_rules.yaml:" in message and "same plan" in message, message
         assert "peer" not in message, message
 
 

@@ -27,6 +27,7 @@ from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import (
     MAX_RULES,
+    Declaration,
     Rule,
     RuleTable,
     Status,
@@ -64,6 +65,7 @@ __all__ = [
     "config_for",
     "install_builder",
     "load_config",
+    "Declaration",
     "declaration_boxes",
     "load_rules",
     "register_optimizer",

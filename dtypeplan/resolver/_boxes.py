@@ -114,7 +114,8 @@ def with_values(box: Box, values: Mapping[str, Any]) -> Box:
                 FULL[position]
                 if value is None
                 # bool is an int in Python: match the type too.
-                else 1 << next(
+                else 1
+                << next(
                     i for i, v in enumerate(dim.values) if v == value and type(v) is type(value)
                 )
             )

@@ -18,7 +18,15 @@ from typing import Any
 from dtypeplan.resolver._boxes import Box, box_text, intersect, remaining, size, with_values
 from dtypeplan.resolver._rules import Rule, RuleTable
 
-__all__ = ["Difference", "Region", "Verdict", "covered", "deferred", "differences", "verdict_regions"]
+__all__ = [
+    "Difference",
+    "Region",
+    "Verdict",
+    "covered",
+    "deferred",
+    "differences",
+    "verdict_regions",
+]
 
 Verdict = tuple[str, str | None, str | None]
 """(status, implementation, single-process implementation)."""
@@ -120,4 +128,3 @@ def differences(old: Iterable[Region], new: Iterable[Region]) -> list[Difference
 def covered(regions: Iterable[Region]) -> int:
     """How many combinations the regions hold (the whole space, for a table's regions)."""
     return sum(size(region.box) for region in regions)
-

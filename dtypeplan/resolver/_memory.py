@@ -68,6 +68,7 @@ FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -130,9 +131,11 @@ def _moment_bytes(
     adds under 256 values per split)."""
     if dtype not in QUANTIZED or param_numels is None:
         return state_bytes(dtype, shard)
+    # A model's parameters come in a few sizes: each size is counted once.
+    sizes = Counter(param_numels)
     if zero_stage >= 3:
-        return sum(state_bytes(dtype, -(-n // w)) for n in param_numels)
-    total = sum(state_bytes(dtype, n) for n in param_numels)
+        return sum(count * state_bytes(dtype, -(-n // w)) for n, count in sizes.items())
+    total = sum(count * state_bytes(dtype, n) for n, count in sizes.items())
     return total * shard // max(sum(param_numels), 1)
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 import json
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -86,6 +85,7 @@ from dtypeplan.resolver._input import InputError, InputLimits, check_yaml_events
 __all__ = [
     "DIMENSIONS",
     "MAX_RULES",
+    "Declaration",
     "Defaults",
     "Point",
     "Rule",
@@ -101,9 +101,20 @@ __all__ = [
 MAX_RULES = COMBINATIONS
 """A valid table has at most one rule per point: every rule decides at least one."""
 
-Implementations = Mapping[str, "Sequence[Mapping[str, Any]] | None"]
-"""Registered implementation names, each with the boxes it declares it serves (``None``: it
-declares nothing, so no OK rule may send a combination to it)."""
+
+@dataclass(frozen=True)
+class Declaration:
+    """What an implementation declares it serves, as boxes in the grid's language."""
+
+    serves: Sequence[Mapping[str, Any]] = ()
+    alone: Sequence[Mapping[str, Any]] = ()
+    """Boxes it serves only without a process group: what a rule's
+    ``single_process_implementation`` sends it (ZeRO-3's plan in one process)."""
+
+
+Implementations = Mapping[str, "Declaration | Sequence[Mapping[str, Any]] | None"]
+"""Registered implementation names, each with what it declares it serves (a sequence: the
+boxes it serves; ``None``: it declares nothing, so no OK rule may send a combination to it)."""
 
 
 class Status(str, enum.Enum):
@@ -598,14 +609,16 @@ def _check_implementation(
 
 def _sets(document: _LineMap, name: str) -> FrozenDict[str, tuple[Any, ...]]:
     """The file's named value sets; a name that is also a value would be ambiguous."""
-    raw = document.get("sets") or {}
+    raw = document.get("sets")
+    if raw is None:
+        return FrozenDict()
     every_value = {v for dim in DIMENSIONS.values() for v in dim.values if isinstance(v, str)}
     for set_name in raw:
         if set_name in every_value or set_name == "*":
             raise RulesError(
                 f"set name {set_name!r} is also a dimension value: name the set otherwise",
                 name,
-                raw.key_lines[set_name],
+                raw.key_lines.get(set_name, raw.line),
             )
     return FrozenDict({k: tuple(v) for k, v in raw.items()})
 
@@ -674,16 +687,19 @@ def _unless(
         return None
     line = raw.key_lines["unless"]
     unless = FrozenDict(
-        {dim: _matcher(dim, m, name, spec.key_lines.get(dim, line), sets) for dim, m in spec.items()}
+        {
+            dim: _matcher(dim, m, name, spec.key_lines.get(dim, line), sets)
+            for dim, m in spec.items()
+        }
     )
     box, cut = _mask(when), _mask(unless)
-    if intersect(box, cut) is None or not subtract(box, cut):
-        raise RulesError(
-            f"gate {raw['id']!r}: its unless {'holds its whole when' if intersect(box, cut) else 'shares no combination with its when'}",
-            name,
-            line,
-        )
-    return unless
+    if intersect(box, cut) is None:
+        problem = "shares no combination with its when: it excepts nothing"
+    elif not subtract(box, cut):
+        problem = "holds its whole when: the gate would refuse nothing"
+    else:
+        return unless
+    raise RulesError(f"gate {raw['id']!r}: its unless {problem}", name, line)
 
 
 def _build_rules(
@@ -775,7 +791,9 @@ def _check_coverage(
                 name,
                 second.line,
             )
-    gaps = [p for leaf in coverage.leaves if leaf.decided_by is None for p in remaining(leaf.box, taken)]
+    gaps = [
+        p for leaf in coverage.leaves if leaf.decided_by is None for p in remaining(leaf.box, taken)
+    ]
     if gaps:
         count = sum(size(box) for box in gaps)
         more = f" and {count - 1} more" if count > 1 else ""
@@ -824,13 +842,10 @@ def _overlaps(a: Rule, b: Rule) -> bool:
     return intersect(a.box(), b.box()) is not None
 
 
-def _check_declarations(table: RuleTable, implementations: Implementations, name: str) -> None:
+def _check_declarations(table: RuleTable, implementations: Mapping[str, _Boxes], name: str) -> None:
     """Every point an OK rule decides (deferred points included) lies inside what its
     implementations declare they serve (see the module docstring)."""
-    declared = {
-        impl: declaration_boxes(serves) if serves is not None else ()
-        for impl, serves in implementations.items()
-    }
+    declared = implementations
     taken = [box for gate in table.gates for box in gate.region()]
     for leaf in table.leaves:
         if leaf.decided_by is None:
@@ -861,7 +876,7 @@ def _check_served(
     rule: Rule,
     box: Box,
     taken: list[Box],
-    declared: Mapping[str, tuple[Box, ...]],
+    declared: Mapping[str, _Boxes],
     name: str,
     deferring: Rule | None = None,
 ) -> None:
@@ -869,14 +884,18 @@ def _check_served(
     declarations."""
     if rule.status != Status.OK:
         return
-    for impl in (rule.implementation, rule.single_process_implementation):
+    for impl, alone in ((rule.implementation, False), (rule.single_process_implementation, True)):
         if impl is None or impl not in declared:
             continue
-        beyond = outside(box, [*taken, *declared[impl]])
+        serves, serves_alone = declared[impl] or ((), ())
+        boxes = (*serves, *serves_alone) if alone else serves
+        beyond = outside(box, [*taken, *boxes])
         if beyond is None:
             continue
         via = f" (through gate {deferring.id!r}, line {deferring.line})" if deferring else ""
-        what = "declares nothing it serves" if not declared[impl] else "does not declare"
+        what = "declares nothing it serves" if not boxes else "does not declare"
+        if not alone and outside(box, [*taken, *serves, *serves_alone]) is None:
+            what = "serves only without a process group, not"
         raise RulesError(
             f"rule {rule.id!r} sends {point_text(first_point(beyond))}{via} to implementation "
             f"{impl!r}, which {what} that combination: the rule claims more than the code does. "
@@ -904,7 +923,7 @@ def load_rules(
     resolved = os.fspath(path) if path is not None else default_rules_path()
     declared: FrozenDict[str, Any] | None = None
     if isinstance(implementations, Mapping):
-        declared = FrozenDict({k: _freeze_serves(v) for k, v in implementations.items()})
+        declared = FrozenDict({k: _declared_boxes(v) for k, v in implementations.items()})
     elif implementations is not None:
         declared = FrozenDict({impl: _UNCHECKED for impl in implementations})
     if resolved == default_rules_path():
@@ -912,17 +931,19 @@ def load_rules(
     return _load(resolved, declared)
 
 
+_Boxes = tuple[tuple[Box, ...], tuple[Box, ...]] | None
+"""A declaration as boxes: (served, served only without a process group); None: nothing."""
+
 _UNCHECKED: Any = "unchecked"
 """A name given without its declaration (``implementations=`` as a plain collection)."""
 
 
-def _freeze_serves(serves: Sequence[Mapping[str, Any]] | None) -> Any:
-    if serves is None:
+def _declared_boxes(declared: Declaration | Sequence[Mapping[str, Any]] | None) -> _Boxes:
+    if declared is None:
         return None
-    return tuple(
-        FrozenDict({k: tuple(v) if isinstance(v, list) else v for k, v in box.items()})
-        for box in serves
-    )
+    if not isinstance(declared, Declaration):
+        declared = Declaration(serves=declared)
+    return declaration_boxes(declared.serves), declaration_boxes(declared.alone)
 
 
 @cache
@@ -965,12 +986,6 @@ def _load(path: str, implementations: FrozenDict[str, Any] | None) -> RuleTable:
         leaves=leaves,
     )
     if implementations is not None:
-        checked = {k: _thaw_serves(v) for k, v in implementations.items() if v != _UNCHECKED}
+        checked = {k: v for k, v in implementations.items() if v is not _UNCHECKED}
         _check_declarations(table, checked, name)
     return table
-
-
-def _thaw_serves(serves: Any) -> Sequence[Mapping[str, Any]] | None:
-    if serves is None:
-        return None
-    return [{k: list(v) if isinstance(v, tuple) else v for k, v in box.items()} for box in serves]

@@ -53,6 +53,7 @@ forward; the root unit's, kept for backward, make the backward figure slightly h
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -193,7 +194,9 @@ def _all_reduce(
     """An all-reduce of ``numel`` values ``times`` times; ``chunks``: the sizes it is sent in,
     one collective each (a quantized wire pads each to whole blocks on its own)."""
     if wire in QUANTIZED_WIRES:
-        sent = sum(quantized_bytes(chunk, group) for chunk in chunks or (numel,))
+        # Buckets are mostly of one size: each distinct chunk size is counted once.
+        sizes = Counter(chunks or (numel,))
+        sent = sum(count * quantized_bytes(chunk, group) for chunk, count in sizes.items())
         _add(ops, "all_to_all", times * sent)
         _add(ops, "all_gather", times * sent)
         return
@@ -253,7 +256,8 @@ def traffic_model(
             if replicas > 1:
                 # The across level takes the same method; it is its own wire that decides
                 # whether fp32_sum changes the collective (_all_reduce checks it).
-                chunks = tuple(b // s for b in buckets)
+                quantized = wire_across in QUANTIZED_WIRES
+                chunks = tuple(b // s for b in buckets) if quantized else None
                 _all_reduce(
                     across, n // s, wire_across, replicas, comm_reduction == "fp32_sum", 1, chunks
                 )

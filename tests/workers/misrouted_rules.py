@@ -14,11 +14,11 @@ CONFIG = {
 }
 
 
-def prepare_with_one_build_with_other(rank: int, world_size: int, rules: str) -> dict[str, Any]:
-    """ZeRO-3 prepared by the shipped table (FSDP2 shards the model), built by ``rules``,
-    which send ZeRO-3 to the flat sharded engine: what build raises (or None)."""
+def prepare_with_one_build_with_other(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """ZeRO-3 prepared (FSDP2 shards the model), built by the plan of ``stage`` (the flat
+    sharded engine, which takes whole tensors): what build raises (or None)."""
     shipped = dtypeplan.resolve(CONFIG)
-    misrouted = dtypeplan.resolve(CONFIG, rules=rules)
+    misrouted = dtypeplan.resolve({**CONFIG, "zero_optimization": {"stage": stage}})
     torch.manual_seed(0)
     model = shipped.prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
     try:

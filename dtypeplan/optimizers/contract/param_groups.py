@@ -143,10 +143,11 @@ def refuse_sharded_parameters(
 ) -> None:
     """Refuse parameters FSDP2 sharded (DTensors) for an ``implementation`` of whole tensors.
 
-    They come from a ZeRO-3 plan's ``prepare_model``: the model was readied by a plan that
-    sends ZeRO-3 to FSDP2 and built by one whose rules send it elsewhere (a rules file that
-    routes ZeRO-3 to an implementation that does not serve sharded parameters), and the first
-    collective over them would fail on every rank with no word of why.
+    They come from a ZeRO-3 plan's ``prepare_model``: the model was readied by one plan and
+    built by another (another stage, or a rules file whose implementation takes whole tensors;
+    the rules loader refuses a built-in one that does not declare ZeRO-3, a user's
+    registration may declare more than it serves), and the first collective over them would
+    fail on every rank with no word of why.
     """
     from torch.distributed.tensor import DTensor
 
@@ -156,8 +157,9 @@ def refuse_sharded_parameters(
     raise OptimizerUsageError(
         f"{sharded} parameters are DTensors (sharded, as ZeRO-3's prepare_model leaves them "
         f"on FSDP2), but this plan builds {implementation} (rule {plan.rule_id!r} at "
-        f"{plan.rule_location}), which takes whole tensors. A model prepared with a plan "
-        "whose rules send ZeRO-3 to fsdp2 and built with one whose rules send it to an "
-        "implementation that does not serve sharded parameters gets here: prepare and build "
-        "with the same plan, or point the rules file's ZeRO-3 rule at implementation: fsdp2"
+        f"{plan.rule_location}), which takes whole tensors. A model prepared with one plan "
+        "(ZeRO-3 on fsdp2) and built with another (another stage, or rules that send ZeRO-3 "
+        "to an implementation that does not serve sharded parameters) gets here: prepare and "
+        "build with the same plan, or point the rules file's ZeRO-3 rule at implementation: "
+        "fsdp2"
     )

@@ -8,18 +8,21 @@ from typing import Any, TypeVar
 
 from dtypeplan.errors import RegistryError, RulesError
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
-from dtypeplan.resolver import declaration_boxes
+from dtypeplan.resolver import Declaration, declaration_boxes
 
 __all__ = ["get_implementation", "register", "registered_declarations", "registered_names"]
 
 _REGISTRY: dict[str, type[MixedPrecisionOptimizer]] = {}
-_SERVES: dict[str, tuple[dict[str, Any], ...] | None] = {}
+_SERVES: dict[str, Declaration | None] = {}
 
 T = TypeVar("T", bound="type[MixedPrecisionOptimizer]")
 
 
 def register(
-    name: str, *, serves: Sequence[Mapping[str, Any]] | None = None
+    name: str,
+    *,
+    serves: Sequence[Mapping[str, Any]] | None = None,
+    serves_alone: Sequence[Mapping[str, Any]] = (),
 ) -> Callable[[T], T]:
     """Class decorator: make an optimizer class buildable under ``name`` from a rules file.
 
@@ -27,15 +30,21 @@ def register(
     language (``{"stage": [1, 2], "master": "*", ...}``: a core dimension left out takes any
     value, a feature left out is at its "not used" value). The rules loader refuses an OK rule
     that sends a combination outside them; without ``serves`` no OK rule may name the class.
+    ``serves_alone``: boxes it serves only without a process group, as a rule's
+    ``single_process_implementation`` (the flat engine runs ZeRO-3's plan in one process).
     Registering a name twice, or a declaration that is not in the table's language, raises
     :class:`RegistryError` (at import time, for the module that does it).
     """
     if not isinstance(name, str) or not name:
         raise RegistryError("an implementation name must be a non-empty string")
-    declared = None if serves is None else tuple(dict(box) for box in serves)
-    if declared is not None:
+    declared = None
+    if serves is not None:
+        declared = Declaration(
+            serves=tuple(dict(box) for box in serves),
+            alone=tuple(dict(box) for box in serves_alone),
+        )
         try:
-            declaration_boxes(declared)
+            declaration_boxes([*declared.serves, *declared.alone])
         except RulesError as exc:
             raise RegistryError(f"@register({name!r}, serves=...): {exc.message}") from None
 
@@ -73,7 +82,7 @@ def registered_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def registered_declarations() -> dict[str, tuple[dict[str, Any], ...] | None]:
-    """Every registered name with the boxes it serves (what ``load_rules(implementations=...)``
+def registered_declarations() -> dict[str, Declaration | None]:
+    """Every registered name with what it serves (what ``load_rules(implementations=...)``
     takes; ``None`` for a class registered without ``serves``)."""
     return {name: _SERVES[name] for name in sorted(_REGISTRY)}

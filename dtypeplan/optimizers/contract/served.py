@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["PRECISION_CELLS", "REPLICATED", "SHARDED", "FSDP2", "with_fp8"]
+__all__ = ["FSDP2", "PRECISION_CELLS", "REPLICATED", "SHARDED", "SHARDED_ALONE", "with_fp8"]
 
 Box = dict[str, Any]
 
@@ -61,7 +61,12 @@ def with_fp8(boxes: Iterable[Mapping[str, Any]], **where: Any) -> list[Box]:
 
 _STAGE0 = {"stage": 0, "sharded": False}
 _STAGE1_2 = ({"stage": 1}, {"stage": 2, "sharded": True})
-_ZERO3 = {"stage": 3, "sharded": True, "reduction": "collective", "shard_groups": ["flat", "hybrid"]}
+_ZERO3 = {
+    "stage": 3,
+    "sharded": True,
+    "reduction": "collective",
+    "shard_groups": ["flat", "hybrid"],
+}
 _FP8_WEIGHTS_IN_PARAM_DTYPE = {"fp8_all_gather": "param_dtype"}
 
 REPLICATED: list[Box] = [
@@ -73,12 +78,20 @@ REPLICATED: list[Box] = [
 _ZERO3_CELLS = [
     *_each(PRECISION_CELLS, **_ZERO3),
     # hpZ: FSDP2's reshard_after_forward=H, fp32 masters and states, no pipeline.
-    {**_ZERO3, "shard_groups": "flat", "hierarchical_partitioning": True, "pipeline": False,
-     "state_kind": "*"},
+    {
+        **_ZERO3,
+        "shard_groups": "flat",
+        "hierarchical_partitioning": True,
+        "pipeline": False,
+        "state_kind": "*",
+    },
 ]
 # offload_optimizer alone: fp32 masters and states on the host, the device shards fp32.
 _ZERO3_OFFLOAD_OPTIMIZER = {
-    **_ZERO3, "offload_optimizer": "cpu", "pipeline": False, "state_kind": "*"
+    **_ZERO3,
+    "offload_optimizer": "cpu",
+    "pipeline": False,
+    "state_kind": "*",
 }
 _ZERO3_FLAT = {**_ZERO3, "shard_groups": "flat"}
 _ZERO3_FP8 = [
@@ -93,17 +106,21 @@ SHARDED: list[Box] = [
     for box in (
         *_each(PRECISION_CELLS, shard_groups="*", **stage),
         # Optimizer offload: fp32 masters and states in host memory, the CPU step.
-        {**stage, "shard_groups": "*", "offload_optimizer": "cpu", "pipeline": False,
-         "state_kind": "*"},
+        {
+            **stage,
+            "shard_groups": "*",
+            "offload_optimizer": "cpu",
+            "pipeline": False,
+            "state_kind": "*",
+        },
         *with_fp8(_each(_NO_AUTOCAST, **stage), **_FP8_WEIGHTS_IN_PARAM_DTYPE),
     )
-] + [
-    # ZeRO-3's plan in one process (no group to shard over): the flat sharded engine.
-    *_ZERO3_CELLS,
-    *_ZERO3_FP8,
-    _ZERO3_OFFLOAD_OPTIMIZER,
 ]
-"""ZeRO-1/2 (``flat/``), and ZeRO-3's plan without a process group."""
+"""ZeRO-1/2 (``flat/``)."""
+
+SHARDED_ALONE: list[Box] = [*_ZERO3_CELLS, *_ZERO3_FP8, _ZERO3_OFFLOAD_OPTIMIZER]
+"""ZeRO-3's plan without a process group (nothing to shard over): the flat sharded engine runs
+it in one process."""
 
 FSDP2: list[Box] = [
     *_ZERO3_CELLS,

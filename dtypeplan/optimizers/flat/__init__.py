@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dtypeplan.optimizers.contract.registry import register
-from dtypeplan.optimizers.contract.served import REPLICATED, SHARDED
+from dtypeplan.optimizers.contract.served import REPLICATED, SHARDED, SHARDED_ALONE
 from dtypeplan.optimizers.flat.engine import FlatMixedPrecisionOptimizer
 
 __all__ = ["FlatMixedPrecisionOptimizer", "ReplicatedOptimizer", "ShardedOptimizer"]
@@ -23,7 +23,7 @@ class ReplicatedOptimizer(FlatMixedPrecisionOptimizer):
     shard_state = False
 
 
-@register("sharded", serves=SHARDED)
+@register("sharded", serves=SHARDED, serves_alone=SHARDED_ALONE)
 class ShardedOptimizer(FlatMixedPrecisionOptimizer):
     """ZeRO stages 1 and 2: master weights and optimizer states sharded over the group.
 
