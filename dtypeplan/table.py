@@ -5,14 +5,14 @@ order (what each refuses, the exception it leaves, the setting that lifts it), t
 rules (a feature a rule names at its "not used" value is not shown). With the registry's
 declarations, a third lists what each implementation declares it serves. The next is the
 status grid a reader looks for: the :data:`GRID_ROWS` dimensions (parameter dtype x
-accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism), with the other dimensions left to
-the defaults of the rules file and every feature unused. Then one grid per feature dimension
-that has an OK value (master weights, optimizer states, autocast, offload, ...): parameter dtype
-x feature value against the same columns, that feature the only one in use. The last lists each
-value of every feature dimension with the rules that decide it when it is the only feature in
-use. Titles, values and the config
-keys that select them come from the dimension records (``resolver/_dimensions.py``). Each cell
-is computed by resolving a real config for it, so the grid shows what ``dtypeplan.resolve``
+accumulation dtype) against the :data:`GRID_COLUMNS` ones (ZeRO stage x pipeline parallelism),
+with the other dimensions left to the defaults of the rules file and every feature unused.
+Then one grid per feature dimension that has an OK value (master weights, optimizer states,
+autocast, offload, ...): parameter dtype x feature value against the same columns, that
+feature the only one in use. The last lists each value of every feature dimension with the
+rules that decide it when it is the only feature in use. Titles, values and the config keys
+that select them come from the dimension records (``resolver/_dimensions.py``). Each cell is
+computed by resolving a real config for it, so the grid shows what ``dtypeplan.resolve``
 answers, defaults included, and cannot drift from the resolver.
 """
 

@@ -20,13 +20,7 @@ from dtypeplan.report import format_bytes
 from dtypeplan.resolver import DIMENSIONS, PARAMS, Rule
 from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, value_text
 from dtypeplan.resolver._rules import default_rules_path
-from dtypeplan.table import (
-    README_BEGIN,
-    README_END,
-    condition_text,
-    readme_block,
-    render_readme_block,
-)
+from dtypeplan.table import condition_text
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -40,27 +34,66 @@ def _write(path: Path, data: object) -> Path:
 
 # A small complete rules file, so that the exit codes are tested against a fixed table while
 # the shipped one grows. It keeps the shipped defaults.
-TEST_RULES = SHIPPED_RULES[: SHIPPED_RULES.index("\nrules:\n")] + textwrap.dedent(
-    """
-    rules:
-      - id: t-both
-        when: {params: fp16+bf16}
-        status: Error
-        reason: Both 16-bit modes.
-      - id: t-pipeline
-        when: {params: [fp32, fp16, bf16], pipeline: true}
-        status: NotSupported
-        reason: No pipeline here.
-      - id: t-zero3
-        when: {params: [fp32, fp16, bf16], pipeline: false, stage: 3}
-        status: NotSupported
-        reason: No ZeRO-3 here.
-      - id: t-ok
-        when: {params: [fp32, fp16, bf16], pipeline: false, stage: [0, 1, 2]}
-        status: OK
-        implementation: replicated
-        reason: Fine.
-    """
+def _feature_gates() -> str:
+    """A gate per feature refusing every value but "not used" (a gate's unnamed dimensions
+    take any value, so these take every point with a feature in use). fp8's own dimensions
+    have none: the fp8 gate takes fp8 on, and without fp8 they mean nothing (a config without
+    fp8 may hold any of their values; the grid's rules take every one)."""
+    return "".join(
+        f"  - id: t-feature-{name.replace('_', '-')}\n"
+        f"    when: {{{name}: {{not: {value_text(dim.default_value)}}}}}\n"
+        "    status: NotSupported\n"
+        f"    reason: No {name} here.\n"
+        for name, dim in FEATURE_DIMENSIONS.items()
+        if not dim.requires
+    )
+
+
+# A small table of the shipped version, defaults and sets: the core contradictions, pipeline
+# and ZeRO-3 refused, no feature, ZeRO-0 replicated and ZeRO-1/2 sharded.
+TEST_RULES = (
+    SHIPPED_RULES[: SHIPPED_RULES.index("\ngates:\n")]
+    + textwrap.dedent(
+        """
+        gates:
+          - id: t-both
+            when: {params: fp16+bf16}
+            status: Error
+            reason: Both 16-bit modes.
+          - id: t-stage0-sharded
+            when: {stage: 0, sharded: true}
+            status: Error
+            reason: Nothing is sharded at stage 0.
+          - id: t-stage2-whole
+            when: {stage: 2, sharded: false}
+            status: Error
+            reason: Stage 2 shards the accumulator.
+          - id: t-pipeline
+            when: {pipeline: true}
+            status: NotSupported
+            reason: No pipeline here.
+          - id: t-zero3
+            when: {stage: 3}
+            status: NotSupported
+            reason: No ZeRO-3 here.
+        """
+    )
+    + _feature_gates()
+    + textwrap.dedent(
+        """
+        rules:
+          - id: t-ok
+            when: {stage: 0}
+            status: OK
+            implementation: replicated
+            reason: Fine.
+          - id: t-sharded
+            when: {stage: [1, 2]}
+            status: OK
+            implementation: sharded
+            reason: Fine too.
+        """
+    )
 )
 
 
@@ -121,7 +154,8 @@ def test_check_not_supported_exits_1(
     out = capsys.readouterr().out
     assert "status: NotSupported" in out
     assert f"rule: {rule} " in out
-    assert "nearest supported configs:" in out and "-> OK (replicated, rule t-ok)" in out
+    assert "nearest supported configs:" in out and "-> OK (sharded, rule t-sharded)" in out
+    assert "fp8" not in out[out.index("nearest supported configs:") :].split("\n\n")[0]
     assert "memory per rank" in out
 
 
@@ -354,11 +388,16 @@ def test_table_has_one_row_per_rule_in_file_order(capsys: pytest.CaptureFixture[
 def test_table_condition_names_features_only_where_a_rule_sets_them_apart() -> None:
     table = dtypeplan.load_rules()
     zero1 = next(rule for rule in table.rules if rule.id == "zero1")
-    # Every feature pinned to "not used": summed up once, the core dimensions spelled out.
-    assert condition_text(zero1) == "params=fp32|fp16|bf16, stage=1, other features unused"
-    offload = next(rule for rule in table.rules if rule.id.startswith("offload-optimizer"))
+    # Every feature pinned to "not used": summed up once; a core dimension the grid rule does
+    # not name (any value) is not spelled out.
+    text = condition_text(zero1)
+    assert text.startswith("stage=1, "), text
+    assert "offload_optimizer=none|cpu" in text and "params=" not in text
+    offload = next(rule for rule in table.rules if rule.id == "zero3-offload-optimizer")
     text = condition_text(offload)
-    assert "offload_optimizer=" in text and "offload_optimizer=none" not in text
+    assert "offload_optimizer=cpu" in text and "offload_optimizer=none" not in text
+    # A gate names only what it refuses.
+    assert condition_text(table.rules[0]) == "params=fp16+bf16"
     # Nothing is lost: the short text and the full one name the same non-default values.
     for rule in table.rules:
         for part in rule.when_text().split(", "):
@@ -430,18 +469,11 @@ def test_table_grid_applies_the_rules_file_defaults(
     assert {row[4].strip("*") for row in rows} == {"OK"}
 
 
-def test_table_readme_block(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["table", "--readme"]) == 0
-    out = capsys.readouterr().out
-    assert out == render_readme_block(dtypeplan.load_rules())
-    assert "| id |" in out and "| params |" in out
-    assert README_BEGIN not in out and README_END not in out
-
-
-def test_readme_has_no_copy_of_the_table() -> None:
-    """The table lives in docs/reference/truth-table.md (tests/test_docs.py keeps it fresh); a
-    copy between the README markers would go stale unchecked."""
-    assert readme_block((ROOT / "README.md").read_text()) is None
+def test_table_has_no_readme_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README block code is gone (rules v2): the table lives in docs/reference/
+    truth-table.md, which tests/test_docs.py keeps fresh."""
+    assert main(["table", "--readme"]) == 2
+    assert "--readme" in capsys.readouterr().err
 
 
 # --- lint ------------------------------------------------------------------------------------
@@ -455,7 +487,7 @@ def test_lint_shipped_rules(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _break_gap(text: str) -> tuple[str, str]:
-    start = text.index("  - id: zero3")
+    start = text.index("  - id: zero3\n")
     return text[:start], "rules:"
 
 
@@ -473,7 +505,7 @@ def _break_gap(text: str) -> tuple[str, str]:
             ),
             "not registered",
         ),
-        (_break_gap, "matched by no rule"),
+        (_break_gap, "matched by no gate and no rule"),
         (
             lambda t: (
                 t.replace("status: Error", "status: Error: yes", 1),
@@ -512,14 +544,16 @@ def test_lint_import_registers_user_implementations(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_SERVES", dict(registry._SERVES))
     module = "dtypeplan_cli_test_impl"
     (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(
             """
             import dtypeplan
+            from dtypeplan.optimizers.contract.served import SHARDED
             from dtypeplan.optimizers.flat import ShardedOptimizer
 
-            @dtypeplan.register("cli-test-zero1")
+            @dtypeplan.register("cli-test-zero1", serves=SHARDED)
             class MyZero1(ShardedOptimizer):
                 pass
             """

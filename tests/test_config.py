@@ -611,7 +611,7 @@ def test_offload_is_parsed_never_ignored() -> None:
     )
     assert config.offload_optimizer == "cpu"
     # The table decides it: the offload cell runs it (never OK as if it were not there).
-    assert plan.status == "OK" and plan.rule_id == "offload-optimizer-cpu"
+    assert plan.status == "OK" and plan.rule_id == "zero2"
     assert plan.offload_optimizer == "cpu"
 
 
@@ -883,7 +883,7 @@ def test_offload_with_shard_groups_is_ok() -> None:
     """Proven by tests/test_hybrid.py's slow parity run and test_memory's hybrid figures."""
     config = _layout(2, shard_group_size=2, offload_optimizer={"device": "cpu"})
     plan = dtypeplan.resolve(config)
-    assert (plan.status, plan.rule_id) == ("OK", "offload-optimizer-cpu-shard-groups")
+    assert (plan.status, plan.rule_id) == ("OK", "zero2")
     assert plan.implementation == "sharded" and plan.shard_group_size == 2
 
 
@@ -950,7 +950,7 @@ def test_qgz_with_shard_groups_is_the_int8_wire_across() -> None:
     flat = dtypeplan.resolve(_layout(2, zero_quantized_gradients=True))
     assert flat.status == "NotSupported" and "shard_group_size" in flat.reason
     qwz = dtypeplan.resolve(_layout(2, shard_group_size=4, zero_quantized_weights=True))
-    assert qwz.status == "NotSupported" and qwz.rule_id == "quantized-weights-shard-groups"
+    assert qwz.status == "NotSupported" and qwz.rule_id == "quantized-communication"
 
 
 def test_deepspeed_hierarchical_keys_point_to_shard_group_size() -> None:
@@ -959,6 +959,7 @@ def test_deepspeed_hierarchical_keys_point_to_shard_group_size() -> None:
     assert "reshard_after_forward" in hpz.reason
     # hpZ and MiCS / HSDP shard groups: one or the other.
     both = dtypeplan.resolve(_layout(3, zero_hpz_partition_size=8, shard_group_size=8))
-    assert both.status == "NotSupported" and "shard_group_size" in both.reason
+    assert (both.status, both.rule_id) == ("NotSupported", "hierarchical-partitioning")
+    assert "with shard groups the gathers already stay inside the group" in both.reason
     with pytest.raises(PrecisionConfigError, match="mics_shard_size.*shard_group_size"):
         dtypeplan.resolve(_layout(3, mics_shard_size=8))

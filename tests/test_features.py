@@ -100,12 +100,12 @@ def test_each_value_resolves_from_its_config(name: str, value: Any) -> None:
         return
     if name == "master" and value in ("bf16", "bf16_sr", "bf16_kahan"):
         # Implemented at ZeRO-3 too (FSDP2 with bf16 shards; tests/test_parity.py).
-        assert plan.status == "OK" and plan.rule_id == "bf16-masters-zero3", plan.explain()
+        assert plan.status == "OK" and plan.rule_id == "zero3", plan.explain()
         return
     if name == "states":
         # Every state dtype is implemented at ZeRO-3 too (FSDP2 local shards;
         # tests/test_optimizer_states.py).
-        assert plan.status == "OK" and plan.rule_id == "optimizer-states-zero3", plan.explain()
+        assert plan.status == "OK" and plan.rule_id == "zero3", plan.explain()
         return
     assert plan.status != "OK"
     rule = next(r for r in dtypeplan.load_rules().rules if r.id == plan.rule_id)
@@ -156,16 +156,17 @@ def test_check_prints_why_an_offloaded_plan_has_no_memory_figure(
     assert "6,000" in row  # 12 bytes per parameter over 2 ranks
 
 
-def test_features_in_use_decide_by_the_last_in_dimension_order() -> None:
+def test_features_in_use_are_decided_by_the_first_gate_holding_them() -> None:
+    """bf16 masters are served at ZeRO-2, optimizer offload too, not the two together: the
+    offload gate (its unless leaves fp32 masters only) refuses, and each alternative lifts one
+    of the two."""
     plan = dtypeplan.resolve(
         {
             "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         }
     )
-    assert plan.rule_id == "offload-optimizer-cpu-16bit-masters"
+    assert (plan.rule_id, plan.status) == ("offload-optimizer", "NotSupported")
     changes = ["; ".join(alt.changes) for alt in plan.alternatives]
-    assert changes and all(
-        "offload_optimizer.device=none" in c and "bf16_master_weights_and_grads=false" in c
-        for c in changes
-    ), changes
+    assert any("offload_optimizer.device=none" in c for c in changes), changes
+    assert any("bf16_master_weights_and_grads=false" in c for c in changes), changes

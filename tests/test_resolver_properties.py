@@ -255,11 +255,14 @@ def test_strategies_cover_every_dimension() -> None:
 def test_resolve_is_total_and_one_rule_decides(config: dict[str, Any], pipeline: bool) -> None:
     plan = dtypeplan.resolve(config, pipeline_parallel=pipeline)
     point = point_of(config, pipeline)
-    matching = [rule for rule in TABLE.rules if rule.matches(point)]
-    assert len(matching) == 1, (point, [r.id for r in matching])
-    # The one matching rule decides, or the Error of the core settings it contradicts.
+    # The first gate that holds the point decides, else the one grid rule that matches it.
+    gates = [gate for gate in TABLE.gates if gate.matches(point)]
+    matching = [rule for rule in TABLE.grid if rule.matches(point)]
+    assert gates or len(matching) == 1, (point, [r.id for r in matching])
+    first = gates[0] if gates else matching[0]
     rule = TABLE.lookup(point)
-    assert rule.id == matching[0].id or rule.overrules == matching[0].id
+    # A deferring gate: the decision of the point it defers to, named after both.
+    assert rule.id == first.id or rule.decided_by[:1] == (first.id,), (rule.id, first.id)
     assert plan.rule_id == rule.id
     assert plan.status == rule.status
     assert plan.implementation == (rule.implementation if rule.status == "OK" else None)
