@@ -20,7 +20,6 @@ the mean). DeepSpeed's own Muon is not run here: see the notes of the result fil
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import Any
@@ -44,18 +43,6 @@ def _model(width: int, layers: int, bias: bool) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
-def _plan(config: dict[str, Any], torch_class: type | None) -> dtypeplan.PrecisionPlan:
-    """The plan of ``config`` with ``torch_class`` (None: the config's optimizer block); before
-    the table routes whole-tensor classes, the same cell with the class in (as the tests)."""
-    base = dtypeplan.resolve({k: v for k, v in config.items() if k != "optimizer"})
-    whole = (
-        dtypeplan.resolve(config)
-        if torch_class is None
-        else base.with_optimizer(torch_class, {"lr": LR})
-    )
-    return whole if whole.status == "OK" else dataclasses.replace(base, optimizer=whole.optimizer)
-
-
 def _methods(width: int, layers: int) -> dict[str, Any]:
     deepspeed_muon = {"type": "Muon", "params": {"lr": LR, "adam_lr": 1e-3}}
     methods: dict[str, Any] = {"torch Muon (1 proc)": ("torch", torch.optim.Muon, False)}
@@ -75,14 +62,11 @@ def _build(kind: str, what: Any, bias: bool, width: int, layers: int) -> tuple[A
         hyper = {"lr": LR} if what is torch.optim.Muon else {"lr": LR, "adam_lr": 1e-3}
         return model, what(model.parameters(), **hyper), None
     config, torch_class = what
-    plan = _plan(config, torch_class)
-    from dtypeplan.optimizers import WholeTensorOptimizer, build_optimizer
-
+    plan = dtypeplan.resolve(config)
+    if torch_class is not None:
+        plan = plan.with_optimizer(torch_class, {"lr": LR})
     model = plan.prepare_model(model)
-    if plan.implementation == "whole":
-        optimizer = build_optimizer(plan, model.parameters())
-    else:
-        optimizer = WholeTensorOptimizer(model.parameters(), plan=plan)
+    optimizer = plan.build(model.parameters())
     return model, optimizer, optimizer.owners
 
 

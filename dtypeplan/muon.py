@@ -51,7 +51,8 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` on the parameters that :func:`takes_muon`, ``torch.optim.AdamW`` on
     the others, with DeepSpeed's hyperparameter names and defaults (Muon: lr 0.02, momentum
     0.95, weight_decay 0; Adam: lr 3e-4, betas (0.9, 0.95), eps 1e-10, weight_decay 0;
-    ``muon_lr`` and ``adam_lr`` override ``lr`` for one side)."""
+    ``muon_lr`` and ``adam_lr`` override ``lr`` for one side; ``ns_method`` ``"standard"`` only:
+    DeepSpeed's default ``"gram"`` is its own kernel)."""
 
     def __init__(
         self,
@@ -65,7 +66,14 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         adam_lr: float | None = None,
         nesterov: bool = True,
         ns_steps: int = 5,
+        ns_method: str = "standard",
     ) -> None:
+        if ns_method != "standard":
+            raise ValueError(
+                f"ns_method={ns_method!r}: torch.optim.Muon runs the standard quintic "
+                "Newton-Schulz iteration in bf16; DeepSpeed's 'gram' variant (fp16, on the Gram "
+                "matrix) is not available here. Use ns_method 'standard' (or leave it out)"
+            )
         muon = muon_lr if muon_lr is not None else lr if lr is not None else 0.02
         adam = adam_lr if adam_lr is not None else lr if lr is not None else 3e-4
         if muon < 0 or adam < 0:

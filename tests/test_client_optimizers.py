@@ -86,9 +86,8 @@ def test_client_optimizers_every_stage_two_ranks() -> None:
             assert_parity(result, FP32_RTOL, FP32_RTOL)
 
 
-@pytest.mark.parametrize(
-    "torch_class", [torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.SparseAdam]
-)
+# Adafactor and Muon run whole (tests/test_whole_tensor.py).
+@pytest.mark.parametrize("torch_class", [torch.optim.LBFGS, torch.optim.SparseAdam])
 @pytest.mark.parametrize("stage", STAGES)
 def test_shaped_optimizers_are_not_supported(torch_class: type, stage: int) -> None:
     plan = dtypeplan.resolve(_config(stage))

@@ -89,7 +89,7 @@ def test_every_deepspeed_optimizer_name_is_read() -> None:
     for name in ds_keys.DEEPSPEED_OPTIMIZERS:
         plan = _resolve(name)
         assert plan.status in ("OK", "NotSupported"), name
-        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad", "lion")), name
+        assert (plan.status == "OK") == (name in ("adam", "adamw", "adagrad", "lion", "muon")), name
     assert set(DEEPSPEED_ONLY) <= set(ds_keys.DEEPSPEED_OPTIMIZERS)
 
 
@@ -103,6 +103,13 @@ def test_every_torch_class_by_name(name: str, tmp_path: Path) -> None:
     assert plan.optimizer.type == expected and plan.optimizer.torch_class is torch_class
     if torch_class in ELEMENTWISE:
         assert plan.status == "OK" and plan.optimizer_kind == "elementwise"
+        assert _check(tmp_path, name) == EXIT_OK
+        return
+    if name in ("Adafactor", "Muon"):  # run whole (tests/test_whole_tensor.py)
+        assert plan.status == "OK" and plan.rule_id == "whole-tensor"
+        assert plan.optimizer_kind == "shaped" and plan.param_access == "owner"
+        with pytest.raises(dtypeplan.NotSupportedError, match="whole-tensor layout"):
+            plan.memory(1000, 2)
         assert _check(tmp_path, name) == EXIT_OK
         return
     assert plan.status == "NotSupported" and plan.optimizer_kind == "shaped"
@@ -177,8 +184,12 @@ def test_torchs_argument_names_are_checked_for_every_class() -> None:
         _resolve("RMSprop", {"centred": True})
     with pytest.raises(dtypeplan.PrecisionConfigError, match="unknown Adafactor argument"):
         _resolve("Adafactor", {"momentum": 0.9})
-    # DeepSpeed reads "muon" as its own MuonWithAuxAdam, whose params are not torch's Muon's.
-    assert _resolve("muon", {"lr": 0.02, "adam_w_mode": True}).status == "NotSupported"
+    # DeepSpeed reads "muon" as its own MuonWithAuxAdam (dtypeplan/muon.py), its params checked.
+    assert _resolve("muon", {"lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-4}).status == "OK"
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="unknown MuonWithAuxAdamW"):
+        _resolve("muon", {"lr": 0.02, "adam_w_mode": True})
+    with pytest.raises(dtypeplan.PrecisionConfigError, match="'gram' variant"):
+        _resolve("muon", {"ns_method": "gram"})
 
 
 def _train(optimizer: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+import dtypeplan
 from dtypeplan.launch import spawn
 from dtypeplan.optimizers.whole import assign_owners
 from tests.workers.whole_tensor import run_cases
@@ -170,3 +172,32 @@ def test_owners_are_balanced_by_size() -> None:
     assert owners.balance == pytest.approx(140 / 132.5)
     assert assign_owners([7], 4).balance == 4.0  # one parameter: one owner, three idle
     assert assign_owners([], 3).balance == 1.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_table_sends_whole_tensor_classes_to_owners(stage: int) -> None:
+    base = {"zero_optimization": {"stage": stage}}
+    for torch_class in (torch.optim.Muon, torch.optim.Adafactor):
+        plan = dtypeplan.resolve(base).with_optimizer(torch_class)
+        assert (plan.status, plan.rule_id, plan.implementation) == ("OK", "whole-tensor", "whole")
+        assert plan.param_access == "owner" and plan.single_process_implementation == "whole"
+    deepspeed_muon = dtypeplan.resolve({**base, "optimizer": {"type": "Muon"}})
+    assert deepspeed_muon.status == "OK" and deepspeed_muon.implementation == "whole"
+    refused = {
+        "owner-quantized-states": {"optimizer_states": {"exp_avg": "int8", "exp_avg_sq": "int8"}},
+        "owner-fp16": {"fp16": {"enabled": True}},
+        "owner-shard-groups": {"zero_optimization": {"stage": stage, "shard_group_size": 2}},
+        "owner-wire": {"communication_data_type": "bf16"},
+    }
+    for rule, config in refused.items():
+        if rule == "owner-shard-groups" and stage == 0:
+            continue  # stage 0 has no shard groups (its own gate)
+        plan = dtypeplan.resolve({**base, **config, "optimizer": {"type": "Muon"}})
+        assert (plan.status, plan.rule_id) == ("NotSupported", rule), (rule, plan.rule_id)
+        assert "whole parameters" in plan.reason or "whole-tensor" in plan.reason
+    lbfgs = dtypeplan.resolve(base).with_optimizer(torch.optim.LBFGS)
+    assert (lbfgs.status, lbfgs.rule_id, lbfgs.param_access) == (
+        "NotSupported",
+        "shaped-optimizer",
+        "flat",
+    )

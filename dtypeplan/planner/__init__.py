@@ -131,7 +131,15 @@ def plan_for(
         "fp8_execution": "native",
         "optimizer": kinds.optimizer_kind(torch_class),
         "state_kind": kinds.state_kind(torch_class),
+        "param_access": "owner" if kinds.needs_whole(torch_class) else "flat",
     }
+    if fixed["param_access"] == "owner":
+        from dtypeplan.errors import NotSupportedError
+
+        raise NotSupportedError(
+            f"optimizer {name} runs on whole parameters (optimizers/whole/): the planner does "
+            "not model the owners' layout (memory, traffic) yet; resolve a config for it instead"
+        )
     state_bytes = (
         kinds.state_bytes_per_param(torch_class, {})
         if torch_class is not None and fixed["optimizer"] == "elementwise"
@@ -277,7 +285,7 @@ def config_of(
         and not (name == "params" and value == "fp32")
         or name in DIMENSIONS
         and name not in CORE_DIMENSIONS
-        and name not in ("optimizer", "state_kind")
+        and name not in ("optimizer", "state_kind", "param_access")
         and value != DIMENSIONS[name].default_value
     }
     config = config_for(values)

@@ -40,6 +40,7 @@ _NOT_CHOSEN = {
     "fp8_execution": "fixed to native: the fleet's GPUs run the recipe's kernels",
     "optimizer": "fixed by the optimizer class",
     "state_kind": "fixed by the optimizer class",
+    "param_access": "fixed by the optimizer class",
 }
 """Dimensions not enumerated over all their values, and why."""
 

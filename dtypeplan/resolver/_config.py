@@ -18,6 +18,7 @@ from dtypeplan.resolver._dimensions import REDUCTION
 from dtypeplan.resolver._frozen import FrozenDict, freeze
 from dtypeplan.resolver._optimizer_kind import (
     RegisteredOptimizer,
+    needs_whole,
     optimizer_class,
     optimizer_kind,
     registered_optimizer,
@@ -96,6 +97,12 @@ class OptimizerConfig:
         return state_kind(self._class_or_none())
 
     @property
+    def param_access(self) -> str:
+        """The table's ``param_access`` dimension: ``"owner"`` for a class that needs each
+        parameter whole (``_optimizer_kind.needs_whole``), else ``"flat"``."""
+        return "owner" if needs_whole(self._class_or_none()) else "flat"
+
+    @property
     def registered(self) -> RegisteredOptimizer | None:
         """What ``dtypeplan.register_optimizer`` was told about the class (its declared
         per-element states), None for a ``torch.optim`` class."""
@@ -110,6 +117,12 @@ class OptimizerConfig:
     def state_bytes_per_param(self) -> int:
         """fp32 optimizer-state bytes per parameter (Adam: m and v; SGD: momentum if any);
         :class:`NotSupportedError` for a shaped optimizer, which dtypeplan does not run."""
+        if self.param_access == "owner":
+            raise NotSupportedError(
+                f"the optimizer {self.type} runs on whole parameters ({self.kind_reason}): "
+                "plan.memory() does not model the owners' whole-tensor layout yet (its states "
+                "depend on each parameter's shape); optimizer.held_tensors() measures it"
+            )
         if self.kind != "elementwise":
             raise NotSupportedError(
                 f"the optimizer {self.type} is shaped ({self.kind_reason}): dtypeplan does not "

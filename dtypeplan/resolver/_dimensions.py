@@ -56,6 +56,7 @@ __all__ = [
     "OFFLOAD_PARAM",
     "OPTIMIZER_KIND",
     "PARAMS",
+    "PARAM_ACCESS",
     "PIPELINE",
     "Point",
     "QUANTIZED_COMMUNICATION",
@@ -636,6 +637,24 @@ OPTIMIZER_KIND = Dimension(
     attributes={"optimizer_kind": _same},
     label="optimizer kind",
 )
+PARAM_ACCESS = Dimension(
+    name="param_access",
+    values=("flat", "owner"),
+    doc="how the optimizer reaches a parameter: flat (shards of flat buffers of many "
+    "parameters, for an elementwise update) or owner (each parameter whole on one rank, "
+    "balanced by size, its gradient reduced to that rank and the update sent back: Muon, "
+    "Adafactor, DeepSpeed's Muon, classes registered kind='whole')",
+    config_key="optimizer.type / build(optimizer=...) / wrap(...)",
+    default="flat (AdamW)",
+    default_value="flat",
+    choices=("flat",),
+    title="parameter access",
+    value_configs={
+        "flat": {"optimizer": {"type": "AdamW"}},
+        "owner": {"optimizer": {"type": "Muon"}},
+    },
+    read=lambda config: config.optimizer.param_access,
+)
 STATE_KIND = Dimension(
     name="state_kind",
     values=("moments", "step_sizes", "averaged_weights"),
@@ -677,6 +696,7 @@ FEATURE_DIMENSIONS: FrozenDict[str, Dimension] = FrozenDict(
             GRADIENT_PRESCALING,
             FP8,
             OPTIMIZER_KIND,
+            PARAM_ACCESS,
             STATE_KIND,
             FP8_RECIPE,
             FP8_ALL_GATHER,

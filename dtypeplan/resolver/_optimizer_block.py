@@ -30,12 +30,9 @@ _RESERVED_OPTIMIZER_ARGS = frozenset({"params", "foreach", "fused", "capturable"
 
 
 def _check_optimizer_params(name: str, params: dict[str, Any]) -> None:
-    """torch's argument names and values for the class named ``name`` (DeepSpeed's own
-    optimizers, which no torch class runs, keep DeepSpeed's params unchecked: they resolve
-    NotSupported)."""
-    if name == "Muon":
-        # DeepSpeed reads "muon" in any case as its own MuonWithAuxAdam, with its own params.
-        return
+    """torch's argument names and values for the class named ``name`` (``"Muon"``: DeepSpeed's
+    MuonWithAuxAdam, ``dtypeplan/muon.py``, with DeepSpeed's names; DeepSpeed's own optimizers
+    that nothing here runs keep DeepSpeed's params unchecked: they resolve NotSupported)."""
     try:
         torch_class = optimizer_class(name)
     except NotSupportedError:

@@ -11,7 +11,6 @@ bit-equal to the uninterrupted one.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 from typing import Any
 
@@ -40,28 +39,24 @@ def whole_model(seed: int, bias: bool) -> torch.nn.Module:
     return model
 
 
-def _plan(case: dict[str, Any]) -> dtypeplan.PrecisionPlan:
-    """The case's plan: the config's optimizer block (``"optimizer": "config"``) or a class
-    passed in place of it (``torch.optim`` by name, or ``"module:Class"``)."""
-    config = case["config"]
-    base = dtypeplan.resolve({k: v for k, v in config.items() if k != "optimizer"})
-    assert base.status == "OK", base.explain()
+def _build(case: dict[str, Any], model: torch.nn.Module) -> Any:
+    """The case's optimizer as a user builds it: the config's optimizer block
+    (``"optimizer": "config"``) or a class passed to ``plan.build`` (``torch.optim`` by name)."""
+    plan = dtypeplan.resolve(case["config"])
+    assert plan.status == "OK", plan.explain()
     if case["optimizer"] == "config":
-        whole = dtypeplan.resolve(config)
-    else:
-        whole = base.with_optimizer(client_class(case["optimizer"]), case["hyperparameters"])
-    if whole.status == "OK":
-        return whole
-    # Before the table routes whole-tensor classes (rules v2): the same cell, the class in.
-    return dataclasses.replace(base, optimizer=whole.optimizer)
+        return plan.build(model.parameters())
+    torch_class = client_class(case["optimizer"])
+    return plan.build(model.parameters(), optimizer=torch_class, **case["hyperparameters"])
 
 
-def _build(plan: dtypeplan.PrecisionPlan, model: torch.nn.Module) -> Any:
-    from dtypeplan.optimizers import WholeTensorOptimizer, build_optimizer
-
-    if plan.implementation == "whole":
-        return build_optimizer(plan, model.parameters())
-    return WholeTensorOptimizer(model.parameters(), plan=plan)
+def _prepared(case: dict[str, Any], model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` readied by the plan of the case's class (ZeRO-3 shards it)."""
+    plan = dtypeplan.resolve(case["config"])
+    if case["optimizer"] != "config":
+        plan = plan.with_optimizer(client_class(case["optimizer"]), case["hyperparameters"])
+    assert plan.status == "OK" and plan.implementation == "whole", plan.explain()
+    return plan.prepare_model(model)
 
 
 def _train_steps(
@@ -102,11 +97,11 @@ def _digest(model: torch.nn.Module) -> str:
 
 
 def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    plan = _plan(case)
     bias = case["optimizer"] != "Muon"  # torch's Muon takes matrices only
     reference = whole_model(case.get("seed", 0), bias)
-    model = plan.prepare_model(copy.deepcopy(reference))
-    optimizer = _build(plan, model)
+    model = _prepared(case, copy.deepcopy(reference))
+    optimizer = _build(case, model)
+    plan = optimizer.plan
     ref_opt = plan.optimizer.torch_class(reference.parameters(), **plan.optimizer.params)
     steps = case["steps"]
     ref_losses = []
@@ -123,8 +118,8 @@ def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     result: dict[str, Any] = {"name": case["name"], "ref_losses": ref_losses}
     if resume_at is not None:
         saved = copy.deepcopy(optimizer.state_dict())
-        resumed_model = plan.prepare_model(whole_model(case.get("seed", 0) + 99, bias))
-        resumed = _build(plan, resumed_model)
+        resumed_model = _prepared(case, whole_model(case.get("seed", 0) + 99, bias))
+        resumed = _build(case, resumed_model)
         resumed.load_state_dict(saved)
         tail = range(cut, steps)
         losses += _train_steps(model, optimizer, tail, case, rank, world)

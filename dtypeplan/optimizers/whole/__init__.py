@@ -12,6 +12,25 @@ from dtypeplan.optimizers.contract.registry import register
 from dtypeplan.optimizers.whole.optimizer import WholeTensorOptimizer
 from dtypeplan.optimizers.whole.owners import Owners, assign_owners
 
-__all__ = ["Owners", "WholeTensorOptimizer", "assign_owners"]
+__all__ = ["SERVES", "Owners", "WholeTensorOptimizer", "assign_owners"]
 
-register("whole")(WholeTensorOptimizer)
+_WHOLE = {
+    "param_access": "owner",
+    "optimizer": "shaped",
+    "stage": "*",
+    "sharded": "*",
+    "accum": "fp32",
+    "comm": "fp32",
+    "reduction": "collective",
+    "pipeline": False,
+    "states": ["fp32", "bf16", "fp32/bf16", "bf16/fp32"],
+}
+SERVES = [
+    {**_WHOLE, "params": ["fp32", "bf16"], "master": "fp32"},
+    {**_WHOLE, "params": "bf16", "master": ["bf16", "bf16_sr", "bf16_kahan"]},
+]
+"""What tests/test_whole_tensor.py proves against one-process torch: ZeRO 0-3, fp32 or bf16
+parameters with fp32 accumulation and wire, fp32 masters or bf16 ones (each rounding), fp32 or
+bf16 states."""
+
+register("whole", serves=SERVES)(WholeTensorOptimizer)
