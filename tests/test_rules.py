@@ -26,6 +26,7 @@ from dtypeplan.optimizers.contract import registry
 from dtypeplan.optimizers.contract.served import REPLICATED
 from dtypeplan.resolver import (
     COMBINATIONS,
+    Declaration,
     DIMENSIONS,
     MAX_RULES,
     FrozenDict,
@@ -214,6 +215,7 @@ def test_shipped_table_loads_and_covers_every_point_once() -> None:
         "zero3",
         "zero3-offload-optimizer",
         "zero3-offload",
+        "whole-tensor",
     ]
 
 
@@ -266,7 +268,9 @@ def test_version_2_decides_as_version_1() -> None:
 
     old = load_v1()
     table = dtypeplan.load_rules()
-    for point in _sample_points(1500, seed=7) + _fp8_points(1000, seed=8):
+    for drawn in _sample_points(1500, seed=7) + _fp8_points(1000, seed=8):
+        # Version 1's space: the dimensions added since (param_access) at "not used".
+        point = {**drawn, "param_access": "flat"}
         rule = table.lookup(point)
         verdict, old_id = v1_verdict(old, point)
         new = (str(rule.status), rule.implementation, rule.single_process_implementation)
@@ -668,7 +672,7 @@ def test_gap(tmp_path: Path) -> None:
     assert_at(error, path, line_of(text, "rules:"))
     assert "matched by no gate and no rule" in str(error)
     # The gap is the deleted rule's cell, less what the gates take.
-    assert "offload_param=cpu" in str(error) and "stage=3" in str(error)
+    assert "param_access=owner" in str(error) and "optimizer=shaped" in str(error)
 
 
 def test_gap_left_by_a_removed_gate(tmp_path: Path) -> None:
@@ -1519,8 +1523,11 @@ def test_the_shipped_table_is_checked_against_the_declarations() -> None:
     redone by matching the declared boxes point by point)."""
     declarations = registry.registered_declarations()
     boxes = {
-        name: [_rules.grid_when(box) for box in serves or ()]
-        for name, serves in declarations.items()
+        name: [
+            _rules.grid_when(box)
+            for box in ((*declared.serves, *declared.alone) if declared is not None else ())
+        ]
+        for name, declared in declarations.items()
     }
     checked = 0
     for point in _sample_points(3000) + _fp8_points(3000):
@@ -1554,7 +1561,7 @@ def test_an_implementation_without_serves_cannot_be_named_by_an_ok_rule(
     assert "'undeclared', which declares nothing it serves" in str(error)
     assert_at(error, path, rule.line)
     # Declared, the same file loads and builds it.
-    registry._SERVES["undeclared"] = tuple(dict(box) for box in REPLICATED)
+    registry._SERVES["undeclared"] = Declaration(serves=tuple(dict(box) for box in REPLICATED))
     plan = dtypeplan.resolve({}, rules=path)
     assert plan.implementation == "undeclared"
     assert type(plan.build(torch.nn.Linear(2, 2).parameters())) is Undeclared
@@ -1572,7 +1579,9 @@ def test_a_narrow_declaration_refuses_a_wide_rule(tmp_path: Path, clean_registry
     assert "'fp32_only', which does not declare that combination" in str(error)
     assert f"rule {rule.id!r} sends " in str(error)
     # The resolver's loader checks the declarations it is given, and only those.
-    assert load_rules(path, implementations=["fp32_only", "replicated", "sharded", "fsdp2"])
+    assert load_rules(
+        path, implementations=["fp32_only", "replicated", "sharded", "fsdp2", "whole"]
+    )
     with pytest.raises(RulesError, match="fp32_only"):
         load_rules(path, implementations={**registry.registered_declarations()})
 
