@@ -38,6 +38,7 @@ PLAN_FIELDS = {
     "gradient_prescaling": lambda plan: plan.gradient_prescaling,
     "fp8": lambda plan: plan.fp8,
     "optimizer": lambda plan: plan.optimizer_kind,
+    "param_access": lambda plan: plan.point["param_access"],
     "state_kind": lambda plan: plan.state_kind,
     "fp8_recipe": lambda plan: plan.fp8_recipe,
     "fp8_all_gather": lambda plan: plan.fp8_all_gather,
@@ -59,6 +60,7 @@ IMPLEMENTED = (
     | {("fp8_all_gather", "fp8"), ("fp8_execution", "emulated")}
     | {("state_kind", kind) for kind in ("step_sizes", "averaged_weights")}
     | {("offload_optimizer", "cpu"), ("hierarchical_partitioning", True)}
+    | {("param_access", "owner")}
 )
 """Values OK at ZeRO-3 with their fragment alone (fp32 parameters): tests/test_autocast.py
 proves autocast, and refuses it with 16-bit parameters; shard groups run FSDP2's HSDP mesh
@@ -66,7 +68,8 @@ proves autocast, and refuses it with 16-bit parameters; shard groups run FSDP2's
 another wire across is refused by build, and so by the table. fp8 compute with each recipe,
 emulated, and its fp8 all-gather at ZeRO-3: tests/test_fp8.py. Rprop's step sizes and ASGD's
 averaged weights in fp32, as torch keeps them: tests/test_every_optimizer.py. The optimizer
-alone offloaded: tests/test_offload_zero3_optimizer.py; ZeRO++ hpZ: tests/test_hpz.py."""
+alone offloaded: tests/test_offload_zero3_optimizer.py; ZeRO++ hpZ: tests/test_hpz.py. A class
+run whole (Muon: param_access owner): tests/test_whole_tensor.py."""
 
 
 def _config(name: str, value: Any) -> dict[str, Any]:
