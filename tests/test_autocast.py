@@ -117,7 +117,6 @@ def test_autocast_is_ok_exactly_where_fp32_parameters_are() -> None:
             assert rule.status == plain.status, (point, dtype, rule.id, plain.id)
             assert rule.implementation == plain.implementation, (point, rule.id)
             assert rule.single_process_implementation == plain.single_process_implementation
-            assert rule.id.startswith("autocast"), rule.id
 
 
 @pytest.mark.parametrize("params", ["bf16", "fp16"])
@@ -127,7 +126,7 @@ def test_autocast_with_16_bit_parameters_is_refused_with_the_way_out(params: str
             {params: {"enabled": True}, "torch_autocast": {"enabled": True, "dtype": dtype}}
         )
         assert plan.status == "NotSupported", plan.rule_id
-        assert "test_lower_precision_model" in plan.reason  # DeepSpeed's own expectation
+        assert "expects the loss not to match" in plan.reason  # DeepSpeed's own test
         assert "fp32 parameters" in plan.reason
         # The advice leads back to OK plans: drop torch_autocast (or the 16-bit mode).
         advice = "; ".join(change for alt in plan.alternatives for change in alt.changes)
@@ -144,7 +143,7 @@ def test_16_bit_masters_with_autocast_are_an_error() -> None:
         }
     )
     assert plan.status == "Error", plan.rule_id
-    assert plan.rule_id == "autocast-master-weights-below-params"
+    assert plan.rule_id == "master-weights-below-params"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -228,12 +228,12 @@ def test_files_deepspeed_runs_resolve_with_its_meaning_or_say_where_not(name: st
     # were not there.
     if name in OK_WITH_OPTIMIZER_OFFLOAD:
         assert plan.status == "OK", text
-        assert plan.rule_id.startswith("offload-optimizer-cpu"), plan.rule_id
+        assert plan.rule_id in ("zero1", "zero2", "zero3-offload-optimizer"), plan.rule_id
         assert plan.offload_optimizer == "cpu" and plan.offload_param == "none"
         assert plan.memory(10**6, 2)["host_total"] > 0
     elif name in OK_WITH_ZERO3_OFFLOAD:
         assert plan.status == "OK", text
-        assert plan.rule_id.startswith("offload-zero3"), plan.rule_id
+        assert plan.rule_id == "zero3-offload", plan.rule_id
         assert (plan.offload_optimizer, plan.offload_param, plan.zero_stage) == ("cpu", "cpu", 3)
         figures = plan.memory(10**6, 2)
         assert figures["total"] == 0 and figures["host_params"] > 0

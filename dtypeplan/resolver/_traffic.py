@@ -30,9 +30,10 @@ hpZ ``H``  the group for forward, ``P * N`` within the
 
 fp8 compute at ZeRO-3 with ``fp8.all_gather: fp8`` (``F`` values in ``L`` weights gathered in
 fp8, ``fp8_gathered``): each all-gather sends those weights as one e4m3 byte a value,
-``P * (N - F) + F`` bytes instead of ``P * N`` (about half for bf16 parameters), and each step
-all-reduces the ``L`` weights' fp32 maxima once for the next gather's scales (torchao's
-``precompute_float8_dynamic_scale_for_fsdp``: ``4 * L`` bytes, counted as an all-reduce).
+``P * (N - F) + F`` bytes instead of ``P * N`` (about half for bf16 parameters), and the
+``L`` weights' fp32 maxima are all-reduced for the gathers' scales after each step and at the
+start of each forward, so that weights changed outside ``step()`` are followed (torchao's
+``precompute_float8_dynamic_scale_for_fsdp``: ``4 * L`` bytes each, counted as all-reduces).
 
 int8 / fp8 across the groups (``_quantized_wire.py``): the engine all-reduces each bucket's
 chunk (``bucket / S`` values) on its own, each padded to whole blocks of 256 per rank's slice
@@ -271,7 +272,8 @@ def traffic_model(
             f = sum(fp8_gathered)
             _add(within, "all_gather", 2 * k * _ring(p * (n - f) + f, s))
             _reduce(within, c * n, s, False, k)
-            _add(within, "all_reduce", 2 * _ring(4 * len(fp8_gathered), s))
+            # The scales after each step and at each forward (weights may change between).
+            _add(within, "all_reduce", (1 + k) * 2 * _ring(4 * len(fp8_gathered), s))
             if replicas > 1:
                 _all_reduce(across, n // s, wire_across, replicas, False, k)
     return Traffic(
