@@ -65,7 +65,7 @@ def _free_port() -> int:
 
 def run(args: Any) -> dict[str, Any]:
     plan = dtypeplan.resolve(_config())
-    assert plan.status == "OK" and plan.rule_id == "offload-optimizer-cpu-zero3", plan.explain()
+    assert plan.status == "OK" and plan.rule_id == "zero3-offload-optimizer", plan.explain()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Block(args.hidden, 4) for _ in range(args.blocks)))
     model = plan.prepare_model(model)

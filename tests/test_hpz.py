@@ -170,7 +170,7 @@ def test_parity_hpz_four_ranks(group: dict[str, Any]) -> None:
             assert_parity(result, LOW_PRECISION_LOSS_RTOL, LOW_PRECISION_MASTER_RTOL)
     plans = [dtypeplan.resolve(c["config"]) for c in group["cases"]]
     assert {(p.hpz_partition_size, p.rule_id) for p in plans} == {
-        (HPZ, "hierarchical-partitioning-zero3")
+        (HPZ, "zero3")
     }
 
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 with ``offload_optimizer: cpu`` alone (the table's offload-optimizer-cpu-zero3 rule).
+"""ZeRO-3 with ``offload_optimizer: cpu`` alone (the table's zero3-offload-optimizer rule).
 
 FSDP2's shards stay on the device; the fp32 master shards, the optimizer states and the update
 live on the host (``optimizers/fsdp2/host_update.py``). On this CPU-only machine the device is
@@ -228,7 +228,7 @@ def test_parity_optimizer_offloaded_zero3_shard_groups_four_ranks() -> None:
     from tests.workers.parity import run_cases
 
     plans = [dtypeplan.resolve(case["config"]) for case in drawn]
-    assert {(p.shard_group_size, p.rule_id) for p in plans} == {(2, "offload-optimizer-cpu-zero3")}
+    assert {(p.shard_group_size, p.rule_id) for p in plans} == {(2, "zero3-offload-optimizer")}
     per_rank = spawn(run_cases, 4, drawn, timeout_s=300)
     assert_replicas_equal(per_rank)
     check_cases(per_rank[0], drawn)

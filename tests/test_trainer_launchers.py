@@ -200,7 +200,7 @@ def test_dtypeplan_run_unedited_run_clm_hf_docs_zero3_offloaded(tmp_path: Path) 
     figures = _assert_trained_fp32_out(output, 3, SAVE_AT + 1)
     plan = _plan_in(output / f"checkpoint-{SAVE_AT}")
     assert (plan["rule_id"], plan["offload_param"], plan["offload_optimizer"]) == (
-        "offload-zero3", "cpu", "cpu"
+        "zero3-offload", "cpu", "cpu"
     ), plan  # fmt: skip
     print(f"dtypeplan run run_clm.py, HF docs ds_config_zero3.json: {figures}")
 

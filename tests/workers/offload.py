@@ -169,7 +169,7 @@ def zero3_offload_cases(
     ]
 
 
-# --- ZeRO-3 offloaded as the shipped table serves it (offload-zero3 rules) ---------------------
+# --- ZeRO-3 offloaded as the shipped table serves it (the zero3-offload rule) ---------------------
 ZERO3_OFFLOAD = {
     "offload_optimizer": {"device": "cpu", "pin_memory": True},
     "offload_param": {"device": "cpu", "pin_memory": True},
@@ -267,7 +267,7 @@ def zero3_offload_group(
     }
 
 
-# --- ZeRO-3 with offload_optimizer cpu alone (offload-optimizer-cpu-zero3) ----------------------
+# --- ZeRO-3 with offload_optimizer cpu alone (zero3-offload-optimizer) ----------------------
 def zero3_optimizer_offload_config(precision: str) -> dict[str, Any]:
     """A checkpoint-test config at ZeRO-3 with the optimizer offloaded and the shards not."""
     config = ckpt.config(precision, 3, ckpt.SMALL_BUCKETS)
