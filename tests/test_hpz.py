@@ -169,9 +169,7 @@ def test_parity_hpz_four_ranks(group: dict[str, Any]) -> None:
         else:
             assert_parity(result, LOW_PRECISION_LOSS_RTOL, LOW_PRECISION_MASTER_RTOL)
     plans = [dtypeplan.resolve(c["config"]) for c in group["cases"]]
-    assert {(p.hpz_partition_size, p.rule_id) for p in plans} == {
-        (HPZ, "zero3")
-    }
+    assert {(p.hpz_partition_size, p.rule_id) for p in plans} == {(HPZ, "zero3")}
 
 
 def test_hpz_gathers_the_same_bits_and_reshards_to_the_secondary_group(

@@ -26,9 +26,9 @@ from dtypeplan.optimizers.contract import registry
 from dtypeplan.optimizers.contract.served import REPLICATED
 from dtypeplan.resolver import (
     COMBINATIONS,
-    Declaration,
     DIMENSIONS,
     MAX_RULES,
+    Declaration,
     FrozenDict,
     Rule,
     RuleTable,

@@ -22,7 +22,6 @@ from dtypeplan.resolver._dimensions import COMBINATIONS, DIMENSIONS, FEATURES_UN
 from dtypeplan.resolver._rules import load_rules
 from tests.rules_v1 import load_v1, v1_regions, v1_verdict
 
-
 # The version-1 space: dimensions added since (param_access, issue 44) at their "not used"
 # value, where the old table's combinations are.
 V1_SPACE = with_values(FULL, {name: FEATURES_UNUSED[name] for name in ("param_access",)})
