@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 import dtypeplan
 from dtypeplan.launch import spawn
+from dtypeplan.resolver._boxes import FULL, intersect, with_values
 from dtypeplan.resolver._dimensions import CORE_DIMENSIONS, DIMENSIONS, config_for
 from dtypeplan.resolver._effective import fp8_execution
 from dtypeplan.resolver._optimizer_kind import state_kind
@@ -92,12 +93,20 @@ def _rule_point(rule: Rule, name: str, rng: random.Random) -> dict[str, Any] | N
     return None
 
 
+def _decides_for_elementwise(rule: Rule) -> bool:
+    """Whether ``rule`` decides a point of an elementwise class (on flat shards)."""
+    flat_elementwise = with_values(FULL, {"optimizer": "elementwise", "param_access": "flat"})
+    return any(intersect(box, flat_elementwise) is not None for box in _decided(rule))
+
+
 def _box_point(box: tuple[int, ...], name: str, rng: random.Random) -> dict[str, Any] | None:
     point: dict[str, Any] = {}
     for position, (dim_name, dim) in enumerate(DIMENSIONS.items()):
         values = [v for i, v in enumerate(dim.values) if box[position] >> i & 1]
         if dim_name == "optimizer":
             want: Any = "elementwise"
+        elif dim_name == "param_access":
+            want = "flat"  # an elementwise class runs on flat shards
         elif dim_name == "state_kind":
             want = state_kind(getattr(torch.optim, name))
         elif dim_name in _SINGLE_PROCESS_FIXED and _SINGLE_PROCESS_FIXED[dim_name] in values:
@@ -391,7 +400,7 @@ def test_every_rule_every_optimizer_every_way() -> None:
     print("\n".join(failures))
     # Every rule with a point for an elementwise optimizer (the shaped-optimizer rule is for
     # the others: tests/test_optimizer_names.py).
-    assert rules == {r.id for r in TABLE.rules if "elementwise" in r.matched_values("optimizer")}
+    assert rules == {r.id for r in TABLE.rules if _decides_for_elementwise(r)}
     assert not failures, f"{len(failures)} cases: " + "\n".join(failures[:20])
     known = sum(n for (_, outcome), n in counts.items() if outcome == "known failure")
     if known:
