@@ -231,10 +231,10 @@ def render_config_reference() -> str:
 # --- the truth table ---------------------------------------------------------------------------
 def render_truth_table() -> str:
     from dtypeplan import load_rules
-    from dtypeplan.optimizers import registered_declarations
+    from dtypeplan.optimizers import builtin_declarations
     from dtypeplan.table import render_markdown
 
-    body = render_markdown(load_rules(), registered_declarations())
+    body = render_markdown(load_rules(), builtin_declarations())
     # The table's headings start at ###, below the README's ##; here they sit under the page's #.
     body = re.sub(r"^#(#+) ", r"\1 ", body, flags=re.MULTILINE)
     return (

@@ -93,6 +93,19 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         self._muon = torch.optim.Muon([torch.zeros(1, 1)])
         self._adamw = torch.optim.AdamW([torch.zeros(1)])
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group's ``muon_lr`` and ``adam_lr`` given as None (a wrapper that copies every
+        constructor argument into its groups, torch's signature defaults included) follow the
+        group's ``lr`` as the constructor's do, so that each side steps with a number."""
+        lr = param_group.get("lr")
+        for side in ("muon_lr", "adam_lr"):
+            if side in param_group and param_group[side] is None:
+                if lr is None:
+                    del param_group[side]  # the optimizer's default
+                else:
+                    param_group[side] = lr
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None

@@ -103,9 +103,10 @@ def bound(plan: PrecisionPlan, steps: int = STEPS) -> float:
     implementation of ``plan`` shows against fp32 ``torch.optim`` after ``steps`` steps.
 
     Per step: the gradient side (the compute dtype, fp8 compute, the accumulator, the wire,
-    quantized or across shard groups) times :data:`GRADIENT_GAIN`; the stored moments times
-    :data:`UPDATE_GAIN`; a 16-bit master's rounding (twice the unit roundoff: stochastic
-    rounding moves an element by up to one ulp). At least :data:`FLOOR`."""
+    quantized or across shard groups) times :data:`GRADIENT_GAIN`; the stored moments and the
+    update's own arithmetic (Muon's bf16 Newton-Schulz) times :data:`UPDATE_GAIN`; a 16-bit
+    master's rounding (twice the unit roundoff: stochastic rounding moves an element by up to
+    one ulp). At least :data:`FLOOR`."""
     compute = plan.autocast_dtype if plan.autocast_dtype is not None else plan.param_dtype
     gradient = [
         UNIT_ROUNDOFF[compute],
@@ -118,6 +119,7 @@ def bound(plan: PrecisionPlan, steps: int = STEPS) -> float:
     states = [
         _state_eps(plan.exp_avg_dtype, signed=True),
         _state_eps(plan.exp_avg_sq_dtype, signed=False),
+        UNIT_ROUNDOFF[plan.optimizer.update_dtype],
     ]
     master = 2 * UNIT_ROUNDOFF[plan.master_dtype]
     per_step = GRADIENT_GAIN * sum(gradient) + UPDATE_GAIN * sum(states) + master

@@ -3,6 +3,7 @@
 from dtypeplan.optimizers._build import build_optimizer, implementation_class, prepare_model
 from dtypeplan.optimizers.contract import (
     MixedPrecisionOptimizer,
+    builtin_declarations,
     get_implementation,
     register,
     registered_declarations,
@@ -24,6 +25,7 @@ __all__ = [
     "ShardedOptimizer",
     "WholeTensorOptimizer",
     "build_optimizer",
+    "builtin_declarations",
     "get_implementation",
     "implementation_class",
     "prepare_model",

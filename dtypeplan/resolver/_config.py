@@ -25,6 +25,7 @@ from dtypeplan.resolver._optimizer_kind import (
     shaped_reason,
     state_bytes_per_param,
     state_kind,
+    update_dtype,
 )
 from dtypeplan.resolver._schema import config_schema
 
@@ -101,6 +102,12 @@ class OptimizerConfig:
         """The table's ``param_access`` dimension: ``"owner"`` for a class that needs each
         parameter whole (``_optimizer_kind.needs_whole``), else ``"flat"``."""
         return "owner" if needs_whole(self._class_or_none()) else "flat"
+
+    @property
+    def update_dtype(self) -> torch.dtype:
+        """The dtype the class computes its update in (``_optimizer_kind.update_dtype``): bf16
+        for Muon's Newton-Schulz, else fp32."""
+        return update_dtype(self._class_or_none())
 
     @property
     def registered(self) -> RegisteredOptimizer | None:

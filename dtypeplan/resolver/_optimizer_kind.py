@@ -54,6 +54,7 @@ __all__ = [
     "shaped_reason",
     "state_bytes_per_param",
     "state_kind",
+    "update_dtype",
 ]
 
 
@@ -320,6 +321,20 @@ def needs_whole(torch_class: type | None) -> bool:
     registered ``kind="whole"``."""
     found = registered_optimizer(torch_class)
     return torch_class in _WHOLE_TORCH or (found is not None and found.kind == WHOLE)
+
+
+_BF16_UPDATES = frozenset(
+    found for found in (getattr(torch.optim, "Muon", None), MuonWithAuxAdamW) if found is not None
+)
+"""Classes whose update is computed in bf16 whatever the parameters' dtype: torch's Muon runs
+its Newton-Schulz iterations in bf16 (so does DeepSpeed's, in fp16 or bf16)."""
+
+
+def update_dtype(torch_class: type | None) -> torch.dtype:
+    """The dtype the class computes its update in: bf16 for :data:`_BF16_UPDATES`, else fp32
+    (the master's). Two correct runs whose gradients differ in the last fp32 bits may round a
+    bf16 update differently, so a parity bound counts its unit roundoff (dtypeplan/prove.py)."""
+    return torch.bfloat16 if torch_class in _BF16_UPDATES else torch.float32
 
 
 def state_kind(torch_class: type | None) -> str:

@@ -17,9 +17,14 @@ AUTOCAST_STATES = {
 a parity test, computed by the ZeRO-1/2 optimizer as any other states cell (the update of fp32
 parameters, the states rounded to bf16)."""
 
-SHAPED = {"stage": 1, "params": "fp32", "optimizer": "shaped"}
-"""A shaped optimizer (Adafactor) at ZeRO-1, which the ZeRO-1/2 optimizer hands flat buffers:
-it runs unfactored, off torch's Adafactor (issue 43)."""
+SHAPED = {
+    "stage": 1, "optimizer": "shaped", "param_access": "owner",
+    "master": ["fp32", "bf16", "bf16_sr", "bf16_kahan"],
+    "states": ["fp32", "bf16", "fp32/bf16", "bf16/fp32"],
+}  # fmt: skip
+"""A shaped optimizer (Muon, Adafactor) at ZeRO-1, the shipped ``whole-tensor`` rule's box at
+that stage, which the ZeRO-1/2 optimizer hands flat buffers: Adafactor runs unfactored, Muon as
+AdamW (issue 43)."""
 
 
 @dtypeplan.register("sharded-autocast-states", serves=[*SHARDED, AUTOCAST_STATES])

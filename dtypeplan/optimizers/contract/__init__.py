@@ -12,6 +12,7 @@ from dtypeplan.optimizers.contract.fp8_compute import (
     precompute_scales,
 )
 from dtypeplan.optimizers.contract.registry import (
+    builtin_declarations,
     get_implementation,
     register,
     registered_declarations,
@@ -26,6 +27,7 @@ __all__ = [
     "fp8_weight_numels",
     "precompute_scales",
     "WrapPolicy",
+    "builtin_declarations",
     "get_implementation",
     "register",
     "registered_declarations",

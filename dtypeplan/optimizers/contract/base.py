@@ -71,7 +71,10 @@ def hyperparameter_defaults(plan: PrecisionPlan) -> dict[str, Any]:
     """The param groups' defaults: every hyperparameter of the torch class with the config's
     values over the class's own defaults, so that ``param_groups`` hold ``betas``, ``eps``,
     ``momentum``... as in torch (``OneCycleLR(cycle_momentum=True)`` and code that reads or
-    sets them rely on it)."""
+    sets them rely on it). A signature default of None that the constructor resolves
+    (``MuonWithAuxAdamW``'s ``lr``, ``muon_lr``, ``adam_lr``) is the value it resolves to, as
+    the class's own ``defaults`` hold it: the groups are copied into the inner optimizer at
+    every step, and a None there would reach the update."""
     torch_class = plan.optimizer.torch_class
     defaults = {
         name: parameter.default
@@ -82,6 +85,11 @@ def hyperparameter_defaults(plan: PrecisionPlan) -> dict[str, Any]:
         and parameter.kind is not inspect.Parameter.VAR_KEYWORD
     }
     defaults.update(plan.optimizer.params)
+    unresolved = [name for name, value in defaults.items() if value is None]
+    if unresolved:
+        probe = torch_class([torch.zeros(2, 2, requires_grad=True)], **constructor_arguments(plan))
+        for name in unresolved:
+            defaults[name] = probe.defaults.get(name)
     return defaults
 
 

@@ -10,7 +10,13 @@ from dtypeplan.errors import RegistryError, RulesError
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer
 from dtypeplan.resolver import Declaration, declaration_boxes
 
-__all__ = ["get_implementation", "register", "registered_declarations", "registered_names"]
+__all__ = [
+    "builtin_declarations",
+    "get_implementation",
+    "register",
+    "registered_declarations",
+    "registered_names",
+]
 
 _REGISTRY: dict[str, type[MixedPrecisionOptimizer]] = {}
 _SERVES: dict[str, Declaration | None] = {}
@@ -86,3 +92,14 @@ def registered_declarations() -> dict[str, Declaration | None]:
     """Every registered name with what it serves (what ``load_rules(implementations=...)``
     takes; ``None`` for a class registered without ``serves``)."""
     return {name: _SERVES[name] for name in sorted(_REGISTRY)}
+
+
+def builtin_declarations() -> dict[str, Declaration | None]:
+    """:func:`registered_declarations` of dtypeplan's own implementations only: what the
+    generated reference page shows, whatever a user's or a test's module has registered in the
+    same process."""
+    return {
+        name: declared
+        for name, declared in registered_declarations().items()
+        if _REGISTRY[name].__module__.split(".")[0] == "dtypeplan"
+    }
