@@ -1,0 +1,28 @@
+"""The benchmark of DeepSpeed's own Muon against dtypeplan's (``benchmarks/
+bench_whole_tensor_deepspeed.py``): its arguments parse without DeepSpeed; with DeepSpeed
+importable, a quick run on 2 gloo ranks ends with both libraries' weights within Muon's bf16
+bound of each other and every rank's weights equal."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_whole_tensor_deepspeed as bench
+
+
+def test_arguments_parse_without_deepspeed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--check-args", "--quick"])
+    assert exit_info.value.code == 0
+    assert '"quick": true' in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quick_run_agrees_with_deepspeed() -> None:
+    if not bench.deepspeed_importable():
+        pytest.skip("deepspeed is not importable (it is never a dependency of dtypeplan)")
+    summary = bench.main(["--quick", "--no-write", "--steps", "2"])
+    for row in summary["agreement"]:
+        assert row["weights rel diff"] <= row["bound"], row
+        assert row["rank spread DS / plan"] == "0.0e+00 / 0.0e+00", row
+    assert [row["ZeRO"] for row in summary["timing"]] == list(bench.STAGES)
