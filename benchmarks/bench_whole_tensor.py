@@ -15,7 +15,7 @@ its own data. The methods (each rank single-threaded, on 127.0.0.1 gloo):
 Timing: a barrier, then the wall time of the step; a step's time is the slowest rank's; the
 methods are interleaved in rounds. Reported: median ms/step, the ratio to its one-process
 baseline, the final loss of each, and the owners' balance (largest rank's owned elements over
-the mean). DeepSpeed's own Muon is not run here: see the notes of the result file.
+the mean). DeepSpeed's own Muon against dtypeplan's: ``bench_whole_tensor_deepspeed``.
 """
 
 from __future__ import annotations
@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         "The losses are of the last micro-batch of each method's last step, on the same "
         "batches; a one-process baseline sees one rank's batches, dtypeplan both ranks' (the "
         "mean gradient), so they differ by the data, not by the optimizer.",
-        "DeepSpeed's own Muon is not compared: deepspeed 0.19.8 installs here (pip install "
-        "--target, DS_BUILD_OPS=0), but deepspeed.initialize with optimizer type Muon at ZeRO-1 "
-        "on 2 CPU gloo ranks (DS_ACCELERATOR=cpu) made no progress within 300 s (7 s of CPU).",
+        "DeepSpeed's own Muon against dtypeplan's, at ZeRO-1/2 on 2 gloo ranks: "
+        "benchmarks/bench_whole_tensor_deepspeed.py (results whole_tensor_deepspeed-<date>).",
     ]
     if not args.no_write:
         write_result(

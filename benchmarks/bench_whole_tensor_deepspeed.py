@@ -315,11 +315,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # rows as the width: a full-rank gradient, so the Newton-Schulz floor is small.
         "rows": (64 if args.quick else 512) // 4,
         "warmup": 1,
-        "rounds": args.rounds or (1 if args.quick else 5),
+        "rounds": args.rounds or (1 if args.quick else 10),
         "steps_per_round": args.steps,
         "stages": STAGES,
         "optimizer": OPTIMIZER,
     }
+    env = environment()  # the load average at the start
     result = spawn(_run, 2, spec, timeout_s=3600)[0]
     timing, agreement, per_step = _rows(result, spec)
     tables = [
@@ -338,14 +339,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 },
             ),
         ),
-        ("Loss per step (mean over ranks)", format_table(per_step, formats={})),
+        (
+            "Loss per step (mean over ranks)",
+            format_table(
+                per_step, formats={name: "{:.5f}" for name in per_step[0] if name != "step"}
+            ),
+        ),
     ]
     for title, table in tables:
         print(f"## {title}\n{table}\n")
-    env = environment()
     env["deepspeed"] = deepspeed.__version__
+    env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     params = spec["layers"] * spec["width"] * (spec["width"] + 1)
     notes = [
+        f"1-minute load average at the end {env['load_average_1m_at_end']}: the methods "
+        "interleave in rounds, so the load falls on both libraries alike and the ratio holds.",
         f"deepspeed {deepspeed.__version__} (pip install --target, DS_BUILD_OPS=0; its CPU ops "
         "JIT-built by DeepSpeed on first use: the shared-memory comm op and FusedAdam), "
         "DS_ACCELERATOR=cpu, deepspeed.init_distributed(dist_backend='gloo') on the group "

@@ -1,7 +1,9 @@
 """The benchmark of DeepSpeed's own Muon against dtypeplan's (``benchmarks/
 bench_whole_tensor_deepspeed.py``): its arguments parse without DeepSpeed; with DeepSpeed
-importable, a quick run on 2 gloo ranks ends with both libraries' weights within Muon's bf16
-bound of each other and every rank's weights equal."""
+importable, a quick run on 2 gloo ranks gives the two libraries the same first update up to
+what their bf16 Newton-Schulz iterations alone differ by on one gradient (the floor, measured
+in the run: 5% on the quick model), the same losses within 1e-3, and every rank the same
+weights."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def test_quick_run_agrees_with_deepspeed() -> None:
         pytest.skip("deepspeed is not importable (it is never a dependency of dtypeplan)")
     summary = bench.main(["--quick", "--no-write", "--steps", "2"])
     for row in summary["agreement"]:
-        assert row["weights rel diff"] <= row["bound"], row
+        # The rest of the step is fp32: the first update may differ by little beyond the floor.
+        assert row["step-1 update rel diff"] <= 1.2 * row["NS floor"] + 1e-3, row
+        ours, theirs = row["final loss dtypeplan"], row["final loss DeepSpeed"]
+        assert abs(ours - theirs) <= 1e-3 * abs(theirs), row
         assert row["rank spread DS / plan"] == "0.0e+00 / 0.0e+00", row
     assert [row["ZeRO"] for row in summary["timing"]] == list(bench.STAGES)
