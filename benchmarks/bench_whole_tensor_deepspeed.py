@@ -15,14 +15,14 @@ dtypeplan the same division by hand.
 
 Timing: a barrier, then the wall time of the step; a step's time is the slowest rank's; the
 methods interleave in rounds, so the machine's load falls on all of them alike. Reported: median
-ms/step of the measured rounds and the ratio dtypeplan / DeepSpeed at each stage, the global
-loss (mean over ranks) of every step side by side, and the two libraries' difference: of the
-first step's update of the Muon matrices and of the final weights, next to the Newton-Schulz
-floor: DeepSpeed's ``muon_update`` against ``torch.optim.Muon`` on one and the same gradient
-(the first step's full-batch gradient, computed apart). Both iterate in bf16, in a different
-order of operations (DeepSpeed's compiled); on a rank-deficient gradient (fewer rows in the
-batch than the matrix has columns) the iteration lifts the bf16 rounding noise of the null
-space toward singular value 1, so the two differ by tens of percent on identical input: the
+ms/step of the measured rounds (and its quartiles) and the ratio dtypeplan / DeepSpeed at each
+stage, the global loss (mean over ranks) of every step side by side, and the two libraries'
+difference: of the first step's update of the Muon matrices and of the final weights, next to
+the Newton-Schulz floor: DeepSpeed's ``muon_update`` against ``torch.optim.Muon`` on one and the
+same gradient (the first step's full-batch gradient, computed apart). Both iterate in bf16, in a
+different order of operations (DeepSpeed's compiled); on a rank-deficient gradient (fewer rows
+in the batch than the matrix has columns) the iteration lifts the bf16 rounding noise of the
+null space toward singular value 1, so the two differ by tens of percent on identical input: the
 default batch has as many rows as the width, for a full-rank gradient.
 
 DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``, ``deepspeed.init_distributed("gloo")`` adopting the
@@ -223,6 +223,7 @@ def _run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         spread[name] = max(float((g - flat).abs().max()) for g in gathered)
     return {
         "ms": {name: statistics.median(values) for name, values in times.items()},
+        "quartiles": {name: statistics.quantiles(values, n=4) for name, values in times.items()},
         "loss": losses,
         "weights": weights if rank == 0 else None,
         "first_update": first_update if rank == 0 else None,
@@ -257,6 +258,10 @@ def _ns_floor(spec: dict[str, Any], x: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _quartiles(quartiles: list[float]) -> str:
+    return f"{quartiles[0]:.1f}-{quartiles[2]:.1f}"
+
+
 def _rows(result: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict[str, Any]], ...]:
     timing, agreement = [], []
     weights = result["weights"]
@@ -267,6 +272,8 @@ def _rows(result: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict[str, 
                 "ZeRO": stage,
                 "DeepSpeed ms/step": result["ms"][ds],
                 "dtypeplan ms/step": result["ms"][mine],
+                "DeepSpeed 25-75%": _quartiles(result["quartiles"][ds]),
+                "dtypeplan 25-75%": _quartiles(result["quartiles"][mine]),
                 "ratio dtypeplan/DeepSpeed": result["ms"][mine] / result["ms"][ds],
             }
         )
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # rows as the width: a full-rank gradient, so the Newton-Schulz floor is small.
         "rows": (64 if args.quick else 512) // 4,
         "warmup": 1,
-        "rounds": args.rounds or (1 if args.quick else 10),
+        "rounds": args.rounds or (1 if args.quick else 20),
         "steps_per_round": args.steps,
         "stages": STAGES,
         "optimizer": OPTIMIZER,
