@@ -369,7 +369,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{spec['width']}) with biases), {spec['micro']} micro-batches of {spec['rows']} rows a "
         "step on each of 2 gloo ranks (127.0.0.1), one thread each; fp32 model and masters.",
         "Config of both: {'optimizer': {'type': 'Muon', 'params': "
-        f"{OPTIMIZER}}}, zero_optimization.stage 1 or 2. ns_method 'standard' on both: "
+        f"{OPTIMIZER}}}, 'gradient_clipping': {CLIPPING}, zero_optimization.stage 1 or 2 "
+        "(DeepSpeed clips at 1.0 when the key is absent, and at ZeRO-1/2 it clips Muon's "
+        "orthogonalized update: see the -notes.md of this date). ns_method 'standard' on both: "
         "DeepSpeed's default 'gram' runs Newton-Schulz in fp16 (on square matrices the same "
         "quintic iteration, else on the Gram matrix); dtypeplan runs torch.optim.Muon's bf16 "
         "quintic and refuses 'gram'.",
