@@ -29,6 +29,7 @@ from dtypeplan.launch import spawn
 from dtypeplan.muon import MuonWithAuxAdamW
 from dtypeplan.optimizers.whole.low_precision import SIGNED
 from dtypeplan.optimizers.whole.owners import assign_owners
+from dtypeplan.resolver import _optimizer_kind as kinds
 from dtypeplan.resolver._optimizer_kind import SIGNED_WHOLE_STATES, whole_states
 from dtypeplan.resolver._owners import owner_ranks
 
@@ -229,3 +230,110 @@ def test_deepspeed_muon_at_zero3_keeps_adamw_for_the_embedding(two_ranks: Any) -
     for case, results in two_ranks:
         if _known_bug(case):
             _check(case, results, 2)
+
+
+def _slow_cases() -> list[dict[str, Any]]:
+    """4 ranks: first dimensions divisible by 4 (FSDP2's collectives unpadded), each class at
+    each stage, a whole and a sharded accumulator, bf16 and fp32 parameters."""
+    widths = [8, 16, 12, 8]
+    cases = [
+        _case(o, stage, micro_batches=3, widths=widths)
+        for o, stage in itertools.product(OPTIMIZERS, (0, 1, 2, 3))
+    ]
+    cases += [
+        _case("Adafactor", stage, params="fp32", widths=widths, states=False)
+        for stage in (1, 2, 3)
+    ]
+    cases.append(_case("Muon", 1, master={"dtype": "bf16", "rounding": "kahan"}, widths=widths))
+    return cases
+
+
+@pytest.mark.slow
+def test_memory_and_traffic_equal_what_four_ranks_hold_and_send() -> None:
+    cases = _slow_cases()
+    per_rank = spawn(cost_cases, 4, cases, timeout_s=600)
+    for case, *results in zip(cases, *per_rank, strict=True):
+        if not _known_bug(case):
+            _check(case, list(results), 4)
+
+
+# --- one process: the model's facts against torch's own ---------------------------------------
+def test_the_owners_are_the_optimizers_owners() -> None:
+    """resolver/_owners.py (the resolver imports nothing of the optimizers) assigns as
+    optimizers/whole/owners.py does, ties and empty ranks included."""
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice([1, 3, 64, 64, 4096, rng.randrange(1, 5000)]) for _ in range(rng.randrange(0, 40))]
+        world = rng.randrange(1, 9)
+        assert owner_ranks(sizes, world) == assign_owners(sizes, world).ranks, (sizes, world)
+
+
+def test_signed_states_are_the_optimizers() -> None:
+    assert SIGNED_WHOLE_STATES == SIGNED
+
+
+@pytest.mark.parametrize("torch_class", [torch.optim.Adafactor, torch.optim.Muon, MuonWithAuxAdamW])
+def test_whole_states_are_the_states_torch_creates(torch_class: type) -> None:
+    """Each shape's states, by name and size, and the bytes of the 0-dim ones, as one real step
+    of the class creates them."""
+    shapes = [(5, 3), (3, 7), (7,), (2, 3, 4), ()]
+    if torch_class is torch.optim.Muon:
+        shapes = [(5, 3), (3, 7)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    muon = [len(s) == 2 and i != 0 for i, s in enumerate(shapes)]  # the first: an "embed"
+    for param, tag in zip(params, muon, strict=True):
+        param.use_muon = tag  # type: ignore[attr-defined]
+        param.grad = torch.randn_like(param)
+    optimizer = torch_class(params, lr=1e-3)
+    optimizer.step()
+    for param, shape, tag in zip(params, shapes, muon, strict=True):
+        state = optimizer.state[param]
+        expected = whole_states(torch_class, shape, tag)
+        per_element = {k: v.numel() for k, v in state.items() if torch.is_tensor(v) and v.dim()}
+        scalars = sum(
+            v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and not v.dim()
+        )
+        assert per_element == dict(expected.values), (torch_class, shape)
+        assert scalars == expected.scalar_bytes, (torch_class, shape)
+
+
+def _owner_plan(optimizer: str = "Adafactor", stage: int = 2) -> dtypeplan.PrecisionPlan:
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    return dtypeplan.resolve({**config, "optimizer": {"type": optimizer, "params": {"lr": 1e-3}}})
+
+
+def test_the_figures_need_the_models_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the shapes (memory) or the sizes (traffic) no figure would be true: the error
+    names the argument; DeepSpeed's Muon needs the names too; a shape torch's Muon refuses and
+    a registered class whose states are unknown are NotSupported."""
+    plan = _owner_plan()
+    with pytest.raises(PrecisionConfigError, match="param_shapes"):
+        plan.memory(100, 2)
+    with pytest.raises(PrecisionConfigError, match="param_numels"):
+        plan.traffic(100, 2)
+    with pytest.raises(ValueError, match="num_params"):
+        plan.memory(99, 2, param_shapes=[(10, 10)])
+    with pytest.raises(PrecisionConfigError, match="by name"):
+        _owner_plan("Muon").memory(100, 2, param_shapes=[(10, 10)])
+    named = _owner_plan("Muon").memory(100, 2, param_shapes={"embed.weight": (10, 10)})
+    assert named["optimizer_states"] == 2 * 4 * 100 + 4  # AdamW for the embedding
+    torch_muon = plan.with_optimizer(torch.optim.Muon, {"lr": 0.02})
+    with pytest.raises(NotSupportedError, match="2-D"):
+        torch_muon.memory(110, 2, param_shapes=[(10, 10), (10,)])
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    monkeypatch.setattr(kinds, "_REGISTERED", dict(kinds._REGISTERED))  # restored after
+    dtypeplan.register_optimizer(Mine, kind="whole")
+    with pytest.raises(NotSupportedError, match="not known"):
+        plan.with_optimizer(Mine, {"lr": 0.1}).memory(100, 2, param_shapes=[(10, 10)])
+
+
+def test_the_flat_layouts_figures_are_not_given_for_an_owner_plan() -> None:
+    """Before, plan.traffic() answered an owner plan with the flat layout's reduce-scatter and
+    all-gather: now its own collectives (a reduce to each owner, a broadcast back)."""
+    plan = _owner_plan(stage=1)
+    traffic = plan.traffic(300, 4, param_numels=[100, 200])
+    assert set(traffic.within) == {"all_reduce", "reduce", "broadcast"}
+    assert traffic.within["broadcast"] == 2 * 300 * 3 // 4

@@ -453,4 +453,9 @@ def whole_states(torch_class: type, shape: tuple[int, ...], muon: bool = True) -
             "each parameter keeps) are not known to dtypeplan: plan.memory() cannot count "
             "them; optimizer.held_tensors() measures them"
         )
-    return rule(tuple(shape), muon)
+    states = rule(tuple(shape), muon)
+    if not shape:
+        # A 0-dim parameter's states are 0-dim too: scalar states, torch's fp32 (the 16-bit
+        # storage of optimizers/whole/low_precision.py is for states of more than one value).
+        return WholeStates(FrozenDict(), states.scalar_bytes + 4 * sum(states.values.values()))
+    return states
