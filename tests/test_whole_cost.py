@@ -337,3 +337,27 @@ def test_the_flat_layouts_figures_are_not_given_for_an_owner_plan() -> None:
     traffic = plan.traffic(300, 4, param_numels=[100, 200])
     assert set(traffic.within) == {"all_reduce", "reduce", "broadcast"}
     assert traffic.within["broadcast"] == 2 * 300 * 3 // 4
+
+
+# --- the planner ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["Muon", pytest.param("Adafactor", marks=pytest.mark.slow)])
+def test_the_planner_costs_the_owners_layout_as_the_plans_do(optimizer: str) -> None:
+    """DeepSpeed's Muon and Adafactor on GPT-2 (its shapes from the config's formula, checked
+    against the class in tests/test_planner.py) on 16 GPUs: every combination's memory and
+    traffic equal plan.memory() / plan.traffic() of the config the planner writes; ZeRO-3's
+    figures are the owners' (each rank holds its whole masters and states), not ZeRO's 1/W."""
+    from dtypeplan.planner import Fleet, plan_for
+    from tests.test_planner import GPT2
+
+    fleet = Fleet(gpus=16, gpu_memory=24e9, gpus_per_node=8)
+    planning = plan_for(GPT2, fleet, optimizer=optimizer, seq=256, micro_batches=2, resolve_top=1)
+    sizes = planning.sizes
+    everything = [*planning.fitting, *planning.rejected]
+    assert {0, 1, 3} <= {c.values["stage"] for c in everything}  # 2 costs as 1 sharded
+    for candidate in everything:
+        plan = dtypeplan.resolve(planning.config(candidate))
+        assert plan.status == "OK" and plan.implementation == "whole", candidate.values
+        memory = plan.memory(sizes.num_params, 16, param_shapes=sizes.named_shapes)
+        assert memory == dict(candidate.memory), candidate.values
+        traffic = plan.traffic(sizes.num_params, 16, param_numels=sizes.param_numels)
+        assert traffic == candidate.traffic, candidate.values
