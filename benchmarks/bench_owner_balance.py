@@ -23,8 +23,15 @@ from dtypeplan.planner import model_sizes
 from dtypeplan.resolver._owners import owner_ranks
 
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "data" / "models"
-GPT2_MEDIUM = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 24, "n_head": 16,
-               "vocab_size": 50257, "n_positions": 1024, "_name_or_path": "gpt2-medium"}  # fmt: skip
+GPT2_MEDIUM = {
+    "model_type": "gpt2",
+    "n_embd": 1024,
+    "n_layer": 24,
+    "n_head": 16,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "_name_or_path": "gpt2-medium",
+}
 RANKS = (2, 4, 8, 16, 64, 256, 1024)
 
 
@@ -72,8 +79,12 @@ def main() -> None:
     table = rows()
     body = format_table(
         table,
-        formats={"balance": "{:.3f}", "floor": "{:.3f}", "Muon B/param": "{:.2f}",
-                 "AdamW B/param": "{:.2f}"},  # fmt: skip
+        formats={
+            "balance": "{:.3f}",
+            "floor": "{:.3f}",
+            "Muon B/param": "{:.2f}",
+            "AdamW B/param": "{:.2f}",
+        },  # fmt: skip
     )
     worst = max((r for r in table if r["ranks"] == 64), key=lambda r: r["balance"])
     notes = [

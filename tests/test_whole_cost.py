@@ -241,8 +241,7 @@ def _slow_cases() -> list[dict[str, Any]]:
         for o, stage in itertools.product(OPTIMIZERS, (0, 1, 2, 3))
     ]
     cases += [
-        _case("Adafactor", stage, params="fp32", widths=widths, states=False)
-        for stage in (1, 2, 3)
+        _case("Adafactor", stage, params="fp32", widths=widths, states=False) for stage in (1, 2, 3)
     ]
     cases.append(_case("Muon", 1, master={"dtype": "bf16", "rounding": "kahan"}, widths=widths))
     return cases
@@ -263,7 +262,10 @@ def test_the_owners_are_the_optimizers_owners() -> None:
     optimizers/whole/owners.py does, ties and empty ranks included."""
     rng = random.Random(0)
     for _ in range(300):
-        sizes = [rng.choice([1, 3, 64, 64, 4096, rng.randrange(1, 5000)]) for _ in range(rng.randrange(0, 40))]
+        sizes = [
+            rng.choice([1, 3, 64, 64, 4096, rng.randrange(1, 5000)])
+            for _ in range(rng.randrange(0, 40))
+        ]
         world = rng.randrange(1, 9)
         assert owner_ranks(sizes, world) == assign_owners(sizes, world).ranks, (sizes, world)
 
@@ -291,7 +293,9 @@ def test_whole_states_are_the_states_torch_creates(torch_class: type) -> None:
         expected = whole_states(torch_class, shape, tag)
         per_element = {k: v.numel() for k, v in state.items() if torch.is_tensor(v) and v.dim()}
         scalars = sum(
-            v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and not v.dim()
+            v.numel() * v.element_size()
+            for v in state.values()
+            if torch.is_tensor(v) and not v.dim()
         )
         assert per_element == dict(expected.values), (torch_class, shape)
         assert scalars == expected.scalar_bytes, (torch_class, shape)

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
+from dtypeplan.muon import muon_by_name
 from dtypeplan.planner.activations import RECOMPUTE, activation_bytes
 from dtypeplan.planner.fleet import Fleet
 from dtypeplan.planner.model_sizes import ModelSizes
 from dtypeplan.planner.numerics import NumericalCost, numerical_cost
 from dtypeplan.resolver import Traffic
 from dtypeplan.resolver._dimensions import MASTER_ROUNDING, STATE_PAIRS
-from dtypeplan.muon import muon_by_name
 from dtypeplan.resolver._memory import memory_model, owner_memory_model
 from dtypeplan.resolver._traffic import owner_traffic_model, traffic_model
 

@@ -251,7 +251,9 @@ def owner_memory_model(
     ranks = owner_ranks(numels, world_size) if zero_stage >= 1 else None
     reduced_to_owner = accumulator_sharded and ranks is not None and not fsdp2
     stored = _whole_state_bytes(master_dtype, exp_avg_dtype, exp_avg_sq_dtype)
-    per_param_scalars = 8 if master_dtype != torch.float32 and master_rounding == "stochastic" else 0
+    per_param_scalars = (
+        8 if master_dtype != torch.float32 and master_rounding == "stochastic" else 0
+    )
     kahan = master_dtype != torch.float32 and master_rounding == "kahan"
     ranks_figures = []
     for rank in range(world_size if ranks is not None or fsdp2 else 1):
@@ -278,7 +280,6 @@ def owner_memory_model(
         ranks_figures.append(figures)
     largest = max(ranks_figures, key=lambda figures: figures["total"])
     return {**largest, **dict.fromkeys(HOST_MEMORY_KEYS, 0)}
-
 
 
 def _shard_numels(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:

@@ -37,8 +37,10 @@ def _unsupported_layout(plan: PrecisionPlan, what: str) -> None:
         setting
         for setting, on in (
             ("zero_optimization.shard_group_size", plan.shard_group_size is not None),
-            ("offload_optimizer / offload_param", (plan.offload_optimizer, plan.offload_param)
-             != ("none", "none")),
+            (
+                "offload_optimizer / offload_param",
+                (plan.offload_optimizer, plan.offload_param) != ("none", "none"),
+            ),
             ("zero_hpz_partition_size", plan.hpz_partition_size > 1),
             ("fp8", bool(plan.fp8)),
         )
@@ -138,4 +140,3 @@ def owner_traffic(
         accum_dtype=plan.grad_accum_dtype,
         comm_dtype=DTYPE_NAMES[plan.comm_dtype],
     )
-

@@ -76,7 +76,9 @@ and 2      times; broadcast ``P * n_i``
 
 Each step also all-reduces which parameters got a gradient on any rank (one fp32 flag a
 parameter, ``4 * L`` bytes) and, from ZeRO-1 on, the owners' squared norms (one fp32 value):
-both counted under ``all_reduce``.
+both counted under ``all_reduce``. At ZeRO-3 FSDP2 (and DTensor's gather of a gradient) pads a
+first dimension the ranks do not divide to a multiple of ``W`` rows; the figures count the
+unpadded sizes, exact where ``W`` divides every parameter's first dimension.
 """
 
 from __future__ import annotations
