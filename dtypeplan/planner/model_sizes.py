@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,9 @@ FP8_EXCLUDED = ("lm_head", "output", "score", "classifier")
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
+Named = tuple[str, tuple[int, ...]]
+"""A parameter's name and shape."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSizes:
@@ -40,7 +43,7 @@ class ModelSizes:
     name: str
     param_numels: tuple[int, ...]
     """Every parameter's element count (tied weights once)."""
-    param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    param_shapes: tuple[Named, ...] = ()
     """Every parameter's name and shape, in the same order (empty for a bare count): the
     whole-tensor optimizers' states depend on them (``plan.memory(param_shapes=...)``)."""
     fp8_weights: tuple[int, ...] = ()
@@ -190,7 +193,7 @@ def _built_on_meta(config: Mapping[str, Any]) -> ModelSizes:
 
 
 def _linear(
-    shapes: list[tuple[str, tuple[int, ...]]],
+    shapes: list[Named],
     fp8: list[int],
     name: str,
     n_in: int,
@@ -207,8 +210,8 @@ def _linear(
 
 def _sizes(
     config: Mapping[str, Any],
-    named: list[tuple[str, tuple[int, ...]]],
-    block: list[tuple[str, tuple[int, ...]]],
+    named: Sequence[Named],
+    block: Sequence[Named],
     **fields: Any,
 ) -> ModelSizes:
     return ModelSizes(
@@ -226,7 +229,7 @@ def _gpt2(config: Mapping[str, Any]) -> ModelSizes:
     shape = _shape(config)
     h, layers = shape["hidden"], shape["layers"]
     inner = config.get("n_inner") or 4 * h
-    block = [
+    block: list[Named] = [
         ("ln_1.weight", (h,)),
         ("ln_1.bias", (h,)),
         ("attn.c_attn.weight", (h, 3 * h)),
@@ -240,7 +243,7 @@ def _gpt2(config: Mapping[str, Any]) -> ModelSizes:
         ("mlp.c_proj.weight", (inner, h)),
         ("mlp.c_proj.bias", (h,)),
     ]
-    named = [
+    named: list[Named] = [
         ("transformer.wte.weight", (shape["vocab"], h)),
         ("transformer.wpe.weight", (config.get("n_positions", 1024), h)),
     ]
@@ -262,7 +265,7 @@ def _llama(config: Mapping[str, Any]) -> ModelSizes:
     qkv_bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
     o_bias = bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
-    block: list[tuple[str, tuple[int, ...]]] = []
+    block: list[Named] = []
     fp8: list[int] = []
     _linear(block, fp8, "self_attn.q_proj", h, heads * head_dim, qkv_bias)
     _linear(block, fp8, "self_attn.k_proj", h, kv_heads * head_dim, qkv_bias)
@@ -275,7 +278,7 @@ def _llama(config: Mapping[str, Any]) -> ModelSizes:
     ):
         _linear(block, fp8, name, n_in, n_out, mlp_bias)
     block += [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
-    named = [("model.embed_tokens.weight", (shape["vocab"], h))]
+    named: list[Named] = [("model.embed_tokens.weight", (shape["vocab"], h))]
     named += [(f"model.layers.{i}.{n}", s) for i in range(layers) for n, s in block]
     named.append(("model.norm.weight", (h,)))
     if not config.get("tie_word_embeddings", False):
