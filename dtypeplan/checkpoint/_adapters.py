@@ -413,6 +413,9 @@ class FullStateAdapter:
     """Any :class:`MixedPrecisionOptimizer`, through its layout-free full state."""
 
     layout = "full"
+    skipped: tuple[str, ...] = (KAHAN_COMPENSATION,)
+    """Saved tensors a load leaves out: the full state of the flat and FSDP2 optimizers keeps
+    no compensation of its own (the master's values include it)."""
 
     def __init__(self, opt: MixedPrecisionOptimizer) -> None:
         self.opt = opt
@@ -477,10 +480,9 @@ class FullStateAdapter:
     def load_targets(
         self, names: list[str], tensors: Tensors, codes: Sequence[str] = ()
     ) -> dict[str, Flat]:
-        # The full state keeps no compensation of its own (the master's values include it)
-        # and no codes (its states are loaded as values).
+        # No codes (the full state's states are loaded as values).
         self._loaded = tensors
-        flats = _empty_flats(tensors, skip=(KAHAN_COMPENSATION,))
+        flats = _empty_flats(tensors, skip=self.skipped)
         for flat in flats.values():
             flat.pieces.append((0, torch.empty(flat.numel)))
         return flats
@@ -505,6 +507,9 @@ class WholeStateAdapter(FullStateAdapter):
     parameter keeps the states its class keeps for it, of their own shapes and names."""
 
     opt: WholeTensorOptimizer
+    skipped = ()
+    """A Kahan compensation is loaded: with bf16 parameters the forward runs on the bf16
+    master, so a resumed run needs the very (weight, compensation) pair, not only its sum."""
 
     def __init__(self, opt: WholeTensorOptimizer) -> None:
         super().__init__(opt)

@@ -450,9 +450,18 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 index = index_of[id(master)]
                 values = torch.as_tensor(state[keys.param_key(index, keys.MASTER)])
                 slot = restored_slot(index, master, state, groups.get(group_index, {}), stored)
-                master.copy_(values)
-                if self.plan.master_rounding == "kahan" and master.dtype != torch.float32:
+                compensation = state.get(keys.param_key(index, keys.KAHAN_COMPENSATION))
+                if self.plan.master_rounding != "kahan" or master.dtype == torch.float32:
+                    master.copy_(values)
+                elif torch.is_tensor(compensation):
+                    # The saved pair itself (values: its sum, exact in fp32): the bf16 weight
+                    # is the forward's, and a pair at a rounding tie has two forms.
+                    compensation = compensation.to(master.device, master.dtype)
+                    master.copy_(values.to(master.device) - compensation.float())
+                    slot[keys.KAHAN_COMPENSATION] = compensation
+                else:
                     # The fp32 value split into the bf16 weight and its compensation.
+                    master.copy_(values)
                     error = values.to(master.device) - master.float()
                     slot[keys.KAHAN_COMPENSATION] = error.to(master.dtype)
                 if slot:
