@@ -14,11 +14,12 @@ keyed ``param.{i}.{name}``, 1-D, of its own shape's ``numel``; so each adapter r
 another wrote. The flat and FSDP2 optimizers keep every state laid out like its parameter; the
 whole-tensor one (:class:`WholeStateAdapter`) keeps each parameter's own (Adafactor's row and
 column statistics; Muon's momentum on matrices, AdamW's moments on the rest), and refuses
-tensors its class would not keep. The inner optimizer's scalar states (``step``, ``mu_product``...) are one per param
-group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`), and one per
-parameter where a parameter's own differ from its group's (``torch.optim``'s lifecycle: a first
-gradient after the group's first step, a skipped step), or where it has no state yet while its
-group has one, in ``scalars.param_states`` (:func:`encode_param_states`).
+tensors its class would not keep. The inner optimizer's scalar states (``step``,
+``mu_product``...) are one per param group, in the manifest's ``scalars.group_states``
+(:func:`encode_group_states`), and one per parameter where a parameter's own differ from its
+group's (``torch.optim``'s lifecycle: a first gradient after the group's first step, a skipped
+step), or where it has no state yet while its group has one, in ``scalars.param_states``
+(:func:`encode_param_states`); the whole-tensor optimizer's are all per parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from dtypeplan.checkpoint._planners import Flat
 from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 from dtypeplan.optimizers.flat import FlatMixedPrecisionOptimizer
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers.whole import WholeTensorOptimizer
 from dtypeplan.optimizers.state import (
     KAHAN_COMPENSATION,
     LOSS_SCALE,
@@ -42,7 +42,6 @@ from dtypeplan.optimizers.state import (
     STEP,
     SavedCodes,
     ShardPiece,
-    param_index,
     param_key,
     param_state_names,
     parse_group_scalar_key,
@@ -52,6 +51,7 @@ from dtypeplan.optimizers.state import (
     scaler_key,
     scaler_state,
 )
+from dtypeplan.optimizers.whole import WholeTensorOptimizer
 
 Tensors = list[dict[str, list[int]]]
 """Per trainable parameter, the tensors stored of it (``master`` and its states) and the shape
@@ -197,7 +197,9 @@ def _elementwise_problems(tensors: Tensors, shapes: list[list[int]], names: list
     """Why ``tensors`` is not ``names`` laid out like each parameter, one line each."""
     out = []
     for i, (stored, shape) in enumerate(zip(tensors, shapes, strict=False)):
-        other = sorted(n for n, s in stored.items() if s != shape) + sorted(set(names) - set(stored))
+        other = sorted(n for n, s in stored.items() if s != shape) + sorted(
+            set(names) - set(stored)
+        )
         if other:
             out.append(
                 f"parameter {i}: the checkpoint's {other} are not states laid out like the "

@@ -206,8 +206,7 @@ def _check_tensors(manifest: dict[str, Any], version: int, where: str) -> None:
     tensors, shapes, states = manifest.get("tensors"), manifest["shapes"], manifest["states"]
     if not isinstance(tensors, list) or len(tensors) != len(shapes):
         raise CheckpointError(
-            f"{where}: the manifest's 'tensors' is missing or not a list of one entry per "
-            "parameter"
+            f"{where}: the manifest's 'tensors' is missing or not a list of one entry per parameter"
         )
     for index, (stored, shape) in enumerate(zip(tensors, shapes, strict=True)):
         if (

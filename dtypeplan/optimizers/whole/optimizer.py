@@ -412,7 +412,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         # The scalars not per parameter; the step count of the first parameter that has one
         # (the ranks own different ones).
         for key, value in self._scalar_state().items():
-            if keys.parse_group_scalar_key(key) is None and keys.parse_param_scalar_key(key) is None:
+            if (
+                keys.parse_group_scalar_key(key) is None
+                and keys.parse_param_scalar_key(key) is None
+            ):
                 state[key] = value
         steps = [v for k, v in scalars.items() if k.endswith("." + keys.STEP)]
         state[keys.scalar_key(keys.STEP)] = int(steps[0]) if steps else 0
@@ -431,7 +434,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         (``full_state.kept_states``); None where that cannot be told."""
         param = self.params[index]
         group = next(
-            g for g, entry in enumerate(self.param_groups) if any(p is param for p in entry["params"])
+            g
+            for g, entry in enumerate(self.param_groups)
+            if any(p is param for p in entry["params"])
         )
         hyper = {k: v for k, v in self._inner.param_groups[group].items() if k != "params"}
         return kept_states(self.plan.optimizer.torch_class, hyper, param)
