@@ -465,10 +465,12 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                     master.copy_(values.to(master.device) - compensation.float())
                     slot[keys.KAHAN_COMPENSATION] = compensation
                 else:
-                    # The fp32 value split into the bf16 weight and its compensation.
+                    # The fp32 value split into the bf16 weight and its compensation (none
+                    # for a parameter that has not stepped and rounds exactly).
                     master.copy_(values)
                     error = values.to(master.device) - master.float()
-                    slot[keys.KAHAN_COMPENSATION] = error.to(master.dtype)
+                    if slot or bool(error.any()):
+                        slot[keys.KAHAN_COMPENSATION] = error.to(master.dtype)
                 if slot:
                     self._inner.state[master] = slot
         self._load_scalar_state(dict(state))
