@@ -196,7 +196,6 @@ def test_manifest_tensors_are_validated(tmp_path: Any) -> None:
     good = _read(path)
     _model, opt = cases.build("Adafactor", 0, seed=3)
     edits = {
-        "a version-2 manifest with 'tensors'": lambda m: m.update(version=2),
         r"tensors\[1\].*not a mapping of its states": lambda m: m["tensors"][1].update(
             variance=[-1]
         ),

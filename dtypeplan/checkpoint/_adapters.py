@@ -322,12 +322,17 @@ class FlatAdapter:
         }
 
     def load_targets(
-        self, names: list[str], tensors: Tensors, codes: Sequence[str] = ()
+        self,
+        names: list[str],
+        shapes: list[list[int]],
+        codes: Sequence[str] = (),
+        tensors: Tensors | None = None,
     ) -> dict[str, Flat]:
         """Staging for ``names`` of this rank's pieces (``tensors``: the checkpoint's, which
-        :meth:`problems` found laid out like the parameters), and for the saved ``codes`` (the
-        manifest's) of pieces that are this rank's own and stored in the same format."""
-        flats = _empty_flats(tensors)
+        :meth:`problems` found laid out like the parameters of ``shapes``), and for the saved
+        ``codes`` (the manifest's) of pieces that are this rank's own and stored in the same
+        format."""
+        flats = _empty_flats(tensors if tensors is not None else elementwise_tensors(names, shapes))
         for piece in self.opt.shard_pieces():
             for name in names:
                 staging = torch.empty(
@@ -480,9 +485,16 @@ class FullStateAdapter:
         }
 
     def load_targets(
-        self, names: list[str], tensors: Tensors, codes: Sequence[str] = ()
+        self,
+        names: list[str],
+        shapes: list[list[int]],
+        codes: Sequence[str] = (),
+        tensors: Tensors | None = None,
     ) -> dict[str, Flat]:
-        # No codes (the full state's states are loaded as values).
+        """Staging for the checkpoint's ``tensors`` (default: ``names`` laid out like the
+        parameters of ``shapes``); no codes (the full state's states are loaded as values)."""
+        if tensors is None:
+            tensors = elementwise_tensors(names, shapes)
         self._loaded = tensors
         flats = _empty_flats(tensors, skip=self.skipped)
         for flat in flats.values():

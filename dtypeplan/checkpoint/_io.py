@@ -171,7 +171,9 @@ def load(
     names = list(manifest["states"])
     codes = manifest.get("codes", [])
     tensors = stored_tensors(manifest)
-    flats = group.agree(lambda: adapter.load_targets(names, tensors, codes), "allocating", path)
+    flats = group.agree(
+        lambda: adapter.load_targets(names, shapes, codes, tensors), "allocating", path
+    )
     group.dcp(
         lambda: dcp.load(
             {},

@@ -196,12 +196,9 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
 
 def _check_tensors(manifest: dict[str, Any], version: int, where: str) -> None:
     """``tensors`` (version 3): per parameter, names of ``states`` with their shapes, the
-    master among them with the parameter's shape."""
+    master among them with the parameter's shape. Before version 3 it is not read
+    (:func:`stored_tensors`: every state laid out like its parameter)."""
     if version < 3:
-        if "tensors" in manifest:
-            raise CheckpointError(
-                f"{where}: a version-{version} manifest with 'tensors', which version 3 introduced"
-            )
         return
     tensors, shapes, states = manifest.get("tensors"), manifest["shapes"], manifest["states"]
     if not isinstance(tensors, list) or len(tensors) != len(shapes):
@@ -226,7 +223,7 @@ def _check_tensors(manifest: dict[str, Any], version: int, where: str) -> None:
 def stored_tensors(manifest: dict[str, Any]) -> Tensors:
     """Per parameter, the tensors a checkpoint holds of it and their shapes (before version 3:
     every state of ``states``, laid out like the parameter)."""
-    if "tensors" in manifest:
+    if manifest["version"] >= 3:
         return [{n: list(s) for n, s in stored.items()} for stored in manifest["tensors"]]
     return elementwise_tensors(list(manifest["states"]), manifest["shapes"])
 
