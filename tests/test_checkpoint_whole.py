@@ -25,6 +25,7 @@ import torch
 from dtypeplan import checkpoint
 from dtypeplan.checkpoint import CheckpointError, CheckpointMismatchError
 from dtypeplan.launch import spawn
+from tests._helpers import OUT
 from tests.workers import checkpoint_whole as cases
 
 MASTER_BOUND = {"Adafactor": 1e-5, "Muon": 2e-3}
@@ -149,6 +150,45 @@ def test_manifest_records_each_state_with_its_own_shape(tmp_path: Any) -> None:
     assert manifest["tensors"][0] == {"master": [24, 12], "momentum_buffer": [24, 12]}
     assert manifest["tensors"][1] == {"master": [24], "exp_avg": [24], "exp_avg_sq": [24]}
     assert "scalar.param.0.step" not in manifest["scalars"]["param_states"]  # Muon has none
+
+
+class _LateLayer(torch.nn.Module):
+    """The MLP, then a layer that only joins once ``on`` is set: at the cut it has no state."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = cases.whole_model(seed, bias=True)
+        self.late = torch.nn.Linear(OUT, OUT)
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(seed + 1)
+            for param in self.late.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return self.late(y) if self.on else y
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "DeepSpeed Muon"])
+def test_a_parameter_without_state_at_the_cut_resumes_as_the_uninterrupted_run(
+    name: str, tmp_path: Any
+) -> None:
+    late = _LateLayer(0)
+    model, opt = cases.build(name, 0, model=late)
+    cases.train(model, opt, range(cases.CUT))
+    path = str(tmp_path / "late")
+    checkpoint.save(opt, path)
+    late.on = True
+    cases.train(model, opt, range(cases.CUT, cases.STEPS))
+    want = cases.final_state(opt)
+    assert _read(path)["tensors"][-1] == {"master": [OUT]}  # the late bias: no state yet
+    resumed_late = _LateLayer(7)
+    resumed_model, resumed = cases.build(name, 0, model=resumed_late)
+    checkpoint.load(resumed, path)
+    resumed_late.on = True
+    cases.train(resumed_model, resumed, range(cases.CUT, cases.STEPS))
+    _assert_bitwise(cases.final_state(resumed), want, f"{name}: late layer")
 
 
 def test_checkpoint_of_another_class_is_refused_and_the_optimizer_unchanged(
