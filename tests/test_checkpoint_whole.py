@@ -11,6 +11,10 @@ and divides by 2). Across world sizes (the batch split otherwise) and into or ou
 summation order, and the resumed run follows the uninterrupted one within the whole-tensor
 bounds of tests/test_whole_tensor.py (fp32 Adafactor 1e-5, Muon 2e-3 of the masters; bf16
 masters or states 2e-2), with every scalar state (steps, stochastic rounding counts) equal.
+Measured (masters, relative, after 4 steps): fp32 Adafactor 1.9e-8 and DeepSpeed's Muon 1.1e-10
+across world sizes, 0 between ZeRO-1 and ZeRO-3 on 2 ranks; bf16 Kahan masters and states
+(DeepSpeed's Muon) 3.7e-3 to 4.5e-3, as far as the two layouts' uninterrupted runs are apart
+(3.8e-3: bf16 parameters at ZeRO-1, FSDP2's fp32 shards at ZeRO-3).
 """
 
 from __future__ import annotations
