@@ -145,10 +145,22 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         if plan.optimizer.torch_class is MuonWithAuxAdamW:
             tag_muon_parameters(model, keep=True)
         if plan.zero_stage == 3 and dist.is_available() and dist.is_initialized():
-            # ZeRO-3: sharded by FSDP2 as the fsdp2 implementation shards it.
-            return FSDP2Optimizer.prepare_model(
+            # ZeRO-3: sharded by FSDP2 as the fsdp2 implementation shards it. FSDP2 replaces
+            # each parameter with a sharded one, which has none of the old one's attributes:
+            # the tags are carried over by name (else every matrix, the embedding too, would
+            # take Muon).
+            tags = {
+                name: param.use_muon  # type: ignore[attr-defined]
+                for name, param in model.named_parameters()
+                if hasattr(param, "use_muon")
+            }
+            prepared = FSDP2Optimizer.prepare_model(
                 model, plan=plan, process_group=process_group, wrap=wrap
             )
+            for name, param in prepared.named_parameters():
+                if name in tags:
+                    param.use_muon = tags[name]  # type: ignore[attr-defined]
+            return prepared
         return super().prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
 
     # --- layout --------------------------------------------------------------------------------
@@ -325,17 +337,23 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
 
     # --- state ----------------------------------------------------------------------------------
     def held_tensors(self) -> HeldTensors:
+        # Kahan's compensation is half of the master (as the flat layouts and plan.memory()
+        # count it), not a state of the optimizer.
+        slots = list(self._inner.state.values())
         states = tuple(
             value
-            for slot in self._inner.state.values()
-            for value in slot.values()
-            if torch.is_tensor(value)
+            for slot in slots
+            for name, value in slot.items()
+            if torch.is_tensor(value) and name != keys.KAHAN_COMPENSATION
+        )
+        compensations = tuple(
+            slot[keys.KAHAN_COMPENSATION] for slot in slots if keys.KAHAN_COMPENSATION in slot
         )
         return HeldTensors(
             params=tuple(p.to_local() if isinstance(p, DTensor) else p.data for p in self.params),
             grads=tuple(p.grad for p in self.params if p.grad is not None),
             accumulator=tuple(self.accumulators.values()),
-            master=tuple(self.masters.values()),
+            master=(*self.masters.values(), *compensations),
             optimizer_states=states,
         )
 
