@@ -422,7 +422,8 @@ def planned_cases(rank: int, world_size: int, configs: list[dict[str, Any]]) -> 
     }
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_the_chosen_configs_hold_send_and_train_as_planned(world: int) -> None:
     """The top combination of each objective for the memory tests' MLP on 2 and 4 ranks (ZeRO 0-2:
     what the flat engine runs on gloo): the bytes held at the accumulation boundary within
