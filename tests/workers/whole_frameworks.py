@@ -1,0 +1,268 @@
+"""The HF Trainer, Accelerate and Lightning reaching each optimizer class the way their users
+write it (issue 44): ``torch.optim.Muon``, ``torch.optim.Adafactor``, the HF Trainer's
+``optim="adafactor"`` (transformers' Adafactor), DeepSpeed's ``"Muon"`` and ``"Lion"`` config
+types and a user's class registered with ``dtypeplan.register_optimizer``.
+
+A case trains a tiny MLP (tests/workers/whole_tensor.whole_model, wrapped to take a dict batch
+and return ``{"loss": ...}``) ``STEPS`` optimizer steps of ``ACCUM`` micro-batches of
+``MICRO`` samples per rank, clipped at ``MAX_GRAD_NORM``, in one framework on dtypeplan. The
+model records the indices of the samples each forward saw, so the reference (one process, fp32,
+the same torch class) trains on exactly the samples the ranks saw in each step, whatever order
+the framework's sampler chose: their union as one batch, clipped at the same norm.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dtypeplan
+from dtypeplan.integrations._common import find_optimizer
+from tests._helpers import make_batch, master_rel_error
+from tests.workers.integrations import _env
+from tests.workers.parity import client_class
+from tests.workers.whole_tensor import _digest, whole_model
+
+STEPS, ACCUM, MICRO = 4, 2, 4
+MAX_GRAD_NORM = 1.0
+MINE = "tests.test_register_optimizer:MyLion"
+"""The user's own class (a 20-line Lion), registered elementwise when its module is imported."""
+
+SPECS: dict[str, dict[str, Any]] = {
+    # A class the program constructs (class path, hyperparameters); bias=False: Muon takes
+    # matrices only, so its model has no vectors.
+    "Muon": {"class": "Muon", "hyper": {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}},
+    "Adafactor": {"class": "Adafactor", "hyper": {"lr": 0.01}},
+    "MyLion": {"class": MINE, "hyper": {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}},
+    # The config's optimizer block (DeepSpeed's types): Muon on the matrices, AdamW on the rest.
+    "config Muon": {
+        "block": {
+            "type": "Muon",
+            "params": {"lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]},
+        },
+        # The HF Trainer refuses a config value that TrainingArguments contradict, as its
+        # DeepSpeed integration does: the arguments say the same.
+        "args": {"learning_rate": 0.02, "weight_decay": 0.01, "adam_beta2": 0.95},
+    },
+    "config Lion": {
+        "block": {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+        "args": {"learning_rate": 1e-3, "weight_decay": 0.1, "adam_beta2": 0.99},
+    },
+    # The HF Trainer's own name: TrainingArguments(optim="adafactor", learning_rate=...).
+    "hf adafactor": {"optim": "adafactor", "hyper": {"lr": 0.01}},
+}
+
+
+class Net(torch.nn.Module):
+    """The MLP taking a dict batch, as framework models do; records what each forward saw."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.body = whole_model(0, bias)
+        self.seen: list[list[int]] = []
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor) -> Any:
+        dtype = next(self.parameters()).dtype
+        loss = torch.nn.functional.mse_loss(self.body(x.to(dtype)).float(), labels)
+        if self.training:
+            self.seen.append([int(i) for i in idx])
+            self.losses.append(float(loss.detach()))
+        return {"loss": loss}
+
+
+def dataset(world: int) -> list[dict[str, torch.Tensor]]:
+    count = STEPS * ACCUM * MICRO * world
+    x, y = make_batch(0, count)
+    return [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(count)]
+
+
+def _bias(name: str) -> bool:
+    return name != "Muon"  # torch's Muon takes matrices only
+
+
+def _config(name: str, stage: int) -> dict[str, Any]:
+    config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
+    if "block" in SPECS[name]:
+        config["optimizer"] = SPECS[name]["block"]
+    return config
+
+
+def _constructed(name: str, params: Any) -> torch.optim.Optimizer:
+    """The optimizer a program constructs for case ``name``."""
+    spec = SPECS[name]
+    if "optim" in spec:
+        from transformers.optimization import Adafactor
+
+        # What TrainingArguments(optim="adafactor") makes (transformers' _get_adafactor).
+        return Adafactor(params, scale_parameter=False, relative_step=False, **spec["hyper"])
+    return client_class(spec["class"])(params, **spec["hyper"])
+
+
+# --- the frameworks -------------------------------------------------------------------------------
+
+
+def _trainer(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
+    import transformers
+
+    from dtypeplan.integrations import DtypeplanTrainer
+
+    spec = SPECS[name]
+    model = Net(_bias(name))
+    values = dict(
+        output_dir=os.path.join(root, f"trainer-{name}-{stage}"), max_steps=STEPS,
+        per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+        learning_rate=spec.get("hyper", {}).get("lr", 1e-3), weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=MAX_GRAD_NORM, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        optim=spec.get("optim", "adamw_torch"),
+    )  # fmt: skip
+    args = transformers.TrainingArguments(**{**values, **spec.get("args", {})})
+    given = None
+    if "class" in spec:
+        given = (_constructed(name, model.parameters()), None)
+    trainer = DtypeplanTrainer(
+        model=model, args=args, train_dataset=dataset(world),
+        dtypeplan_config=_config(name, stage), optimizers=given or (None, None),
+    )  # fmt: skip
+    trainer.train()
+    return model, trainer.dtypeplan_optimizer
+
+
+def _accelerate(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
+    from dtypeplan.integrations import DtypeplanAccelerator
+
+    accelerator = DtypeplanAccelerator(gradient_accumulation_steps=ACCUM)
+    plan = accelerator.resolve(_config(name, stage))
+    model = plan.prepare_model(Net(_bias(name)))
+    if "block" in SPECS[name]:
+        optimizer = plan.build(model.parameters())
+    else:
+        optimizer = plan.wrap(_constructed(name, model.parameters()))
+    loader = torch.utils.data.DataLoader(dataset(world), batch_size=MICRO)
+    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        with accelerator.accumulate(prepared):
+            accelerator.backward(prepared(**batch)["loss"])
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(prepared.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, find_optimizer(optimizer)
+
+
+def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
+    import lightning
+
+    from dtypeplan.integrations import DtypeplanStrategy
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net(_bias(name))
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self) -> Any:
+            # The config's block: none here, as under Lightning's DeepSpeedStrategy.
+            if "block" in SPECS[name]:
+                return None
+            return _constructed(name, self.parameters())
+
+    module = Module()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=world, strategy=DtypeplanStrategy(_config(name, stage)),
+        max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=MAX_GRAD_NORM,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(dataset(world), batch_size=MICRO, shuffle=False)
+    trainer.fit(module, loader)
+    optimizers = trainer.strategy.optimizers
+    return module.net, find_optimizer(optimizers[0]) if optimizers else None
+
+
+FRAMEWORKS = {"trainer": _trainer, "accelerate": _accelerate, "lightning": _lightning}
+
+
+# --- the reference --------------------------------------------------------------------------------
+
+
+def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -> Any:
+    """One fp32 process of the same class on the samples the ranks saw, step by step."""
+    model = Net(_bias(name))
+    if "block" in SPECS[name]:
+        plan = dtypeplan.resolve(_config(name, stage))
+        optimizer = plan.optimizer.torch_class(model.parameters(), **plan.optimizer.params)
+    else:
+        optimizer = _constructed(name, model.parameters())
+    data = dataset(world)
+    losses = []
+    for step in range(STEPS):
+        picked = sorted(
+            i
+            for rank_seen in seen
+            for micro in rank_seen[step * ACCUM : (step + 1) * ACCUM]
+            for i in micro
+        )
+        batch = torch.utils.data.default_collate([data[i] for i in picked])
+        optimizer.zero_grad()
+        loss = model(**batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return model, losses
+
+
+def run_case(framework: str, name: str, stage: int, root: str, world: int) -> dict[str, Any]:
+    model, optimizer = FRAMEWORKS[framework](name, stage, root, world)
+    if optimizer is None:
+        return {"error": f"{framework} built no dtypeplan optimizer for {name}"}
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, model.seen)
+    reference, ref_losses = _reference(name, stage, seen, world)
+    # Each step's loss over every rank's micro-batches (equal sizes): the full batch's mean.
+    mine = torch.tensor(model.losses).reshape(STEPS, ACCUM)
+    dist.all_reduce(mine)
+    # The reference's parameters in the optimizer's order (the Trainer's optim= groups them
+    # by weight decay), which full_state follows.
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = dict(reference.named_parameters())
+    result = {
+        "counts": [len(s) for s in seen],
+        "samples": sorted(i for s in seen for m in s for i in m),
+        "losses": (mine.sum(dim=1) / (world * ACCUM)).tolist(),
+        "ref_losses": ref_losses,
+        "master_rel_error": master_rel_error(
+            optimizer.full_state(), [by_name[n] for n in order]
+        ),
+        "implementation": optimizer.plan.implementation,
+        "torch_class": optimizer.plan.optimizer.torch_class.__qualname__,
+        "stage": optimizer.plan.zero_stage,
+        "digest": _digest(model),
+    }
+    optimizer.close()
+    return result
+
+
+def run_cases(rank: int, world: int, root: str, cases: list[tuple[str, str, int]]) -> Any:
+    """Each ``(framework, optimizer, stage)`` case on this rank; an error is returned as text
+    so that one case's failure does not hide the others'."""
+    _env(rank, world)
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for framework, name, stage in cases:
+        key = f"{framework} {name} ZeRO-{stage}"
+        try:
+            results[key] = run_case(framework, name, stage, root, world)
+        except Exception:  # noqa: BLE001 - reported per case to the parent
+            results[key] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return results
