@@ -13,7 +13,10 @@ changes, and works with automatic and manual optimization:
   it with FSDP2) after moving it to the device, and does not wrap it in DDP (the optimizer
   reduces the gradients itself). ``configure_optimizers`` runs after that, on the readied
   parameters; each optimizer it returns is taken over with ``plan.wrap`` (class, param groups,
-  hyperparameters) and its LR schedulers are pointed at the new one. fp16 plans are refused.
+  hyperparameters) and its LR schedulers are pointed at the new one. ``configure_optimizers``
+  returning None trains with the config's ``optimizer`` block (DeepSpeed's types: ``"Muon"``,
+  ``"Lion"``, ...) on the module's trainable parameters, as Lightning's DeepSpeedStrategy
+  does. fp16 plans are refused.
 * ``lightning.Trainer(precision=...)`` ("bf16-true" or "bf16-mixed", "32-true", ...) fills the
   config's ``"auto"`` precision keys: the plan's parameters are in that dtype, no autocast
   runs, and a config that says another dtype than a 16-bit flag is refused. ``strategy.plan``
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -50,6 +54,7 @@ import dtypeplan
 from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.integrations._common import (
+    config_document,
     fills_for_auto,
     find_optimizer,
     fp8_block_from_torchao,
@@ -215,6 +220,12 @@ class DtypeplanStrategy(DDPStrategy):
         assert self.plan is not None, "configure_ddp resolves the plan first"
         taken: list[Any] = []
         for optimizer in self.optimizers:
+            if isinstance(optimizer, _MockOptimizer):
+                # configure_optimizers returned None: the config's optimizer block trains the
+                # module, as under Lightning's DeepSpeedStrategy (none: nothing trains, as
+                # Lightning warned).
+                taken.append(self._config_optimizer() or optimizer)
+                continue
             if find_optimizer(optimizer) is not None:
                 taken.append(optimizer)
                 continue
@@ -227,6 +238,18 @@ class DtypeplanStrategy(DDPStrategy):
             taken.append(wrapped)
         self.optimizers = taken
         self.plan = self._plan_that_runs()
+
+    def _config_optimizer(self) -> MixedPrecisionOptimizer | None:
+        """The config's ``optimizer`` block on the module's trainable parameters (None: the
+        config has none)."""
+        assert self.plan is not None and self.model is not None
+        if "optimizer" not in config_document(self.dtypeplan_config):
+            return None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        built = find_optimizer(self.plan.build(trainable))
+        assert built is not None, "build makes a dtypeplan optimizer"
+        refuse_loss_scaling(built, "DtypeplanStrategy")
+        return built
 
     def _plan_that_runs(self) -> PrecisionPlan:
         """The plan as ``explain()`` should tell it: the optimizer ``configure_optimizers``
