@@ -194,8 +194,10 @@ FRAMEWORKS = {"trainer": _trainer, "accelerate": _accelerate, "lightning": _ligh
 
 
 def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -> Any:
-    """One fp32 process of the same class on the samples the ranks saw, step by step."""
+    """One fp32 process of the same class on the samples the ranks saw, step by step: the
+    model, its losses, and how far it moved (relative L2 from the start)."""
     model = Net(_bias(name))
+    start = [p.detach().clone() for p in model.parameters()]
     if "block" in SPECS[name]:
         plan = dtypeplan.resolve(_config(name, stage))
         optimizer = plan.optimizer.torch_class(model.parameters(), **plan.optimizer.params)
@@ -217,7 +219,9 @@ def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         optimizer.step()
         losses.append(float(loss.detach()))
-    return model, losses
+    moved = sum(float((p.detach() - s).square().sum()) for p, s in zip(model.parameters(), start))
+    size = sum(float(s.square().sum()) for s in start)
+    return model, losses, (moved / size) ** 0.5
 
 
 def run_case(framework: str, name: str, stage: int, root: str, world: int) -> dict[str, Any]:
@@ -226,7 +230,7 @@ def run_case(framework: str, name: str, stage: int, root: str, world: int) -> di
         return {"error": f"{framework} built no dtypeplan optimizer for {name}"}
     seen: list[Any] = [None] * world
     dist.all_gather_object(seen, model.seen)
-    reference, ref_losses = _reference(name, stage, seen, world)
+    reference, ref_losses, ref_moved = _reference(name, stage, seen, world)
     # Each step's loss over every rank's micro-batches (equal sizes): the full batch's mean.
     mine = torch.tensor(model.losses).reshape(STEPS, ACCUM)
     dist.all_reduce(mine)
@@ -240,6 +244,7 @@ def run_case(framework: str, name: str, stage: int, root: str, world: int) -> di
         "samples": sorted(i for s in seen for m in s for i in m),
         "losses": (mine.sum(dim=1) / (world * ACCUM)).tolist(),
         "ref_losses": ref_losses,
+        "ref_moved": ref_moved,
         "master_rel_error": master_rel_error(
             optimizer.full_state(), [by_name[n] for n in order]
         ),
