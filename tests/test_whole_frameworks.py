@@ -4,7 +4,9 @@ write it (issue 44): ``torch.optim.Muon`` and ``torch.optim.Adafactor`` (the Tra
 the Trainer's ``optim="adafactor"`` (transformers' Adafactor), DeepSpeed's ``"Muon"`` (Muon on
 the matrices, AdamW on the rest) and ``"Lion"`` config types (the Trainer's and Accelerate's
 config, Lightning's with ``configure_optimizers`` returning None, as under its
-DeepSpeedStrategy) and a user's class registered with ``dtypeplan.register_optimizer``.
+DeepSpeedStrategy), ``torch.optim.Muon`` on the matrices and AdamW on the rest prepared
+together under Accelerate (no DistributedDataParallel: the two optimizers reduce) and a user's
+class registered with ``dtypeplan.register_optimizer``.
 
 Each case trains 4 steps of 2 micro-batches on 2 gloo ranks, clipped, against one fp32 process
 of the same class on the samples the ranks saw (tests/workers/whole_frameworks.py), within the
@@ -25,25 +27,27 @@ from dtypeplan.launch import spawn
 from tests.workers.whole_frameworks import ACCUM, SPECS, STEPS, run_cases
 
 WORLD = 2
-MASTER_BOUND = {"Muon": 2e-3, "Adafactor": 1e-5, "hf adafactor": 1e-5, "config Muon": 2e-3}
-LOSS_RTOL = {"Muon": 1e-3, "Adafactor": 1e-5, "hf adafactor": 1e-5, "config Muon": 1e-3}
+MUON = ("Muon", "config Muon", "Muon and AdamW")
+MASTER_BOUND = {"Adafactor": 1e-5, "hf adafactor": 1e-5} | dict.fromkeys(MUON, 2e-3)
+LOSS_RTOL = {"Adafactor": 1e-5, "hf adafactor": 1e-5} | dict.fromkeys(MUON, 1e-3)
 LION_RTOL = 1e-5
-WHOLE = ("Muon", "Adafactor", "hf adafactor", "config Muon")
-"""The classes that run on whole parameters (implementation "whole"); Lion and the user's
-class are elementwise."""
+WHOLE = ("Muon", "Adafactor", "hf adafactor", "config Muon", "Muon and AdamW")
+"""The classes that run on whole parameters (implementation "whole"; of the pair, Muon's);
+Lion and the user's class are elementwise."""
 
 DEFAULT = [
     ("trainer", "Muon", 3),
     ("trainer", "hf adafactor", 1),
-    ("accelerate", "config Muon", 3),
+    ("accelerate", "Muon and AdamW", 3),
     ("lightning", "config Muon", 1),
 ]
 MATRIX = [
     (framework, name, stage)
     for framework in ("trainer", "accelerate", "lightning")
     for name in SPECS
-    # optim="adafactor" is the Trainer's own argument.
-    if framework == "trainer" or name != "hf adafactor"
+    # optim="adafactor" is the Trainer's own argument; two optimizers, Accelerate's.
+    if (framework == "trainer" or name != "hf adafactor")
+    and (framework == "accelerate" or name != "Muon and AdamW")
     for stage in (1, 3)
 ]
 

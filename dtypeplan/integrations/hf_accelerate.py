@@ -33,8 +33,9 @@ What it changes in Accelerate, for the models and optimizers handed to ``prepare
   one process (Accelerate's several-CPU path is mpirun); a launcher's world that Accelerate
   does not see is refused.
 
-* ``prepare`` does not wrap a model that a dtypeplan optimizer trains in
-  DistributedDataParallel (the optimizer reduces), nor move it (``build`` fixed its device:
+* ``prepare`` does not wrap a model that dtypeplan optimizers train (one, or several prepared
+  together: ``torch.optim.Muon`` on the matrices and AdamW on the rest) in
+  DistributedDataParallel (the optimizers reduce), nor move it (``build`` fixed its device:
   move the model before ``plan.prepare_model``); it refuses fp16 plans (loss scaling in
   ``backward`` is not wired). A scheduler from ``plan.build_scheduler`` steps once
   per optimizer step, as DeepSpeed steps it (Accelerate steps others once per process).
@@ -179,7 +180,7 @@ class DtypeplanAccelerator(Accelerator):
             for param in optimizer.trainable_parameters():
                 self._dtypeplan_owner[id(param)] = optimizer
         for arg in args:
-            if isinstance(arg, torch.nn.Module) and self._owning_optimizer(arg) is not None:
+            if isinstance(arg, torch.nn.Module) and self._trained_by_dtypeplan(arg):
                 self._dtypeplan_models.add(arg)
         return super().prepare(*args, device_placement=device_placement)
 
@@ -239,6 +240,13 @@ class DtypeplanAccelerator(Accelerator):
         self._schedulers.append(prepared)
         return prepared
 
+    def _trained_by_dtypeplan(self, model: torch.nn.Module) -> bool:
+        """Whether dtypeplan optimizers (one, or several: ``torch.optim.Muon`` on the matrices
+        and AdamW on the rest) train every trainable parameter of ``model``: they reduce its
+        gradients, so no DistributedDataParallel wraps it."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return bool(trainable) and all(id(p) in self._dtypeplan_owner for p in trainable)
+
     def _owning_optimizer(self, model: torch.nn.Module) -> MixedPrecisionOptimizer | None:
         """The dtypeplan optimizer that trains every trainable parameter of ``model``."""
         owners = {
@@ -273,7 +281,10 @@ class DtypeplanAccelerator(Accelerator):
                 "DtypeplanAccelerator.clip_grad_norm_: the parameters given are not all the "
                 "parameters of one dtypeplan optimizer; it clips the global norm of all of its "
                 "parameters at once, so pass model.parameters() (or call "
-                "optimizer.clip_grad_norm_(max_norm))"
+                "optimizer.clip_grad_norm_(max_norm)). A model trained by several optimizers "
+                "(torch.optim.Muon on the matrices, AdamW on the rest) is clipped per optimizer "
+                "(optimizer.clip_grad_norm_ on each), or by one: DeepSpeed's \"Muon\" type "
+                "in the config runs both"
             )
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 

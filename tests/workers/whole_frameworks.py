@@ -52,6 +52,10 @@ SPECS: dict[str, dict[str, Any]] = {
         "block": {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}},
         "args": {"learning_rate": 1e-3, "weight_decay": 0.1, "adam_beta2": 0.99},
     },
+    # The torch way to the same mix: two optimizers prepared together (Accelerate only: the
+    # Trainer takes one optimizer, Lightning two under manual optimization only). Unclipped:
+    # each dtypeplan optimizer clips its own norm, and torch's clip_grad_norm_ the global one.
+    "Muon and AdamW": {"pair": {"Muon": {"lr": 0.02, "weight_decay": 0.1}, "AdamW": {"lr": 3e-3}}},
     # The HF Trainer's own name: TrainingArguments(optim="adafactor", learning_rate=...).
     "hf adafactor": {"optim": "adafactor", "hyper": {"lr": 0.01}},
 }
@@ -90,6 +94,14 @@ def _config(name: str, stage: int) -> dict[str, Any]:
     if "block" in SPECS[name]:
         config["optimizer"] = SPECS[name]["block"]
     return config
+
+
+def _pair(name: str, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Case ``name``'s optimizers: torch's Muon on the matrices, AdamW on the rest."""
+    hyper = SPECS[name]["pair"]
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [torch.optim.Muon(matrices, **hyper["Muon"]), torch.optim.AdamW(rest, **hyper["AdamW"])]
 
 
 def _constructed(name: str, params: Any) -> torch.optim.Optimizer:
@@ -140,19 +152,24 @@ def _accelerate(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]
     plan = accelerator.resolve(_config(name, stage))
     model = plan.prepare_model(Net(_bias(name)))
     if "block" in SPECS[name]:
-        optimizer = plan.build(model.parameters())
+        optimizers = [plan.build(model.parameters())]
+    elif "pair" in SPECS[name]:
+        optimizers = [plan.wrap(o) for o in _pair(name, model)]
     else:
-        optimizer = plan.wrap(_constructed(name, model.parameters()))
+        optimizers = [plan.wrap(_constructed(name, model.parameters()))]
     loader = torch.utils.data.DataLoader(dataset(world), batch_size=MICRO)
-    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    prepared, *optimizers, loader = accelerator.prepare(model, *optimizers, loader)
     for batch in loader:
         with accelerator.accumulate(prepared):
             accelerator.backward(prepared(**batch)["loss"])
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients and len(optimizers) == 1:
                 accelerator.clip_grad_norm_(prepared.parameters(), MAX_GRAD_NORM)
-            optimizer.step()
-            optimizer.zero_grad()
-    return model, find_optimizer(optimizer)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert not isinstance(prepared, torch.nn.parallel.DistributedDataParallel)
+    found = [find_optimizer(o) for o in optimizers]
+    return model, found if len(found) > 1 else found[0]
 
 
 def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
@@ -200,9 +217,11 @@ def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -
     start = [p.detach().clone() for p in model.parameters()]
     if "block" in SPECS[name]:
         plan = dtypeplan.resolve(_config(name, stage))
-        optimizer = plan.optimizer.torch_class(model.parameters(), **plan.optimizer.params)
+        optimizers = [plan.optimizer.torch_class(model.parameters(), **plan.optimizer.params)]
+    elif "pair" in SPECS[name]:
+        optimizers = _pair(name, model)
     else:
-        optimizer = _constructed(name, model.parameters())
+        optimizers = [_constructed(name, model.parameters())]
     data = dataset(world)
     losses = []
     for step in range(STEPS):
@@ -213,11 +232,13 @@ def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -
             for i in micro
         )
         batch = torch.utils.data.default_collate([data[i] for i in picked])
-        optimizer.zero_grad()
+        model.zero_grad()
         loss = model(**batch)["loss"]
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
+        if len(optimizers) == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
         losses.append(float(loss.detach()))
     moved = sum(float((p.detach() - s).square().sum()) for p, s in zip(model.parameters(), start))
     size = sum(float(s.square().sum()) for s in start)
@@ -225,9 +246,10 @@ def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -
 
 
 def run_case(framework: str, name: str, stage: int, root: str, world: int) -> dict[str, Any]:
-    model, optimizer = FRAMEWORKS[framework](name, stage, root, world)
-    if optimizer is None:
+    model, built = FRAMEWORKS[framework](name, stage, root, world)
+    if built is None:
         return {"error": f"{framework} built no dtypeplan optimizer for {name}"}
+    optimizers = built if isinstance(built, list) else [built]
     seen: list[Any] = [None] * world
     dist.all_gather_object(seen, model.seen)
     reference, ref_losses, ref_moved = _reference(name, stage, seen, world)
@@ -237,23 +259,26 @@ def run_case(framework: str, name: str, stage: int, root: str, world: int) -> di
     # The reference's parameters in the optimizer's order (the Trainer's optim= groups them
     # by weight decay), which full_state follows.
     names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     by_name = dict(reference.named_parameters())
+    errors = []
+    for optimizer in optimizers:
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        errors.append(master_rel_error(optimizer.full_state(), [by_name[n] for n in order]))
+    optimizer = optimizers[0]
     result = {
         "counts": [len(s) for s in seen],
         "samples": sorted(i for s in seen for m in s for i in m),
         "losses": (mine.sum(dim=1) / (world * ACCUM)).tolist(),
         "ref_losses": ref_losses,
         "ref_moved": ref_moved,
-        "master_rel_error": master_rel_error(
-            optimizer.full_state(), [by_name[n] for n in order]
-        ),
+        "master_rel_error": max(errors),
         "implementation": optimizer.plan.implementation,
         "torch_class": optimizer.plan.optimizer.torch_class.__qualname__,
         "stage": optimizer.plan.zero_stage,
         "digest": _digest(model),
     }
-    optimizer.close()
+    for optimizer in optimizers:
+        optimizer.close()
     return result
 
 
