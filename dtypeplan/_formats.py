@@ -28,6 +28,7 @@ is the config's and it is not a state format: it has no record here.
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ def torchao() -> Any:
 
 
 @dataclass(frozen=True)
-class StateFormat:
+class StateFormat(abc.ABC):
     """One way of storing a state's values: its name, its storage, and its bytes."""
 
     name: str
@@ -123,9 +124,9 @@ class StateFormat:
         codes = slice(self.code_count(begin), self.code_count(end))
         return codes, slice(begin // self.block, end // self.block)
 
+    @abc.abstractmethod
     def holds(self, value: Any) -> bool:
         """Whether ``value`` is a state stored in this format."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -141,31 +142,31 @@ class QuantizedFormat(StateFormat):
     """Codes and block scales in one of torchao's tensors: what the optimizers call to make,
     encode and decode such a state (``optimizers/state/storage.py``)."""
 
+    @abc.abstractmethod
     def container(self) -> type:
         """The torchao class that holds this format's codes."""
-        raise NotImplementedError
 
     def holds(self, value: Any) -> bool:
         # A plain tensor never is: torchao is not imported for it.
         return type(value) is not torch.Tensor and isinstance(value, self.container())
 
+    @abc.abstractmethod
     def new(self, numel: int, device: torch.device, *, signed: bool) -> torch.Tensor:
         """A zero state of ``numel`` stored values (whole blocks, at least one)."""
-        raise NotImplementedError
 
     def parts(self, state: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """``state``'s codes, scales, and whether it is signed."""
         return state.codes, state.scale, bool(getattr(state, "signed", True))
 
+    @abc.abstractmethod
     def encode(self, values: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of fp32 ``values`` (whole blocks)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(
         self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, signed: bool
     ) -> None:
         """The fp32 values of ``codes`` and their blocks' ``scales``, into ``out``."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

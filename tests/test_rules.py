@@ -34,6 +34,7 @@ from dtypeplan.resolver import (
     RuleTable,
     Status,
     _rules,
+    _rules_file,
     load_rules,
 )
 from dtypeplan.resolver._boxes import intersect, size
@@ -1100,7 +1101,7 @@ def test_more_rules_than_points_fail_before_parsing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The real bound is one rule per point (18 million); a small one shows the message.
-    monkeypatch.setattr(_rules, "MAX_RULES", 100)
+    monkeypatch.setattr(_rules_file, "MAX_RULES", 100)
     point = next(points())
     path = write(tmp_path, _generated([_rule_text(i, point) for i in range(101)]))
     error = rules_error(path)
