@@ -283,7 +283,7 @@ class DtypeplanAccelerator(Accelerator):
                 "parameters at once, so pass model.parameters() (or call "
                 "optimizer.clip_grad_norm_(max_norm)). A model trained by several optimizers "
                 "(torch.optim.Muon on the matrices, AdamW on the rest) is clipped per optimizer "
-                "(optimizer.clip_grad_norm_ on each), or by one: DeepSpeed's \"Muon\" type "
+                '(optimizer.clip_grad_norm_ on each), or by one: DeepSpeed\'s "Muon" type '
                 "in the config runs both"
             )
         return optimizer.clip_grad_norm_(max_norm, norm_type)

@@ -49,7 +49,10 @@ SPECS: dict[str, dict[str, Any]] = {
         "args": {"learning_rate": 0.02, "weight_decay": 0.01, "adam_beta2": 0.95},
     },
     "config Lion": {
-        "block": {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+        "block": {
+            "type": "Lion",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1},
+        },
         "args": {"learning_rate": 1e-3, "weight_decay": 0.1, "adam_beta2": 0.99},
     },
     # The torch way to the same mix: two optimizers prepared together (Accelerate only: the
@@ -240,7 +243,10 @@ def _reference(name: str, stage: int, seen: list[list[list[int]]], world: int) -
         for optimizer in optimizers:
             optimizer.step()
         losses.append(float(loss.detach()))
-    moved = sum(float((p.detach() - s).square().sum()) for p, s in zip(model.parameters(), start))
+    moved = sum(
+        float((p.detach() - s).square().sum())
+        for p, s in zip(model.parameters(), start, strict=True)
+    )
     size = sum(float(s.square().sum()) for s in start)
     return model, losses, (moved / size) ** 0.5
 
