@@ -1,20 +1,27 @@
 """The HF Trainer, Accelerate and Lightning reach each optimizer class the way their users
-write it (issue 44): ``torch.optim.Muon`` and ``torch.optim.Adafactor`` (the Trainer's
-``optimizers=``, a wrapped optimizer under Accelerate, Lightning's ``configure_optimizers``),
-the Trainer's ``optim="adafactor"`` (transformers' Adafactor), DeepSpeed's ``"Muon"`` (Muon on
-the matrices, AdamW on the rest) and ``"Lion"`` config types (the Trainer's and Accelerate's
-config, Lightning's with ``configure_optimizers`` returning None, as under its
-DeepSpeedStrategy), ``torch.optim.Muon`` on the matrices and AdamW on the rest prepared
-together under Accelerate (no DistributedDataParallel: the two optimizers reduce) and a user's
-class registered with ``dtypeplan.register_optimizer``.
+write it (issue 44):
 
-Each case trains 4 steps of 2 micro-batches on 2 gloo ranks, clipped, against one fp32 process
-of the same class on the samples the ranks saw (tests/workers/whole_frameworks.py), within the
-bounds of tests/test_whole_tensor.py (Muon's bf16 Newton-Schulz: 2e-3 of the masters, 1e-3 of
-the loss; Adafactor: 1e-5) and tests/test_register_optimizer.py (Lion: 1e-5). Measured: at most
-3.7e-8 of the masters and 2.1e-7 of the loss, every case. The default run has one case per
-framework (the Trainer's at ZeRO-3 with an optimizer passed in ``optimizers=``, made before the
-Trainer sharded the model); the framework x class x stage matrix is slow.
+- ``torch.optim.Muon``, ``torch.optim.Adafactor`` and a user's class registered with
+  ``dtypeplan.register_optimizer``: the Trainer's ``optimizers=`` (made on the model before the
+  Trainer readied it), ``plan.wrap`` under Accelerate, Lightning's ``configure_optimizers``;
+- the Trainer's ``optim="adafactor"`` (transformers' own Adafactor, run whole);
+- DeepSpeed's ``"Muon"`` (Muon on the matrices, AdamW on the rest) and ``"Lion"`` types in the
+  config: the Trainer's and Accelerate's config, Lightning's with ``configure_optimizers``
+  returning None (as under its DeepSpeedStrategy), and Accelerate's DeepSpeed spellings: a
+  ``DeepSpeedPlugin`` passed in, or the environment ``accelerate launch --use_deepspeed
+  --deepspeed_config_file`` sets (dtypeplan takes the config instead of starting DeepSpeed);
+- torch's Muon on the matrices and AdamW on the rest, two optimizers prepared together under
+  Accelerate (no DistributedDataParallel: the optimizers reduce; unclipped).
+
+Each case trains 4 steps of 2 micro-batches on 2 gloo ranks, clipped at 1.0, against one fp32
+process of the same class on the samples the ranks saw (tests/workers/whole_frameworks.py),
+within the bounds of tests/test_whole_tensor.py (Muon's bf16 Newton-Schulz: 2e-3 of the masters,
+1e-3 of the loss; Adafactor: 1e-5) and tests/test_register_optimizer.py (Lion: 1e-5). Measured:
+at most 3.7e-8 of the masters and 2.1e-7 of the loss, every case. The default run has a case
+per framework and per fix (each failed before it: ZeRO-3's sharded parameters never reached a
+Trainer's ``optimizers=``, transformers' Adafactor was refused as unknown, Lightning wrapped its
+mock optimizer, Accelerate wrapped a two-optimizer model in DDP and refused a DeepSpeedPlugin
+for want of DeepSpeed); the framework x class x stage matrix is slow.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ DEFAULT = [
     ("trainer", "Muon", 3),
     ("trainer", "hf adafactor", 1),
     ("accelerate", "Muon and AdamW", 3),
+    ("accelerate launch --use_deepspeed", "config Muon", 1),
     ("lightning", "config Muon", 1),
 ]
 MATRIX = [
@@ -48,6 +56,11 @@ MATRIX = [
     # optim="adafactor" is the Trainer's own argument; two optimizers, Accelerate's.
     if (framework == "trainer" or name != "hf adafactor")
     and (framework == "accelerate" or name != "Muon and AdamW")
+    for stage in (1, 3)
+] + [
+    (framework, name, stage)
+    for framework in ("accelerate DeepSpeedPlugin", "accelerate launch --use_deepspeed")
+    for name in ("config Muon", "config Lion")
     for stage in (1, 3)
 ]
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -124,6 +125,21 @@ class DtypeplanAccelerator(Accelerator):
             self.dtypeplan_fp8_config = _fp8_recipe_config(handlers)
             # dtypeplan converts the layers (plan.prepare_model); Accelerate would again.
             settings["kwargs_handlers"] = [h for h in handlers if not isinstance(h, AORecipeKwargs)]
+        self.dtypeplan_deepspeed_config: dict[str, Any] | None = _deepspeed_plugin_config(settings)
+        """The config of a ``DeepSpeedPlugin`` (``deepspeed_plugin=``, or ``accelerate launch
+        --use_deepspeed --deepspeed_config_file ds.json``): what :meth:`resolve` resolves when
+        given no config. DeepSpeed itself is not enabled (it need not be installed)."""
+        if self.dtypeplan_deepspeed_config is not None:
+            steps = self.dtypeplan_deepspeed_config.get("gradient_accumulation_steps")
+            if isinstance(steps, int) and steps != settings.get("gradient_accumulation_steps", 1):
+                # Accelerate's DeepSpeed path takes the config's value (and warns) as well.
+                warnings.warn(
+                    f"DtypeplanAccelerator: gradient accumulation steps: the DeepSpeed config "
+                    f"has {steps}, the accelerator "
+                    f"{settings.get('gradient_accumulation_steps', 1)}; using the config's",
+                    stacklevel=2,
+                )
+                settings["gradient_accumulation_steps"] = steps
         # The plan decides every dtype: Accelerate runs no autocast and no GradScaler.
         settings["mixed_precision"] = "no"
         if "cpu" not in settings and _launched_on_cpu():
@@ -146,7 +162,7 @@ class DtypeplanAccelerator(Accelerator):
 
     # --- the plan ------------------------------------------------------------------------------
     def resolve(
-        self, config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any
+        self, config: Mapping[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any
     ) -> PrecisionPlan:
         """:func:`dtypeplan.resolve` with the config's ``"auto"`` values filled as Accelerate
         means them: the precision keys from ``mixed_precision`` (``"bf16"`` fills
@@ -156,7 +172,16 @@ class DtypeplanAccelerator(Accelerator):
         (``AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(...))``, or Accelerate's
         default: tensorwise, the fp8 all-gather at ZeRO-3), keys the config's own block sets
         kept where they agree. Keyword arguments are :func:`dtypeplan.resolve`'s (``rules=``:
-        a rules file instead of the shipped table)."""
+        a rules file instead of the shipped table). Without ``config``: the config of the
+        ``DeepSpeedPlugin`` the accelerator was given."""
+        if config is None:
+            config = self.dtypeplan_deepspeed_config
+            if config is None:
+                raise ValueError(
+                    "DtypeplanAccelerator.resolve(): no config given and no DeepSpeedPlugin "
+                    "(deepspeed_plugin=, or accelerate launch --use_deepspeed "
+                    "--deepspeed_config_file); pass the config (a dict or a .json/.yaml path)"
+                )
         document = dict(config) if isinstance(config, Mapping) else config
         if self.dtypeplan_fp8_config is not None:
             source = "DtypeplanAccelerator(mixed_precision='fp8')"
@@ -407,6 +432,34 @@ def _fp8_recipe_config(handlers: list[Any]) -> Any:
 
 
 _OTHER_FP8_RECIPES = ("TERecipeKwargs", "MSAMPRecipeKwargs")
+
+
+def _deepspeed_plugin_config(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """Take the ``DeepSpeedPlugin`` out of the accelerator's ``settings`` (``deepspeed_plugin``
+    or ``deepspeed_plugins``, else the one ``accelerate launch --use_deepspeed`` describes in
+    the environment) and return its config; None without one. Accelerate would run DeepSpeed's
+    engine around the optimizer: here the config is the plan's, so Accelerate's switch
+    (``ACCELERATE_USE_DEEPSPEED``) is turned off for this process."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = settings.pop("deepspeed_plugin", None)
+    plugins = settings.pop("deepspeed_plugins", None)
+    plugin = plugin if plugin is not None else plugins
+    if isinstance(plugin, Mapping):
+        if len(plugin) != 1:
+            raise NotSupportedError(
+                f"DtypeplanAccelerator: {len(plugin)} DeepSpeed plugins ({sorted(plugin)}); a "
+                "dtypeplan accelerator trains with one config: pass one plugin, or the config "
+                "to accelerator.resolve(config)"
+            )
+        (plugin,) = plugin.values()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if plugin is None:
+            plugin = DeepSpeedPlugin()  # reads ACCELERATE_DEEPSPEED_CONFIG_FILE and the rest
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if plugin is None:
+        return None
+    return dict(plugin.deepspeed_config)
 
 
 def _launched_world_size() -> int:

@@ -148,11 +148,43 @@ def _trainer(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
     return model, trainer.dtypeplan_optimizer
 
 
-def _accelerate(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
+def _accelerator(name: str, stage: int, root: str, how: str) -> tuple[Any, Any]:
+    """The accelerator and the case's plan: the config given to ``accelerator.resolve``
+    (``how="resolve"``), or Accelerate's DeepSpeed spellings of it: a ``DeepSpeedPlugin`` passed
+    in (``"plugin"``) or the environment ``accelerate launch --use_deepspeed
+    --deepspeed_config_file ds.json`` sets (``"launch"``), the config resolved without an
+    argument. DeepSpeed is not installed here: Accelerate would refuse to start with either."""
+    import json
+
+    from accelerate.utils import DeepSpeedPlugin
+
     from dtypeplan.integrations import DtypeplanAccelerator
 
-    accelerator = DtypeplanAccelerator(gradient_accumulation_steps=ACCUM)
-    plan = accelerator.resolve(_config(name, stage))
+    config = _config(name, stage)
+    if how == "resolve":
+        accelerator = DtypeplanAccelerator(gradient_accumulation_steps=ACCUM)
+        return accelerator, accelerator.resolve(config)
+    # DeepSpeed's value wins over the accelerator's under Accelerate: the config says it.
+    config = {**config, "gradient_accumulation_steps": ACCUM}
+    if how == "plugin":
+        accelerator = DtypeplanAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        return accelerator, accelerator.resolve()
+    path = os.path.join(root, f"ds-{name}-{stage}.json".replace(" ", "_"))
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=path)
+    try:
+        accelerator = DtypeplanAccelerator()
+    finally:
+        del os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"
+    return accelerator, accelerator.resolve()
+
+
+def _accelerate(name: str, stage: int, root: str, world: int, how: str = "resolve") -> Any:
+    accelerator, plan = _accelerator(name, stage, root, how)
+    assert accelerator.gradient_accumulation_steps == ACCUM
+    assert accelerator.distributed_type.value == "MULTI_CPU", accelerator.distributed_type
     model = plan.prepare_model(Net(_bias(name)))
     if "block" in SPECS[name]:
         optimizers = [plan.build(model.parameters())]
@@ -207,7 +239,21 @@ def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
     return module.net, find_optimizer(optimizers[0]) if optimizers else None
 
 
-FRAMEWORKS = {"trainer": _trainer, "accelerate": _accelerate, "lightning": _lightning}
+def _accelerate_plugin(name: str, stage: int, root: str, world: int) -> Any:
+    return _accelerate(name, stage, root, world, "plugin")
+
+
+def _accelerate_launch(name: str, stage: int, root: str, world: int) -> Any:
+    return _accelerate(name, stage, root, world, "launch")
+
+
+FRAMEWORKS = {
+    "trainer": _trainer,
+    "accelerate": _accelerate,
+    "accelerate DeepSpeedPlugin": _accelerate_plugin,
+    "accelerate launch --use_deepspeed": _accelerate_launch,
+    "lightning": _lightning,
+}
 
 
 # --- the reference --------------------------------------------------------------------------------
