@@ -33,6 +33,10 @@ What it changes in Accelerate, for the models and optimizers handed to ``prepare
   one process (Accelerate's several-CPU path is mpirun); a launcher's world that Accelerate
   does not see is refused.
 
+* A ``DeepSpeedPlugin`` (``deepspeed_plugin=``, or what ``accelerate launch --use_deepspeed
+  --deepspeed_config_file ds_config.json`` sets) is not run: its config is the plan's
+  (``accelerator.resolve()`` with no argument), its ``gradient_accumulation_steps`` (a number)
+  the accelerator's, as under Accelerate's DeepSpeed; DeepSpeed need not be installed.
 * ``prepare`` does not wrap a model that dtypeplan optimizers train (one, or several prepared
   together: ``torch.optim.Muon`` on the matrices and AdamW on the rest) in
   DistributedDataParallel (the optimizers reduce), nor move it (``build`` fixed its device:
