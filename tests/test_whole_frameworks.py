@@ -10,8 +10,9 @@ write it (issue 44):
   returning None (as under its DeepSpeedStrategy), and Accelerate's DeepSpeed spellings: a
   ``DeepSpeedPlugin`` passed in, or the environment ``accelerate launch --use_deepspeed
   --deepspeed_config_file`` sets (dtypeplan takes the config instead of starting DeepSpeed);
-- torch's Muon on the matrices and AdamW on the rest, two optimizers prepared together under
-  Accelerate (no DistributedDataParallel: the optimizers reduce; unclipped).
+- torch's Muon on the matrices and AdamW on the rest, two optimizers (unclipped): prepared
+  together under Accelerate (no DistributedDataParallel: the optimizers reduce), returned by
+  ``configure_optimizers`` under Lightning's manual optimization.
 
 Each case trains 4 steps of 2 micro-batches on 2 gloo ranks, clipped at 1.0, against one fp32
 process of the same class on the samples the ranks saw (tests/workers/whole_frameworks.py),
@@ -49,13 +50,13 @@ DEFAULT = [
     ("accelerate launch --use_deepspeed", "config Muon", 1),
     ("lightning", "config Muon", 1),
 ]
+ONLY = {"hf adafactor": ("trainer",), "Muon and AdamW": ("accelerate", "lightning")}
+"""``optim="adafactor"`` is the Trainer's own argument; the Trainer takes one optimizer."""
 MATRIX = [
     (framework, name, stage)
     for framework in ("trainer", "accelerate", "lightning")
     for name in SPECS
-    # optim="adafactor" is the Trainer's own argument; two optimizers, Accelerate's.
-    if (framework == "trainer" or name != "hf adafactor")
-    and (framework == "accelerate" or name != "Muon and AdamW")
+    if framework in ONLY.get(name, (framework,))
     for stage in (1, 3)
 ] + [
     (framework, name, stage)

@@ -212,31 +212,49 @@ def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
 
     from dtypeplan.integrations import DtypeplanStrategy
 
+    pair = "pair" in SPECS[name]
+
     class Module(lightning.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = Net(_bias(name))
+            # Two optimizers: manual optimization (Lightning's only way to several), stepping
+            # every ACCUM batches as its docs write accumulation.
+            self.automatic_optimization = not pair
 
         def training_step(self, batch: Any, index: int) -> Any:
-            return self.net(**batch)["loss"]
+            loss = self.net(**batch)["loss"]
+            if not pair:
+                return loss
+            self.manual_backward(loss / ACCUM)
+            if (index + 1) % ACCUM == 0:
+                for optimizer in self.optimizers():
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return None
 
         def configure_optimizers(self) -> Any:
             # The config's block: none here, as under Lightning's DeepSpeedStrategy.
             if "block" in SPECS[name]:
                 return None
+            if pair:
+                return _pair(name, self.net)
             return _constructed(name, self.parameters())
 
     module = Module()
     trainer = lightning.Trainer(
         accelerator="cpu", devices=world, strategy=DtypeplanStrategy(_config(name, stage)),
-        max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=MAX_GRAD_NORM,
+        max_steps=STEPS * (ACCUM if pair else 1), accumulate_grad_batches=1 if pair else ACCUM,
+        gradient_clip_val=None if pair else MAX_GRAD_NORM,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(dataset(world), batch_size=MICRO, shuffle=False)
     trainer.fit(module, loader)
-    optimizers = trainer.strategy.optimizers
-    return module.net, find_optimizer(optimizers[0]) if optimizers else None
+    found = [find_optimizer(o) for o in trainer.strategy.optimizers]
+    if not found or None in found:
+        return module.net, None
+    return module.net, found if len(found) > 1 else found[0]
 
 
 def _accelerate_plugin(name: str, stage: int, root: str, world: int) -> Any:
