@@ -136,6 +136,9 @@ class DtypeplanStrategy(DDPStrategy):
         self.dtypeplan_rules = rules
         self.plan: PrecisionPlan | None = None
         self._checkpoint_path: str | None = None
+        self._replaced_config_optimizer = False
+        """Whether ``configure_optimizers`` returned an optimizer although the config has an
+        ``optimizer`` block (the plan's warnings say which runs)."""
 
     # --- setup ---------------------------------------------------------------------------------
     def configure_ddp(self) -> None:
@@ -219,6 +222,7 @@ class DtypeplanStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         assert self.plan is not None, "configure_ddp resolves the plan first"
         taken: list[Any] = []
+        self._replaced_config_optimizer = False
         for optimizer in self.optimizers:
             if isinstance(optimizer, _MockOptimizer):
                 # configure_optimizers returned None: the config's optimizer block trains the
@@ -226,6 +230,7 @@ class DtypeplanStrategy(DDPStrategy):
                 # Lightning warned).
                 taken.append(self._config_optimizer() or optimizer)
                 continue
+            self._replaced_config_optimizer = "optimizer" in config_document(self.dtypeplan_config)
             if find_optimizer(optimizer) is not None:
                 taken.append(optimizer)
                 continue
@@ -259,16 +264,24 @@ class DtypeplanStrategy(DDPStrategy):
         assert self.plan is not None
         owned = self._owned()
         plan = owned[0].plan if len(owned) == 1 else self.plan
-        if plan.scheduler is None:
+        notes = []
+        if self._replaced_config_optimizer:
+            notes.append(
+                "optimizer: the config's optimizer block is replaced by the optimizer "
+                "configure_optimizers returns (Lightning's DeepSpeedStrategy runs the config's: "
+                "return None from configure_optimizers to run it here)"
+            )
+        if plan.scheduler is not None:
+            notes.append(
+                "scheduler: the config's scheduler block is not run under Lightning; the "
+                "schedulers configure_optimizers returns are (none: a constant learning rate)"
+                if not self.lr_scheduler_configs
+                else "scheduler: the config's scheduler block is not run under Lightning; the "
+                "schedulers configure_optimizers returns are"
+            )
+        if not notes:
             return plan
-        note = (
-            "scheduler: the config's scheduler block is not run under Lightning; the "
-            "schedulers configure_optimizers returns are (none: a constant learning rate)"
-            if not self.lr_scheduler_configs
-            else "scheduler: the config's scheduler block is not run under Lightning; the "
-            "schedulers configure_optimizers returns are"
-        )
-        return dataclasses.replace(plan, scheduler=None, warnings=(*plan.warnings, note))
+        return dataclasses.replace(plan, scheduler=None, warnings=(*plan.warnings, *notes))
 
     def _owned(self) -> list[MixedPrecisionOptimizer]:
         return [o for o in (find_optimizer(x) for x in self.optimizers) if o is not None]

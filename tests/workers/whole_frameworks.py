@@ -72,6 +72,7 @@ class Net(torch.nn.Module):
         self.body = whole_model(0, bias)
         self.seen: list[list[int]] = []
         self.losses: list[float] = []
+        self.plan_warnings: list[str] = []  # Lightning's strategy.plan.warnings
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor) -> Any:
         dtype = next(self.parameters()).dtype
@@ -241,9 +242,14 @@ def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
                 return _pair(name, self.net)
             return _constructed(name, self.parameters())
 
+    config = _config(name, stage)
+    if name == "Adafactor":
+        # A DeepSpeed config carried over with its own block: configure_optimizers' wins.
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     module = Module()
+    strategy = DtypeplanStrategy(config)
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=world, strategy=DtypeplanStrategy(_config(name, stage)),
+        accelerator="cpu", devices=world, strategy=strategy,
         max_steps=STEPS * (ACCUM if pair else 1), accumulate_grad_batches=1 if pair else ACCUM,
         gradient_clip_val=None if pair else MAX_GRAD_NORM,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -251,6 +257,7 @@ def _lightning(name: str, stage: int, root: str, world: int) -> tuple[Net, Any]:
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(dataset(world), batch_size=MICRO, shuffle=False)
     trainer.fit(module, loader)
+    module.net.plan_warnings = list(strategy.plan.warnings)
     found = [find_optimizer(o) for o in trainer.strategy.optimizers]
     if not found or None in found:
         return module.net, None
@@ -346,6 +353,7 @@ def run_case(framework: str, name: str, stage: int, root: str, world: int) -> di
         "torch_class": optimizer.plan.optimizer.torch_class.__qualname__,
         "stage": optimizer.plan.zero_stage,
         "digest": _digest(model),
+        "plan_warnings": getattr(model, "plan_warnings", []),
     }
     for optimizer in optimizers:
         optimizer.close()
