@@ -107,9 +107,12 @@ def test_every_optimizer_class_the_table_knows_is_planned_or_refused_with_the_re
                  "--optimizer", "LBFGS", "--quiet"])  # fmt: skip
     assert code == 1
     assert "no OK combination for optimizer LBFGS" in capsys.readouterr().err
-    # Adafactor runs whole (optimizers/whole/), whose layout the planner does not model.
-    with pytest.raises(dtypeplan.NotSupportedError, match="whole parameters"):
-        plan_for(GPT2, fleet, optimizer="Adafactor", seq=128)
+    # Adafactor runs whole (optimizers/whole/): planned with the owners' layout, which needs
+    # each parameter's shape (tests/test_whole_cost.py checks the figures).
+    adafactor = plan_for(GPT2, fleet, optimizer="Adafactor", seq=128)
+    assert adafactor.fitting and {c.implementation for c in adafactor.fitting} == {"whole"}
+    with pytest.raises(ValueError, match="whole parameters"):
+        plan_for(124_000_000, fleet, optimizer="Adafactor", seq=128)
 
 
 # --- sizes --------------------------------------------------------------------------------------
@@ -154,6 +157,7 @@ def test_the_formula_and_the_class_built_on_the_meta_device_agree() -> None:
         built = model_sizes(config, build=True)
         assert "meta device" in built.source and "formula" in formula.source
         assert formula.param_numels == built.param_numels
+        assert formula.param_shapes == built.param_shapes
         assert formula.fp8_weights == built.fp8_weights
         assert formula.largest_block == built.largest_block
     with torch.device("meta"):
