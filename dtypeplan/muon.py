@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MuonWithAuxAdamW", "tag_muon_parameters", "takes_muon"]
+__all__ = ["MuonWithAuxAdamW", "muon_by_name", "tag_muon_parameters", "takes_muon"]
 
 _NOT_MUON = ("embed", "lm_head")
 
@@ -38,8 +38,14 @@ def tag_muon_parameters(model: torch.nn.Module, *, keep: bool = False) -> None:
     for name, param in model.named_parameters():
         if keep and hasattr(param, "use_muon"):
             continue
-        lowered = name.lower()
-        param.use_muon = param.dim() == 2 and not any(k in lowered for k in _NOT_MUON)  # type: ignore[attr-defined]
+        param.use_muon = muon_by_name(name, param.dim())  # type: ignore[attr-defined]
+
+
+def muon_by_name(name: str, dim: int) -> bool:
+    """DeepSpeed's tag for the parameter ``name`` of ``dim`` dimensions: 2-D and no ``embed``
+    or ``lm_head`` in its name (any case)."""
+    lowered = name.lower()
+    return dim == 2 and not any(k in lowered for k in _NOT_MUON)
 
 
 def takes_muon(param: torch.Tensor) -> bool:

@@ -247,7 +247,7 @@ def test_manifest_records_layout_free_facts(trained: tuple[str, Any, Any]) -> No
     path, model, opt = trained
     with open(os.path.join(_snapshot_dir(path), "manifest.json")) as handle:
         manifest = json.load(handle)
-    assert manifest["version"] == 2 and manifest["world_size"] == 1
+    assert manifest["version"] == checkpoint.FORMAT_VERSION and manifest["world_size"] == 1
     assert manifest["scalars"]["param_states"] == {}  # every parameter stepped every step
     assert manifest["shapes"] == [list(p.shape) for p in model.parameters()]
     assert (

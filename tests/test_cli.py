@@ -729,6 +729,7 @@ def _run_into_closed_pipe(*argv: str) -> subprocess.CompletedProcess[bytes]:
         os.close(write_end)
 
 
+@pytest.mark.slow
 def test_check_into_a_closed_pipe_exits_quietly_with_its_verdict(tmp_path: Path) -> None:
     ok = _write(tmp_path / "ok.json", {"bf16": {"enabled": True}})
     error = _write(tmp_path / "error.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})

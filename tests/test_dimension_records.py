@@ -292,6 +292,7 @@ print("picked up")
 """
 
 
+@pytest.mark.slow
 def test_a_new_dimension_is_one_record(tmp_path: Path) -> None:
     """One record in a copy of ``_dimensions.py``; the schemas' enums (after ``docs --write``),
     the plan's attribute, ``to_dict``, the origins, ``explain()``'s row, the config reference

@@ -133,6 +133,7 @@ def test_a_backward_that_raises_waits_for_reductions_in_flight() -> None:
     assert scheduler.buffers() == []
 
 
+@pytest.mark.slow
 def test_a_second_gradient_in_one_backward_is_added_or_refused() -> None:
     """A parameter used inside and outside a reentrant checkpoint gets two gradients in one
     backward: added where its bucket is still open (ZeRO-0/1 without an early reduction),
@@ -157,6 +158,7 @@ def _check_reentrant_boundary(results: dict) -> None:
             assert torch.equal(a, b), key
 
 
+@pytest.mark.slow
 def test_a_reentrant_checkpoint_counts_one_backward_once() -> None:
     """A reentrant ``torch.utils.checkpoint`` region runs a backward nested in the outer one;
     its end is not the end of the micro-batch. Told the boundary (gradient_accumulation_steps,

@@ -343,6 +343,7 @@ def _two_rank_case(name: str, config: dict[str, Any], way: str) -> dict[str, Any
     }
 
 
+@pytest.mark.slow
 def test_low_precision_cells_of_other_optimizers_on_two_ranks() -> None:
     cases = [
         _two_rank_case(name, config, WAYS[i % 3])

@@ -164,6 +164,7 @@ def group() -> list[dict[str, Any]]:
     return spawn(cases.spawned_group, 2, timeout_s=600)
 
 
+@pytest.mark.slow
 def test_two_ranks_same_layout_round_trips_restore_every_bit(group: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(group):
         for key, result in results.items():
@@ -171,6 +172,7 @@ def test_two_ranks_same_layout_round_trips_restore_every_bit(group: list[dict[st
                 assert result == {"states": [], "params": [], "same_run": True}, (rank, key)
 
 
+@pytest.mark.slow
 def test_two_ranks_kahan_survives_the_torch_load_order(group: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(group):
         for key, result in results.items():
@@ -181,6 +183,7 @@ def test_two_ranks_kahan_survives_the_torch_load_order(group: list[dict[str, Any
 @pytest.mark.parametrize(
     "key", [cases.skipped_step_key(*case) for case in cases.SKIPPED_STEP_CASES]
 )
+@pytest.mark.slow
 def test_two_ranks_resume_after_skipped_steps_is_bitwise(
     group: list[dict[str, Any]], key: str
 ) -> None:
@@ -195,6 +198,7 @@ def test_two_ranks_resume_after_skipped_steps_is_bitwise(
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.slow
 def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
     group: list[dict[str, Any]], stage: int
 ) -> None:
@@ -210,6 +214,7 @@ def test_lr_changed_on_one_rank_fails_the_step_naming_group_and_ranks(
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.slow
 def test_hyperparameter_check_adds_values_not_a_collective(
     group: list[dict[str, Any]], stage: int
 ) -> None:

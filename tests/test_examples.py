@@ -19,6 +19,7 @@ def _run(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_checkpoint_example_resumes_identically() -> None:
     out = _run("examples/checkpoint_resume.py")
     worst = float(out.rsplit("largest relative difference:", 1)[1].split()[0])

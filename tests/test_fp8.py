@@ -269,6 +269,7 @@ def two_ranks() -> list[tuple[Any, ...]]:
     return spawn(_default_group, 2, _DEFAULT_CASE, timeout_s=600)
 
 
+@pytest.mark.slow
 def test_zero3_fp8_all_gather_trains_and_zero3_fp8_resumes_bit_for_bit_on_two_ranks(
     two_ranks: list[tuple[Any, ...]],
 ) -> None:
@@ -300,6 +301,7 @@ def _default_group(rank: int, world: int, case: dict[str, Any]) -> tuple[Any, ..
     )
 
 
+@pytest.mark.slow
 def test_traffic_and_memory_of_the_fp8_all_gather_are_the_bytes_sent_and_held(
     two_ranks: list[tuple[Any, ...]],
 ) -> None:

@@ -140,6 +140,7 @@ ACCELERATE_CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_accelerate_mixed_precision_fp8_trains_the_block_on_two_ranks() -> None:
     per_rank = spawn(accelerate_fp8_cases, 2, ACCELERATE_CASES, timeout_s=400)
     for results in per_rank:

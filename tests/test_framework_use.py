@@ -53,6 +53,7 @@ DDP_DEFAULTS = {
 }
 
 
+@pytest.mark.slow
 def test_under_a_ddp_wrapper_the_optimizer_alone_reduces() -> None:
     """DDP around parameters the optimizer owns (Accelerate, Lightning 32-true, the Trainer):
     the same losses and parameters, bit for bit, as without DDP, the same gradient-sized
@@ -255,6 +256,7 @@ def test_torch_clip_grad_norm_on_owned_gradients_fails_loudly(stage: int) -> Non
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_torch_clip_grad_norm_at_zero3_fails_loudly_where_the_optimizer_holds_gradients() -> None:
     """ZeRO-3 with bf16 accumulation or bf16 masters: the optimizer takes each reduced shard
     into its accumulator and cleared .grad, so torch's clip_grad_norm_ found nothing and
@@ -288,6 +290,7 @@ def test_torch_clip_grad_norm_at_zero3_fails_loudly_where_the_optimizer_holds_gr
                 assert "optimizer.clip_grad_norm_" in error
 
 
+@pytest.mark.slow
 def test_finding_ddp_wrappers_walks_no_live_objects() -> None:
     """The first backward finds the DDP wrapper around the optimizer's parameters without
     walking the live objects: a dead ``weakref.proxy`` among them made that walk raise

@@ -73,6 +73,7 @@ def test_host_syncs_one_process(
     _check(result, allowed, (model, stage, sharded, extra))
 
 
+@pytest.mark.slow
 def test_host_syncs_two_ranks() -> None:
     cases = [c for c in _CASES if not c[3]]
     configs = [_config(m, s, sh) for m, s, sh, _, _ in cases]

@@ -212,6 +212,7 @@ def _sharded_boundary_config() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_two_ranks_devices_and_boundary() -> None:
     # With two GPUs the ranks run on them over NCCL, where a stray CPU tensor would fail;
     # elsewhere on CPU over gloo (the same wiring, and the boundary checks).

@@ -159,6 +159,7 @@ def _ok(result: dict[str, Any]) -> Any:
     return result["value"]
 
 
+@pytest.mark.slow
 def test_parity_hpz_four_ranks(group: dict[str, Any]) -> None:
     per_rank = [rank["parity"] for rank in group["per_rank"]]
     assert_replicas_equal(per_rank)
@@ -172,6 +173,7 @@ def test_parity_hpz_four_ranks(group: dict[str, Any]) -> None:
     assert {(p.hpz_partition_size, p.rule_id) for p in plans} == {(HPZ, "zero3")}
 
 
+@pytest.mark.slow
 def test_hpz_gathers_the_same_bits_and_reshards_to_the_secondary_group(
     group: dict[str, Any],
 ) -> None:
@@ -187,6 +189,7 @@ def test_hpz_gathers_the_same_bits_and_reshards_to_the_secondary_group(
             assert plain["post_forward_sizes"] == [WORLD]
 
 
+@pytest.mark.slow
 def test_hpz_traffic_equals_the_bytes_the_gathers_send(group: dict[str, Any]) -> None:
     for rank in group["per_rank"]:
         result = _ok(rank["traffic"])
@@ -247,6 +250,7 @@ def test_parity_every_hpz_cell_four_ranks() -> None:
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.slow
 def test_hpz_a_no_grad_forward_leaves_no_stale_secondary_partition(
     group: dict[str, Any], name: str
 ) -> None:

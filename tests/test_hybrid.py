@@ -277,6 +277,7 @@ def _check_parity(results: dict[str, dict[str, Any]]) -> None:
                 assert _close(flat, hybrid, 8 * BF16_U), (case["name"], flat, hybrid)
 
 
+@pytest.mark.slow
 def test_parity_with_flat(default_run: dict[str, dict[str, Any]]) -> None:
     _check_parity(default_run)
     # The fp16 case overflowed and skipped steps, then stepped (the same ones on every layout).
@@ -295,6 +296,7 @@ def _padded(numel: int) -> int:
     return -(-numel // unit) * unit
 
 
+@pytest.mark.slow
 def test_bytes_per_level(default_run: dict[str, dict[str, Any]]) -> None:
     numel = _padded(sum(p.numel() for p in make_model(0).parameters()))
     ring = lambda n, size, ranks: n * size * (ranks - 1) // ranks  # noqa: E731
@@ -333,6 +335,7 @@ def test_bytes_per_level(default_run: dict[str, dict[str, Any]]) -> None:
     assert stage2["across_calls"] == {"all_reduce": 1}
 
 
+@pytest.mark.slow
 def test_held_bytes_as_flat_at_world_s(default_run: dict[str, dict[str, Any]]) -> None:
     for name, accumulator in (("stage1", "whole"), ("stage2", "sharded")):
         result = default_run[f"held:{name}"]
@@ -345,6 +348,7 @@ def test_held_bytes_as_flat_at_world_s(default_run: dict[str, dict[str, Any]]) -
         assert held["optimizer_states"] == 2 * n * 4 // S + 4  # exp_avg, exp_avg_sq, step
 
 
+@pytest.mark.slow
 def test_checkpoints_between_flat_and_hybrid(
     default_run: dict[str, dict[str, Any]], tmp_path: Any
 ) -> None:
@@ -392,6 +396,7 @@ def test_the_table_refuses_what_the_engine_defends() -> None:
         dtypeplan.resolve(wire)
 
 
+@pytest.mark.slow
 def test_refusals(default_run: dict[str, dict[str, Any]]) -> None:
     size = default_run["refusal:size"]
     assert size["type"] == "PrecisionConfigError"
@@ -400,6 +405,7 @@ def test_refusals(default_run: dict[str, dict[str, Any]]) -> None:
     assert wire["type"] == "NotSupportedError" and "wire_across_groups 'int4'" in wire["message"]
 
 
+@pytest.mark.slow
 def test_stage0_stays_flat(default_run: dict[str, dict[str, Any]]) -> None:
     result = default_run["stage0:stage0"]
     assert result["is_flat"] and result["same"]

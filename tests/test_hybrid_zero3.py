@@ -70,6 +70,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.slow
 def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
     exact = not any(key in CELLS[cell] for key in ("bf16", "fp16"))
     loss_rtol = FP32_PARITY if exact else LOW_PRECISION_LOSS_RTOL
@@ -119,10 +120,12 @@ def test_parity_with_flat_zero3(group: dict[str, Any], cell: str) -> None:
     assert sorted(by_shard) == [0, 1] and all(len(d) == 1 for d in by_shard.values()), by_shard
 
 
+@pytest.mark.slow
 def test_flat_layout_makes_no_subgroup(group: dict[str, Any]) -> None:
     assert [r["parity"]["flat_new_groups"] for r in group["per_rank"]] == [0] * WORLD
 
 
+@pytest.mark.slow
 def test_shard_group_of_the_whole_world_or_of_one_rank(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         flat = results["parity"]["fp32-adamw-clip"]["flat"]
@@ -141,6 +144,7 @@ def test_shard_group_of_the_whole_world_or_of_one_rank(group: dict[str, Any]) ->
                 assert _rel(single["state"][key], want) <= FP32_PARITY, (rank, key)
 
 
+@pytest.mark.slow
 def test_checkpoints_between_flat_hybrid_and_one_process(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         got = results["checkpoints"]
@@ -165,6 +169,7 @@ def test_checkpoints_between_flat_hybrid_and_one_process(group: dict[str, Any]) 
     _assert_same_state(one.full_state(), want, "hybrid -> one process")
 
 
+@pytest.mark.slow
 def test_refusals(group: dict[str, Any]) -> None:
     for rank, results in enumerate(group["per_rank"]):
         got = results["refusals"]

@@ -34,6 +34,7 @@ def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, str]]) -> 
             assert got["ref_ddp"], "the reference runs under Accelerate's default DDP"
 
 
+@pytest.mark.slow
 def test_accelerate_zero3_bf16_two_ranks(integration_defaults: list[dict[str, Any]]) -> None:
     _check(integration_defaults, DEFAULT)
 

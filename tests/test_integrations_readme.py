@@ -44,6 +44,7 @@ def test_readme_recipe_runs_on_two_ranks(
         assert "not run under Lightning" in first["explain"], first
 
 
+@pytest.mark.slow
 def test_integrations_import_their_frameworks_lazily() -> None:
     # A fresh interpreter: this one has imported the frameworks already.
     import subprocess

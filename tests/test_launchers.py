@@ -98,6 +98,7 @@ ACCELERATE_CASES = [
 
 
 @pytest.mark.parametrize(("launcher", "stage"), ACCELERATE_CASES)
+@pytest.mark.slow
 def test_accelerate_recipe_under_its_launcher(launcher: str, stage: int, tmp_path: Path) -> None:
     start = torchrun if launcher == "torchrun" else accelerate_launch
     for phase in ("full", "resume"):

@@ -282,6 +282,7 @@ def _interpret(script: str, marker: str) -> None:
 
 
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
+@pytest.mark.slow
 def test_kernel_gives_the_eager_bits_in_triton_interpreter() -> None:
     _interpret(_KERNEL_SCRIPT, "KERNEL-OK")
 

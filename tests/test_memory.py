@@ -54,6 +54,7 @@ def test_memory_matches_model_two_ranks() -> None:
         _assert_close(result["after_build"], predicted, config)
 
 
+@pytest.mark.slow
 def test_bf16_master_memory_matches_model_two_ranks() -> None:
     """bf16 masters: no fp32 copy, a 2-byte Kahan buffer, 2-byte moments with bf16 states."""
     configs = [
@@ -81,6 +82,7 @@ def test_bf16_master_memory_matches_model_two_ranks() -> None:
         assert predicted["optimizer_states"] == state_bytes * n // shards
 
 
+@pytest.mark.slow
 def test_offloaded_memory_matches_model_two_ranks() -> None:
     """offload_optimizer cpu: the device figures (master and states 0) and the host figures
     (fp32 master shard, states) of plan.memory() against held_tensors(), which reports the
@@ -126,6 +128,7 @@ def test_sharded_accumulator_saves_four_bytes_per_param_times_one_minus_one_over
         assert abs(saved - expected) <= 0.02 * expected, (world_size, saved, expected)
 
 
+@pytest.mark.slow
 def test_zero3_memory_matches_model_two_ranks() -> None:
     from tests.workers.optimizer import fsdp2_memory_cases
 

@@ -36,6 +36,7 @@ def test_zero3_routed_to_the_flat_engine_is_refused_on_load(tmp_path: Path) -> N
     assert "'sharded'" in message and "only without a process group" in message, message
 
 
+@pytest.mark.slow
 def test_sharded_parameters_built_by_a_whole_tensor_implementation_say_why() -> None:
     for result in spawn(prepare_with_one_build_with_other, 2, 2, timeout_s=300):
         assert result["raised"] == "OptimizerUsageError", result

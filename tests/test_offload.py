@@ -109,6 +109,7 @@ def group(
     return {"root": root, "cases": drawn, "per_rank": per_rank}
 
 
+@pytest.mark.slow
 def test_parity_every_offload_cell_two_ranks(group: dict[str, Any]) -> None:
     per_rank = [rank["parity"] for rank in group["per_rank"]]
     assert_replicas_equal(per_rank)
@@ -279,6 +280,7 @@ def test_model_changes_after_build_reach_the_host_masters() -> None:
             assert moved <= 1.1e-2, (precision, name, float(moved))  # one Adam step of lr 1e-2
 
 
+@pytest.mark.slow
 def test_zero3_fsdp2_cpu_offload_trains_exactly_as_zero3_without_it() -> None:
     """FSDP2's CPUOffloadPolicy, which plan.prepare_model passes for offload_param cpu (with
     offload_optimizer cpu: the table's offload-zero3 rule), runs on a gloo CPU mesh and trains

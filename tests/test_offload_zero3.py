@@ -170,6 +170,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"cases": drawn, "per_rank": per_rank}
 
 
+@pytest.mark.slow
 def test_parity_offloaded_zero3_two_ranks(group: dict[str, Any]) -> None:
     per_rank = [rank["parity"] for rank in group["per_rank"]]
     assert_replicas_equal(per_rank)
@@ -180,6 +181,7 @@ def test_parity_offloaded_zero3_two_ranks(group: dict[str, Any]) -> None:
     }
 
 
+@pytest.mark.slow
 def test_offloaded_zero3_lives_in_host_memory(group: dict[str, Any]) -> None:
     for rank in group["per_rank"]:
         placement = _ok(rank["placement"])
@@ -209,6 +211,7 @@ def _memory_configs() -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.slow
 def test_offloaded_zero3_memory_matches_plan_two_ranks(group: dict[str, Any]) -> None:
     """plan.memory(): nothing on the device between steps, and the host bytes as held."""
     results = _ok(group["per_rank"][0]["memory"])
@@ -230,6 +233,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("precision", ["bf16"])
+@pytest.mark.slow
 def test_offloaded_zero3_resumes_bitwise_and_reshards(
     group: dict[str, Any], precision: str
 ) -> None:

@@ -147,6 +147,7 @@ def _ok(result: dict[str, Any]) -> Any:
     return result["value"]
 
 
+@pytest.mark.slow
 def test_parity_optimizer_offloaded_zero3_two_ranks(group: dict[str, Any]) -> None:
     per_rank = [rank["parity"] for rank in group["per_rank"]]
     assert_replicas_equal(per_rank)

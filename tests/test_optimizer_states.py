@@ -170,6 +170,7 @@ def _assert_int8_of(value: torch.Tensor, ref: torch.Tensor, key: str) -> None:
     assert float((value - ref).abs().max()) <= eps * float(ref.abs().max()) + 1e-12, key
 
 
+@pytest.mark.slow
 def test_zero3_int8_checkpoint_round_trip_with_zero2_fp32(group: dict[str, Any]) -> None:
     """ZeRO-2 fp32 states saved on one process load into ZeRO-3 int8 states on 2 ranks
     (masters exact, moments quantized within int8's eps) and train on; ZeRO-3 int8 states
@@ -212,6 +213,7 @@ def test_zero3_int8_checkpoint_round_trip_with_zero2_fp32(group: dict[str, Any])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_parity_two_ranks(group: dict[str, Any]) -> None:
     """Each new kind of cell against plain fp32 torch.optim on the full batch, 3 steps.
 
@@ -232,6 +234,7 @@ def test_parity_two_ranks(group: dict[str, Any]) -> None:
             assert_parity(result, 1e-2 + rtol, 2e-2 + rtol)
 
 
+@pytest.mark.slow
 def test_memory_matches_held_tensors_two_ranks(group: dict[str, Any]) -> None:
     """plan.memory() within 10% of the bytes held, the quantized states' codes, scales and
     code tables counted as they are."""
@@ -248,6 +251,7 @@ def test_memory_matches_held_tensors_two_ranks(group: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("target", ["fp32", "bf16", "int8", "fp8", "bf16/int8"])
+@pytest.mark.slow
 def test_quantized_checkpoint_loads_into_any_state_dtype_on_one_process(
     group: dict[str, Any], target: str
 ) -> None:

@@ -97,6 +97,7 @@ def test_every_zero3_master_cell_is_ok() -> None:
 
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
+@pytest.mark.slow
 def test_parity_bf16_master_zero3_two_ranks(data: st.DataObject) -> None:
     """ZeRO-3 (FSDP2) with bf16 master weights, against fp32 torch, at the tolerances of the
     stage 0-2 bf16-master cells: the update and its rounding are the same code on local shards

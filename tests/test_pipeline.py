@@ -201,6 +201,7 @@ def _hybrid_cases() -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 def test_pipeline_parity_pp2_dp2() -> None:
     # One spawned group for the grid, the bf16-master and the autocast cells. The bf16-master
     # cells take the bf16 tolerances (as tests/test_parity.py's bf16-master cells): over 2 steps
@@ -525,6 +526,7 @@ def _run_edge_cases(cases: list[dict]) -> list[dict[str, dict]]:
     return [{r["name"]: r for r in results} for results in per_rank]
 
 
+@pytest.mark.slow
 def test_interleaved_schedule_counts_each_stage_modules_backward_pp2() -> None:
     """Before: the rank's 4th backward (of 8) was taken for the last, the 5th raised inside
     the schedule on one rank and the other waited until the group's timeout."""

@@ -63,6 +63,7 @@ def _edited(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_added_combination_passes_and_an_overclaim_fails(tmp_path: Path) -> None:
     rules = _edited(tmp_path)
     # Well formed, every claim inside a declaration: the loader cannot tell the two apart.

@@ -33,6 +33,7 @@ def results() -> list[dict[str, Any]]:
     "case",
     [pytest.param(f"{a}-stage{s}-{d}", id=f"{a}-stage{s}-{d}") for a, s, d in CASES],
 )
+@pytest.mark.slow
 def test_transformers_model_trains_like_torch(results: list[dict[str, Any]], case: str) -> None:
     # issue 10 items 9, 10 (ZeRO-3: tied weights, a unit per block), 14 (export by name) and
     # "models written by others"

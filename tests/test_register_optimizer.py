@@ -87,6 +87,7 @@ def _case(
     return case
 
 
+@pytest.mark.slow
 def test_a_registered_class_and_lion_train_at_every_stage_two_ranks() -> None:
     cases = [_case(f"MyLion stage {s}", s) for s in (0, 1, 2, 3)]
     cases += [_case(f"Lion stage {s}", s, client=False) for s in (0, 1, 2, 3)]

@@ -506,6 +506,7 @@ def _assert_same_run(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
 
 
 @pytest.mark.parametrize("name", [case["name"] for case in TRAJECTORY_CASES])
+@pytest.mark.slow
 def test_same_seed_same_trajectory_bitwise(
     group_results: dict[str, list[Any]], second_group_results: dict[str, list[Any]], name: str
 ) -> None:
@@ -580,6 +581,7 @@ def _gave_up_after(message: str) -> float:
         (3, "before_backward"),
     ],
 )
+@pytest.mark.slow
 def test_dead_rank_fails_the_collective_not_hangs(stage: int, where: str) -> None:
     config = _config("bf16", stage, communication_data_type="bf16")
     message = _failure(reliability_cases.die_mid_step, config, where, group_timeout_s=10)
@@ -592,6 +594,7 @@ def test_dead_rank_fails_the_collective_not_hangs(stage: int, where: str) -> Non
     assert _gave_up_after(message) < 10.0 + 5.0
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_a_checkpoint_save_as_checkpoint_error() -> None:
     config = _config("fp32", 1)
     message = _failure(reliability_cases.die_mid_step, config, "before_save", group_timeout_s=10)

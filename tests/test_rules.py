@@ -459,6 +459,7 @@ def _implemented_autocast(point: dict, name: str, value: object) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_every_feature_value_but_the_unused_one_is_refused() -> None:
     """At every core point, each feature value other than "not used" is not OK, except the
     implemented ones (and the rule says why by naming the feature; both 16-bit modes on is an

@@ -68,6 +68,7 @@ def test_resolve_and_the_command_line_take_the_users_rules(
     assert cli.main(["lint", str(rules)]) == cli.EXIT_OK
 
 
+@pytest.mark.slow
 def test_each_framework_refuses_by_the_users_rule(tmp_path: Path) -> None:
     rules = refusing_rules(tmp_path)
     (got,) = spawn(refusals, 1, str(tmp_path), str(rules), timeout_s=600)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import dtypeplan
 from dtypeplan.launch import spawn
 from tests.workers import pickled_plan
@@ -30,6 +32,7 @@ def test_the_worker_imports_nothing_of_dtypeplan() -> None:
     assert not [name for name in imported if name.startswith("dtypeplan")], imported
 
 
+@pytest.mark.slow
 def test_a_pickled_plan_builds_and_steps_on_spawned_ranks() -> None:
     plan = dtypeplan.resolve({**ADAMW, "zero_optimization": {"stage": 2}})
     assert plan.status == "OK", plan.explain()

@@ -310,6 +310,7 @@ EMPTY_ON_A_RANK = ("token", "head.weight", "head.bias", "scale")
 """The parameters some rank holds no element of (ZeRO-3: rank 1; flat: rank 0 or 1)."""
 
 
+@pytest.mark.slow
 def test_quantized_states_on_ranks_without_a_piece_of_a_parameter(tmp_path: Any) -> None:
     """2 gloo ranks. ZeRO-3 with int8 / fp8 states and parameters whose first dimension is 1
     (a ``[1, d]`` token, a ``Linear(d, 1)`` head, a 0-dim scale): rank 1's local shards of

@@ -52,6 +52,7 @@ def _flat_cases() -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 def test_flat_traffic_equals_the_bytes_the_collectives_send() -> None:
     cases = _flat_cases()
     per_rank = spawn(traffic_cases, WORLD, cases, timeout_s=300)

@@ -190,6 +190,7 @@ def test_dtypeplan_run_unedited_run_clm_hf_zero2(tmp_path: Path) -> None:
     assert args.deepspeed is None and args.dtypeplan_config == str(HF_ZERO2)
 
 
+@pytest.mark.slow
 def test_dtypeplan_run_unedited_run_clm_hf_docs_zero3_offloaded(tmp_path: Path) -> None:
     """The HF docs' ds_config_zero3.json as it is: ZeRO-3 with the parameters and the optimizer
     offloaded to the host (the table's offload-zero3 rule), no bf16 block (the Trainer's
@@ -263,6 +264,7 @@ def test_dtypeplan_run_is_torchrun_with_the_rank_module(monkeypatch: pytest.Monk
     assert cli.main(["run"]) == cli.EXIT_ERROR
 
 
+@pytest.mark.slow
 def test_use_for_unedited_scripts_in_a_fresh_process(tmp_path: Path) -> None:
     """What ``dtypeplan run`` does in a rank before the script (a subprocess: it changes
     transformers for the whole process): Trainer, Seq2SeqTrainer and classes defined later are

@@ -183,6 +183,7 @@ def two_ranks() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_loop_programs_two_ranks(two_ranks: dict[str, Any]) -> None:
     check_programs(two_ranks["drawn"], two_ranks["programs"])
 
@@ -280,16 +281,19 @@ def _named(two_ranks: dict[str, Any], name: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.slow
 def test_item9_two_ranks(two_ranks: dict[str, Any], stage: int) -> None:
     for index, program in enumerate(item9_programs(stage)):
         check_program(program, _named(two_ranks, f"item9-{stage}-{index}"))
 
 
+@pytest.mark.slow
 def test_item4_zero3_two_ranks(two_ranks: dict[str, Any]) -> None:
     for outcome in _named(two_ranks, "item4-zero3"):
         assert outcome == "ok", outcome
 
 
+@pytest.mark.slow
 def test_item5_zero3_two_ranks(two_ranks: dict[str, Any]) -> None:
     want = float(torch.tensor(0.1))
     for sums in _named(two_ranks, "item5-zero3"):
@@ -297,9 +301,11 @@ def test_item5_zero3_two_ranks(two_ranks: dict[str, Any]) -> None:
             assert found == {want}, f"{when}: {found}"
 
 
+@pytest.mark.slow
 def test_item1_zero3_no_grad_forward_root_unit(two_ranks: dict[str, Any]) -> None:
     check_program(ITEM1_PROGRAM, _named(two_ranks, "item1"))
 
 
+@pytest.mark.slow
 def test_item3_zero3_offload_grad_after_step(two_ranks: dict[str, Any]) -> None:
     check_program(ITEM3_PROGRAM, _named(two_ranks, "item3"))

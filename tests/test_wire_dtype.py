@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from dtypeplan.launch import spawn
 from tests.workers.optimizer import wire_cases
 
@@ -90,6 +92,7 @@ def test_wire_dtypes() -> None:
     assert logs[0] == logs[1]
 
 
+@pytest.mark.slow
 def test_sharded_accumulator_reduces_every_micro_batch() -> None:
     whole = {
         "bf16": {"enabled": True},

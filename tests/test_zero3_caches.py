@@ -249,6 +249,7 @@ def _evals_off(value: dict[str, Any]) -> list[float]:
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("root")])
+@pytest.mark.slow
 def test_a_no_grad_forward_leaves_no_stale_root(results: dict[str, Any], name: str) -> None:
     value = _value(results, name)
     assert _weights_off(value) < FP32_RTOL, name
@@ -258,12 +259,14 @@ def test_a_no_grad_forward_leaves_no_stale_root(results: dict[str, Any], name: s
 
 
 @pytest.mark.parametrize("name", ["fp8: EMA swap", "fp8: model.load_state_dict"])
+@pytest.mark.slow
 def test_fp8_scales_follow_weights_changed_outside_step(results: dict[str, Any], name: str) -> None:
     evals = _evals_off(_value(results, name))
     assert evals and max(evals) < EVAL_RTOL, (name, evals)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("grad")])
+@pytest.mark.slow
 def test_the_kept_gradient_is_torchs_on_every_update_path(
     results: dict[str, Any], name: str
 ) -> None:
@@ -279,6 +282,7 @@ def test_the_kept_gradient_is_torchs_on_every_update_path(
         assert _rel(mine, theirs) < max(bound, GRAD_RTOL), name
 
 
+@pytest.mark.slow
 def test_fp8_all_gather_trains_with_bf16_master_weights(results: dict[str, Any]) -> None:
     fp8_gather = _value(results, "fp8: bf16 masters, fp8 gather")
     bf16_gather = _value(results, "fp8: bf16 masters, bf16 gather")
@@ -292,6 +296,7 @@ def test_fp8_all_gather_trains_with_bf16_master_weights(results: dict[str, Any])
 
 
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)
+@pytest.mark.slow
 def test_random_training_loop_programs_match_torch(results: dict[str, Any], seed: int) -> None:
     value = _value(results, f"random {seed}")
     program = CASES[f"random {seed}"][1]

@@ -23,9 +23,24 @@ On disk (``path`` is a directory)::
     path/snapshot-<hex>/         a torch.distributed.checkpoint (DCP) directory ...
     path/snapshot-<hex>/manifest.json   ... plus what DCP does not describe (see _manifest)
 
-Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor of the parameter's
-``numel`` (``i`` numbers the trainable parameters over all param groups in order, as
-``MixedPrecisionOptimizer.full_state`` does); shapes live in the manifest.
+Every tensor is stored under ``param.{i}.{name}`` as a 1-D fp32 tensor (``i`` numbers the
+trainable parameters over all param groups in order, as ``MixedPrecisionOptimizer.full_state``
+does); shapes live in the manifest: the parameters' in ``shapes``, and each stored tensor's own
+in ``tensors`` (manifest version 3), per parameter ``{name: shape}``. The flat and FSDP2
+optimizers keep every state laid out like its parameter (the parameter's ``numel``), the
+whole-tensor one (``optimizers/whole``: Muon, Adafactor, DeepSpeed's ``"Muon"``) what its class
+keeps for each parameter: Adafactor's ``row_var`` ``[rows, 1]`` and ``col_var`` ``[1, cols]``
+of a matrix and a vector's ``variance``; Muon's ``momentum_buffer`` on the matrices and AdamW's
+``exp_avg`` and ``exp_avg_sq`` on the other parameters of DeepSpeed's Muon. Its parameters'
+scalar states (``step``; the stochastic rounding count of bf16 masters) are each parameter's
+own (``scalars.param_states``), as the parameters of one group need not keep the same ones;
+a Kahan master's compensation is loaded as saved, since the forward runs on the bf16 weight.
+A version-1 or -2 checkpoint (every parameter holds every state of ``states``, laid out like
+it) still loads. A checkpoint whose states the loading optimizer's class would not keep for a
+parameter (another split of DeepSpeed's Muon: a matrix saved with Muon's momentum and loaded
+where AdamW steps it, whose moments would start at zero; or, in a flat optimizer, a state not
+laid out like its parameter) raises :class:`CheckpointMismatchError` naming the parameter and
+both sets of states; another class is refused as always.
 
 Whatever the optimizer's state dtypes, a state is stored as the fp32 values it stands for:
 bf16 moments exactly, int8 / fp8 moments (torchao's blockwise codes) dequantized, read through
@@ -149,7 +164,8 @@ parameter at a time), so every rank must call it; ``rank0_only=True`` keeps the 
 rank 0 only, and each tensor goes to CPU as it is gathered unless ``cpu=False``.
 
 Modules: ``_io`` (the steps of ``save`` and ``load``), ``_collective`` (the group, and errors
-agreed on by every rank), ``_adapters`` (an optimizer's state as pieces), ``_planners`` (DCP
+agreed on by every rank), ``_adapters`` (an optimizer's state as pieces, and which states it
+stores of each parameter), ``_planners`` (DCP
 planners for those pieces), ``_manifest`` and ``_directory`` (the files on disk),
 ``_metadata`` (DCP's metadata read without running code, and the storage reader using it),
 ``_export`` (the weights by name), ``_errors``.

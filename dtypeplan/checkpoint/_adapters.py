@@ -6,15 +6,20 @@ ZeRO-3's local FSDP2 shards (one contiguous piece per parameter, as FSDP2 shards
 no rank ever gathers a parameter. :class:`FullStateAdapter` goes through any other
 optimizer's layout-free ``full_state()``.
 
-An adapter lists the trainable parameters' shapes and state names, hands out the pieces to
-save, allocates staging pieces to load into, and commits them into the optimizer at the end
-(so a load that fails before then leaves the optimizer as it was). Both adapters key every
-tensor ``param.{i}.{name}``, 1-D, of the parameter's ``numel``; so either reads what the
-other wrote. The inner optimizer's scalar states (``step``, ``mu_product``...) are one per param
-group, in the manifest's ``scalars.group_states`` (:func:`encode_group_states`), and one per
-parameter where a parameter's own differ from its group's (``torch.optim``'s lifecycle: a first
-gradient after the group's first step, a skipped step), or where it has no state yet while its
-group has one, in ``scalars.param_states`` (:func:`encode_param_states`).
+An adapter lists the trainable parameters' shapes and state names, and which tensors it stores
+of each parameter with their shapes (:data:`Tensors`, the manifest's ``tensors``), hands out
+the pieces to save, allocates staging pieces to load into, and commits them into the optimizer
+at the end (so a load that fails before then leaves the optimizer as it was). Every tensor is
+keyed ``param.{i}.{name}``, 1-D, of its own shape's ``numel``; so each adapter reads what
+another wrote. The flat and FSDP2 optimizers keep every state laid out like its parameter; the
+whole-tensor one (:class:`WholeStateAdapter`) keeps each parameter's own (Adafactor's row and
+column statistics; Muon's momentum on matrices, AdamW's moments on the rest), and refuses
+tensors its class would not keep. The inner optimizer's scalar states (``step``,
+``mu_product``...) are one per param group, in the manifest's ``scalars.group_states``
+(:func:`encode_group_states`), and one per parameter where a parameter's own differ from its
+group's (``torch.optim``'s lifecycle: a first gradient after the group's first step, a skipped
+step), or where it has no state yet while its group has one, in ``scalars.param_states``
+(:func:`encode_param_states`); the whole-tensor optimizer's are all per parameter.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from dtypeplan.optimizers.state import (
     STEP,
     SavedCodes,
     ShardPiece,
-    param_index,
     param_key,
     param_state_names,
     parse_group_scalar_key,
@@ -47,6 +51,11 @@ from dtypeplan.optimizers.state import (
     scaler_key,
     scaler_state,
 )
+from dtypeplan.optimizers.whole import WholeTensorOptimizer
+
+Tensors = list[dict[str, list[int]]]
+"""Per trainable parameter, the tensors stored of it (``master`` and its states) and the shape
+of each: the manifest's ``tensors`` (version 3)."""
 
 ShardedOptimizer = FlatMixedPrecisionOptimizer | FSDP2Optimizer
 """The optimizers whose shards a checkpoint reads in place: both give ``shard_pieces()``,
@@ -60,7 +69,10 @@ __all__ = [
     "Adapter",
     "FlatAdapter",
     "FullStateAdapter",
+    "Tensors",
+    "WholeStateAdapter",
     "adapter_for",
+    "elementwise_tensors",
     "decode_group_states",
     "encode_group_states",
     "encode_param_states",
@@ -165,11 +177,36 @@ def _numel(shape: list[int]) -> int:
     return out
 
 
-def _empty_flats(names: list[str], shapes: list[list[int]]) -> dict[str, Flat]:
-    """A :class:`Flat` without pieces for every state ``name`` of every parameter."""
+def elementwise_tensors(names: list[str], shapes: list[list[int]]) -> Tensors:
+    """Every state of ``names`` for every parameter, laid out like it (the only layout before
+    manifest version 3, and the flat and FSDP2 optimizers' own)."""
+    return [{name: list(shape) for name in names} for shape in shapes]
+
+
+def _empty_flats(tensors: Tensors, skip: tuple[str, ...] = ()) -> dict[str, Flat]:
+    """A :class:`Flat` without pieces for every stored tensor (but those named in ``skip``)."""
     return {
-        param_key(i, name): Flat(_numel(shape)) for name in names for i, shape in enumerate(shapes)
+        param_key(i, name): Flat(_numel(shape))
+        for i, stored in enumerate(tensors)
+        for name, shape in stored.items()
+        if name not in skip
     }
+
+
+def _elementwise_problems(tensors: Tensors, shapes: list[list[int]], names: list[str]) -> list[str]:
+    """Why ``tensors`` is not ``names`` laid out like each parameter, one line each."""
+    out = []
+    for i, (stored, shape) in enumerate(zip(tensors, shapes, strict=False)):
+        other = sorted(n for n, s in stored.items() if s != shape) + sorted(
+            set(names) - set(stored)
+        )
+        if other:
+            out.append(
+                f"parameter {i}: the checkpoint's {other} are not states laid out like the "
+                f"parameter ({shape}), the only kind this optimizer keeps; load it into the "
+                "optimizer class that saved it"
+            )
+    return out[:5]
 
 
 def _piece_of(piece: ShardPiece, tensor: torch.Tensor) -> torch.Tensor:
@@ -200,6 +237,12 @@ class FlatAdapter:
         if any(KAHAN_COMPENSATION in slot for slot in self.opt.inner.state.values()):
             names.append(KAHAN_COMPENSATION)
         return names
+
+    def tensors(self, names: list[str]) -> Tensors:
+        return elementwise_tensors(names, self.shapes())
+
+    def problems(self, tensors: Tensors, names: list[str]) -> list[str]:
+        return _elementwise_problems(tensors, self.shapes(), names)
 
     def _saved_pieces(self) -> list[ShardPiece]:
         """The pieces this rank writes: its shard's, except in a hybrid layout outside the
@@ -240,7 +283,7 @@ class FlatAdapter:
         return flats
 
     def _save_pieces(self, names: list[str]) -> dict[str, Flat]:
-        flats = _empty_flats(names, self.shapes())
+        flats = _empty_flats(self.tensors(names))
         values: dict[int, torch.Tensor] = {}  # each master chunk's fp32 values, made once
         for piece in self._saved_pieces():
             slot = self.opt.inner.state.get(piece.master, {})
@@ -279,11 +322,17 @@ class FlatAdapter:
         }
 
     def load_targets(
-        self, names: list[str], shapes: list[list[int]], codes: Sequence[str] = ()
+        self,
+        names: list[str],
+        shapes: list[list[int]],
+        codes: Sequence[str] = (),
+        tensors: Tensors | None = None,
     ) -> dict[str, Flat]:
-        """Staging for ``names`` of this rank's pieces, and for the saved ``codes`` (the
-        manifest's) of pieces that are this rank's own and stored in the same format."""
-        flats = _empty_flats(names, shapes)
+        """Staging for ``names`` of this rank's pieces (``tensors``: the checkpoint's, which
+        :meth:`problems` found laid out like the parameters of ``shapes``), and for the saved
+        ``codes`` (the manifest's) of pieces that are this rank's own and stored in the same
+        format."""
+        flats = _empty_flats(tensors if tensors is not None else elementwise_tensors(names, shapes))
         for piece in self.opt.shard_pieces():
             for name in names:
                 staging = torch.empty(
@@ -371,11 +420,16 @@ class FullStateAdapter:
     """Any :class:`MixedPrecisionOptimizer`, through its layout-free full state."""
 
     layout = "full"
+    skipped: tuple[str, ...] = (KAHAN_COMPENSATION,)
+    """Saved tensors a load leaves out: the full state of the flat and FSDP2 optimizers keeps
+    no compensation of its own (the master's values include it)."""
 
     def __init__(self, opt: MixedPrecisionOptimizer) -> None:
         self.opt = opt
         self._full: dict[str, Any] | None = None
         self._shapes: list[list[int]] | None = None
+        self._loaded: Tensors = []
+        """The checkpoint's tensors, staged by :meth:`load_targets`."""
 
     def _state(self) -> dict[str, Any]:
         if self._full is None:
@@ -396,9 +450,24 @@ class FullStateAdapter:
         found = param_state_names(self._state())
         return [MASTER] + [name for name in found if name != MASTER]
 
+    def tensors(self, names: list[str]) -> Tensors:
+        """The tensors of the full state, each of its own shape (``names``: every rank's)."""
+        state = self._state()
+        out: Tensors = [{} for _ in self.shapes()]
+        for key, value in state.items():
+            parsed = parse_param_key(key)
+            if parsed is not None and parsed[1] in names:
+                out[parsed[0]][parsed[1]] = list(_tensor(value).shape)
+        return out
+
+    def problems(self, tensors: Tensors, names: list[str]) -> list[str]:
+        # The full state of the flat and FSDP2 optimizers (and of any built on its contract)
+        # holds states laid out like the parameters.
+        return _elementwise_problems(tensors, self.shapes(), names)
+
     def save_pieces(self, names: list[str]) -> dict[str, Flat]:
         state = self._state()
-        flats = _empty_flats(names, self.shapes())
+        flats = _empty_flats(self.tensors(names))
         for key, flat in flats.items():
             flat.pieces.append((0, state[key].detach().float().reshape(-1)))
         return flats
@@ -416,20 +485,28 @@ class FullStateAdapter:
         }
 
     def load_targets(
-        self, names: list[str], shapes: list[list[int]], codes: Sequence[str] = ()
+        self,
+        names: list[str],
+        shapes: list[list[int]],
+        codes: Sequence[str] = (),
+        tensors: Tensors | None = None,
     ) -> dict[str, Flat]:
-        # The full state keeps no compensation of its own (the master's values include it)
-        # and no codes (its states are loaded as values).
-        flats = _empty_flats([n for n in names if n != KAHAN_COMPENSATION], shapes)
+        """Staging for the checkpoint's ``tensors`` (default: ``names`` laid out like the
+        parameters of ``shapes``); no codes (the full state's states are loaded as values)."""
+        if tensors is None:
+            tensors = elementwise_tensors(names, shapes)
+        self._loaded = tensors
+        flats = _empty_flats(tensors, skip=self.skipped)
         for flat in flats.values():
             flat.pieces.append((0, torch.empty(flat.numel)))
         return flats
 
     def commit(self, flats: dict[str, Flat], names: list[str], scalars: dict[str, Any]) -> None:
-        shapes = self.shapes()
         state: dict[str, Any] = {}
         for key, flat in flats.items():
-            state[key] = flat.pieces[0][1].view(shapes[param_index(key)])
+            parsed = parse_param_key(key)
+            assert parsed is not None  # the keys of load_targets
+            state[key] = flat.pieces[0][1].view(self._loaded[parsed[0]][parsed[1]])
         state.update(_scalar_entries(scalars))
         state[scalar_key(SKIPPED_STEPS)] = int(scalars["skipped_steps"])
         if scalars.get("scaler_enabled") and self.opt.plan.param_dtype == torch.float16:
@@ -437,6 +514,44 @@ class FullStateAdapter:
             for field, value in scalars["scaler"].items():
                 state[scaler_key(field)] = value
         self.opt.load_full_state(state)
+
+
+class WholeStateAdapter(FullStateAdapter):
+    """The whole-tensor optimizer (``optimizers/whole``), through its full state: each
+    parameter keeps the states its class keeps for it, of their own shapes and names."""
+
+    opt: WholeTensorOptimizer
+    skipped = ()
+    """A Kahan compensation is loaded: with bf16 parameters the forward runs on the bf16
+    master, so a resumed run needs the very (weight, compensation) pair, not only its sum."""
+
+    def __init__(self, opt: WholeTensorOptimizer) -> None:
+        super().__init__(opt)
+
+    def problems(self, tensors: Tensors, names: list[str]) -> list[str]:
+        """Parameters whose saved states are not the ones this optimizer's class keeps for
+        them (a parameter that Muon steps in the checkpoint and AdamW here): loaded, they
+        would be dropped or misread, so the load is refused. A parameter saved without states
+        (no gradient yet) fits any."""
+        out = []
+        for i, stored in enumerate(tensors):
+            saved = {n: s for n, s in stored.items() if n not in (MASTER, KAHAN_COMPENSATION)}
+            if not saved:
+                continue
+            kept = self.opt.kept_states(i)
+            if kept is not None and kept != saved:
+                out.append(
+                    f"parameter {i}: the checkpoint holds the states {_described(saved)}, but "
+                    f"this optimizer's {self.opt.optimizer_class_name()} keeps "
+                    f"{_described(kept)} for it (another class or another split of the "
+                    "parameters, such as DeepSpeed's Muon's use_muon tags); build the "
+                    "optimizer as the checkpoint's run did, or load only the model's weights"
+                )
+        return out[:5]
+
+
+def _described(states: dict[str, list[int]]) -> str:
+    return ", ".join(f"{name} {shape}" for name, shape in sorted(states.items())) or "none"
 
 
 def _codes_key(piece: ShardPiece, name: str, tag: str) -> str:
@@ -460,6 +575,8 @@ Adapter = FlatAdapter | FullStateAdapter
 def adapter_for(opt: MixedPrecisionOptimizer) -> Adapter:
     if isinstance(opt, (FlatMixedPrecisionOptimizer, FSDP2Optimizer)):
         return FlatAdapter(opt)
+    if isinstance(opt, WholeTensorOptimizer):
+        return WholeStateAdapter(opt)
     return FullStateAdapter(opt)
 
 

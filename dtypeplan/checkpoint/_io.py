@@ -30,6 +30,7 @@ from dtypeplan.checkpoint._manifest import (
     differences,
     hyperparameter_problems,
     restore_hyperparameters,
+    stored_tensors,
 )
 from dtypeplan.checkpoint._metadata import MetadataReader, read_metadata
 from dtypeplan.checkpoint._planners import PieceLoadPlanner, PieceSavePlanner
@@ -105,7 +106,9 @@ def _save_into(opt: MixedPrecisionOptimizer, group: Group, path: str, name: str)
 
     def commit() -> None:
         if group.rank == 0:
-            manifest = build_manifest(opt, adapter, names, scalars, group.size, codes)
+            manifest = build_manifest(
+                opt, adapter, names, scalars, group.size, codes, adapter.tensors(names)
+            )
             commit_directory(path, name, manifest, digests)
 
     group.agree(commit, "committing", path)
@@ -145,6 +148,8 @@ def load(
 
     def check() -> None:
         found = differences(manifest, opt, shapes)
+        if not found:
+            found = adapter.problems(stored_tensors(manifest), list(manifest["states"]))
         if found:
             raise CheckpointMismatchError(
                 f"{path}: the checkpoint does not fit this optimizer:\n  - " + "\n  - ".join(found),
@@ -165,7 +170,10 @@ def load(
     group.agree(check_hyperparameters, "checking the hyperparameters", path)
     names = list(manifest["states"])
     codes = manifest.get("codes", [])
-    flats = group.agree(lambda: adapter.load_targets(names, shapes, codes), "allocating", path)
+    tensors = stored_tensors(manifest)
+    flats = group.agree(
+        lambda: adapter.load_targets(names, shapes, codes, tensors), "allocating", path
+    )
     group.dcp(
         lambda: dcp.load(
             {},

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from dtypeplan.checkpoint._adapters import CODES_PREFIX, GROUP_STATES, PARAM_STATES, Adapter
+from dtypeplan.checkpoint._adapters import (
+    CODES_PREFIX,
+    GROUP_STATES,
+    PARAM_STATES,
+    Adapter,
+    Tensors,
+    elementwise_tensors,
+)
 from dtypeplan.checkpoint._errors import CheckpointError
 from dtypeplan.optimizers.contract import MixedPrecisionOptimizer
 from dtypeplan.optimizers.state import NO_STATE, parse_group_scalar_key, parse_param_scalar_key
@@ -30,13 +37,18 @@ __all__ = [
     "differences",
     "hyperparameter_problems",
     "restore_hyperparameters",
+    "stored_tensors",
 ]
 
 FORMAT = "dtypeplan.checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2: ``scalars.param_states``, the parameters' own scalar states where they differ from their
-group's. A version-1 manifest has none (every parameter followed its group's one count)."""
-READABLE_VERSIONS = (1, 2)
+group's. A version-1 manifest has none (every parameter followed its group's one count).
+3: ``tensors``, per parameter the tensors stored of it and their shapes (``{"master": [4, 3],
+"row_var": [4, 1], ...}``), for optimizers whose states are not laid out like the parameter or
+differ between parameters (Adafactor, DeepSpeed's Muon). Before it, every parameter held every
+name of ``states``, of its own shape (:func:`stored_tensors` reads both)."""
+READABLE_VERSIONS = (1, 2, 3)
 DIGEST = "sha256"
 """The hash of every data file, recorded at save and checked at load (``load(verify=True)``)."""
 
@@ -80,9 +92,12 @@ def build_manifest(
     scalars: dict[str, Any],
     world_size: int,
     codes: list[str] | None = None,
+    tensors: Tensors | None = None,
 ) -> dict[str, Any]:
     """The manifest of a save; ``files`` is filled in when the snapshot is committed.
-    ``codes``: the keys of quantized moments saved as they are (``_adapters.CODES_PREFIX``)."""
+    ``codes``: the keys of quantized moments saved as they are (``_adapters.CODES_PREFIX``);
+    ``tensors``: each parameter's stored tensors and shapes (default: ``names``, laid out like
+    the parameters)."""
     plan = opt.plan
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     return {
@@ -100,6 +115,7 @@ def build_manifest(
         },
         "param_groups": _hyperparameters(opt),
         "shapes": adapter.shapes(),
+        "tensors": tensors if tensors is not None else elementwise_tensors(names, adapter.shapes()),
         "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
         "states": names,
         "codes": list(codes or []),
@@ -143,6 +159,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
         or len(set(states)) != len(states)
     ):
         raise CheckpointError(f"{where}: the manifest's 'states' {states!r} is not valid")
+    _check_tensors(manifest, version, where)
     codes = manifest.get("codes", [])
     if not isinstance(codes, list) or not all(
         isinstance(key, str) and key.startswith(CODES_PREFIX) for key in codes
@@ -175,6 +192,40 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
             )
     _check_files(manifest, where)
     return manifest
+
+
+def _check_tensors(manifest: dict[str, Any], version: int, where: str) -> None:
+    """``tensors`` (version 3): per parameter, names of ``states`` with their shapes, the
+    master among them with the parameter's shape. Before version 3 it is not read
+    (:func:`stored_tensors`: every state laid out like its parameter)."""
+    if version < 3:
+        return
+    tensors, shapes, states = manifest.get("tensors"), manifest["shapes"], manifest["states"]
+    if not isinstance(tensors, list) or len(tensors) != len(shapes):
+        raise CheckpointError(
+            f"{where}: the manifest's 'tensors' is missing or not a list of one entry per parameter"
+        )
+    for index, (stored, shape) in enumerate(zip(tensors, shapes, strict=True)):
+        if (
+            not isinstance(stored, dict)
+            or not set(stored) <= set(states)
+            or stored.get("master") != shape
+            or not all(
+                isinstance(s, list) and all(_is_int(d, 0) for d in s) for s in stored.values()
+            )
+        ):
+            raise CheckpointError(
+                f"{where}: the manifest's tensors[{index}] {stored!r} is not a mapping of its "
+                "states to their shapes with the parameter's master"
+            )
+
+
+def stored_tensors(manifest: dict[str, Any]) -> Tensors:
+    """Per parameter, the tensors a checkpoint holds of it and their shapes (before version 3:
+    every state of ``states``, laid out like the parameter)."""
+    if manifest["version"] >= 3:
+        return [{n: list(s) for n, s in stored.items()} for stored in manifest["tensors"]]
+    return elementwise_tensors(list(manifest["states"]), manifest["shapes"])
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -333,7 +384,11 @@ def hyperparameter_problems(manifest: dict[str, Any], opt: MixedPrecisionOptimiz
                 fits = (
                     isinstance(value, list)
                     and len(value) == len(mine)
-                    and all(_is_finite(v) for v in value)
+                    # Adafactor's eps is (None, 1e-3): None where the optimizer has None.
+                    and all(
+                        _is_finite(v) or (v is None and m is None)
+                        for v, m in zip(value, mine, strict=True)
+                    )
                 )
             elif isinstance(mine, str):
                 fits = isinstance(value, str)

@@ -33,8 +33,13 @@ What it changes in Accelerate, for the models and optimizers handed to ``prepare
   one process (Accelerate's several-CPU path is mpirun); a launcher's world that Accelerate
   does not see is refused.
 
-* ``prepare`` does not wrap a model that a dtypeplan optimizer trains in
-  DistributedDataParallel (the optimizer reduces), nor move it (``build`` fixed its device:
+* A ``DeepSpeedPlugin`` (``deepspeed_plugin=``, or what ``accelerate launch --use_deepspeed
+  --deepspeed_config_file ds_config.json`` sets) is not run: its config is the plan's
+  (``accelerator.resolve()`` with no argument), its ``gradient_accumulation_steps`` (a number)
+  the accelerator's, as under Accelerate's DeepSpeed; DeepSpeed need not be installed.
+* ``prepare`` does not wrap a model that dtypeplan optimizers train (one, or several prepared
+  together: ``torch.optim.Muon`` on the matrices and AdamW on the rest) in
+  DistributedDataParallel (the optimizers reduce), nor move it (``build`` fixed its device:
   move the model before ``plan.prepare_model``); it refuses fp16 plans (loss scaling in
   ``backward`` is not wired). A scheduler from ``plan.build_scheduler`` steps once
   per optimizer step, as DeepSpeed steps it (Accelerate steps others once per process).
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -123,6 +129,21 @@ class DtypeplanAccelerator(Accelerator):
             self.dtypeplan_fp8_config = _fp8_recipe_config(handlers)
             # dtypeplan converts the layers (plan.prepare_model); Accelerate would again.
             settings["kwargs_handlers"] = [h for h in handlers if not isinstance(h, AORecipeKwargs)]
+        self.dtypeplan_deepspeed_config: dict[str, Any] | None = _deepspeed_plugin_config(settings)
+        """The config of a ``DeepSpeedPlugin`` (``deepspeed_plugin=``, or ``accelerate launch
+        --use_deepspeed --deepspeed_config_file ds.json``): what :meth:`resolve` resolves when
+        given no config. DeepSpeed itself is not enabled (it need not be installed)."""
+        if self.dtypeplan_deepspeed_config is not None:
+            steps = self.dtypeplan_deepspeed_config.get("gradient_accumulation_steps")
+            if isinstance(steps, int) and steps != settings.get("gradient_accumulation_steps", 1):
+                # Accelerate's DeepSpeed path takes the config's value (and warns) as well.
+                warnings.warn(
+                    f"DtypeplanAccelerator: gradient accumulation steps: the DeepSpeed config "
+                    f"has {steps}, the accelerator "
+                    f"{settings.get('gradient_accumulation_steps', 1)}; using the config's",
+                    stacklevel=2,
+                )
+                settings["gradient_accumulation_steps"] = steps
         # The plan decides every dtype: Accelerate runs no autocast and no GradScaler.
         settings["mixed_precision"] = "no"
         if "cpu" not in settings and _launched_on_cpu():
@@ -145,7 +166,7 @@ class DtypeplanAccelerator(Accelerator):
 
     # --- the plan ------------------------------------------------------------------------------
     def resolve(
-        self, config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any
+        self, config: Mapping[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any
     ) -> PrecisionPlan:
         """:func:`dtypeplan.resolve` with the config's ``"auto"`` values filled as Accelerate
         means them: the precision keys from ``mixed_precision`` (``"bf16"`` fills
@@ -155,7 +176,16 @@ class DtypeplanAccelerator(Accelerator):
         (``AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(...))``, or Accelerate's
         default: tensorwise, the fp8 all-gather at ZeRO-3), keys the config's own block sets
         kept where they agree. Keyword arguments are :func:`dtypeplan.resolve`'s (``rules=``:
-        a rules file instead of the shipped table)."""
+        a rules file instead of the shipped table). Without ``config``: the config of the
+        ``DeepSpeedPlugin`` the accelerator was given."""
+        if config is None:
+            config = self.dtypeplan_deepspeed_config
+            if config is None:
+                raise ValueError(
+                    "DtypeplanAccelerator.resolve(): no config given and no DeepSpeedPlugin "
+                    "(deepspeed_plugin=, or accelerate launch --use_deepspeed "
+                    "--deepspeed_config_file); pass the config (a dict or a .json/.yaml path)"
+                )
         document = dict(config) if isinstance(config, Mapping) else config
         if self.dtypeplan_fp8_config is not None:
             source = "DtypeplanAccelerator(mixed_precision='fp8')"
@@ -179,7 +209,7 @@ class DtypeplanAccelerator(Accelerator):
             for param in optimizer.trainable_parameters():
                 self._dtypeplan_owner[id(param)] = optimizer
         for arg in args:
-            if isinstance(arg, torch.nn.Module) and self._owning_optimizer(arg) is not None:
+            if isinstance(arg, torch.nn.Module) and self._trained_by_dtypeplan(arg):
                 self._dtypeplan_models.add(arg)
         return super().prepare(*args, device_placement=device_placement)
 
@@ -239,6 +269,13 @@ class DtypeplanAccelerator(Accelerator):
         self._schedulers.append(prepared)
         return prepared
 
+    def _trained_by_dtypeplan(self, model: torch.nn.Module) -> bool:
+        """Whether dtypeplan optimizers (one, or several: ``torch.optim.Muon`` on the matrices
+        and AdamW on the rest) train every trainable parameter of ``model``: they reduce its
+        gradients, so no DistributedDataParallel wraps it."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return bool(trainable) and all(id(p) in self._dtypeplan_owner for p in trainable)
+
     def _owning_optimizer(self, model: torch.nn.Module) -> MixedPrecisionOptimizer | None:
         """The dtypeplan optimizer that trains every trainable parameter of ``model``."""
         owners = {
@@ -273,7 +310,10 @@ class DtypeplanAccelerator(Accelerator):
                 "DtypeplanAccelerator.clip_grad_norm_: the parameters given are not all the "
                 "parameters of one dtypeplan optimizer; it clips the global norm of all of its "
                 "parameters at once, so pass model.parameters() (or call "
-                "optimizer.clip_grad_norm_(max_norm))"
+                "optimizer.clip_grad_norm_(max_norm)). A model trained by several optimizers "
+                "(torch.optim.Muon on the matrices, AdamW on the rest) is clipped per optimizer "
+                '(optimizer.clip_grad_norm_ on each), or by one: DeepSpeed\'s "Muon" type '
+                "in the config runs both"
             )
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 
@@ -396,6 +436,34 @@ def _fp8_recipe_config(handlers: list[Any]) -> Any:
 
 
 _OTHER_FP8_RECIPES = ("TERecipeKwargs", "MSAMPRecipeKwargs")
+
+
+def _deepspeed_plugin_config(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """Take the ``DeepSpeedPlugin`` out of the accelerator's ``settings`` (``deepspeed_plugin``
+    or ``deepspeed_plugins``, else the one ``accelerate launch --use_deepspeed`` describes in
+    the environment) and return its config; None without one. Accelerate would run DeepSpeed's
+    engine around the optimizer: here the config is the plan's, so Accelerate's switch
+    (``ACCELERATE_USE_DEEPSPEED``) is turned off for this process."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = settings.pop("deepspeed_plugin", None)
+    plugins = settings.pop("deepspeed_plugins", None)
+    plugin = plugin if plugin is not None else plugins
+    if isinstance(plugin, Mapping):
+        if len(plugin) != 1:
+            raise NotSupportedError(
+                f"DtypeplanAccelerator: {len(plugin)} DeepSpeed plugins ({sorted(plugin)}); a "
+                "dtypeplan accelerator trains with one config: pass one plugin, or the config "
+                "to accelerator.resolve(config)"
+            )
+        (plugin,) = plugin.values()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if plugin is None:
+            plugin = DeepSpeedPlugin()  # reads ACCELERATE_DEEPSPEED_CONFIG_FILE and the rest
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if plugin is None:
+        return None
+    return dict(plugin.deepspeed_config)
 
 
 def _launched_world_size() -> int:

@@ -91,7 +91,7 @@ import torch
 
 import dtypeplan
 from dtypeplan._quiet_imports import torchao_import_quiet
-from dtypeplan.errors import PrecisionConfigError
+from dtypeplan.errors import OptimizerUsageError, PrecisionConfigError, RegistryError
 from dtypeplan.integrations._common import (
     config_document,
     find_optimizer,
@@ -106,6 +106,7 @@ from dtypeplan.resolver import PrecisionPlan
 # dtypeplan/_quiet_imports.py).
 with torchao_import_quiet():
     from transformers import Trainer
+    from transformers.optimization import Adafactor as TransformersAdafactor
 
 __all__ = [
     "DtypeplanTrainer",
@@ -126,6 +127,20 @@ of ``--deepspeed``, taken by :func:`use_for_unedited_scripts`)."""
 ARGS_RULES = "dtypeplan_rules"
 """The ``TrainingArguments`` attribute that holds the rules file under ``dtypeplan run --rules
 RULES`` (:func:`use_for_unedited_scripts`' ``rules``)."""
+
+
+def _register_transformers_adafactor() -> None:
+    """``TrainingArguments(optim="adafactor")`` makes transformers' own Adafactor (not
+    ``torch.optim.Adafactor``): its factored second moment and its update clipped by the
+    update's RMS read each parameter whole, so it runs as the whole-tensor classes do (each
+    parameter owned by one rank). A program that registered it first keeps its registration."""
+    try:
+        dtypeplan.register_optimizer(TransformersAdafactor, kind="whole")
+    except RegistryError:  # registered already: by the program, or by an earlier import
+        pass
+
+
+_register_transformers_adafactor()
 
 
 def trainer_dtype(args: Any) -> torch.dtype:
@@ -188,6 +203,29 @@ def trainer_auto_values(args: Any, num_training_steps: int) -> dict[str, Any]:
         args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     )
     return auto
+
+
+def _point_at_prepared_parameters(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], model: torch.nn.Module
+) -> None:
+    """Point the param groups of ``optimizer`` (passed in ``optimizers=``, so made on the
+    model's parameters before the plan readied it) at the readied model's parameters, by name:
+    ZeRO-3's FSDP2 replaced each parameter with a sharded one of the same name, and the
+    optimizer would train the replaced ones. ``names``: parameter id -> name before readying.
+    The optimizer has not stepped (``plan.wrap`` refuses one that has), so no state moves."""
+    current = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None or name not in current:
+                raise OptimizerUsageError(
+                    "DtypeplanTrainer: the optimizer passed in optimizers= trains a parameter "
+                    "that is not the model's; make it on model.parameters() (or named groups "
+                    "of them)"
+                )
+            params.append(current[name])
+        group["params"] = params
 
 
 class DtypeplanTrainer(Trainer):
@@ -260,6 +298,7 @@ class DtypeplanTrainer(Trainer):
         given = self.optimizer
         target = self.model if model is None else model
         assert target is not None, "the Trainer was given a model"
+        names = {id(p): name for name, p in target.named_parameters()}
         # The model is readied before any optimizer sees its parameters: prepare_model keeps
         # their fp32 values for build (ZeRO-3 replaces them with FSDP2's sharded ones).
         prepared = plan.prepare_model(target)
@@ -270,6 +309,8 @@ class DtypeplanTrainer(Trainer):
             if given is None:
                 self.optimizer = None
                 given = super().create_optimizer(prepared)
+            else:
+                _point_at_prepared_parameters(given, names, prepared)
             optimizer = find_optimizer(plan.wrap(given))
         assert optimizer is not None, "build and wrap make dtypeplan optimizers"
         refuse_loss_scaling(optimizer, "DtypeplanTrainer")

@@ -13,7 +13,10 @@ changes, and works with automatic and manual optimization:
   it with FSDP2) after moving it to the device, and does not wrap it in DDP (the optimizer
   reduces the gradients itself). ``configure_optimizers`` runs after that, on the readied
   parameters; each optimizer it returns is taken over with ``plan.wrap`` (class, param groups,
-  hyperparameters) and its LR schedulers are pointed at the new one. fp16 plans are refused.
+  hyperparameters) and its LR schedulers are pointed at the new one. ``configure_optimizers``
+  returning None trains with the config's ``optimizer`` block (DeepSpeed's types: ``"Muon"``,
+  ``"Lion"``, ...) on the module's trainable parameters, as Lightning's DeepSpeedStrategy
+  does. fp16 plans are refused.
 * ``lightning.Trainer(precision=...)`` ("bf16-true" or "bf16-mixed", "32-true", ...) fills the
   config's ``"auto"`` precision keys: the plan's parameters are in that dtype, no autocast
   runs, and a config that says another dtype than a 16-bit flag is refused. ``strategy.plan``
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -50,6 +54,7 @@ import dtypeplan
 from dtypeplan._dtypes import dtype_name
 from dtypeplan.errors import NotSupportedError, OptimizerUsageError, PrecisionConfigError
 from dtypeplan.integrations._common import (
+    config_document,
     fills_for_auto,
     find_optimizer,
     fp8_block_from_torchao,
@@ -131,6 +136,9 @@ class DtypeplanStrategy(DDPStrategy):
         self.dtypeplan_rules = rules
         self.plan: PrecisionPlan | None = None
         self._checkpoint_path: str | None = None
+        self._replaced_config_optimizer = False
+        """Whether ``configure_optimizers`` returned an optimizer although the config has an
+        ``optimizer`` block (the plan's warnings say which runs)."""
 
     # --- setup ---------------------------------------------------------------------------------
     def configure_ddp(self) -> None:
@@ -214,7 +222,15 @@ class DtypeplanStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         assert self.plan is not None, "configure_ddp resolves the plan first"
         taken: list[Any] = []
+        self._replaced_config_optimizer = False
         for optimizer in self.optimizers:
+            if isinstance(optimizer, _MockOptimizer):
+                # configure_optimizers returned None: the config's optimizer block trains the
+                # module, as under Lightning's DeepSpeedStrategy (none: nothing trains, as
+                # Lightning warned).
+                taken.append(self._config_optimizer() or optimizer)
+                continue
+            self._replaced_config_optimizer = "optimizer" in config_document(self.dtypeplan_config)
             if find_optimizer(optimizer) is not None:
                 taken.append(optimizer)
                 continue
@@ -228,6 +244,18 @@ class DtypeplanStrategy(DDPStrategy):
         self.optimizers = taken
         self.plan = self._plan_that_runs()
 
+    def _config_optimizer(self) -> MixedPrecisionOptimizer | None:
+        """The config's ``optimizer`` block on the module's trainable parameters (None: the
+        config has none)."""
+        assert self.plan is not None and self.model is not None
+        if "optimizer" not in config_document(self.dtypeplan_config):
+            return None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        built = find_optimizer(self.plan.build(trainable))
+        assert built is not None, "build makes a dtypeplan optimizer"
+        refuse_loss_scaling(built, "DtypeplanStrategy")
+        return built
+
     def _plan_that_runs(self) -> PrecisionPlan:
         """The plan as ``explain()`` should tell it: the optimizer ``configure_optimizers``
         made (its class and hyperparameters, which replace the config's ``optimizer`` block),
@@ -236,16 +264,24 @@ class DtypeplanStrategy(DDPStrategy):
         assert self.plan is not None
         owned = self._owned()
         plan = owned[0].plan if len(owned) == 1 else self.plan
-        if plan.scheduler is None:
+        notes = []
+        if self._replaced_config_optimizer:
+            notes.append(
+                "optimizer: the config's optimizer block is replaced by the optimizer "
+                "configure_optimizers returns (Lightning's DeepSpeedStrategy runs the config's: "
+                "return None from configure_optimizers to run it here)"
+            )
+        if plan.scheduler is not None:
+            notes.append(
+                "scheduler: the config's scheduler block is not run under Lightning; the "
+                "schedulers configure_optimizers returns are (none: a constant learning rate)"
+                if not self.lr_scheduler_configs
+                else "scheduler: the config's scheduler block is not run under Lightning; the "
+                "schedulers configure_optimizers returns are"
+            )
+        if not notes:
             return plan
-        note = (
-            "scheduler: the config's scheduler block is not run under Lightning; the "
-            "schedulers configure_optimizers returns are (none: a constant learning rate)"
-            if not self.lr_scheduler_configs
-            else "scheduler: the config's scheduler block is not run under Lightning; the "
-            "schedulers configure_optimizers returns are"
-        )
-        return dataclasses.replace(plan, scheduler=None, warnings=(*plan.warnings, note))
+        return dataclasses.replace(plan, scheduler=None, warnings=(*plan.warnings, *notes))
 
     def _owned(self) -> list[MixedPrecisionOptimizer]:
         return [o for o in (find_optimizer(x) for x in self.optimizers) if o is not None]

@@ -133,12 +133,12 @@ def plan_for(
         "state_kind": kinds.state_kind(torch_class),
         "param_access": "owner" if kinds.needs_whole(torch_class) else "flat",
     }
-    if fixed["param_access"] == "owner":
-        from dtypeplan.errors import NotSupportedError
-
-        raise NotSupportedError(
-            f"optimizer {name} runs on whole parameters (optimizers/whole/): the planner does "
-            "not model the owners' layout (memory, traffic) yet; resolve a config for it instead"
+    if fixed["param_access"] == "owner" and not sizes.param_shapes:
+        raise ValueError(
+            f"optimizer {name} runs on whole parameters, each owned by one rank: its states "
+            "depend on each parameter's shape and the owners' balance on each size, which a "
+            "parameter count does not give; plan for an nn.Module (on the meta device) or a "
+            "transformers config instead"
         )
     state_bytes = (
         kinds.state_bytes_per_param(torch_class, {})
@@ -152,6 +152,7 @@ def plan_for(
         micro_batches=micro_batches,
         recompute=recompute,
         state_bytes_per_param=state_bytes,
+        whole_class=torch_class if fixed["param_access"] == "owner" else None,
     )
     table = load_rules(rules)
     overrides: dict[str, tuple[Any, ...]] = {}
@@ -324,10 +325,18 @@ def _checked_plan(
     else:
         fp8 = sizes.fp8_weights if plan.fp8 else None
         memory = plan.memory(
-            sizes.num_params, gpus, param_numels=sizes.param_numels, fp8_weights=fp8
+            sizes.num_params,
+            gpus,
+            param_numels=sizes.param_numels,
+            fp8_weights=fp8,
+            param_shapes=sizes.named_shapes,
         )
         traffic = plan.traffic(
-            sizes.num_params, gpus, micro_batches=planning.workload.micro_batches, fp8_weights=fp8
+            sizes.num_params,
+            gpus,
+            micro_batches=planning.workload.micro_batches,
+            fp8_weights=fp8,
+            param_numels=sizes.param_numels,
         )
         if memory != dict(candidate.memory):
             problems.append(f"plan.memory() {memory} != {dict(candidate.memory)}")

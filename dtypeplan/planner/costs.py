@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtypeplan._dtypes import DTYPES
+from dtypeplan.muon import muon_by_name
 from dtypeplan.planner.activations import RECOMPUTE, activation_bytes
 from dtypeplan.planner.fleet import Fleet
 from dtypeplan.planner.model_sizes import ModelSizes
 from dtypeplan.planner.numerics import NumericalCost, numerical_cost
 from dtypeplan.resolver import Traffic
 from dtypeplan.resolver._dimensions import MASTER_ROUNDING, STATE_PAIRS
-from dtypeplan.resolver._memory import memory_model
-from dtypeplan.resolver._traffic import traffic_model
+from dtypeplan.resolver._memory import memory_model, owner_memory_model
+from dtypeplan.resolver._traffic import owner_traffic_model, traffic_model
 
 __all__ = ["Candidate", "Coster", "Workload"]
 
@@ -57,6 +58,10 @@ class Workload:
     """none, selective, full, or auto: for each combination the least that fits."""
     state_bytes_per_param: int = 8
     """fp32 optimizer-state bytes per parameter (AdamW 8, SGD with momentum 4)."""
+    whole_class: type | None = None
+    """The optimizer class where it runs on whole parameters (``param_access: owner``: Muon,
+    Adafactor), whose states and owners depend on each parameter
+    (``resolver/_memory.owner_memory_model``); None: the flat layouts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,11 +133,11 @@ class Coster:
         margs = _memory_args(values, group, workload, fleet)
         memory = self._memory.get(margs)
         if memory is None:
-            memory = self._memory[margs] = _memory_model(margs, workload.sizes)
+            memory = self._memory[margs] = _memory_model(margs, workload)
         targs = _traffic_args(values, group, workload, fleet)
         traffic = self._traffic.get(targs)
         if traffic is None:
-            t = _traffic_model(targs, workload.sizes)
+            t = _traffic_model(targs, workload)
             traffic = self._traffic[targs] = (t, *_by_link(t, values, fleet))
         nargs = _numeric_values(values)
         numerics = self._numerics.get(nargs)
@@ -293,9 +298,27 @@ def _fp8_gathered(values: Mapping[str, Any], fleet: Fleet) -> bool:
     )
 
 
-def _memory_model(args: tuple[Any, ...], sizes: ModelSizes) -> dict[str, int]:
+def _memory_model(args: tuple[Any, ...], workload: Workload) -> dict[str, int]:
     (w, params, accum, sharded, stage, state_bytes, master, rounding, m, v, off_opt, off_par,
      group, fp8) = args  # fmt: skip
+    sizes = workload.sizes
+    if workload.whole_class is not None:
+        # The table gives the owners' layout neither offload nor shard groups nor fp8.
+        shapes = [shape for _, shape in sizes.param_shapes]
+        return owner_memory_model(
+            shapes=shapes,
+            takes_muon=[muon_by_name(name, len(shape)) for name, shape in sizes.param_shapes],
+            torch_class=workload.whole_class,
+            world_size=w,
+            zero_stage=stage,
+            param_dtype=DTYPES[params],
+            accum_dtype=DTYPES[accum],
+            accumulator_sharded=sharded,
+            master_dtype=DTYPES[master],
+            master_rounding=rounding,
+            exp_avg_dtype=m,
+            exp_avg_sq_dtype=v,
+        )
     return memory_model(
         num_params=sizes.num_params,
         world_size=w,
@@ -333,11 +356,26 @@ def _traffic_args(
         wire,
         _fp8_gathered(values, fleet),
         hpz,
+        _ROUNDING[values["master"]][0],
+        values["accum"],
     )
 
 
-def _traffic_model(args: tuple[Any, ...], sizes: ModelSizes) -> Traffic:
-    w, group, k, stage, sharded, params, comm, reduction, wire, fp8, hpz = args
+def _traffic_model(args: tuple[Any, ...], workload: Workload) -> Traffic:
+    w, group, k, stage, sharded, params, comm, reduction, wire, fp8, hpz, master, accum = args
+    sizes = workload.sizes
+    if workload.whole_class is not None:
+        return owner_traffic_model(
+            param_numels=sizes.param_numels,
+            world_size=w,
+            micro_batches=k,
+            zero_stage=stage,
+            accumulator_sharded=sharded,
+            param_dtype=DTYPES[params],
+            master_dtype=DTYPES[master],
+            accum_dtype=DTYPES[accum],
+            comm_dtype=comm,
+        )
     return traffic_model(
         num_params=sizes.num_params,
         world_size=w,

@@ -19,8 +19,9 @@ Three ways in:
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ FP8_EXCLUDED = ("lm_head", "output", "score", "classifier")
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
+Named = tuple[str, tuple[int, ...]]
+"""A parameter's name and shape."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSizes:
@@ -39,6 +43,9 @@ class ModelSizes:
     name: str
     param_numels: tuple[int, ...]
     """Every parameter's element count (tied weights once)."""
+    param_shapes: tuple[Named, ...] = ()
+    """Every parameter's name and shape, in the same order (empty for a bare count): the
+    whole-tensor optimizers' states depend on them (``plan.memory(param_shapes=...)``)."""
     fp8_weights: tuple[int, ...] = ()
     """Element counts of the weights fp8 compute converts (whole ``nn.Linear`` weights)."""
     layers: int | None = None
@@ -53,6 +60,11 @@ class ModelSizes:
     @property
     def num_params(self) -> int:
         return sum(self.param_numels)
+
+    @property
+    def named_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """``{name: shape}`` as ``plan.memory(param_shapes=...)`` takes it (None: unknown)."""
+        return dict(self.param_shapes) if self.param_shapes else None
 
     @property
     def has_shape(self) -> bool:
@@ -121,7 +133,8 @@ def _eligible(name: str, in_features: int, out_features: int) -> bool:
 def _from_module(module: Any, *, name: str, source: str, **shape: Any) -> ModelSizes:
     import torch
 
-    numels = tuple(p.numel() for p in module.parameters())
+    named = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    numels = tuple(math.prod(shape) for _, shape in named)
     fp8 = tuple(
         m.weight.numel()
         for n, m in module.named_modules()
@@ -136,6 +149,7 @@ def _from_module(module: Any, *, name: str, source: str, **shape: Any) -> ModelS
     return ModelSizes(
         name=name,
         param_numels=numels,
+        param_shapes=named,
         fp8_weights=fp8,
         largest_block=max(blocks, default=0),
         source=source,
@@ -178,30 +192,64 @@ def _built_on_meta(config: Mapping[str, Any]) -> ModelSizes:
     )
 
 
-def _linear(numels: list[int], fp8: list[int], name: str, n_in: int, n_out: int, bias: bool):
-    numels.append(n_in * n_out)
+def _linear(
+    shapes: list[Named],
+    fp8: list[int],
+    name: str,
+    n_in: int,
+    n_out: int,
+    bias: bool,
+) -> None:
+    """An ``nn.Linear``'s parameters: its weight (out, in) and bias."""
+    shapes.append((f"{name}.weight", (n_out, n_in)))
     if bias:
-        numels.append(n_out)
+        shapes.append((f"{name}.bias", (n_out,)))
     if _eligible(name, n_in, n_out):
         fp8.append(n_in * n_out)
 
 
+def _sizes(
+    config: Mapping[str, Any],
+    named: Sequence[Named],
+    block: Sequence[Named],
+    **fields: Any,
+) -> ModelSizes:
+    return ModelSizes(
+        name=_name(config),
+        param_numels=tuple(math.prod(shape) for _, shape in named),
+        param_shapes=tuple(named),
+        largest_block=sum(math.prod(shape) for _, shape in block),
+        **fields,
+    )
+
+
 def _gpt2(config: Mapping[str, Any]) -> ModelSizes:
     """GPT2LMHeadModel: wte, wpe, per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (Conv1D,
-    weight and bias: not nn.Linear, so no fp8 layer), ln_f; lm_head tied to wte."""
+    weight (in, out) and bias: not nn.Linear, so no fp8 layer), ln_f; lm_head tied to wte."""
     shape = _shape(config)
     h, layers = shape["hidden"], shape["layers"]
     inner = config.get("n_inner") or 4 * h
-    block = [h, h, h * 3 * h, 3 * h, h * h, h, h, h, h * inner, inner, inner * h, h]
-    numels = [shape["vocab"] * h, config.get("n_positions", 1024) * h]
-    numels += block * layers + [h, h]
-    return ModelSizes(
-        name=_name(config),
-        param_numels=tuple(numels),
-        largest_block=sum(block),
-        source="counted from the config (GPT-2 formula)",
-        **shape,
-    )
+    block: list[Named] = [
+        ("ln_1.weight", (h,)),
+        ("ln_1.bias", (h,)),
+        ("attn.c_attn.weight", (h, 3 * h)),
+        ("attn.c_attn.bias", (3 * h,)),
+        ("attn.c_proj.weight", (h, h)),
+        ("attn.c_proj.bias", (h,)),
+        ("ln_2.weight", (h,)),
+        ("ln_2.bias", (h,)),
+        ("mlp.c_fc.weight", (h, inner)),
+        ("mlp.c_fc.bias", (inner,)),
+        ("mlp.c_proj.weight", (inner, h)),
+        ("mlp.c_proj.bias", (h,)),
+    ]
+    named: list[Named] = [
+        ("transformer.wte.weight", (shape["vocab"], h)),
+        ("transformer.wpe.weight", (config.get("n_positions", 1024), h)),
+    ]
+    named += [(f"transformer.h.{i}.{n}", s) for i in range(layers) for n, s in block]
+    named += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+    return _sizes(config, named, block, source="counted from the config (GPT-2 formula)", **shape)
 
 
 def _llama(config: Mapping[str, Any]) -> ModelSizes:
@@ -217,27 +265,29 @@ def _llama(config: Mapping[str, Any]) -> ModelSizes:
     qkv_bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
     o_bias = bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
-    block: list[int] = []
+    block: list[Named] = []
     fp8: list[int] = []
-    _linear(block, fp8, "q_proj", h, heads * head_dim, qkv_bias)
-    _linear(block, fp8, "k_proj", h, kv_heads * head_dim, qkv_bias)
-    _linear(block, fp8, "v_proj", h, kv_heads * head_dim, qkv_bias)
-    _linear(block, fp8, "o_proj", heads * head_dim, h, o_bias)
+    _linear(block, fp8, "self_attn.q_proj", h, heads * head_dim, qkv_bias)
+    _linear(block, fp8, "self_attn.k_proj", h, kv_heads * head_dim, qkv_bias)
+    _linear(block, fp8, "self_attn.v_proj", h, kv_heads * head_dim, qkv_bias)
+    _linear(block, fp8, "self_attn.o_proj", heads * head_dim, h, o_bias)
     for name, n_in, n_out in (
-        ("gate_proj", h, inner),
-        ("up_proj", h, inner),
-        ("down_proj", inner, h),
+        ("mlp.gate_proj", h, inner),
+        ("mlp.up_proj", h, inner),
+        ("mlp.down_proj", inner, h),
     ):
         _linear(block, fp8, name, n_in, n_out, mlp_bias)
-    block += [h, h]
-    numels = [shape["vocab"] * h] + block * layers + [h]
+    block += [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    named: list[Named] = [("model.embed_tokens.weight", (shape["vocab"], h))]
+    named += [(f"model.layers.{i}.{n}", s) for i in range(layers) for n, s in block]
+    named.append(("model.norm.weight", (h,)))
     if not config.get("tie_word_embeddings", False):
-        numels.append(shape["vocab"] * h)  # lm_head: excluded from fp8 by default
-    return ModelSizes(
-        name=_name(config),
-        param_numels=tuple(numels),
+        named.append(("lm_head.weight", (shape["vocab"], h)))  # excluded from fp8 by default
+    return _sizes(
+        config,
+        named,
+        block,
         fp8_weights=tuple(fp8 * layers),
-        largest_block=sum(block),
         source=f"counted from the config ({config.get('model_type')} formula)",
         **shape,
     )

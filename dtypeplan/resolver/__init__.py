@@ -23,6 +23,7 @@ from dtypeplan.resolver._dimensions import (
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._load import load_config
 from dtypeplan.resolver._optimizer_kind import register_optimizer
+from dtypeplan.resolver._owners import owner_ranks
 from dtypeplan.resolver._plan import Alternative, PrecisionPlan, install_builder
 from dtypeplan.resolver._resolve import resolve
 from dtypeplan.resolver._rules import (
@@ -70,4 +71,5 @@ __all__ = [
     "load_rules",
     "register_optimizer",
     "resolve",
+    "owner_ranks",
 ]

@@ -127,8 +127,9 @@ class OptimizerConfig:
         if self.param_access == "owner":
             raise NotSupportedError(
                 f"the optimizer {self.type} runs on whole parameters ({self.kind_reason}): "
-                "plan.memory() does not model the owners' whole-tensor layout yet (its states "
-                "depend on each parameter's shape); optimizer.held_tensors() measures it"
+                "its states depend on each parameter's shape, so they have no bytes per "
+                "parameter; plan.memory(param_shapes=...) counts them parameter by parameter "
+                "(_optimizer_kind.whole_states)"
             )
         if self.kind != "elementwise":
             raise NotSupportedError(

@@ -64,21 +64,52 @@ ZeRO-3 without ``torch.distributed`` (one process) runs the flat sharded optimiz
 FSDP2 and holds what stage 2 holds at ``W = 1``: ``P * N`` parameters plus a ``4 * N`` master;
 ``W = 1`` at stage 3 is counted so. (A one-rank process group would run FSDP2 and hold
 ``M * N``, 2 bytes per parameter less for 16-bit parameters with fp32 masters.)
+
+The owners' whole-tensor layout (``param_access: owner``: Muon, Adafactor, DeepSpeed's Muon;
+``optimizers/whole/``) is counted parameter by parameter (:func:`owner_memory_model`), from
+each parameter's shape, on the rank that holds the most (the figures are that rank's). Each
+parameter is owned by one rank (every rank at ZeRO 0), balanced by size (``_owners.py``);
+``n_i`` its values, ``O`` the set a rank owns:
+
+============  =====================================================================
+params        ``P * N``; at ZeRO-3 (FSDP2) each parameter's local shard in the master
+              dtype, its first dimension split in ``ceil(d0 / W)`` rows (FSDP2 pads the
+              last rank's shard to that size)
+grads         ``0``
+accumulator   ``A * N`` at ZeRO 0 and ZeRO-1 with a whole accumulator; ``A * n_i`` over
+              ``O`` where the gradient is reduced to its owner at each backward (ZeRO-1
+              sharded, ZeRO-2); at ZeRO-3 each parameter's local gradient shard (its rows
+              on this rank)
+master        ``M * n_i`` over ``O``: a copy even of fp32 parameters (the owner's); a
+              Kahan compensation adds ``M * n_i`` (``optimizer.held_tensors()`` lists it
+              with the states)
+states        over ``O``, the class's states of each shape (``_optimizer_kind.whole_states``:
+              Adafactor's row and column factors of a matrix, the variance of a vector;
+              Muon's momentum; AdamW's two moments on DeepSpeed's Muon's other
+              parameters), each in its dtype (fp32, or bf16 as ``exp_avg_dtype`` says for
+              the signed ones and ``exp_avg_sq_dtype`` for the others), plus the fp32
+              ``step`` of Adafactor and AdamW (4 bytes) and, under stochastic rounding,
+              each parameter's rounding count (8 bytes)
+============  =====================================================================
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from dtypeplan._formats import state_format
+from dtypeplan.resolver._optimizer_kind import SIGNED_WHOLE_STATES, whole_states
+from dtypeplan.resolver._owners import owner_ranks
 
 __all__ = [
     "HOST_MEMORY_KEYS",
     "MEMORY_KEYS",
     "memory_model",
+    "owner_memory_model",
 ]
 
 MEMORY_KEYS = ("params", "grads", "accumulator", "master", "optimizer_states", "total")
@@ -193,3 +224,90 @@ def memory_model(
     figures.update(host)
     figures["host_total"] = sum(host.values())
     return figures
+
+
+def owner_memory_model(
+    *,
+    shapes: Sequence[tuple[int, ...]],
+    takes_muon: Sequence[bool],
+    torch_class: type,
+    world_size: int,
+    zero_stage: int,
+    param_dtype: torch.dtype,
+    accum_dtype: torch.dtype,
+    accumulator_sharded: bool,
+    master_dtype: torch.dtype,
+    master_rounding: str,
+    exp_avg_dtype: str,
+    exp_avg_sq_dtype: str,
+) -> dict[str, int]:
+    """The owners' whole-tensor layout (module docstring): the figures of the rank whose
+    total is largest. ``shapes`` in the optimizer's parameter order; ``takes_muon``: each
+    parameter's DeepSpeed ``use_muon`` tag (read by DeepSpeed's Muon only)."""
+    if world_size < 1:
+        raise ValueError("memory() needs world_size >= 1")
+    numels = [math.prod(shape) for shape in shapes]
+    fsdp2 = zero_stage >= 3 and world_size > 1
+    ranks = owner_ranks(numels, world_size) if zero_stage >= 1 else None
+    reduced_to_owner = accumulator_sharded and ranks is not None and not fsdp2
+    stored = _whole_state_bytes(master_dtype, exp_avg_dtype, exp_avg_sq_dtype)
+    per_param_scalars = (
+        8 if master_dtype != torch.float32 and master_rounding == "stochastic" else 0
+    )
+    kahan = master_dtype != torch.float32 and master_rounding == "kahan"
+    ranks_figures = []
+    for rank in range(world_size if ranks is not None or fsdp2 else 1):
+        figures = dict.fromkeys(MEMORY_KEYS[:-1], 0)
+        for index, (shape, n) in enumerate(zip(shapes, numels, strict=True)):
+            owned = ranks is None or ranks[index] == rank
+            if fsdp2:
+                padded, local = _shard_numels(shape, rank, world_size)
+                figures["params"] += master_dtype.itemsize * padded
+                figures["accumulator"] += accum_dtype.itemsize * local
+            else:
+                figures["params"] += param_dtype.itemsize * n
+                if owned or not reduced_to_owner:
+                    figures["accumulator"] += accum_dtype.itemsize * n
+            if not owned:
+                continue
+            figures["master"] += master_dtype.itemsize * n * (2 if kahan else 1)
+            states = whole_states(torch_class, shape, takes_muon[index])
+            figures["optimizer_states"] += states.scalar_bytes + per_param_scalars
+            figures["optimizer_states"] += sum(
+                stored(name, values) for name, values in states.values.items()
+            )
+        figures["total"] = sum(figures.values())
+        ranks_figures.append(figures)
+    largest = max(ranks_figures, key=lambda figures: figures["total"])
+    return {**largest, **dict.fromkeys(HOST_MEMORY_KEYS, 0)}
+
+
+def _shard_numels(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
+    """FSDP2's shard of a parameter on ``rank``: the values its storage holds (``ceil(d0 /
+    W)`` rows, padded) and the values that are the parameter's (its rows on this rank)."""
+    if not shape:
+        return 1, 1
+    rows = -(-shape[0] // world_size)
+    rest = math.prod(shape[1:])
+    mine = max(0, min(rows, shape[0] - rank * rows))
+    return rows * rest, mine * rest
+
+
+def _whole_state_bytes(
+    master_dtype: torch.dtype, exp_avg_dtype: str, exp_avg_sq_dtype: str
+) -> Callable[[str, int], int]:
+    """Bytes of a whole-tensor state of ``values`` values, by its name: torch's fp32 unless
+    the masters or states are 16-bit (``optimizers/whole/low_precision.py`` stores each state in
+    its dtype then)."""
+    low_precision = master_dtype != torch.float32 or (exp_avg_dtype, exp_avg_sq_dtype) != (
+        "fp32",
+        "fp32",
+    )
+
+    def stored(name: str, values: int) -> int:
+        if not low_precision:
+            return 4 * values
+        dtype = exp_avg_dtype if name in SIGNED_WHOLE_STATES else exp_avg_sq_dtype
+        return state_format(dtype).stored_bytes(values)
+
+    return stored

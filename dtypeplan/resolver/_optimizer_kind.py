@@ -25,6 +25,7 @@ The JSON schema lists the same names (``test_optimizer_names.py`` keeps them in 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ __all__ = [
     "state_bytes_per_param",
     "state_kind",
     "update_dtype",
+    "WholeStates",
+    "whole_states",
 ]
 
 
@@ -380,3 +383,79 @@ def state_bytes_per_param(torch_class: type, hyperparameters: Mapping[str, Any])
             "their bytes are not known"
         )
     return 4 * len(found.states)
+
+
+SIGNED_WHOLE_STATES = frozenset({"momentum_buffer", "exp_avg"})
+"""The per-element states of the whole-tensor classes that can be negative: stored as
+``exp_avg_dtype`` says, the others (second moments, row and column statistics) as
+``exp_avg_sq_dtype`` (``optimizers/whole/low_precision.SIGNED``)."""
+
+
+@dataclass(frozen=True)
+class WholeStates:
+    """What one whole parameter's update keeps under a class (torch's own state creation)."""
+
+    values: FrozenDict[str, int]
+    """Each per-element state tensor by its name, and its number of values."""
+    scalar_bytes: int
+    """Bytes of its 0-dim state tensors (the fp32 ``step`` of Adafactor and of AdamW)."""
+
+
+def _adafactor_states(shape: tuple[int, ...], muon: bool) -> WholeStates:
+    # torch's Adafactor: a matrix (or more) keeps its row factor (the last dimension reduced
+    # to 1) and its column factor (the one before it reduced); a vector its full variance.
+    if len(shape) >= 2:
+        rows = math.prod(shape[:-1])
+        columns = math.prod(shape[:-2]) * shape[-1]
+        return WholeStates(FrozenDict({"row_var": rows, "col_var": columns}), 4)
+    return WholeStates(FrozenDict({"variance": math.prod(shape)}), 4)
+
+
+def _muon_states(shape: tuple[int, ...], muon: bool) -> WholeStates:
+    if len(shape) != 2:
+        raise NotSupportedError(
+            f"torch.optim.Muon takes 2-D parameters only, not one of shape {list(shape)} (its "
+            "constructor refuses it): give the others to another optimizer, or use DeepSpeed's "
+            'Muon ("type": "Muon"), which runs AdamW on them'
+        )
+    return WholeStates(FrozenDict({"momentum_buffer": math.prod(shape)}), 0)
+
+
+def _muon_with_adamw_states(shape: tuple[int, ...], muon: bool) -> WholeStates:
+    # dtypeplan/muon.py: Muon's momentum on the tagged matrices, AdamW's two moments and its
+    # fp32 step on the rest.
+    if muon and len(shape) == 2:
+        return _muon_states(shape, muon)
+    n = math.prod(shape)
+    return WholeStates(FrozenDict({"exp_avg": n, "exp_avg_sq": n}), 4)
+
+
+_WHOLE_STATES: dict[type, Callable[[tuple[int, ...], bool], WholeStates]] = {
+    MuonWithAuxAdamW: _muon_with_adamw_states,
+    **{
+        found: rule
+        for name, rule in (("Adafactor", _adafactor_states), ("Muon", _muon_states))
+        if (found := getattr(torch.optim, name, None)) is not None
+    },
+}
+"""Each built-in whole-tensor class's states, from a parameter's shape and whether it takes
+Muon (DeepSpeed's ``use_muon`` tag; only :class:`MuonWithAuxAdamW` reads it)."""
+
+
+def whole_states(torch_class: type, shape: tuple[int, ...], muon: bool = True) -> WholeStates:
+    """The states one parameter of ``shape`` keeps under the whole-tensor class
+    ``torch_class`` (:class:`NotSupportedError` for a class registered ``kind="whole"``,
+    whose states are not known, and for a shape the class refuses)."""
+    rule = _WHOLE_STATES.get(torch_class)
+    if rule is None:
+        raise NotSupportedError(
+            f"{torch_class.__name__} runs on whole parameters, but its states (how many values "
+            "each parameter keeps) are not known to dtypeplan: plan.memory() cannot count "
+            "them; optimizer.held_tensors() measures them"
+        )
+    states = rule(tuple(shape), muon)
+    if not shape:
+        # A 0-dim parameter's states are 0-dim too: scalar states, torch's fp32 (the 16-bit
+        # storage of optimizers/whole/low_precision.py is for states of more than one value).
+        return WholeStates(FrozenDict(), states.scalar_bytes + 4 * sum(states.values.values()))
+    return states

@@ -49,6 +49,7 @@ from dtypeplan.resolver._explain import explain
 from dtypeplan.resolver._frozen import FrozenDict
 from dtypeplan.resolver._memory import memory_model
 from dtypeplan.resolver._optimizer_kind import FAST_PATH_ARGS
+from dtypeplan.resolver._owner_cost import ParamShapes, owner_memory, owner_traffic
 from dtypeplan.resolver._rules import Status
 from dtypeplan.resolver._traffic import Traffic, traffic_model
 
@@ -395,6 +396,7 @@ class PrecisionPlan(_PointAttributes):
         *,
         param_numels: Sequence[int] | None = None,
         fp8_weights: Sequence[int] | None = None,
+        param_shapes: ParamShapes | None = None,
     ) -> dict[str, int]:
         """Predicted bytes per rank at the accumulation boundary (see ``resolver/_memory.py``).
 
@@ -418,7 +420,15 @@ class PrecisionPlan(_PointAttributes):
         plan gathers them in fp8 (ZeRO-3 on several ranks, ``fp8.all_gather: fp8``): each
         rank then holds one fp32 scale per such weight for its next gather (under
         ``params``); the gathered fp8 weights themselves live only while a layer runs.
+
+        ``param_shapes``: each parameter's shape, or ``{name: shape}``
+        (``named_parameters``), needed where the optimizer runs on whole parameters
+        (``param_access: owner``: Muon, Adafactor), whose states depend on each shape
+        (``resolver/_owner_cost.py``); the figures are then those of the rank that holds the
+        most. Without it such a plan raises :class:`PrecisionConfigError`.
         """
+        if self.optimizer.param_access == "owner":
+            return owner_memory(self, num_params, world_size, param_shapes, param_numels)
         offload = (self.offload_optimizer, self.offload_param)
         served = offload in (("none", "none"), ("cpu", "none")) or (
             offload == ("cpu", "cpu") and self.zero_stage >= 3
@@ -465,6 +475,7 @@ class PrecisionPlan(_PointAttributes):
         micro_batches: int | None = None,
         buckets: Sequence[int] | None = None,
         fp8_weights: Sequence[int] | None = None,
+        param_numels: Sequence[int] | None = None,
     ) -> Traffic:
         """Predicted bytes each rank sends per optimizer step, within its shard group and
         across the groups, by collective (see ``resolver/_traffic.py``), counted as
@@ -483,12 +494,16 @@ class PrecisionPlan(_PointAttributes):
         where the plan gathers them in fp8 (ZeRO-3 on several ranks, ``fp8.all_gather:
         fp8``): FSDP2 gathers those as one byte a value, and each step all-reduces one fp32
         maximum per weight for their scales. Without them such a plan raises
-        :class:`PrecisionConfigError` (the figure depends on the model).
+        :class:`PrecisionConfigError` (the figure depends on the model). ``param_numels``:
+        each parameter's size, needed where the optimizer runs on whole parameters
+        (``param_access: owner``: one collective per parameter, to or from its owner).
         """
-        shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         if micro_batches is None:
             steps = self.accumulation_steps(world_size)
             micro_batches = 1 if steps is None else steps.micro_batches
+        if self.optimizer.param_access == "owner":
+            return owner_traffic(self, num_params, world_size, micro_batches, param_numels)
+        shard_group_size = check_shard_group_size(self.shard_group_size, world_size)
         comm = DTYPE_NAMES[self.comm_dtype]
         return traffic_model(
             num_params=num_params,

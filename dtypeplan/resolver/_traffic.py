@@ -50,6 +50,35 @@ buckets of a multiple of ``W`` elements) is left out: pass the padded size for e
 and on an int8/fp8 wire across the groups the bucket sizes too.
 ZeRO-3's figures are FSDP2's collectives as its defaults run them (every unit resharded after
 forward; the root unit's, kept for backward, make the backward figure slightly high).
+
+The owners' whole-tensor layout (``param_access: owner``, ``optimizers/whole/``;
+:func:`owner_traffic_model`) sends one collective per parameter, from or to its owner. A
+reduce to one rank and a broadcast from one rank of ``n`` bytes are counted as their ring (a
+chain through the ``W`` ranks) sends them, ``n * (W - 1) / W`` per rank, as a reduce-scatter
+and an all-gather are: per rank it is the mean, whichever rank owns the parameter. With ``L``
+parameters of ``n_i`` values (``N`` in all) and ``M``, ``A`` the bytes of the master and
+accumulation dtypes:
+
+=========  ===========================================================================
+stage      per step
+=========  ===========================================================================
+0          all-reduce of each gradient ``C * n_i``, once (every rank updates everything)
+1 whole    reduce of each gradient ``C * n_i`` to its owner, once; broadcast of each
+           updated parameter ``P * n_i`` from its owner
+1 sharded  reduce of each gradient to its owner at each micro-batch's backward, ``k``
+and 2      times; broadcast ``P * n_i``
+3 (FSDP2)  FSDP2's all-gathers ``P * N`` (forward and backward) and reduce-scatter
+           ``C * N`` per micro-batch, as above; at the step an all-gather of each
+           parameter's accumulated gradient ``A * n_i`` (every rank receives it, the owner
+           uses it) and a broadcast of the updated parameter ``M * n_i`` (FSDP2's shards
+           are in the master dtype)
+=========  ===========================================================================
+
+Each step also all-reduces which parameters got a gradient on any rank (one fp32 flag a
+parameter, ``4 * L`` bytes) and, from ZeRO-1 on, the owners' squared norms (one fp32 value):
+both counted under ``all_reduce``. At ZeRO-3 FSDP2 (and DTensor's gather of a gradient) pads a
+first dimension the ranks do not divide to a multiple of ``W`` rows; the figures count the
+unpadded sizes, exact where ``W`` divides every parameter's first dimension.
 """
 
 from __future__ import annotations
@@ -70,6 +99,7 @@ __all__ = [
     "QUANTIZED_WIRE_BLOCK",
     "Traffic",
     "quantized_bytes",
+    "owner_traffic_model",
     "traffic_model",
 ]
 
@@ -288,3 +318,49 @@ def traffic_model(
 
 def _frozen(ops: Mapping[str, int]) -> FrozenDict[str, int]:
     return FrozenDict(dict(ops))
+
+
+def owner_traffic_model(
+    *,
+    param_numels: tuple[int, ...],
+    world_size: int,
+    micro_batches: int,
+    zero_stage: int,
+    accumulator_sharded: bool,
+    param_dtype: torch.dtype,
+    master_dtype: torch.dtype,
+    accum_dtype: torch.dtype,
+    comm_dtype: str,
+) -> Traffic:
+    """The owners' whole-tensor layout (module docstring); ``param_numels`` in the optimizer's
+    parameter order (each parameter is its own collective, rounded as CommStats rounds it)."""
+    if world_size < 1 or micro_batches < 1:
+        raise ValueError("traffic() needs world_size >= 1, micro_batches >= 1")
+    n, w, k = sum(param_numels), world_size, micro_batches
+    within: dict[str, int] = {}
+    c, p = DTYPES[comm_dtype].itemsize, param_dtype.itemsize
+
+    def each(nbytes_per_value: int) -> int:
+        return sum(_ring(nbytes_per_value * n_i, w) for n_i in param_numels)
+
+    if w > 1:
+        _add(within, "all_reduce", 2 * _ring(4 * len(param_numels), w))
+        if zero_stage == 0:
+            _add(within, "all_reduce", 2 * each(c))
+        else:
+            _add(within, "all_reduce", 2 * _ring(4, w))
+        if zero_stage in (1, 2):
+            _add(within, "reduce", (k if accumulator_sharded else 1) * each(c))
+            _add(within, "broadcast", each(p))
+        elif zero_stage >= 3:
+            _add(within, "all_gather", 2 * k * _ring(p * n, w) + each(accum_dtype.itemsize))
+            _reduce(within, c * n, w, False, k)
+            _add(within, "broadcast", each(master_dtype.itemsize))
+    return Traffic(
+        num_params=n,
+        world_size=w,
+        shard_group_size=w,
+        micro_batches=k,
+        within=_frozen(within),
+        across=_frozen({}),
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections import defaultdict
 from typing import Any
@@ -214,6 +215,9 @@ def resume_case(rank: int, world: int, config: dict[str, Any], steps: int) -> di
     checkpoint.load(resumed_optimizer, os.path.join(directory, "ckpt"))
     exported = checkpoint.export_model_state(resumed_optimizer, resumed_model)
     resumed = run(resumed_model, resumed_optimizer, half, steps)
+    dist.barrier()  # every rank has read the checkpoint
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
     return {
         "straight": straight[half:],
         "resumed": resumed,

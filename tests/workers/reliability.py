@@ -14,6 +14,7 @@ import datetime
 import io
 import math
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -275,11 +276,14 @@ def die_mid_step(rank: int, world_size: int, config: dict[str, Any], where: str)
         if rank == 1:
             os._exit(3)
         start = time.monotonic()
+        directory = tempfile.mkdtemp(prefix="dtypeplan-dead-peer-")
         try:
-            checkpoint.save(optimizer, tempfile.mkdtemp(prefix="dtypeplan-dead-peer-"))
+            checkpoint.save(optimizer, directory)
         except checkpoint.CheckpointError as exc:
             took = time.monotonic() - start
             raise RuntimeError(f"rank {rank} gave up after {took:.2f} s") from exc
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
         return "saved"
     if where == "before_backward" and rank == 1:
         os._exit(3)

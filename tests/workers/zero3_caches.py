@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -220,6 +221,9 @@ def run_program(
     record["weights"] = [_full(p) for p in model.parameters()]
     record["ref_weights"] = [p.detach().float().clone() for p in reference.parameters()]
     opt.close()
+    dist.barrier()  # every rank is done with the checkpoints
+    if rank == 0:
+        shutil.rmtree(shared[0], ignore_errors=True)
     return record
 
 

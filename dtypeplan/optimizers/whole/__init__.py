@@ -4,6 +4,8 @@
     owners.py      which rank owns each parameter (largest first to the least loaded rank)
     optimizer.py   WholeTensorOptimizer: reduce to the owner, update, broadcast back
     sharded.py     ZeRO-3: the whole tensor from FSDP2's shards, and the shards from it
+    full_state.py  the layout-free state for checkpoints: each state of its own shape, the
+                   scalar states per parameter, the states the class keeps for a parameter
 """
 
 from __future__ import annotations

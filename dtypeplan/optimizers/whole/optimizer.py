@@ -40,6 +40,7 @@ from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPoli
 from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
 from dtypeplan.optimizers.state import HeldTensors, keys
+from dtypeplan.optimizers.whole.full_state import kept_states, restored_slot, split_payload
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
 from dtypeplan.optimizers.whole.owners import Owners, assign_owners
 from dtypeplan.optimizers.whole.sharded import full_from_shards, write_shards
@@ -144,10 +145,22 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         if plan.optimizer.torch_class is MuonWithAuxAdamW:
             tag_muon_parameters(model, keep=True)
         if plan.zero_stage == 3 and dist.is_available() and dist.is_initialized():
-            # ZeRO-3: sharded by FSDP2 as the fsdp2 implementation shards it.
-            return FSDP2Optimizer.prepare_model(
+            # ZeRO-3: sharded by FSDP2 as the fsdp2 implementation shards it. FSDP2 replaces
+            # each parameter with a sharded one, which has none of the old one's attributes:
+            # the tags are carried over by name (else every matrix, the embedding too, would
+            # take Muon).
+            tags = {
+                name: param.use_muon  # type: ignore[attr-defined]
+                for name, param in model.named_parameters()
+                if hasattr(param, "use_muon")
+            }
+            prepared = FSDP2Optimizer.prepare_model(
                 model, plan=plan, process_group=process_group, wrap=wrap
             )
+            for name, param in prepared.named_parameters():
+                if name in tags:
+                    param.use_muon = tags[name]  # type: ignore[attr-defined]
+            return prepared
         return super().prepare_model(model, plan=plan, process_group=process_group, wrap=wrap)
 
     # --- layout --------------------------------------------------------------------------------
@@ -324,17 +337,23 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
 
     # --- state ----------------------------------------------------------------------------------
     def held_tensors(self) -> HeldTensors:
+        # Kahan's compensation is half of the master (as the flat layouts and plan.memory()
+        # count it), not a state of the optimizer.
+        slots = list(self._inner.state.values())
         states = tuple(
             value
-            for slot in self._inner.state.values()
-            for value in slot.values()
-            if torch.is_tensor(value)
+            for slot in slots
+            for name, value in slot.items()
+            if torch.is_tensor(value) and name != keys.KAHAN_COMPENSATION
+        )
+        compensations = tuple(
+            slot[keys.KAHAN_COMPENSATION] for slot in slots if keys.KAHAN_COMPENSATION in slot
         )
         return HeldTensors(
             params=tuple(p.to_local() if isinstance(p, DTensor) else p.data for p in self.params),
             grads=tuple(p.grad for p in self.params if p.grad is not None),
             accumulator=tuple(self.accumulators.values()),
-            master=tuple(self.masters.values()),
+            master=(*self.masters.values(), *compensations),
             optimizer_states=states,
         )
 
@@ -400,34 +419,84 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         return payload[0]
 
     def full_state(self) -> dict[str, torch.Tensor | float | int]:
-        """Every parameter's master and states from its owner (collective at ZeRO 1-2)."""
+        """Every parameter's master and states from its owner (collective at ZeRO 1-3): each
+        state of its own shape, each parameter's scalar states its own (``full_state.py``)."""
         state: dict[str, torch.Tensor | float | int] = {}
+        scalars: dict[str, Any] = {}
         for index in range(len(self.params)):
-            for name, value in self._owner_payload(index).items():
-                if torch.is_tensor(value) and (value.dim() > 0 or name == keys.MASTER):
-                    state[keys.param_key(index, name)] = value
-        state.update(self._scalar_state())
+            tensors, own = split_payload(index, self._owner_payload(index))
+            state.update(tensors)
+            scalars.update(own)
+        # The scalars not per parameter; the step count of the first parameter that has one
+        # (the ranks own different ones).
+        for key, value in self._scalar_state().items():
+            if (
+                keys.parse_group_scalar_key(key) is None
+                and keys.parse_param_scalar_key(key) is None
+            ):
+                state[key] = value
+        steps = [v for k, v in scalars.items() if k.endswith("." + keys.STEP)]
+        state[keys.scalar_key(keys.STEP)] = int(steps[0]) if steps else 0
+        state.update(scalars)
         return state
+
+    def full_state_template(self) -> dict[str, torch.Tensor | float | int]:
+        """The masters' shapes (meta tensors), without communication."""
+        return {
+            keys.param_key(index, keys.MASTER): torch.empty(param.shape, device="meta")
+            for index, param in enumerate(self.params)
+        }
+
+    def kept_states(self, index: int) -> dict[str, list[int]] | None:
+        """The states this optimizer's class keeps for parameter ``index`` and their shapes
+        (``full_state.kept_states``); None where that cannot be told."""
+        param = self.params[index]
+        group = next(
+            g
+            for g, entry in enumerate(self.param_groups)
+            if any(p is param for p in entry["params"])
+        )
+        hyper = {k: v for k, v in self._inner.param_groups[group].items() if k != "params"}
+        return kept_states(self.plan.optimizer.torch_class, hyper, param)
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor | float | int]) -> None:
-        for index, master in self.masters.items():
-            prefix = keys.param_key(index, "")
-            slot = self._inner.state[master]
-            for key, value in state.items():
-                if not key.startswith(prefix):
-                    continue
-                name = key[len(prefix) :]
-                if name == keys.MASTER:
-                    master.copy_(torch.as_tensor(value))
-                    if self.plan.master_rounding == "kahan" and master.dtype != torch.float32:
-                        # The fp32 value split into the bf16 weight and its compensation.
-                        error = torch.as_tensor(value).to(master.device) - master.float()
+        """Inverse of :meth:`full_state` (a checkpoint's, which ``dtypeplan.checkpoint`` found
+        to hold the states this class keeps): each owned master, its states in the plan's
+        dtypes, its scalar states; then the parameters."""
+        groups = keys.group_scalars(state)
+        index_of = {id(master): index for index, master in self.masters.items()}
+        stored = self.low_precision.stored_dtype if self.low_precision is not None else _fp32
+        self._inner.state.clear()
+        for group_index, group in enumerate(self._inner.param_groups):
+            for master in group["params"]:
+                index = index_of[id(master)]
+                values = torch.as_tensor(state[keys.param_key(index, keys.MASTER)])
+                slot = restored_slot(index, master, state, groups.get(group_index, {}), stored)
+                compensation = state.get(keys.param_key(index, keys.KAHAN_COMPENSATION))
+                if self.plan.master_rounding != "kahan" or master.dtype == torch.float32:
+                    master.copy_(values)
+                elif torch.is_tensor(compensation):
+                    # The saved pair itself (values: its sum, exact in fp32): the bf16 weight
+                    # is the forward's, and a pair at a rounding tie has two forms.
+                    compensation = compensation.to(master.device, master.dtype)
+                    master.copy_(values.to(master.device) - compensation.float())
+                    slot[keys.KAHAN_COMPENSATION] = compensation
+                else:
+                    # The fp32 value split into the bf16 weight and its compensation (none
+                    # for a parameter that has not stepped and rounds exactly).
+                    master.copy_(values)
+                    error = values.to(master.device) - master.float()
+                    if slot or bool(error.any()):
                         slot[keys.KAHAN_COMPENSATION] = error.to(master.dtype)
-                elif name != keys.KAHAN_COMPENSATION:
-                    slot[name] = torch.as_tensor(value).to(master.device).clone()
+                if slot:
+                    self._inner.state[master] = slot
         self._load_scalar_state(dict(state))
         self._write_parameters()
+
+
+def _fp32(name: str) -> torch.dtype:
+    return torch.float32
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtypeplan.resolver import owner_ranks
+
 __all__ = ["Owners", "assign_owners"]
 
 
@@ -39,11 +41,6 @@ class Owners:
 
 
 def assign_owners(sizes: Sequence[int], world_size: int) -> Owners:
-    """The owner of each parameter of ``sizes`` (element counts) over ``world_size`` ranks."""
-    owned = [0] * world_size
-    ranks = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world_size), key=lambda r: (owned[r], r))
-        ranks[index] = rank
-        owned[rank] += sizes[index]
-    return Owners(tuple(ranks), tuple(sizes), world_size)
+    """The owner of each parameter of ``sizes`` (element counts) over ``world_size`` ranks:
+    the rule of ``resolver/_owners.py``, which the cost model reads too."""
+    return Owners(owner_ranks(sizes, world_size), tuple(sizes), world_size)
