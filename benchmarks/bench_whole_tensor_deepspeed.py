@@ -245,6 +245,7 @@ def _ns_floor(spec: dict[str, Any], x: torch.Tensor) -> float:
     torch.nn.functional.mse_loss(model(x), torch.tanh(x.roll(1, dims=1))).backward()
     theirs, ours = [], []
     for param in _muon_matrices(model):
+        assert param.grad is not None  # every matrix is in the loss
         grad = param.grad.detach()
         momentum = torch.zeros_like(grad)
         theirs.append(
