@@ -7,6 +7,8 @@ weights."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks import bench_whole_tensor_deepspeed as bench
@@ -23,6 +25,10 @@ def test_arguments_parse_without_deepspeed(capsys: pytest.CaptureFixture[str]) -
 def test_quick_run_agrees_with_deepspeed() -> None:
     if not bench.deepspeed_importable():
         pytest.skip("deepspeed is not importable (it is never a dependency of dtypeplan)")
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        # DeepSpeed torch.compile's muon_update; inductor's CPU C++ then fails to build
+        # ("'at::vec' has not been declared") under the default capability.
+        pytest.skip("DeepSpeed's compiled Muon update does not build under ATEN_CPU_CAPABILITY")
     summary = bench.main(["--quick", "--no-write", "--steps", "2"])
     for row in summary["agreement"]:
         # The rest of the step is fp32: the first update may differ by little beyond the floor.
