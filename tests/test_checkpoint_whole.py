@@ -110,6 +110,7 @@ def default_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
 
 
 @pytest.mark.parametrize("name", cases.DEFAULT)
+@pytest.mark.slow
 def test_resume_and_reshard(default_results: dict[str, dict[str, Any]], name: str) -> None:
     _check(name, default_results[name])
 

@@ -51,6 +51,7 @@ def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, str]]) -> 
                     assert plain is None or plain == pytest.approx(ours, rel=1e-5), case
 
 
+@pytest.mark.slow
 def test_lightning_zero1_bf16_two_ranks(integration_defaults: list[dict[str, Any]]) -> None:
     _check(integration_defaults, DEFAULT)
 

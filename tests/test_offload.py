@@ -118,6 +118,7 @@ def test_parity_every_offload_cell_two_ranks(group: dict[str, Any]) -> None:
     assert all(dtypeplan.resolve(c["config"]).offload_optimizer == "cpu" for c in group["cases"])
 
 
+@pytest.mark.slow
 def test_offloaded_step_adds_no_host_sync_and_waits_once_per_chunk(group: dict[str, Any]) -> None:
     """No read of a device value (the counter of tests/test_host_syncs.py) in an offloaded
     bf16 step; the offload itself waits for the device once per bucket chunk (its gradient's
@@ -157,6 +158,7 @@ def _assert_resumed(loaded: dict[str, Any], saved: dict[str, Any], precision: st
         assert abs(mine - ref) <= LOSS_RTOL[precision] * abs(ref), (name, step, mine, ref)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_offloaded_and_plain(group: dict[str, Any]) -> None:
     """Offloaded -> plain, plain -> offloaded and offloaded -> offloaded, across stages and
     bucket layouts, on 2 ranks: weights, states and scalars load exactly, and the resumed run
@@ -169,6 +171,7 @@ def test_checkpoints_move_between_offloaded_and_plain(group: dict[str, Any]) -> 
             _assert_resumed(loaded, saved, saver[0], name)
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_across_world_sizes(
     group: dict[str, Any], reshard_reference: dict[str, Any]
 ) -> None:

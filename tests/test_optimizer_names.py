@@ -108,7 +108,9 @@ def test_every_torch_class_by_name(name: str, tmp_path: Path) -> None:
     if name in ("Adafactor", "Muon"):  # run whole (tests/test_whole_tensor.py)
         assert plan.status == "OK" and plan.rule_id == "whole-tensor"
         assert plan.optimizer_kind == "shaped" and plan.param_access == "owner"
-        with pytest.raises(dtypeplan.NotSupportedError, match="whole-tensor layout"):
+        # Their states and the owners' balance follow each parameter's shape: a count alone
+        # is refused, naming the argument that gives the shapes.
+        with pytest.raises(dtypeplan.PrecisionConfigError, match="param_shapes"):
             plan.memory(1000, 2)
         assert _check(tmp_path, name) == EXIT_OK
         return
