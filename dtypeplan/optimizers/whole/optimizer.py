@@ -150,7 +150,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             # the tags are carried over by name (else every matrix, the embedding too, would
             # take Muon).
             tags = {
-                name: param.use_muon  # type: ignore[attr-defined]
+                name: param.use_muon
                 for name, param in model.named_parameters()
                 if hasattr(param, "use_muon")
             }
