@@ -6,6 +6,7 @@ seeded model/batch builders) or in ``tests/workers/`` (code that runs inside spa
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,17 @@ from dtypeplan.resolver import PARAMS, load_rules
 from dtypeplan.resolver._dimensions import FEATURE_DIMENSIONS, MASTER, STATES
 
 IN, HIDDEN, OUT = 12, 24, 6
+
+
+FULL_MATRICES_ENV = "DTYPEPLAN_FULL_MATRICES"
+"""``DTYPEPLAN_FULL_MATRICES=1 pytest -m slow``: every case of the slow run's largest products
+(run by hand; the figures are in the closing notes). CI runs a spread sample of each, so that
+its whole run stays under an hour on 2 cores."""
+
+
+def full_matrices() -> bool:
+    """Whether this run takes the slow run's largest products whole (:data:`FULL_MATRICES_ENV`)."""
+    return os.environ.get(FULL_MATRICES_ENV) == "1"
 
 
 def make_model(
