@@ -87,7 +87,12 @@ def hyperparameter_defaults(plan: PrecisionPlan) -> dict[str, Any]:
     defaults.update(plan.optimizer.params)
     unresolved = [name for name, value in defaults.items() if value is None]
     if unresolved:
-        probe = torch_class([torch.zeros(2, 2, requires_grad=True)], **constructor_arguments(plan))
+        try:
+            probe = torch_class(
+                [torch.zeros(2, 2, requires_grad=True)], **constructor_arguments(plan)
+            )
+        except Exception:  # noqa: BLE001 - a class that takes no matrix: its Nones stay
+            return defaults
         for name in unresolved:
             defaults[name] = probe.defaults.get(name)
     return defaults
