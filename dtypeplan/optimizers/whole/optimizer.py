@@ -39,6 +39,7 @@ from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
+from dtypeplan.optimizers.grads.owned import OwnedGradient, is_owned_gradient
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.full_state import kept_states, restored_slot, split_payload
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
@@ -129,6 +130,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         this = weakref.ref(self)
         for index, param in enumerate(self.params):
             self.hooks.add(param, _accumulate_hook(this, index))
+            if not self.fsdp2:
+                self.hooks.add_pre(param, _before_gradient_hook(this, index))
         self._take_ownership()
 
     @classmethod
@@ -180,11 +183,29 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
 
     # --- backward -------------------------------------------------------------------------------
     @torch.no_grad()
+    def _before_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Before a backward's gradient reaches ``param``: the placeholder this optimizer left
+        in ``.grad`` is still there (cleared, so autograd makes a fresh gradient), or the
+        program discarded what was accumulated since (``model.zero_grad()``, ``.grad = None``,
+        the placeholder zeroed, a gradient set by hand), and so does this optimizer, as torch
+        would (each rank runs the same loop: at ZeRO-2 the owner drops the sum it holds)."""
+        grad = param.grad
+        if is_owned_gradient(grad):
+            param.grad = None
+            if not grad.zeroed:  # type: ignore[union-attr]
+                return
+        self.accumulators.pop(index, None)
+        self.touched.discard(index)
+
     def _accumulate(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
         param.grad = None
         if grad is None:
             return
+        if not self.fsdp2:
+            # What model.zero_grad() clears, so that the next backward can tell (ZeRO-3's
+            # gradients are FSDP2's, which accumulates into them itself).
+            param.grad = OwnedGradient(grad)
         self.touched.add(index)
         if isinstance(grad, DTensor):  # ZeRO-3: FSDP2's reduced shard
             grad = grad.to_local()
@@ -351,7 +372,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         )
         return HeldTensors(
             params=tuple(p.to_local() if isinstance(p, DTensor) else p.data for p in self.params),
-            grads=tuple(p.grad for p in self.params if p.grad is not None),
+            grads=tuple(
+                p.grad for p in self.params if p.grad is not None and not is_owned_gradient(p.grad)
+            ),
             accumulator=tuple(self.accumulators.values()),
             master=(*self.masters.values(), *compensations),
             optimizer_states=states,
@@ -503,6 +526,17 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ZeRO-3 parameter (FSDP2's DTensor), detached."""
     assert isinstance(param, DTensor)
     return param.to_local().detach()
+
+
+def _before_gradient_hook(
+    this: weakref.ref[WholeTensorOptimizer], index: int
+) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        optimizer = this()
+        if optimizer is not None and not optimizer.closed:
+            optimizer._before_gradient(index, optimizer.params[index])
+
+    return hook
 
 
 def _accumulate_hook(
