@@ -6,7 +6,9 @@ ds_config_zero2.json at ZeRO ``STAGE``, ``DtypeplanAccelerator(mixed_precision="
 ``accelerator.resolve`` filling the "auto" values. PHASE ``full`` trains ``STEPS`` steps,
 saving Accelerate's checkpoint at ``SAVE_AT`` and the weights at the end (``save_model``, and
 ``save_pretrained`` with ``get_state_dict``); PHASE ``resume`` loads that checkpoint in a
-fresh process and trains the remaining steps. Each rank writes what it saw as JSON.
+fresh process and trains the remaining steps. Each rank writes what it saw as JSON. A fourth
+argument ``muon``: the config's optimizer block is DeepSpeed's ``"Muon"`` (tests/launched/
+whole.py), and each rank also writes what ran.
 """
 
 from __future__ import annotations
@@ -20,17 +22,26 @@ import torch
 STEPS, SAVE_AT, MICRO, LR = 4, 2, 2, 3e-3
 
 
-def main(stage: int, out: str, phase: str) -> None:
+def main(stage: int, out: str, phase: str, kind: str = "adamw") -> None:
     from dtypeplan.integrations import DtypeplanAccelerator
     from dtypeplan.integrations._common import find_optimizer
+    from tests.launched.whole import MUON_BLOCK, MUON_LR, what_ran
     from tests.workers.integrations import hf_config, master_bits, token_data
     from tests.workers.real_models import build_model
 
+    assert kind in ("adamw", "muon"), kind
     torch.set_num_threads(1)
+    muon = kind == "muon"
     accelerator = DtypeplanAccelerator(mixed_precision="bf16")
     config = hf_config(stage)
+    if muon:
+        config["optimizer"] = MUON_BLOCK
     plan = accelerator.resolve(
-        config, auto={"optimizer.params.lr": LR, "train_micro_batch_size_per_gpu": MICRO}
+        config,
+        auto={
+            "optimizer.params.lr": MUON_LR if muon else LR,
+            "train_micro_batch_size_per_gpu": MICRO,
+        },
     )
     model = plan.prepare_model(build_model("gpt2"))
     optimizer = plan.build(model.parameters())
@@ -80,6 +91,8 @@ def main(stage: int, out: str, phase: str) -> None:
         "losses": losses,
         "masters": masters,
     }
+    if muon:
+        facts["ran"] = what_ran(optimizer, accelerator.unwrap_model(model))
     rank = accelerator.process_index
     with open(os.path.join(out, f"{phase}.{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(facts, handle)
@@ -87,4 +100,4 @@ def main(stage: int, out: str, phase: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], *sys.argv[4:])
