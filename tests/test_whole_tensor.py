@@ -165,6 +165,27 @@ def test_whole_tensor_every_stage_one_and_four_ranks(world: int) -> None:
     _check(spawn(run_cases, world, cases, timeout_s=600), cases)
 
 
+def _shard_group_cases(
+    stages: tuple[int, ...] = (1, 2, 3), names: tuple[str, ...] = (*HYPER, "config")
+) -> list[dict[str, Any]]:
+    """Shard groups of 2 on 4 ranks: each parameter has an owner in each group, the owners
+    sum across the groups (ZeRO-3: FSDP2's HSDP mesh)."""
+    cases = []
+    for case in _cases(stages):
+        stage = case["config"]["zero_optimization"]["stage"]
+        if case["optimizer"] in names and stage in stages and not case.get("bf16"):
+            case["config"]["zero_optimization"]["shard_group_size"] = 2
+            cases.append({**case, "name": f"{case['name']} shard groups of 2"})
+    return cases
+
+
+def test_whole_tensor_shard_groups_four_ranks() -> None:
+    """ZeRO 1, 2 and 3 in shard groups of 2 on 4 ranks, accumulation 1 and 4, against one
+    process: a layout that summed within a group only, or twice across, would be 2x off."""
+    cases = _shard_group_cases()
+    _check(spawn(run_cases, 4, cases, timeout_s=400), cases)
+
+
 def test_owners_are_balanced_by_size() -> None:
     owners = assign_owners([100, 10, 60, 50, 40, 5], 2)
     assert owners.owned_elements() == [140, 125]

@@ -18,7 +18,17 @@ parameters. Here each trainable parameter keeps its shape and its own fp32 maste
   shards (``sharded.py``: an all-gather), updates the whole parameter, and broadcasts it; each
   rank copies its shard of it into FSDP2's sharded parameter.
 
-The global norm is one all-reduce of the owners' squared norms; clipping, the non-finite check
+Shard groups (``zero_optimization.shard_group_size`` ``S`` below the world ``W``, ZeRO 1-3):
+each parameter has one owner in each shard group, at the same index in every group
+(``owners.py``). ZeRO 1-2 reduce each gradient to its owner within the shard group, as above,
+then the owners of the parameter (one replica group) all-reduce it across the groups in
+``comm_dtype``, once per step, and divide by ``W``; the updated parameter is broadcast within
+each shard group. ZeRO-3 shards on FSDP2's HSDP mesh, whose reduction leaves every rank the
+shard of the mean already: the whole gradient is gathered, and the shards written back,
+within the shard group.
+
+The global norm is one all-reduce of the owners' squared norms (with shard groups, the first
+group's: the others hold the same gradients); clipping, the non-finite check
 and the step's factor are the base class's (``contract/base.py``). A parameter that got no
 gradient on any rank since ``zero_grad`` is not updated (its ``.grad`` stays None for the
 class), as in ``torch.optim``.
@@ -43,7 +53,7 @@ from dtypeplan.optimizers.grads.owned import OwnedGradient, is_owned_gradient
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.full_state import kept_states, restored_slot, split_payload
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
-from dtypeplan.optimizers.whole.owners import Owners, assign_owners
+from dtypeplan.optimizers.whole.owners import OwnerLayout, Owners, owner_layout
 from dtypeplan.optimizers.whole.sharded import full_from_shards, write_shards
 from dtypeplan.resolver import PrecisionPlan
 
@@ -76,10 +86,13 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 self._make_replicas_equal(self.comm)
         self.params = self.trainable_parameters()
         sizes = [p.numel() for p in self.params]
-        self.owners: Owners | None = (
-            assign_owners(sizes, self.comm.world_size) if plan.zero_stage >= 1 else None
+        self.layout: OwnerLayout | None = (
+            owner_layout(sizes, self.comm, plan.shard_group_size) if plan.zero_stage >= 1 else None
         )
-        """Each parameter's owning rank; None at ZeRO 0 (every rank updates everything)."""
+        """The owners and their groups (``owners.py``); None at ZeRO 0."""
+        self.owners: Owners | None = self.layout.owners if self.layout is not None else None
+        """Each parameter's owning rank (within each shard group); None at ZeRO 0 (every rank
+        updates everything)."""
         self.reduce_each_micro_batch = (
             plan.accumulator_sharded and self.owners is not None and not self.fsdp2
         )
@@ -168,14 +181,17 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
 
     # --- layout --------------------------------------------------------------------------------
     def _owns(self, index: int) -> bool:
-        return self.owners is None or self.owners.ranks[index] == self.comm.rank
+        return self.layout is None or self.layout.owns(index)
 
     def _owner_global_rank(self, index: int) -> int:
-        assert self.owners is not None
-        owner = self.owners.ranks[index]
-        if not self.comm.distributed or self.comm.group is None:
-            return owner
-        return dist.get_global_rank(self.comm.group, owner)
+        """The global rank of parameter ``index``'s owner in this rank's shard group."""
+        assert self.layout is not None
+        return self.layout.owner(index)
+
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        """Where each gradient goes to its owner and the parameter comes back from it."""
+        assert self.layout is not None
+        return self.layout.shard
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -221,11 +237,21 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             accumulator.add_(grad.to(accumulator.dtype))
 
     def _reduce_to_owner(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """``grad`` summed over the ranks in ``comm_dtype``, on the owner (None elsewhere)."""
+        """``grad`` summed over the shard group's ranks in ``comm_dtype``, on the owner (None
+        elsewhere)."""
         wire = grad.to(self.plan.comm_dtype, copy=True)
         if self.comm.active:
-            dist.reduce(wire, dst=self._owner_global_rank(index), group=self.comm.group)
+            dist.reduce(wire, dst=self._owner_global_rank(index), group=self._shard_group())
         return wire if self._owns(index) else None
+
+    def _sum_across_groups(self, grad: torch.Tensor) -> torch.Tensor:
+        """An owner's gradient, summed over its shard group, summed with the other shard
+        groups' owners of the parameter (its replica group) in ``comm_dtype``; fp32."""
+        if self.layout is None or not self.layout.replicated:
+            return grad.float()
+        wire = grad.to(self.plan.comm_dtype, copy=True)
+        dist.all_reduce(wire, group=self.layout.replica)
+        return wire.float()
 
     # --- step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,9 +269,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             summed = self.accumulators.get(index)
             if self.reduce_each_micro_batch:
                 if summed is not None:  # the owner: reduced at each backward
-                    grads[index] = summed.float()
+                    grads[index] = self._sum_across_groups(summed)
                 elif self._owns(index):
-                    grads[index] = torch.zeros_like(param, dtype=torch.float32)
+                    zeros = torch.zeros_like(param, dtype=torch.float32)
+                    grads[index] = self._sum_across_groups(zeros)
                 continue
             if self.fsdp2:
                 local = summed if summed is not None else torch.zeros_like(_local(param))
@@ -262,10 +289,12 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             else:
                 reduced = self._reduce_to_owner(index, local)
                 if reduced is not None:
-                    grads[index] = reduced.float()
+                    grads[index] = self._sum_across_groups(reduced)
         sq_norm = torch.zeros((), dtype=torch.float32)
-        for grad in grads.values():
-            sq_norm += grad.pow(2).sum()
+        # Every shard group's owners hold the same gradients: the first group's count once.
+        if self.layout is None or self.layout.replica_rank == 0:
+            for grad in grads.values():
+                sq_norm += grad.pow(2).sum()
         if self.owners is not None and self.comm.active:
             dist.all_reduce(sq_norm, group=self.comm.group)
         return grads, self._across_pipeline(sq_norm, self.divisor * self.loss_scale)
@@ -336,13 +365,13 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         for index, param in enumerate(self.params):
             if self.fsdp2:
                 source = self._owner_global_rank(index)
-                write_shards(param, self.masters.get(index), source, self.comm.group)
+                write_shards(param, self.masters.get(index), source, self._shard_group())
                 continue
             if index in self.masters:
                 param.data.copy_(self.masters[index])
             if self.owners is not None and self.comm.active:
                 dist.broadcast(
-                    param.data, src=self._owner_global_rank(index), group=self.comm.group
+                    param.data, src=self._owner_global_rank(index), group=self._shard_group()
                 )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -381,11 +410,14 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         )
 
     def _layout_facts(self) -> dict[str, Any]:
-        return {
+        facts = {
             "implementation": "whole",
             "world_size": self.comm.world_size,
             "owners": list(self.owners.ranks) if self.owners is not None else None,
         }
+        if self.layout is not None and self.layout.replicated:
+            facts["shard_group_size"] = len(self.layout.shard_ranks)
+        return facts
 
     def state_names(self) -> list[str]:
         names = {
@@ -437,7 +469,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             }
         if self.owners is not None and self.comm.active:
             dist.broadcast_object_list(
-                payload, src=self._owner_global_rank(index), group=self.comm.group
+                payload, src=self._owner_global_rank(index), group=self._shard_group()
             )
         return payload[0]
 
