@@ -184,7 +184,12 @@ def test_whole_tensor_shard_groups_four_ranks() -> None:
     Adafactor against one process. A layout that summed within a group only (no sum across)
     moved the masters 1.4e-2 (Adafactor) to 3.6e-2 (Muon) off at ZeRO 1-2."""
     cases = _shard_group_cases(names=tuple(HYPER))
-    _check(spawn(run_cases, 4, cases, timeout_s=400), cases)
+    # A model sharded flat (one mesh dimension of 4) under a plan of shard groups: refused.
+    flat = {"zero_optimization": {"stage": 3}}
+    mismatch = {**cases[-1], "name": "ZeRO-3 flat mesh", "prepared_with": flat}
+    per_rank = spawn(run_cases, 4, [*cases, mismatch], timeout_s=400)
+    assert "mesh of shape (4,)" in per_rank[0][-1]["error"], per_rank[0][-1]
+    _check([results[:-1] for results in per_rank], cases)
 
 
 @pytest.mark.slow

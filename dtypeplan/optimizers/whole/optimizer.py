@@ -93,6 +93,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         self.owners: Owners | None = self.layout.owners if self.layout is not None else None
         """Each parameter's owning rank (within each shard group); None at ZeRO 0 (every rank
         updates everything)."""
+        if self.fsdp2:
+            self._check_mesh()
         self.reduce_each_micro_batch = (
             plan.accumulator_sharded and self.owners is not None and not self.fsdp2
         )
@@ -192,6 +194,27 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         """Where each gradient goes to its owner and the parameter comes back from it."""
         assert self.layout is not None
         return self.layout.shard
+
+    def _check_mesh(self) -> None:
+        """ZeRO-3: the model was sharded on this plan's mesh (its shard groups: FSDP2's HSDP),
+        which the owners' gathers and broadcasts assume."""
+        assert self.layout is not None
+        size = len(self.layout.shard_ranks)
+        want = (self.comm.world_size // size, size) if self.layout.replicated else (size,)
+        for param in self.params:
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    "ZeRO-3 needs the model sharded before the optimizer is built: call "
+                    "model = plan.prepare_model(model) and then plan.build(model.parameters())"
+                )
+            got = tuple(param.device_mesh.shape)
+            if got != want:
+                raise ValueError(
+                    f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
+                    f"layout (shard_group_size {self.plan.shard_group_size}, world "
+                    f"{self.comm.world_size}) needs {want}; build the optimizer with the plan "
+                    "whose prepare_model sharded the model"
+                )
 
     @property
     def inner(self) -> torch.optim.Optimizer:
