@@ -220,7 +220,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         # where the sharding clears it before the unit's next reduce-scatter.
         if not self.fsdp2:
             param.grad = OwnedGradient(grad)
-        elif param in CLEARS_OWNED:
+        elif isinstance(grad, DTensor) and param in CLEARS_OWNED:
             param.grad = owned_sharded_gradient(grad)
         self.touched.add(index)
         if isinstance(grad, DTensor):  # ZeRO-3: FSDP2's reduced shard
