@@ -49,7 +49,12 @@ from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers.grads.owned import OwnedGradient, is_owned_gradient
+from dtypeplan.optimizers.fsdp2.sharding import BEFORE_REDUCE, CLEARS_OWNED
+from dtypeplan.optimizers.grads.owned import (
+    OwnedGradient,
+    is_owned_gradient,
+    owned_sharded_gradient,
+)
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.full_state import kept_states, restored_slot, split_payload
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
@@ -145,7 +150,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         this = weakref.ref(self)
         for index, param in enumerate(self.params):
             self.hooks.add(param, _accumulate_hook(this, index))
-            if not self.fsdp2:
+            if self.fsdp2:  # FSDP2 reduces into .grad: look right before its reduce-scatter
+                BEFORE_REDUCE[param] = _before_gradient_hook(this, index)
+            else:
                 self.hooks.add_pre(param, _before_gradient_hook(this, index))
         self._take_ownership()
 
@@ -223,28 +230,37 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     # --- backward -------------------------------------------------------------------------------
     @torch.no_grad()
     def _before_gradient(self, index: int, param: torch.Tensor) -> None:
-        """Before a backward's gradient reaches ``param``: the placeholder this optimizer left
-        in ``.grad`` is still there (cleared, so autograd makes a fresh gradient), or the
-        program discarded what was accumulated since (``model.zero_grad()``, ``.grad = None``,
-        the placeholder zeroed, a gradient set by hand), and so does this optimizer, as torch
+        """Before a backward's gradient reaches ``param`` (ZeRO-3: right before its FSDP2
+        unit's reduce-scatter) and at the step: the placeholder this optimizer left in
+        ``.grad`` is still there (cleared, so the next gradient starts afresh), or the program
+        discarded what was accumulated since (``model.zero_grad()``, ``.grad = None``, the
+        placeholder zeroed, a gradient set by hand), and so does this optimizer, as torch
         would (each rank runs the same loop: at ZeRO-2 the owner drops the sum it holds)."""
+        if self.fsdp2 and param not in CLEARS_OWNED:
+            return  # no placeholder there (this torch's FSDP2 lays its state out otherwise)
         grad = param.grad
         if is_owned_gradient(grad):
             param.grad = None
-            if not grad.zeroed:  # type: ignore[union-attr]
+            placeholder = grad._local_tensor if isinstance(grad, DTensor) else grad
+            if not placeholder.zeroed:  # type: ignore[union-attr]
                 return
-        self.accumulators.pop(index, None)
-        self.touched.discard(index)
+        if index in self.touched:
+            self.accumulators.pop(index, None)
+            self.touched.discard(index)
+            self._pending = None
 
     def _accumulate(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
         param.grad = None
         if grad is None:
             return
+        # What model.zero_grad() clears, so that the next backward can tell. ZeRO-3: FSDP2
+        # adds each new shard into a .grad it finds, so there the placeholder is left only
+        # where the sharding clears it before the unit's next reduce-scatter.
         if not self.fsdp2:
-            # What model.zero_grad() clears, so that the next backward can tell (ZeRO-3's
-            # gradients are FSDP2's, which accumulates into them itself).
             param.grad = OwnedGradient(grad)
+        elif isinstance(grad, DTensor) and param in CLEARS_OWNED:
+            param.grad = owned_sharded_gradient(grad)
         self.touched.add(index)
         if isinstance(grad, DTensor):  # ZeRO-3: FSDP2's reduced shard
             grad = grad.to_local()
@@ -342,6 +358,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         self.hyperparameter_check.flush()
         self._sync_hyperparameters()
+        for index, param in enumerate(self.params):  # a discard after the last backward
+            self._before_gradient(index, param)
         grads, sq_norm = self._pending if self._pending is not None else self._reduce()
         self._pending = None
         factors = self._check_and_clip(sq_norm, self.divisor * self.loss_scale)
@@ -586,7 +604,10 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def _before_gradient_hook(
     this: weakref.ref[WholeTensorOptimizer], index: int
 ) -> Callable[[torch.Tensor], None]:
-    def hook(grad: torch.Tensor) -> None:
+    """The discard check: a gradient pre-hook (ZeRO 0-2), or run with the parameter right
+    before its unit's reduce-scatter (ZeRO-3, ``sharding.BEFORE_REDUCE``)."""
+
+    def hook(_: torch.Tensor) -> None:
         optimizer = this()
         if optimizer is not None and not optimizer.closed:
             optimizer._before_gradient(index, optimizer.params[index])
