@@ -305,14 +305,61 @@ def _shard_group_cases() -> list[dict[str, Any]]:
     return cases
 
 
+@pytest.mark.slow
 def test_memory_and_traffic_in_shard_groups_equal_what_four_ranks_hold_and_send() -> None:
     """Each parameter owned in each shard group: the reduce to the owner and the broadcast
-    back within the group, the owners' sum across (ZeRO-3: FSDP2's HSDP all-reduce)."""
+    back within the group, the owners' sum across (ZeRO-3: FSDP2's HSDP all-reduce). A 4-rank
+    group costs most of its time in starting (the cases take seconds): slow, with the model's
+    shape checked in the default run below."""
     cases = _shard_group_cases()
     per_rank = spawn(cost_cases, 4, cases, timeout_s=400)
     for case, *results in zip(cases, *per_rank, strict=True):
         _check(case, list(results), 4)
         assert any(r["sent"].get("across all_reduce") for r in results), case
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_groups_cost_what_the_flat_layout_on_one_group_does(stage: int) -> None:
+    """In shard groups of S each rank holds and sends within its group what the flat layout on
+    S ranks would (the flags and the norm still span the W ranks); across, the owners' sum of
+    each parameter (ZeRO 1-2: the busiest owner's) or FSDP2's HSDP all-reduce (ZeRO-3)."""
+    shapes = {"embed.weight": (16, 8), "a.weight": (16, 8), "a.bias": (16,), "b.weight": (4, 16)}
+    numels = [torch.Size(s).numel() for s in shapes.values()]
+    n, k = sum(numels), 3
+    flat = _owner_plan("Muon", stage)
+    grouped = dtypeplan.resolve(
+        {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "shard_group_size": 2},
+            "optimizer": {"type": "Muon", "params": {"lr": 1e-3}},
+        }
+    )
+    assert grouped.memory(n, 8, param_shapes=shapes) == flat.memory(n, 2, param_shapes=shapes)
+    on_two = flat.traffic(n, 2, micro_batches=k, param_numels=numels)
+    traffic = grouped.traffic(n, 8, micro_batches=k, param_numels=numels)
+    assert traffic.shard_group_size == 2 and traffic.hybrid
+    flags_and_norm = 2 * _ring(4 * len(numels), 8) + 2 * _ring(4, 8)
+    assert traffic.within["all_reduce"] == flags_and_norm
+    assert {op: b for op, b in traffic.within.items() if op != "all_reduce"} == {
+        op: b for op, b in on_two.within.items() if op != "all_reduce"
+    }
+    if stage < 3:
+        owners = owner_ranks(numels, 2)
+        busiest = max(
+            sum(2 * _ring(4 * m, 4) for o, m in zip(owners, numels, strict=True) if o == r)
+            for r in (0, 1)
+        )
+        assert dict(traffic.across) == {"all_reduce": busiest}
+    else:
+        assert dict(traffic.across) == {"all_reduce": k * 2 * _ring(4 * n // 2, 4)}
+    with pytest.raises(NotSupportedError, match="across_groups bf16"):
+        dtypeplan.resolve(
+            {
+                "zero_optimization": {"stage": stage, "shard_group_size": 2},
+                "communication_data_type_across_groups": "bf16",
+                "optimizer": {"type": "Muon"},
+            }
+        ).traffic(n, 8, param_numels=numels)
 
 
 # --- one process: the model's facts against torch's own ---------------------------------------
