@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -27,6 +28,15 @@ its whole run stays under an hour on 2 cores."""
 def full_matrices() -> bool:
     """Whether this run takes the slow run's largest products whole (:data:`FULL_MATRICES_ENV`)."""
     return os.environ.get(FULL_MATRICES_ENV) == "1"
+
+
+def full_only(covered_by: str) -> pytest.MarkDecorator:
+    """Skip the case in CI's sample; ``covered_by``: the case CI runs instead, which takes the
+    same path (:data:`FULL_MATRICES_ENV` runs both)."""
+    return pytest.mark.skipif(
+        not full_matrices(),
+        reason=f"CI samples this product (it runs {covered_by}); {FULL_MATRICES_ENV}=1 runs it",
+    )
 
 
 def make_model(

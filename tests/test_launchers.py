@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._helpers import full_matrices
+from tests._helpers import full_matrices, full_only
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 420
@@ -93,8 +93,8 @@ def assert_fp32_weights(directory: Path, masters: dict[str, list[int]]) -> None:
 
 
 ACCELERATE_CASES = [
-    pytest.param(launcher, stage, marks=() if (launcher, stage) == ("torchrun", 1) else
-                 pytest.mark.slow, id=f"{launcher}-zero{stage}")
+    pytest.param(launcher, stage, id=f"{launcher}-zero{stage}", marks=() if (launcher, stage) in (
+        ("torchrun", 1), ("accelerate", 3)) else full_only("each launcher at one stage"))
     for launcher in ("torchrun", "accelerate") for stage in (1, 3)
 ]  # fmt: skip
 

@@ -25,6 +25,7 @@ import torch
 from dtypeplan.optimizers.kernels import one_pass as update_kernel
 from dtypeplan.optimizers.kernels import rounding as master_rounding
 from dtypeplan.optimizers.kernels import triton_one_pass as triton_kernel
+from tests._helpers import full_only
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _HAS_CUDA_TRITON = torch.cuda.is_available() and _HAS_TRITON
@@ -513,6 +514,7 @@ def run_cases_counting_launches(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAS_TRITON, reason="needs Triton (its CPU interpreter)")
+@full_only("test_engine_runs_the_kernel_with_the_host_bits_in_triton_interpreter, on one rank")
 def test_two_ranks_run_the_kernel_with_the_host_bits_in_triton_interpreter() -> None:
     """ZeRO-2 and ZeRO-3 on two ranks (two spawned groups each under the interpreter)."""
     _interpret(_SHARDED_SCRIPT, "SHARDED-OK")

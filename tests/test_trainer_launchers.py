@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._helpers import assert_framework_case
+from tests._helpers import assert_framework_case, full_only
 from tests.workers.integrations import MAX_GRAD_NORM, SAVE_AT, hf_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +191,7 @@ def test_dtypeplan_run_unedited_run_clm_hf_zero2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@full_only("test_dtypeplan_run_hf_docs_zero3_resumes_bitwise, the same file trained")
 def test_dtypeplan_run_unedited_run_clm_hf_docs_zero3_offloaded(tmp_path: Path) -> None:
     """The HF docs' ds_config_zero3.json as it is: ZeRO-3 with the parameters and the optimizer
     offloaded to the host (the table's offload-zero3 rule), no bf16 block (the Trainer's
@@ -213,7 +214,10 @@ def test_dtypeplan_run_hf_docs_zero3_resumes_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(
+    "stage",
+    [1, pytest.param(3, marks=full_only("test_dtypeplan_run_hf_docs_zero3_resumes_bitwise"))],
+)
 def test_dtypeplan_run_unedited_run_clm_resumes_bitwise(tmp_path: Path, stage: int) -> None:
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(hf_config(stage)), encoding="utf-8")

@@ -66,8 +66,28 @@ def _ring(nbytes: int, group: int) -> int:
     return nbytes * (group - 1) // group
 
 
-def _counting(sent: dict[str, int]) -> Any:
+def _ranks_of(name: str, args: Any) -> tuple[int, ...]:
+    """The global ranks of the group a collective runs on (a c10d op's process group
+    argument; a functional collective's group name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if name.startswith("_c10d_functional"):
+        group = _resolve_process_group(args[2])
+    else:
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+        group = dist.ProcessGroup.unbox(boxed)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _counting(sent: dict[str, int], shard_group_size: int | None) -> Any:
+    """Counts each collective's bytes by op, over its group's ranks; a collective on a replica
+    group (across the shard groups) as ``across <op>``, the rest (the shard group, the whole
+    group) as ``<op>``."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = shard_group_size or world
+    shard = tuple(range(rank - rank % size, rank - rank % size + size))
 
     def nbytes(tensors: Any) -> int:
         if torch.is_tensor(tensors):
@@ -76,17 +96,21 @@ def _counting(sent: dict[str, int]) -> Any:
 
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            name, g = str(func), dist.get_world_size()
+            name = str(func)
+            counted = name.startswith(("c10d.", "_c10d_functional.all_gather_into_tensor"))
+            ranks = _ranks_of(name, args) if counted else ()
+            g = len(ranks)
+            level = "" if len(ranks) == world or ranks == shard else "across "
             if name.startswith("c10d.allreduce_"):
-                sent["all_reduce"] += 2 * _ring(nbytes(args[0]), g)
+                sent[level + "all_reduce"] += 2 * _ring(nbytes(args[0]), g)
             elif name.startswith(("c10d.reduce_.", "c10d.broadcast_.")):
-                sent[name.split(".")[1].rstrip("_")] += _ring(nbytes(args[0]), g)
+                sent[level + name.split(".")[1].rstrip("_")] += _ring(nbytes(args[0]), g)
             elif name.startswith("c10d._allgather_base_"):
-                sent["all_gather"] += _ring(nbytes(args[0]), g)
+                sent[level + "all_gather"] += _ring(nbytes(args[0]), g)
             elif name.startswith("c10d._reduce_scatter_base_"):
-                sent["reduce_scatter"] += _ring(nbytes(args[1]), g)
+                sent[level + "reduce_scatter"] += _ring(nbytes(args[1]), g)
             elif name.startswith("_c10d_functional.all_gather_into_tensor"):
-                sent["all_gather"] += _ring(nbytes(args[0]) * args[1], g)
+                sent[level + "all_gather"] += _ring(nbytes(args[0]) * args[1], g)
             elif func.namespace in ("c10d", "_c10d_functional") and not name.startswith(
                 ("_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd")
             ):
@@ -116,7 +140,8 @@ def cost_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return held
 
     step()  # the states are built lazily by the first step
-    with _counting(sent):
+    zero = case["config"]["zero_optimization"]
+    with _counting(sent, zero.get("shard_group_size")):
         step()
     return {
         "sent": dict(sent),
@@ -140,8 +165,11 @@ def _case(
     states: bool = False,
     micro_batches: int = 2,
     widths: list[int] | None = None,
+    shard_group_size: int | None = None,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {"zero_optimization": {"stage": stage}}
+    if shard_group_size is not None:
+        config["zero_optimization"]["shard_group_size"] = shard_group_size
     if params == "bf16":
         config["bf16"] = {"enabled": True, "bf16_optimizer_states": states}
     if master is not None:
@@ -188,8 +216,19 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     if plan.zero_stage == 3 and uneven:
         return  # FSDP2 pads each collective of an uneven shard: traffic() counts unpadded sizes
     traffic = plan.traffic(n, world, micro_batches=case["micro_batches"], param_numels=numels)
+    across: dict[str, list[int]] = defaultdict(list)
     for result in results:
-        assert result["sent"] == dict(traffic.within), (case, result["sent"], traffic.within)
+        within = {op: b for op, b in result["sent"].items() if not op.startswith("across ")}
+        assert within == dict(traffic.within), (case, result["sent"], traffic.within)
+        for op, sent in result["sent"].items():
+            if op.startswith("across "):
+                across[op.removeprefix("across ")].append(sent)
+    # Across the shard groups only the owners of a parameter sum it: the busiest rank's bytes.
+    assert {op: max(sent) for op, sent in across.items()} == dict(traffic.across), (
+        case,
+        dict(across),
+        traffic.across,
+    )
 
 
 def _deepspeed_muon_at_zero3(case: dict[str, Any]) -> bool:
@@ -241,6 +280,86 @@ def test_memory_and_traffic_equal_what_four_ranks_hold_and_send() -> None:
     for case, *results in zip(cases, *per_rank, strict=True):
         if not _deepspeed_muon_at_zero3(case):
             _check(case, list(results), 4)
+
+
+def _shard_group_cases() -> list[dict[str, Any]]:
+    """Shard groups of 2 on 4 ranks (first dimensions divisible by 2: FSDP2's HSDP shards
+    unpadded): each class at ZeRO 1 to 3, a whole and a sharded accumulator, 16-bit masters."""
+    widths = [8, 16, 12, 8]
+    cases = [
+        _case(o, stage, micro_batches=3, widths=widths, shard_group_size=2)
+        for o, stage in itertools.product(OPTIMIZERS, (1, 2, 3))
+    ]
+    cases.append(
+        _case("Adafactor", 1, params="fp32", micro_batches=1, widths=widths, shard_group_size=2)
+    )
+    cases.append(
+        _case(
+            "Muon",
+            2,
+            master={"dtype": "bf16", "rounding": "kahan"},
+            widths=widths,
+            shard_group_size=2,
+        )
+    )
+    return cases
+
+
+@pytest.mark.slow
+def test_memory_and_traffic_in_shard_groups_equal_what_four_ranks_hold_and_send() -> None:
+    """Each parameter owned in each shard group: the reduce to the owner and the broadcast
+    back within the group, the owners' sum across (ZeRO-3: FSDP2's HSDP all-reduce). A 4-rank
+    group costs most of its time in starting (the cases take seconds): slow, with the model's
+    shape checked in the default run below."""
+    cases = _shard_group_cases()
+    per_rank = spawn(cost_cases, 4, cases, timeout_s=400)
+    for case, *results in zip(cases, *per_rank, strict=True):
+        _check(case, list(results), 4)
+        assert any(r["sent"].get("across all_reduce") for r in results), case
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_groups_cost_what_the_flat_layout_on_one_group_does(stage: int) -> None:
+    """In shard groups of S each rank holds and sends within its group what the flat layout on
+    S ranks would (the flags and the norm still span the W ranks); across, the owners' sum of
+    each parameter (ZeRO 1-2: the busiest owner's) or FSDP2's HSDP all-reduce (ZeRO-3)."""
+    shapes = {"embed.weight": (16, 8), "a.weight": (16, 8), "a.bias": (16,), "b.weight": (4, 16)}
+    numels = [torch.Size(s).numel() for s in shapes.values()]
+    n, k = sum(numels), 3
+    flat = _owner_plan("Muon", stage)
+    grouped = dtypeplan.resolve(
+        {
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "shard_group_size": 2},
+            "optimizer": {"type": "Muon", "params": {"lr": 1e-3}},
+        }
+    )
+    assert grouped.memory(n, 8, param_shapes=shapes) == flat.memory(n, 2, param_shapes=shapes)
+    on_two = flat.traffic(n, 2, micro_batches=k, param_numels=numels)
+    traffic = grouped.traffic(n, 8, micro_batches=k, param_numels=numels)
+    assert traffic.shard_group_size == 2 and traffic.hybrid
+    flags_and_norm = 2 * _ring(4 * len(numels), 8) + 2 * _ring(4, 8)
+    assert traffic.within["all_reduce"] == flags_and_norm
+    assert {op: b for op, b in traffic.within.items() if op != "all_reduce"} == {
+        op: b for op, b in on_two.within.items() if op != "all_reduce"
+    }
+    if stage < 3:
+        owners = owner_ranks(numels, 2)
+        busiest = max(
+            sum(2 * _ring(4 * m, 4) for o, m in zip(owners, numels, strict=True) if o == r)
+            for r in (0, 1)
+        )
+        assert dict(traffic.across) == {"all_reduce": busiest}
+    else:
+        assert dict(traffic.across) == {"all_reduce": k * 2 * _ring(4 * n // 2, 4)}
+    with pytest.raises(NotSupportedError, match="across_groups bf16"):
+        dtypeplan.resolve(
+            {
+                "zero_optimization": {"stage": stage, "shard_group_size": 2},
+                "communication_data_type_across_groups": "bf16",
+                "optimizer": {"type": "Muon"},
+            }
+        ).traffic(n, 8, param_numels=numels)
 
 
 # --- one process: the model's facts against torch's own ---------------------------------------

@@ -165,6 +165,46 @@ def test_whole_tensor_every_stage_one_and_four_ranks(world: int) -> None:
     _check(spawn(run_cases, world, cases, timeout_s=600), cases)
 
 
+def _shard_group_cases(
+    stages: tuple[int, ...] = (1, 2, 3), names: tuple[str, ...] = (*HYPER, "config")
+) -> list[dict[str, Any]]:
+    """Shard groups of 2 on 4 ranks: each parameter has an owner in each group, the owners
+    sum across the groups (ZeRO-3: FSDP2's HSDP mesh)."""
+    cases = []
+    for case in _cases(stages):
+        stage = case["config"]["zero_optimization"]["stage"]
+        if case["optimizer"] in names and stage in stages and not case.get("bf16"):
+            case["config"]["zero_optimization"]["shard_group_size"] = 2
+            cases.append({**case, "name": f"{case['name']} shard groups of 2"})
+    return cases
+
+
+def test_whole_tensor_shard_groups_four_ranks() -> None:
+    """ZeRO 1, 2 and 3 in shard groups of 2 on 4 ranks, accumulation 1 and 4, torch's Muon and
+    Adafactor against one process. A layout that summed within a group only (no sum across)
+    moved the masters 1.4e-2 (Adafactor) to 3.6e-2 (Muon) off at ZeRO 1-2."""
+    cases = _shard_group_cases(names=tuple(HYPER))
+    # A model sharded flat (one mesh dimension of 4) under a plan of shard groups: refused.
+    flat = {"zero_optimization": {"stage": 3}}
+    mismatch = {**cases[-1], "name": "ZeRO-3 flat mesh", "prepared_with": flat}
+    per_rank = spawn(run_cases, 4, [*cases, mismatch], timeout_s=400)
+    assert "mesh of shape (4,)" in per_rank[0][-1]["error"], per_rank[0][-1]
+    _check([results[:-1] for results in per_rank], cases)
+
+
+@pytest.mark.slow
+def test_whole_tensor_shard_groups_four_ranks_more() -> None:
+    """DeepSpeed's Muon, bf16 parameters and bf16 masters and states in shard groups of 2."""
+    cases = _shard_group_cases(names=("config",))
+    bf16 = [case for case in _cases((2, 3)) if case.get("bf16")]
+    kahan = _low_precision_cases((1, 3))
+    for case in [*bf16, *(c for c in kahan if c["cell"] == "bf16 masters Kahan and states")]:
+        if case["config"]["zero_optimization"]["stage"] >= 1:
+            case["config"]["zero_optimization"]["shard_group_size"] = 2
+            cases.append({**case, "name": f"{case['name']} shard groups of 2"})
+    _check(spawn(run_cases, 4, cases, timeout_s=600), cases)
+
+
 def test_owners_are_balanced_by_size() -> None:
     owners = assign_owners([100, 10, 60, 50, 40, 5], 2)
     assert owners.owned_elements() == [140, 125]
@@ -188,18 +228,28 @@ def test_the_table_sends_whole_tensor_classes_to_owners(stage: int) -> None:
     refused = {
         "quantized states": {"optimizer_states": {"exp_avg": "int8", "exp_avg_sq": "int8"}},
         "fp16": {"fp16": {"enabled": True}},
-        "shard groups": {"zero_optimization": {"stage": stage, "shard_group_size": 2}},
+        "another wire across shard groups": {
+            "zero_optimization": {"stage": stage, "shard_group_size": 2},
+            "communication_data_type_across_groups": "bf16",
+        },
         "a 16-bit wire": {"communication_data_type": "bf16"},
     }
     for what, config in refused.items():
-        if what == "shard groups" and stage == 0:
-            continue  # stage 0 has no shard groups (its own gate)
+        if "shard groups" in what and stage in (0, 3):
+            continue  # stage 0 has no shard groups, ZeRO-3 no other wire across (own gates)
         plan = dtypeplan.resolve({**base, **config, "optimizer": {"type": "Muon"}})
         assert (plan.status, plan.rule_id) == ("NotSupported", "whole-tensor-untested"), (
             what,
             plan.rule_id,
         )
         assert "whole parameters" in plan.reason or "whole-tensor" in plan.reason
+    # Shard groups with the communication dtype across: the owners' layout (one owner in each
+    # group); ZeRO-0 has no shard groups.
+    for wire in ({}, {"communication_data_type_across_groups": "fp32"}):
+        config = {"zero_optimization": {"stage": stage, "shard_group_size": 2}, **wire}
+        plan = dtypeplan.resolve({**config, "optimizer": {"type": "Muon"}})
+        expected = ("Error", "stage0-shard-groups") if stage == 0 else ("OK", "whole-tensor")
+        assert (plan.status, plan.rule_id) == expected, (wire, plan.rule_id)
     lbfgs = dtypeplan.resolve(base).with_optimizer(torch.optim.LBFGS)
     assert (lbfgs.status, lbfgs.rule_id, lbfgs.param_access) == (
         "NotSupported",

@@ -303,7 +303,7 @@ def _memory_model(args: tuple[Any, ...], workload: Workload) -> dict[str, int]:
      group, fp8) = args  # fmt: skip
     sizes = workload.sizes
     if workload.whole_class is not None:
-        # The table gives the owners' layout neither offload nor shard groups nor fp8.
+        # The table gives the owners' layout neither offload nor fp8 (shard groups: yes).
         shapes = [shape for _, shape in sizes.param_shapes]
         return owner_memory_model(
             shapes=shapes,
@@ -318,6 +318,7 @@ def _memory_model(args: tuple[Any, ...], workload: Workload) -> dict[str, int]:
             master_rounding=rounding,
             exp_avg_dtype=m,
             exp_avg_sq_dtype=v,
+            shard_group_size=group,
         )
     return memory_model(
         num_params=sizes.num_params,
@@ -375,6 +376,7 @@ def _traffic_model(args: tuple[Any, ...], workload: Workload) -> Traffic:
             master_dtype=DTYPES[master],
             accum_dtype=DTYPES[accum],
             comm_dtype=comm,
+            shard_group_size=group,
         )
     return traffic_model(
         num_params=sizes.num_params,

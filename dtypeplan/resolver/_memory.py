@@ -91,6 +91,10 @@ states        over ``O``, the class's states of each shape (``_optimizer_kind.wh
               ``step`` of Adafactor and AdamW (4 bytes) and, under stochastic rounding,
               each parameter's rounding count (8 bytes)
 ============  =====================================================================
+
+With shard groups of ``S`` ranks (ZeRO 1-3) the owners are assigned over a group's ``S`` ranks
+and ZeRO-3 shards over them (FSDP2's HSDP mesh), so ``W`` reads ``S`` above: each rank holds
+what the flat layout on ``S`` ranks would.
 """
 
 from __future__ import annotations
@@ -240,15 +244,20 @@ def owner_memory_model(
     master_rounding: str,
     exp_avg_dtype: str,
     exp_avg_sq_dtype: str,
+    shard_group_size: int | None = None,
 ) -> dict[str, int]:
     """The owners' whole-tensor layout (module docstring): the figures of the rank whose
     total is largest. ``shapes`` in the optimizer's parameter order; ``takes_muon``: each
-    parameter's DeepSpeed ``use_muon`` tag (read by DeepSpeed's Muon only)."""
+    parameter's DeepSpeed ``use_muon`` tag (read by DeepSpeed's Muon only).
+    ``shard_group_size``: the ranks of a shard group (checked to divide ``world_size``; None:
+    flat), over which the owners are assigned and ZeRO-3 shards: each rank holds what the flat
+    layout on that many ranks would."""
     if world_size < 1:
         raise ValueError("memory() needs world_size >= 1")
     numels = [math.prod(shape) for shape in shapes]
     fsdp2 = zero_stage >= 3 and world_size > 1
-    ranks = owner_ranks(numels, world_size) if zero_stage >= 1 else None
+    group = world_size if shard_group_size is None or zero_stage == 0 else shard_group_size
+    ranks = owner_ranks(numels, group) if zero_stage >= 1 else None
     reduced_to_owner = accumulator_sharded and ranks is not None and not fsdp2
     stored = _whole_state_bytes(master_dtype, exp_avg_dtype, exp_avg_sq_dtype)
     per_param_scalars = (
@@ -256,12 +265,12 @@ def owner_memory_model(
     )
     kahan = master_dtype != torch.float32 and master_rounding == "kahan"
     ranks_figures = []
-    for rank in range(world_size if ranks is not None or fsdp2 else 1):
+    for rank in range(group if ranks is not None or fsdp2 else 1):
         figures = dict.fromkeys(MEMORY_KEYS[:-1], 0)
         for index, (shape, n) in enumerate(zip(shapes, numels, strict=True)):
             owned = ranks is None or ranks[index] == rank
             if fsdp2:
-                padded, local = _shard_numels(shape, rank, world_size)
+                padded, local = _shard_numels(shape, rank, group)
                 figures["params"] += master_dtype.itemsize * padded
                 figures["accumulator"] += accum_dtype.itemsize * local
             else:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dtypeplan._dtypes import DTYPE_NAMES
+from dtypeplan.comm._groups import check_shard_group_size
 from dtypeplan.errors import NotSupportedError, PrecisionConfigError
 from dtypeplan.muon import MuonWithAuxAdamW, muon_by_name
 from dtypeplan.resolver._memory import owner_memory_model
@@ -30,13 +31,20 @@ ParamShapes = Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
 """Each parameter's shape in the optimizer's order, or ``{name: shape}`` (``named_parameters``)."""
 
 
-def _unsupported_layout(plan: PrecisionPlan, what: str) -> None:
-    """The owners' layout runs flat, on the device, without ZeRO++: the table refuses the rest
-    (a NotSupported plan still answers memory() and traffic() for the flat layouts)."""
+def _unsupported_layout(plan: PrecisionPlan, what: str, world_size: int) -> int | None:
+    """The owners' layout runs flat or in shard groups with the communication dtype across, on
+    the device, without ZeRO++: the table refuses the rest (a NotSupported plan still answers
+    memory() and traffic() for the flat layouts). Returns the shard group size (checked to
+    divide ``world_size``; None: flat)."""
+    wire = plan.wire_across_groups
     given = [
         setting
         for setting, on in (
-            ("zero_optimization.shard_group_size", plan.shard_group_size is not None),
+            (
+                f"communication_data_type_across_groups {wire}",
+                plan.shard_group_size is not None
+                and wire not in (None, DTYPE_NAMES[plan.comm_dtype]),
+            ),
             (
                 "offload_optimizer / offload_param",
                 (plan.offload_optimizer, plan.offload_param) != ("none", "none"),
@@ -52,6 +60,9 @@ def _unsupported_layout(plan: PrecisionPlan, what: str) -> None:
             f"by one rank, which dtypeplan does not run with {', '.join(given)} (the plan is "
             "NotSupported): no figure would be true; remove the settings"
         )
+    if plan.shard_group_size is None:
+        return None
+    return check_shard_group_size(plan.shard_group_size, world_size)
 
 
 def _shapes(
@@ -86,7 +97,7 @@ def owner_memory(
     param_numels: Sequence[int] | None,
 ) -> dict[str, int]:
     """``plan.memory()`` for the owners' layout."""
-    _unsupported_layout(plan, "memory")
+    shard_group_size = _unsupported_layout(plan, "memory", world_size)
     shapes, muon = _shapes(plan, param_shapes, "memory", "param_shapes")
     numels = [math.prod(shape) for shape in shapes]
     if sum(numels) != num_params or (param_numels is not None and list(param_numels) != numels):
@@ -107,6 +118,7 @@ def owner_memory(
         master_rounding=plan.master_rounding,
         exp_avg_dtype=plan.exp_avg_dtype,
         exp_avg_sq_dtype=plan.exp_avg_sq_dtype,
+        shard_group_size=shard_group_size,
     )
 
 
@@ -118,7 +130,7 @@ def owner_traffic(
     param_numels: Sequence[int] | None,
 ) -> Traffic:
     """``plan.traffic()`` for the owners' layout."""
-    _unsupported_layout(plan, "traffic")
+    shard_group_size = _unsupported_layout(plan, "traffic", world_size)
     if param_numels is None:
         raise PrecisionConfigError(
             f"traffic(): the optimizer {plan.optimizer.type} runs on whole parameters, each "
@@ -139,4 +151,5 @@ def owner_traffic(
         master_dtype=plan.master_dtype,
         accum_dtype=plan.grad_accum_dtype,
         comm_dtype=DTYPE_NAMES[plan.comm_dtype],
+        shard_group_size=shard_group_size,
     )

@@ -76,9 +76,18 @@ and 2      times; broadcast ``P * n_i``
 
 Each step also all-reduces which parameters got a gradient on any rank (one fp32 flag a
 parameter, ``4 * L`` bytes) and, from ZeRO-1 on, the owners' squared norms (one fp32 value):
-both counted under ``all_reduce``. At ZeRO-3 FSDP2 (and DTensor's gather of a gradient) pads a
-first dimension the ranks do not divide to a multiple of ``W`` rows; the figures count the
-unpadded sizes, exact where ``W`` divides every parameter's first dimension.
+both counted under ``all_reduce``, over the whole group (within, with shard groups too).
+
+With shard groups of ``S`` ranks (``R = W / S`` groups; ZeRO 1-3) the reduces, broadcasts,
+gathers and reduce-scatters above run within the shard group (``S`` for ``W``: the owners are
+assigned over its ranks), and across the groups: at ZeRO 1-2 the owners of each parameter (one rank per group) all-reduce its reduced
+gradient ``C * n_i`` once per step, only they take part, so the figure is the busiest owner's
+(the one whose owned parameters send the most); at ZeRO-3 FSDP2's HSDP all-reduces the
+``N / S`` reduced shard per micro-batch, as above.
+
+At ZeRO-3 FSDP2 (and DTensor's gather of a gradient) pads a first dimension the ranks do not
+divide to a multiple of ``W`` (``S``) rows; the figures count the unpadded sizes, exact where
+``W`` (``S``) divides every parameter's first dimension.
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ import torch
 from dtypeplan._dtypes import DTYPES
 from dtypeplan.comm._quantized_wire import BLOCK, WIRE_FORMATS, quantized_wire_bytes
 from dtypeplan.resolver._frozen import FrozenDict
+from dtypeplan.resolver._owners import owner_ranks
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
@@ -331,19 +341,26 @@ def owner_traffic_model(
     master_dtype: torch.dtype,
     accum_dtype: torch.dtype,
     comm_dtype: str,
+    shard_group_size: int | None = None,
 ) -> Traffic:
     """The owners' whole-tensor layout (module docstring); ``param_numels`` in the optimizer's
-    parameter order (each parameter is its own collective, rounded as CommStats rounds it)."""
+    parameter order (each parameter is its own collective, rounded as CommStats rounds it).
+    ``shard_group_size``: the ranks of a shard group (checked to divide ``world_size``; None:
+    flat)."""
     if world_size < 1 or micro_batches < 1:
         raise ValueError("traffic() needs world_size >= 1, micro_batches >= 1")
     n, w, k = sum(param_numels), world_size, micro_batches
+    s = w if shard_group_size is None or zero_stage == 0 else shard_group_size
+    replicas = w // s
     within: dict[str, int] = {}
+    across: dict[str, int] = {}
     c, p = DTYPES[comm_dtype].itemsize, param_dtype.itemsize
 
     def each(nbytes_per_value: int) -> int:
-        return sum(_ring(nbytes_per_value * n_i, w) for n_i in param_numels)
+        return sum(_ring(nbytes_per_value * n_i, s) for n_i in param_numels)
 
     if w > 1:
+        # The step's flags and norm span the whole group; counted within.
         _add(within, "all_reduce", 2 * _ring(4 * len(param_numels), w))
         if zero_stage == 0:
             _add(within, "all_reduce", 2 * each(c))
@@ -352,15 +369,24 @@ def owner_traffic_model(
         if zero_stage in (1, 2):
             _add(within, "reduce", (k if accumulator_sharded else 1) * each(c))
             _add(within, "broadcast", each(p))
+            if replicas > 1:
+                # Only the owners of a parameter sum it across: the busiest owner's bytes.
+                owners = owner_ranks(param_numels, s)
+                sent = [0] * s
+                for owner, n_i in zip(owners, param_numels, strict=True):
+                    sent[owner] += 2 * _ring(c * n_i, replicas)
+                _add(across, "all_reduce", max(sent))
         elif zero_stage >= 3:
-            _add(within, "all_gather", 2 * k * _ring(p * n, w) + each(accum_dtype.itemsize))
-            _reduce(within, c * n, w, False, k)
+            _add(within, "all_gather", 2 * k * _ring(p * n, s) + each(accum_dtype.itemsize))
+            _reduce(within, c * n, s, False, k)
             _add(within, "broadcast", each(master_dtype.itemsize))
+            if replicas > 1:
+                _all_reduce(across, n // s, comm_dtype, replicas, False, k)
     return Traffic(
         num_params=n,
         world_size=w,
-        shard_group_size=w,
+        shard_group_size=s,
         micro_batches=k,
         within=_frozen(within),
-        across=_frozen({}),
+        across=_frozen(across),
     )

@@ -1,6 +1,7 @@
 """A training loop as users write it, on the whole-tensor optimizer (tests/test_whole_loop.py):
-a backward whose gradients the loop discards (``model.zero_grad()`` or ``.grad = None``), a
-no_grad forward, then the backward that counts, against one process of torch's Adafactor on the
+a backward whose gradients the loop discards (``.grad = None``, ``model.zero_grad()``, or
+``model.zero_grad(set_to_none=False)``), a no_grad forward, then the backward that counts
+(once discarded too, right before the step), against one process of torch's Adafactor on the
 full batch."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dtypeplan
 
 
 def discarding_loop(rank: int, world: int, stages: list[int]) -> dict[int, float]:
-    """The largest relative error of the masters after 4 steps, per ZeRO stage."""
+    """The largest relative error of the masters after 6 steps, per ZeRO stage."""
     torch.set_num_threads(1)
     errors = {}
     for stage in stages:
@@ -31,23 +32,26 @@ def discarding_loop(rank: int, world: int, stages: list[int]) -> dict[int, float
         torch_optimizer = torch.optim.Adafactor(reference.parameters(), lr=1e-2)
         generator = torch.Generator().manual_seed(1)
         mine = slice(4 * rank, 4 * rank + 4)
-        for step in range(4):
+        for step in range(6):
             xa = torch.randn(4 * world, 8, generator=generator)
             ya = torch.randn(4 * world, 4, generator=generator)
             xb = torch.randn(4 * world, 8, generator=generator)
             yb = torch.randn(4 * world, 4, generator=generator)
             torch.nn.functional.mse_loss(model(xa[mine]), ya[mine]).backward()
-            if step % 2:
-                model.zero_grad()
-            else:
+            if step % 3 == 0:
                 for param in model.parameters():
                     param.grad = None
+            else:
+                model.zero_grad(set_to_none=step % 3 == 1)
             with torch.no_grad():
                 model(xa[mine])
             torch.nn.functional.mse_loss(model(xb[mine]), yb[mine]).backward()
+            torch.nn.functional.mse_loss(reference(xb), yb).backward()
+            if step == 4:  # discarded after the last backward: torch steps nothing
+                model.zero_grad()
+                reference.zero_grad()
             optimizer.step()
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(reference(xb), yb).backward()
             torch_optimizer.step()
             torch_optimizer.zero_grad()
         full = optimizer.full_state()

@@ -51,8 +51,9 @@ def _build(case: dict[str, Any], model: torch.nn.Module) -> Any:
 
 
 def _prepared(case: dict[str, Any], model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` readied by the plan of the case's class (ZeRO-3 shards it)."""
-    plan = dtypeplan.resolve(case["config"])
+    """``model`` readied by the plan of the case's class (ZeRO-3 shards it; ``prepared_with``:
+    another config's plan, for a model sharded on another mesh)."""
+    plan = dtypeplan.resolve(case.get("prepared_with", case["config"]))
     if case["optimizer"] != "config":
         plan = plan.with_optimizer(client_class(case["optimizer"]), case["hyperparameters"])
     assert plan.status == "OK" and plan.implementation == "whole", plan.explain()

@@ -18,7 +18,17 @@ parameters. Here each trainable parameter keeps its shape and its own fp32 maste
   shards (``sharded.py``: an all-gather), updates the whole parameter, and broadcasts it; each
   rank copies its shard of it into FSDP2's sharded parameter.
 
-The global norm is one all-reduce of the owners' squared norms; clipping, the non-finite check
+Shard groups (``zero_optimization.shard_group_size`` ``S`` below the world ``W``, ZeRO 1-3):
+each parameter has one owner in each shard group, at the same index in every group
+(``owners.py``). ZeRO 1-2 reduce each gradient to its owner within the shard group, as above,
+then the owners of the parameter (one replica group) all-reduce it across the groups in
+``comm_dtype``, once per step, and divide by ``W``; the updated parameter is broadcast within
+each shard group. ZeRO-3 shards on FSDP2's HSDP mesh, whose reduction leaves every rank the
+shard of the mean already: the whole gradient is gathered, and the shards written back,
+within the shard group.
+
+The global norm is one all-reduce of the owners' squared norms (with shard groups, the first
+group's: the others hold the same gradients); clipping, the non-finite check
 and the step's factor are the base class's (``contract/base.py``). A parameter that got no
 gradient on any rank since ``zero_grad`` is not updated (its ``.grad`` stays None for the
 class), as in ``torch.optim``.
@@ -39,11 +49,16 @@ from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers.grads.owned import OwnedGradient, is_owned_gradient
+from dtypeplan.optimizers.fsdp2.sharding import BEFORE_REDUCE, CLEARS_OWNED
+from dtypeplan.optimizers.grads.owned import (
+    OwnedGradient,
+    is_owned_gradient,
+    owned_sharded_gradient,
+)
 from dtypeplan.optimizers.state import HeldTensors, keys
 from dtypeplan.optimizers.whole.full_state import kept_states, restored_slot, split_payload
 from dtypeplan.optimizers.whole.low_precision import WholeLowPrecisionStep
-from dtypeplan.optimizers.whole.owners import Owners, assign_owners
+from dtypeplan.optimizers.whole.owners import OwnerLayout, Owners, owner_layout
 from dtypeplan.optimizers.whole.sharded import full_from_shards, write_shards
 from dtypeplan.resolver import PrecisionPlan
 
@@ -76,10 +91,15 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 self._make_replicas_equal(self.comm)
         self.params = self.trainable_parameters()
         sizes = [p.numel() for p in self.params]
-        self.owners: Owners | None = (
-            assign_owners(sizes, self.comm.world_size) if plan.zero_stage >= 1 else None
+        self.layout: OwnerLayout | None = (
+            owner_layout(sizes, self.comm, plan.shard_group_size) if plan.zero_stage >= 1 else None
         )
-        """Each parameter's owning rank; None at ZeRO 0 (every rank updates everything)."""
+        """The owners and their groups (``owners.py``); None at ZeRO 0."""
+        self.owners: Owners | None = self.layout.owners if self.layout is not None else None
+        """Each parameter's owning rank (within each shard group); None at ZeRO 0 (every rank
+        updates everything)."""
+        if self.fsdp2:
+            self._check_mesh()
         self.reduce_each_micro_batch = (
             plan.accumulator_sharded and self.owners is not None and not self.fsdp2
         )
@@ -130,7 +150,9 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         this = weakref.ref(self)
         for index, param in enumerate(self.params):
             self.hooks.add(param, _accumulate_hook(this, index))
-            if not self.fsdp2:
+            if self.fsdp2:  # FSDP2 reduces into .grad: look right before its reduce-scatter
+                BEFORE_REDUCE[param] = _before_gradient_hook(this, index)
+            else:
                 self.hooks.add_pre(param, _before_gradient_hook(this, index))
         self._take_ownership()
 
@@ -168,14 +190,38 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
 
     # --- layout --------------------------------------------------------------------------------
     def _owns(self, index: int) -> bool:
-        return self.owners is None or self.owners.ranks[index] == self.comm.rank
+        return self.layout is None or self.layout.owns(index)
 
     def _owner_global_rank(self, index: int) -> int:
-        assert self.owners is not None
-        owner = self.owners.ranks[index]
-        if not self.comm.distributed or self.comm.group is None:
-            return owner
-        return dist.get_global_rank(self.comm.group, owner)
+        """The global rank of parameter ``index``'s owner in this rank's shard group."""
+        assert self.layout is not None
+        return self.layout.owner(index)
+
+    def _shard_group(self) -> dist.ProcessGroup | None:
+        """Where each gradient goes to its owner and the parameter comes back from it."""
+        assert self.layout is not None
+        return self.layout.shard
+
+    def _check_mesh(self) -> None:
+        """ZeRO-3: the model was sharded on this plan's mesh (its shard groups: FSDP2's HSDP),
+        which the owners' gathers and broadcasts assume."""
+        assert self.layout is not None
+        size = len(self.layout.shard_ranks)
+        want = (self.comm.world_size // size, size) if self.layout.replicated else (size,)
+        for param in self.params:
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    "ZeRO-3 needs the model sharded before the optimizer is built: call "
+                    "model = plan.prepare_model(model) and then plan.build(model.parameters())"
+                )
+            got = tuple(param.device_mesh.shape)
+            if got != want:
+                raise ValueError(
+                    f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
+                    f"layout (shard_group_size {self.plan.shard_group_size}, world "
+                    f"{self.comm.world_size}) needs {want}; build the optimizer with the plan "
+                    "whose prepare_model sharded the model"
+                )
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -184,28 +230,37 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
     # --- backward -------------------------------------------------------------------------------
     @torch.no_grad()
     def _before_gradient(self, index: int, param: torch.Tensor) -> None:
-        """Before a backward's gradient reaches ``param``: the placeholder this optimizer left
-        in ``.grad`` is still there (cleared, so autograd makes a fresh gradient), or the
-        program discarded what was accumulated since (``model.zero_grad()``, ``.grad = None``,
-        the placeholder zeroed, a gradient set by hand), and so does this optimizer, as torch
+        """Before a backward's gradient reaches ``param`` (ZeRO-3: right before its FSDP2
+        unit's reduce-scatter) and at the step: the placeholder this optimizer left in
+        ``.grad`` is still there (cleared, so the next gradient starts afresh), or the program
+        discarded what was accumulated since (``model.zero_grad()``, ``.grad = None``, the
+        placeholder zeroed, a gradient set by hand), and so does this optimizer, as torch
         would (each rank runs the same loop: at ZeRO-2 the owner drops the sum it holds)."""
+        if self.fsdp2 and param not in CLEARS_OWNED:
+            return  # no placeholder there (this torch's FSDP2 lays its state out otherwise)
         grad = param.grad
         if is_owned_gradient(grad):
             param.grad = None
-            if not grad.zeroed:  # type: ignore[union-attr]
+            placeholder = grad._local_tensor if isinstance(grad, DTensor) else grad
+            if not placeholder.zeroed:  # type: ignore[union-attr]
                 return
-        self.accumulators.pop(index, None)
-        self.touched.discard(index)
+        if index in self.touched:
+            self.accumulators.pop(index, None)
+            self.touched.discard(index)
+            self._pending = None
 
     def _accumulate(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
         param.grad = None
         if grad is None:
             return
+        # What model.zero_grad() clears, so that the next backward can tell. ZeRO-3: FSDP2
+        # adds each new shard into a .grad it finds, so there the placeholder is left only
+        # where the sharding clears it before the unit's next reduce-scatter.
         if not self.fsdp2:
-            # What model.zero_grad() clears, so that the next backward can tell (ZeRO-3's
-            # gradients are FSDP2's, which accumulates into them itself).
             param.grad = OwnedGradient(grad)
+        elif isinstance(grad, DTensor) and param in CLEARS_OWNED:
+            param.grad = owned_sharded_gradient(grad)
         self.touched.add(index)
         if isinstance(grad, DTensor):  # ZeRO-3: FSDP2's reduced shard
             grad = grad.to_local()
@@ -221,11 +276,21 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             accumulator.add_(grad.to(accumulator.dtype))
 
     def _reduce_to_owner(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """``grad`` summed over the ranks in ``comm_dtype``, on the owner (None elsewhere)."""
+        """``grad`` summed over the shard group's ranks in ``comm_dtype``, on the owner (None
+        elsewhere)."""
         wire = grad.to(self.plan.comm_dtype, copy=True)
         if self.comm.active:
-            dist.reduce(wire, dst=self._owner_global_rank(index), group=self.comm.group)
+            dist.reduce(wire, dst=self._owner_global_rank(index), group=self._shard_group())
         return wire if self._owns(index) else None
+
+    def _sum_across_groups(self, grad: torch.Tensor) -> torch.Tensor:
+        """An owner's gradient, summed over its shard group, summed with the other shard
+        groups' owners of the parameter (its replica group) in ``comm_dtype``; fp32."""
+        if self.layout is None or not self.layout.replicated:
+            return grad.float()
+        wire = grad.to(self.plan.comm_dtype, copy=True)
+        dist.all_reduce(wire, group=self.layout.replica)
+        return wire.float()
 
     # --- step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,9 +308,10 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             summed = self.accumulators.get(index)
             if self.reduce_each_micro_batch:
                 if summed is not None:  # the owner: reduced at each backward
-                    grads[index] = summed.float()
+                    grads[index] = self._sum_across_groups(summed)
                 elif self._owns(index):
-                    grads[index] = torch.zeros_like(param, dtype=torch.float32)
+                    zeros = torch.zeros_like(param, dtype=torch.float32)
+                    grads[index] = self._sum_across_groups(zeros)
                 continue
             if self.fsdp2:
                 local = summed if summed is not None else torch.zeros_like(_local(param))
@@ -262,10 +328,12 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             else:
                 reduced = self._reduce_to_owner(index, local)
                 if reduced is not None:
-                    grads[index] = reduced.float()
+                    grads[index] = self._sum_across_groups(reduced)
         sq_norm = torch.zeros((), dtype=torch.float32)
-        for grad in grads.values():
-            sq_norm += grad.pow(2).sum()
+        # Every shard group's owners hold the same gradients: the first group's count once.
+        if self.layout is None or self.layout.replica_rank == 0:
+            for grad in grads.values():
+                sq_norm += grad.pow(2).sum()
         if self.owners is not None and self.comm.active:
             dist.all_reduce(sq_norm, group=self.comm.group)
         return grads, self._across_pipeline(sq_norm, self.divisor * self.loss_scale)
@@ -290,6 +358,8 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
                 loss = closure()
         self.hyperparameter_check.flush()
         self._sync_hyperparameters()
+        for index, param in enumerate(self.params):  # a discard after the last backward
+            self._before_gradient(index, param)
         grads, sq_norm = self._pending if self._pending is not None else self._reduce()
         self._pending = None
         factors = self._check_and_clip(sq_norm, self.divisor * self.loss_scale)
@@ -336,13 +406,13 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         for index, param in enumerate(self.params):
             if self.fsdp2:
                 source = self._owner_global_rank(index)
-                write_shards(param, self.masters.get(index), source, self.comm.group)
+                write_shards(param, self.masters.get(index), source, self._shard_group())
                 continue
             if index in self.masters:
                 param.data.copy_(self.masters[index])
             if self.owners is not None and self.comm.active:
                 dist.broadcast(
-                    param.data, src=self._owner_global_rank(index), group=self.comm.group
+                    param.data, src=self._owner_global_rank(index), group=self._shard_group()
                 )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -381,11 +451,14 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         )
 
     def _layout_facts(self) -> dict[str, Any]:
-        return {
+        facts = {
             "implementation": "whole",
             "world_size": self.comm.world_size,
             "owners": list(self.owners.ranks) if self.owners is not None else None,
         }
+        if self.layout is not None and self.layout.replicated:
+            facts["shard_group_size"] = len(self.layout.shard_ranks)
+        return facts
 
     def state_names(self) -> list[str]:
         names = {
@@ -437,7 +510,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
             }
         if self.owners is not None and self.comm.active:
             dist.broadcast_object_list(
-                payload, src=self._owner_global_rank(index), group=self.comm.group
+                payload, src=self._owner_global_rank(index), group=self._shard_group()
             )
         return payload[0]
 
@@ -531,7 +604,10 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def _before_gradient_hook(
     this: weakref.ref[WholeTensorOptimizer], index: int
 ) -> Callable[[torch.Tensor], None]:
-    def hook(grad: torch.Tensor) -> None:
+    """The discard check: a gradient pre-hook (ZeRO 0-2), or run with the parameter right
+    before its unit's reduce-scatter (ZeRO-3, ``sharding.BEFORE_REDUCE``)."""
+
+    def hook(_: torch.Tensor) -> None:
         optimizer = this()
         if optimizer is not None and not optimizer.closed:
             optimizer._before_gradient(index, optimizer.params[index])

@@ -5,7 +5,9 @@ parameters are its master weights) and reduce-scatters each micro-batch's gradie
 sharded ``.grad`` (the mean over the ranks). A whole-tensor update needs the full gradient and
 the full parameter on the owner: :func:`full_from_shards` all-gathers a local shard into the
 whole tensor (every rank receives it; only the owner uses it), and :func:`write_shards` gives
-each rank its shard of the updated whole, broadcast from the owner.
+each rank its shard of the updated whole, broadcast from the owner. In shard groups FSDP2's mesh
+is HSDP's (replicated across the groups, sharded within): the gather runs within the shard
+group, and the broadcast is given the shard group (each group has its own owner).
 """
 
 from __future__ import annotations
