@@ -47,7 +47,7 @@ import pytest
 import torch
 
 from tests._helpers import full_matrices
-from tests.launched.whole import MUON_LR
+from tests.launched.whole import MUON_LR, digest
 from tests.test_launchers import (
     LAUNCH_TIMEOUT_S,
     ROOT,
@@ -162,6 +162,7 @@ def _assert_ran_whole(ranks: list[dict[str, Any]], stage: int, inner: str) -> di
         assert ran["held"] == ran["masters_as_held"], "a parameter is not its master's rounding"
         assert ran["owned"], "a rank owns nothing: the parameters are not spread over the ranks"
     assert ranks[0]["held"] == ranks[1]["held"], "the ranks hold different parameters"
+    assert ranks[0]["masters"] == ranks[1]["masters"], "the ranks export different masters"
     owned = [set(ran["owned"]) for ran in ranks]
     assert not owned[0] & owned[1], f"owned twice: {owned[0] & owned[1]}"
     assert owned[0] | owned[1] == set(ranks[0]["held"]), "a parameter has no owner"
@@ -210,7 +211,9 @@ def _trainer_run(tmp_path: Path, name: str, stage: int) -> dict[str, Any]:
     _assert_falling(losses)
     ranks = [json.loads((out / f"ran.{rank}.json").read_text()) for rank in (0, 1)]
     states = _assert_ran_whole(ranks, stage, HF_CASES[name]["inner"])
-    masters = load_file(str(output / "model.safetensors"))  # the fp32 masters
+    masters = load_file(str(output / "model.safetensors"))
+    saved = {n: digest(masters[n]) for n in ranks[0]["masters"]}
+    assert saved == ranks[0]["masters"], "the Trainer saved other weights than the fp32 masters"
     start = _start_weights()
     _assert_states(name, states, {n: start[n].shape for n in states})
     unmoved = [n for n in start if torch.equal(start[n], masters[n])]

@@ -12,7 +12,8 @@ fallback to another optimizer would train too. So each rank reports:
   ``momentum_buffer``, AdamW's moments, Adafactor's ``row_var``/``col_var``);
 * ``held``: a digest of each parameter as this rank holds it (ZeRO-3's shards gathered whole),
   and ``masters_as_held``: the digest of its fp32 master cast to the held dtype. Equal on both
-  ranks, and equal to each other, the ranks hold the same model, the one the masters say.
+  ranks, and equal to each other, the ranks hold the same model, the one the masters say;
+  ``masters``: the digest of each fp32 master (what the framework should save).
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def what_ran(optimizer: Any, model: torch.nn.Module) -> dict[str, Any]:
     assert own is not None, f"{type(optimizer).__name__} is not a dtypeplan optimizer"
     masters = export_model_state(own, model)
     names = {id(p): n for n, p in model.named_parameters()}
-    held, from_masters = {}, {}
+    held, from_masters, fp32 = {}, {}, {}
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         held[name] = digest(full)
         from_masters[name] = digest(masters[name].to(full.dtype))
+        fp32[name] = digest(masters[name])
     whole = own.plan.implementation == "whole"  # else a fallback: the test names it
     inner = own.inner if whole else own
     return {
@@ -62,4 +64,5 @@ def what_ran(optimizer: Any, model: torch.nn.Module) -> dict[str, Any]:
         },
         "held": held,
         "masters_as_held": from_masters,
+        "masters": fp32,
     }
