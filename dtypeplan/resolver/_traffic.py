@@ -80,10 +80,10 @@ both counted under ``all_reduce``, over the whole group (within, with shard grou
 
 With shard groups of ``S`` ranks (``R = W / S`` groups; ZeRO 1-3) the reduces, broadcasts,
 gathers and reduce-scatters above run within the shard group (``S`` for ``W``: the owners are
-assigned over its ranks), and across the groups: at ZeRO 1-2 the owners of each parameter (one rank per group) all-reduce its reduced
-gradient ``C * n_i`` once per step, only they take part, so the figure is the busiest owner's
-(the one whose owned parameters send the most); at ZeRO-3 FSDP2's HSDP all-reduces the
-``N / S`` reduced shard per micro-batch, as above.
+assigned over its ranks), and across the groups: at ZeRO 1-2 the owners of each parameter
+(one rank per group) all-reduce its reduced gradient ``C * n_i`` once per step, only they take
+part, so the figure is the busiest owner's (the one whose owned parameters send the most); at
+ZeRO-3 FSDP2's HSDP all-reduces the ``N / S`` reduced shard per micro-batch, as above.
 
 At ZeRO-3 FSDP2 (and DTensor's gather of a gradient) pads a first dimension the ranks do not
 divide to a multiple of ``W`` (``S``) rows; the figures count the unpadded sizes, exact where

@@ -98,6 +98,7 @@ from dtypeplan.optimizers.fsdp2.sharding import (
     CLEARS_OWNED,
     REDUCE_SCATTER_OF,
     as_reduced,
+    check_sharded_on,
     hybrid_layout,
     mesh_compute_device,
     shard_model,
@@ -302,15 +303,7 @@ class FSDP2Optimizer(FSDP2State):
         """The model was sharded for this plan's layout (``prepare_model`` with this plan)."""
         layout = self.layout
         want = (layout.replicas, layout.shard_size) if layout else (self.comm.world_size,)
-        for param in trainable:
-            got = tuple(_sharded(param).device_mesh.shape)
-            if got != want:
-                raise ValueError(
-                    f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
-                    f"layout (shard_group_size {self.plan.shard_group_size}, world "
-                    f"{self.comm.world_size}) needs {want}; build the optimizer with the plan "
-                    "whose prepare_model sharded the model"
-                )
+        check_sharded_on(trainable, want, self.plan, self.comm.world_size)
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool = False) -> None:
         self._in_backward = True

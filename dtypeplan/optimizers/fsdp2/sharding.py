@@ -57,6 +57,7 @@ __all__ = [
     "scalars_as_vectors",
     "show_scalars_in_forward",
     "check_wire_across_groups",
+    "check_sharded_on",
     "clear_owned_before_reduce",
     "hybrid_layout",
     "hpz_reshard",
@@ -345,6 +346,28 @@ def check_wire_across_groups(plan: PrecisionPlan, layout: HybridGroups | None) -
             "leave the wire across groups unset"
         )
     raise NotSupportedError(f"{where}: {why}; {fix}")
+
+
+def check_sharded_on(
+    params: list[torch.Tensor], mesh_shape: tuple[int, ...], plan: PrecisionPlan, world_size: int
+) -> None:
+    """ZeRO-3: each parameter is FSDP2's, sharded on a mesh of ``mesh_shape`` (this plan's
+    layout: ``(replicas, shard group size)`` in shard groups, else ``(world_size,)``), as
+    ``prepare_model`` with this plan shards it."""
+    for param in params:
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                "ZeRO-3 needs the model sharded before the optimizer is built: call "
+                "model = plan.prepare_model(model) and then plan.build(model.parameters())"
+            )
+        got = tuple(param.device_mesh.shape)
+        if got != mesh_shape:
+            raise ValueError(
+                f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
+                f"layout (shard_group_size {plan.shard_group_size}, world {world_size}) needs "
+                f"{mesh_shape}; build the optimizer with the plan whose prepare_model sharded "
+                "the model"
+            )
 
 
 BEFORE_REDUCE = ParamWeakMap()

@@ -49,7 +49,7 @@ from dtypeplan.muon import MuonWithAuxAdamW, tag_muon_parameters
 from dtypeplan.optimizers.contract.base import MixedPrecisionOptimizer, WrapPolicy, inner_optimizer
 from dtypeplan.optimizers.contract.param_groups import refuse_sharded_parameters
 from dtypeplan.optimizers.fsdp2 import FSDP2Optimizer
-from dtypeplan.optimizers.fsdp2.sharding import BEFORE_REDUCE, CLEARS_OWNED
+from dtypeplan.optimizers.fsdp2.sharding import BEFORE_REDUCE, CLEARS_OWNED, check_sharded_on
 from dtypeplan.optimizers.grads.owned import (
     OwnedGradient,
     is_owned_gradient,
@@ -208,20 +208,7 @@ class WholeTensorOptimizer(MixedPrecisionOptimizer):
         assert self.layout is not None
         size = len(self.layout.shard_ranks)
         want = (self.comm.world_size // size, size) if self.layout.replicated else (size,)
-        for param in self.params:
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    "ZeRO-3 needs the model sharded before the optimizer is built: call "
-                    "model = plan.prepare_model(model) and then plan.build(model.parameters())"
-                )
-            got = tuple(param.device_mesh.shape)
-            if got != want:
-                raise ValueError(
-                    f"ZeRO-3: the model is sharded on a mesh of shape {got}, but this plan's "
-                    f"layout (shard_group_size {self.plan.shard_group_size}, world "
-                    f"{self.comm.world_size}) needs {want}; build the optimizer with the plan "
-                    "whose prepare_model sharded the model"
-                )
+        check_sharded_on(self.params, want, self.plan, self.comm.world_size)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
