@@ -8,7 +8,8 @@ tags each parameter ``use_muon`` (``set_optimizer_flags``: 2-D or more and no ``
 ``adam_lr``, ``betas``, ``eps``, ``weight_decay``; decoupled decay). Here the tag is the same,
 set by :func:`tag_muon_parameters` (``plan.prepare_model`` calls it for this class), except that
 only 2-D parameters take Muon (``torch.optim.Muon`` takes matrices only; DeepSpeed flattens
-4-D convolution filters): a parameter without the tag takes Muon when it is 2-D. The updates
+4-D convolution filters, which :func:`tag_muon_parameters` refuses unless tagged first): a
+parameter without the tag takes Muon when it is 2-D. The updates
 are torch's: Muon's Newton-Schulz in bf16 (DeepSpeed defaults to its fp16 "gram" variant and
 scales by ``max(1, rows / cols) ** 0.5``, as torch's ``adjust_lr_fn=None`` does), AdamW's
 bias-corrected moments.
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dtypeplan.errors import NotSupportedError
+
 __all__ = ["MuonWithAuxAdamW", "muon_by_name", "tag_muon_parameters", "takes_muon"]
 
 _NOT_MUON = ("embed", "lm_head")
@@ -34,18 +37,33 @@ _NOT_MUON = ("embed", "lm_head")
 def tag_muon_parameters(model: torch.nn.Module, *, keep: bool = False) -> None:
     """Set ``use_muon`` on every parameter of ``model`` as DeepSpeed's ``set_optimizer_flags``
     does, matrices only: 2-D and no ``embed`` or ``lm_head`` in its name (any case).
-    ``keep``: a parameter already tagged keeps its tag."""
+    ``keep``: a parameter already tagged keeps its tag. A parameter of more than 2 dimensions
+    that DeepSpeed would give Muon (flattened) is refused, untagged: here it would take AdamW,
+    and train otherwise than under DeepSpeed without a word."""
     for name, param in model.named_parameters():
         if keep and hasattr(param, "use_muon"):
             continue
+        if param.dim() > 2 and not _named_off(name):
+            raise NotSupportedError(
+                f"DeepSpeed's Muon gives {name} (shape {tuple(param.shape)}) Muon, flattened "
+                "to a matrix; dtypeplan runs torch.optim.Muon, which takes 2-D parameters "
+                f"only. Tag it first: model.get_parameter({name!r}).use_muon = False (AdamW, "
+                "before plan.prepare_model), or give the layer 2-D weights"
+            )
         param.use_muon = muon_by_name(name, param.dim())  # type: ignore[attr-defined]
 
 
 def muon_by_name(name: str, dim: int) -> bool:
     """DeepSpeed's tag for the parameter ``name`` of ``dim`` dimensions: 2-D and no ``embed``
     or ``lm_head`` in its name (any case)."""
+    return dim == 2 and not _named_off(name)
+
+
+def _named_off(name: str) -> bool:
+    """DeepSpeed keeps a parameter off Muon by name: ``embed`` or ``lm_head`` in it (any
+    case)."""
     lowered = name.lower()
-    return dim == 2 and not any(k in lowered for k in _NOT_MUON)
+    return any(k in lowered for k in _NOT_MUON)
 
 
 def takes_muon(param: torch.Tensor) -> bool:
@@ -102,7 +120,8 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A group's ``muon_lr`` and ``adam_lr`` given as None (a wrapper that copies every
         constructor argument into its groups, torch's signature defaults included) follow the
-        group's ``lr`` as the constructor's do, so that each side steps with a number."""
+        group's ``lr`` as the constructor's do, so that each side steps with a number. A
+        parameter tagged ``use_muon`` that is not 2-D is refused (it would take AdamW)."""
         lr = param_group.get("lr")
         for side in ("muon_lr", "adam_lr"):
             if side in param_group and param_group[side] is None:
@@ -111,6 +130,14 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
                 else:
                     param_group[side] = lr
         super().add_param_group(param_group)
+        for param in self.param_groups[-1]["params"]:
+            if getattr(param, "use_muon", False) and param.dim() != 2:
+                self.param_groups.pop()
+                raise NotSupportedError(
+                    f"a parameter of shape {tuple(param.shape)} is tagged use_muon, but "
+                    "torch.optim.Muon takes 2-D parameters only: tag it use_muon = False "
+                    "(AdamW) or give the layer 2-D weights"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -256,3 +256,25 @@ def test_the_table_sends_whole_tensor_classes_to_owners(stage: int) -> None:
         "shaped-optimizer",
         "flat",
     )
+
+
+def test_deepspeed_muon_refuses_a_filter_deepspeed_would_flatten() -> None:
+    """DeepSpeed's Muon gives a 4-D convolution filter Muon (flattened); torch's takes 2-D
+    only, so the filter would take AdamW here without a word: refused unless tagged first."""
+    from dtypeplan.errors import NotSupportedError
+    from dtypeplan.muon import MuonWithAuxAdamW
+
+    plan = dtypeplan.resolve({"optimizer": {"type": "Muon"}, "zero_optimization": {"stage": 0}})
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)
+    )
+    with pytest.raises(NotSupportedError, match=r"0\.weight.*use_muon = False"):
+        plan.prepare_model(model)
+    model[0].weight.use_muon = False  # the fix the error names
+    model = plan.prepare_model(model)
+    assert [p.use_muon for p in model.parameters()] == [False, False, True, False]
+    plan.build(model.parameters())
+    filter_ = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+    filter_.use_muon = True
+    with pytest.raises(NotSupportedError, match="2-D parameters only"):
+        MuonWithAuxAdamW([filter_])
