@@ -96,6 +96,16 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
 
+if os.environ.get("NODE_RANK") is not None and os.environ.get("LOCAL_RANK", "0") != "0":
+    # Lightning's subprocess launcher, started in a spawned rank that lacked the launcher's
+    # variables, runs the rank's command line again for each other rank: pytest's own, so
+    # the whole run again beside this one, unseen, until the run ends (a test worker must set
+    # LOCAL_RANK, tests/workers/integrations._env).
+    raise SystemExit(
+        "this pytest was started by a framework's launcher as local rank "
+        f"{os.environ['LOCAL_RANK']}: a test worker runs Lightning without LOCAL_RANK set"
+    )
+
 # The one-pass host update runs eagerly in tests (the same bits as compiled, without seconds of
 # compiling in every process; spawned ranks inherit it): tests/test_update_kernel.py compares
 # the compiled kernel with it.

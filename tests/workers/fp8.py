@@ -391,6 +391,11 @@ def lightning_fp8_case(rank: int, world: int, recipe: str, stage: int) -> dict[s
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from dtypeplan.integrations import DtypeplanStrategy
+    from tests.workers.integrations import _env
+
+    # The launcher's variables (as torchrun sets them): without LOCAL_RANK Lightning starts
+    # the other ranks itself, by running this process's command line again (pytest's own).
+    _env(rank, world)
 
     config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage}}
     torchao_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
