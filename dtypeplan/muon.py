@@ -37,7 +37,7 @@ _NOT_MUON = ("embed", "lm_head")
 def tag_muon_parameters(model: torch.nn.Module, *, keep: bool = False) -> None:
     """Set ``use_muon`` on every parameter of ``model`` as DeepSpeed's ``set_optimizer_flags``
     does, matrices only: 2-D and no ``embed`` or ``lm_head`` in its name (any case).
-    ``keep``: a parameter already tagged keeps its tag. A parameter of more than 2 dimensions
+    ``keep``: a parameter already tagged keeps its tag. A parameter beyond 2-D (a filter)
     that DeepSpeed would give Muon (flattened) is refused, untagged: here it would take AdamW,
     and train otherwise than under DeepSpeed without a word."""
     for name, param in model.named_parameters():
