@@ -20,7 +20,7 @@ parameters, the states rounded to bf16)."""
 SHAPED = {
     "stage": 1, "optimizer": "shaped", "param_access": "owner",
     "master": ["fp32", "bf16", "bf16_sr", "bf16_kahan"],
-    "states": ["fp32", "bf16", "fp32/bf16", "bf16/fp32"],
+    "states": ["fp32", "bf16", "fp32/bf16", "bf16/fp32"], "shard_groups": ["flat", "hybrid"],
 }  # fmt: skip
 """A shaped optimizer (Muon, Adafactor) at ZeRO-1, the shipped ``whole-tensor`` rule's box at
 that stage, which the ZeRO-1/2 optimizer hands flat buffers: Adafactor runs unfactored, Muon as
