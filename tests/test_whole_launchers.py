@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._helpers import full_matrices
+from tests._helpers import full_matrices, full_only
 from tests.launched.whole import MUON_LR, digest
 from tests.test_launchers import (
     LAUNCH_TIMEOUT_S,
@@ -222,10 +222,8 @@ def _trainer_run(tmp_path: Path, name: str, stage: int) -> dict[str, Any]:
 
 
 HF_TRAINER_CASES = [
-    pytest.param(name, marks=pytest.mark.skipif(
-        not full_matrices() and name == "hf adafactor",
-        reason="CI runs the config's two classes; DTYPEPLAN_FULL_MATRICES=1 runs optim=adafactor",
-    )) for name in HF_CASES
+    pytest.param(name, marks=full_only("the config's two classes") if name == "hf adafactor"
+                 else ()) for name in HF_CASES
 ]  # fmt: skip
 
 
@@ -242,12 +240,7 @@ def test_unedited_trainer_script_trains_a_whole_class(tmp_path: Path, name: str)
     )
 
 
-LIGHTNING_STAGES = [
-    pytest.param(stage, marks=pytest.mark.skipif(
-        not full_matrices() and stage == 1,
-        reason="CI runs ZeRO-3; DTYPEPLAN_FULL_MATRICES=1 runs ZeRO-1 and the resume too",
-    )) for stage in (1, 3)
-]  # fmt: skip
+LIGHTNING_STAGES = [pytest.param(1, marks=full_only("ZeRO-3, without the resume")), 3]
 
 
 @pytest.mark.slow
@@ -280,12 +273,7 @@ def _recipe_shapes(prefix: str) -> dict[str, torch.Size]:
     return {prefix + n: p.shape for n, p in build_model("gpt2").named_parameters()}
 
 
-ACCELERATE_STAGES = [
-    pytest.param(stage, marks=pytest.mark.skipif(
-        not full_matrices() and stage == 3,
-        reason="CI runs ZeRO-1; DTYPEPLAN_FULL_MATRICES=1 runs ZeRO-3 and the resumes too",
-    )) for stage in (1, 3)
-]  # fmt: skip
+ACCELERATE_STAGES = [1, pytest.param(3, marks=full_only("ZeRO-1, without the resume"))]
 
 
 @pytest.mark.slow
@@ -323,7 +311,7 @@ def test_accelerate_launch_deepspeed_muon(tmp_path: Path, stage: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not full_matrices(), reason="DTYPEPLAN_FULL_MATRICES=1 runs the refusal")
+@full_only("the launched trainings above")
 def test_hf_docs_zero2_file_with_muon_is_refused_under_the_launcher(tmp_path: Path) -> None:
     """The first config a Trainer user tries: the HF docs' ds_config_zero2.json with its type
     changed to "Muon". Its optimizer offload is not served for whole parameters (the owner
